@@ -1,0 +1,116 @@
+"""Loading checkpoints: a Hugging Face directory (config.json + safetensors, never pickle) or GGUF.
+
+`load_model(path)` returns our LlamaModel in float32 with the checkpoint's weights.
+`checkpoint_hash(path)` is the fingerprint every artifact manifest records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from specrt.errors import CheckpointError
+from specrt.export.config import ModelConfig
+from specrt.export.llama import LlamaModel
+
+_HASH_CHUNK = 8 << 20
+
+
+def weight_files(ckpt_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, in a stable order."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(
+            f"checkpoint directory {ckpt_dir} does not exist. Pass a directory with config.json and "
+            "*.safetensors (for the default model run `make model`)."
+        )
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in ckpt_dir.glob("*.bin")) + sorted(p.name for p in ckpt_dir.glob("*.pt"))
+        hint = f" It has pickle weights ({', '.join(pickles)}), which specrt does not load; re-save them as safetensors." if pickles else ""
+        raise CheckpointError(f"no *.safetensors files in {ckpt_dir}.{hint}")
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            needed = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt ({e}); restore it from the original checkpoint.") from None
+        missing = sorted(needed - {f.name for f in files})
+        if missing:
+            raise CheckpointError(f"{ckpt_dir} is incomplete: shards {', '.join(missing)} named in {index.name} are missing.")
+    return files
+
+
+def checkpoint_hash(path: str | Path) -> str:
+    """sha256 over config.json and the weight files (or over the GGUF file)."""
+    path = Path(path)
+    files = [path] if path.is_file() else [path / "config.json", *weight_files(path)]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(_HASH_CHUNK):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from specrt.export.gguf import read_gguf
+
+        return read_gguf(path)[0]
+    return ModelConfig.from_json_file(path / "config.json")
+
+
+def read_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in weight_files(ckpt_dir):
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file ({e}); re-download or re-convert it.") from None
+    return state
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str, hidden_layers=(-1,)) -> LlamaModel:
+    """Our model from a transformers-named state dict ('model.' prefixes optional)."""
+    state = {k.removeprefix("model."): v.to(torch.float32) for k, v in state.items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model = LlamaModel(cfg, hidden_layers=hidden_layers)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(
+            f"{source} lacks {len(missing)} weights the config asks for (first: {missing[0]}); "
+            "the checkpoint is incomplete or its config.json belongs to another model."
+        )
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != tuple(shape):
+            raise CheckpointError(
+                f"{source}: weight {k} has shape {tuple(state[k].shape)}, the config implies {tuple(shape)}; "
+                "config.json does not match the weights."
+            )
+    model.load_state_dict({k: state[k] for k in expected}, strict=False)
+    return model.eval()
+
+
+def load_model(path: str | Path, hidden_layers=(-1,)) -> LlamaModel:
+    """Our float32 model from a HF checkpoint directory or a .gguf file."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from specrt.export.gguf import read_gguf
+
+        cfg, state, _ = read_gguf(path)
+        return build_model(cfg, state, str(path), hidden_layers)
+    cfg = load_config(path)
+    return build_model(cfg, read_state_dict(path), str(path), hidden_layers)

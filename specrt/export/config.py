@@ -1,0 +1,194 @@
+"""Model configuration: the few numbers a Llama-family decoder needs, read from config.json.
+
+Supported architectures are the Llama family that share one block shape (RMSNorm, rotary
+embeddings, grouped-query attention, SwiGLU MLP): Llama, Mistral (without a sliding window
+shorter than the context), Qwen2 (bias on q/k/v) and SmolLM (a Llama).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from specrt.errors import CheckpointError, UnsupportedArchitectureError
+
+# architecture name in config.json -> whether q/k/v projections carry a bias by default
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2); o_proj never has one here
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedArchitectureError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs it to be."
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedArchitectureError(
+                f"rope_scaling type {rope_type!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}). Use a checkpoint without it or add it to "
+                "specrt/export/config.py:rope_inv_freq."
+            )
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or [d.get("model_type", "?")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"architecture {arch!r} is not supported; specrt handles "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}. Convert the model to one of these or "
+                "add its block to specrt/export/llama.py."
+            )
+        sliding = d.get("sliding_window") if d.get("use_sliding_window", True) else None
+        max_pos = int(d.get("max_position_embeddings", 2048))
+        if sliding is not None and int(sliding) < max_pos:
+            raise UnsupportedArchitectureError(
+                f"sliding_window={sliding} is shorter than max_position_embeddings={max_pos}; "
+                "sliding-window attention is not implemented. Set sliding_window to null in "
+                "config.json if you only need contexts up to the window."
+            )
+        if d.get("mlp_bias"):
+            raise UnsupportedArchitectureError("mlp_bias=true is not supported (no Llama-family model uses it).")
+        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        scaling = d.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if scaling:
+            scaling = dict(scaling)
+            scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling.pop("type", None)
+            if scaling["rope_type"] == "default":
+                scaling = None
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        n_heads = int(d["num_attention_heads"])
+        try:
+            return cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=n_heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                rope_theta=rope_theta,
+                rope_scaling=scaling or None,
+                max_position_embeddings=max_pos,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+                architecture=arch,
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=eos_ids,
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks the required key {e.args[0]!r}; re-export the checkpoint config.") from None
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"{path} not found: a checkpoint directory needs config.json next to its safetensors files.")
+        try:
+            d = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the original checkpoint.") from None
+        return cls.from_hf_dict(d)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json transformers reads for the same model (also used by our own loader)."""
+        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+        d = {
+            "architectures": [self.architecture],
+            "model_type": model_type[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
+        }
+        return d
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_id"] = list(self.eos_token_id)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["eos_token_id"] = tuple(d.get("eos_token_id") or ())
+        return cls(**d)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> list[float]:
+    """Inverse rotary frequencies (length head_dim/2) in float64, scaled as rope_scaling says."""
+    dim = cfg.head_dim
+    inv = [1.0 / (cfg.rope_theta ** (2 * i / dim)) for i in range(dim // 2)]
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv = [f / float(scaling["factor"]) for f in inv]
+    elif kind == "llama3":
+        # Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth blend between.
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        out = []
+        for f in inv:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / factor)
+            else:
+                smooth = (old_ctx / wavelen - low) / (high - low)
+                out.append((1 - smooth) * f / factor + smooth * f)
+        inv = out
+    return inv

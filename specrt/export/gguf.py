@@ -1,0 +1,161 @@
+"""GGUF (llama.cpp) checkpoints: read the config and dequantized float32 weights, convert to a
+Hugging Face directory (config.json, model.safetensors, tokenizer files, chat template).
+
+Weights are read with the `gguf` package directly; llama.cpp stores the q/k projections of Llama
+models permuted for its interleaved rotary layout, which is undone here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.errors import CheckpointError, UnsupportedArchitectureError
+from specrt.export.config import ModelConfig
+
+# GGUF tensor name (after the block prefix) -> transformers name
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist.")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on garbage
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it.") from None
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation: rows (head, dim/2, 2) -> (head, 2, dim/2)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+    """(config, float32 state dict with transformers names, the open reader)."""
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader = _open(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture {arch!r} is not supported; specrt reads {', '.join(_ARCHS)} GGUF files."
+        )
+    p = arch + "."
+    n_head = int(_field(reader, p + "attention.head_count"))
+    n_kv = int(_field(reader, p + "attention.head_count_kv", n_head))
+    hidden = int(_field(reader, p + "embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, p + "vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "architectures": [_ARCHS[arch]],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+            "num_hidden_layers": int(_field(reader, p + "block_count")),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": n_kv,
+            "head_dim": int(_field(reader, p + "attention.key_length", 0) or hidden // n_head),
+            "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+            "eos_token_id": eos,
+        }
+    )
+    if _field(reader, p + "rope.scaling.type") not in (None, "none"):
+        raise UnsupportedArchitectureError(f"{path}: GGUF rope scaling is not supported; convert from the HF checkpoint instead.")
+    state = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            hf = f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+        elif parts[0] in _TOP_NAMES:
+            hf = ("" if parts[0] == "output" else "model.") + f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+        else:
+            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a {arch} model.")
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
+            w = _unpermute(w, n_head if parts[-2] == "attn_q" else n_kv)
+        state[hf] = torch.from_numpy(np.ascontiguousarray(w))
+    return cfg, state, reader
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write a Hugging Face checkpoint directory (float32 safetensors + tokenizer) for a GGUF file.
+
+    The directory is written under a temporary name and renamed into place, so an interrupted
+    conversion never leaves a half-written checkpoint behind.
+    """
+    from safetensors.torch import save_file
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    cfg, state, reader = read_gguf(gguf_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", suffix=".tmp", dir=out_dir.parent))
+    try:
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+        _write_tokenizer(gguf_path, reader, tmp)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) from the GGUF metadata.
+
+    transformers builds the fast tokenizer from GGUF vocab and merges; only this conversion step
+    uses transformers, the runtime reads tokenizer.json with the `tokenizers` package.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out))
+    template = _field(reader, "tokenizer.chat_template")
+    tc_path = out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    if template and not tc.get("chat_template"):
+        tc["chat_template"] = template
+    tc_path.write_text(json.dumps(tc, indent=2))

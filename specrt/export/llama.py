@@ -1,0 +1,150 @@
+"""A compact Llama-family decoder written as one *step*: the function the step graph exports.
+
+One call takes Q new tokens per sequence, the past KV of P positions and a mask over the P + Q
+keys, and returns logits, the hidden states draft heads read, and the KV of the Q new positions.
+Q = 1 is decode, Q = N + 1 (or a tree size) is verification, large Q is prefill. The mask is
+boolean [B, Q, P + Q] (True = may attend), so a tree, a ragged batch and unused cache slots are
+all expressed by the caller; the model itself assumes nothing about causality.
+
+Shapes: B batch, Q new positions, P past positions, H heads, Hkv KV heads, D head dim, C hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specrt.export.config import ModelConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask_bias, past_k, past_v):
+        B, Q, _ = x.shape
+        D, Hkv, G = self.head_dim, self.n_kv, self.n_heads // self.n_kv
+        q = self.q_proj(x).view(B, Q, Hkv * G, D).transpose(1, 2)  # (B, H, Q, D)
+        k = self.k_proj(x).view(B, Q, Hkv, D).transpose(1, 2)  # (B, Hkv, Q, D)
+        v = self.v_proj(x).view(B, Q, Hkv, D).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin  # cos/sin: (B, 1, Q, D)
+        k = k * cos + rotate_half(k) * sin
+        keys = torch.cat([past_k, k], dim=2)  # (B, Hkv, P+Q, D)
+        values = torch.cat([past_v, v], dim=2)
+        # grouped-query attention without repeating K/V: fold the G query heads of a KV head
+        # into the query axis, so one batched matmul per KV head reads each key once.
+        qg = q.reshape(B, Hkv, G * Q, D)  # heads are laid out kv-major: head h = kv * G + g
+        scores = torch.matmul(qg, keys.transpose(2, 3)) * (D**-0.5)  # (B, Hkv, G*Q, P+Q)
+        scores = scores.view(B, Hkv, G, Q, -1) + mask_bias.unsqueeze(1)  # mask_bias: (B, 1, Q, P+Q)
+        probs = torch.softmax(scores, dim=-1).view(B, Hkv, G * Q, -1)
+        out = torch.matmul(probs, values).view(B, Hkv * G, Q, D)  # (B, H, Q, D)
+        out = out.transpose(1, 2).reshape(B, Q, Hkv * G * D)
+        return self.o_proj(out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask_bias, past_k, past_v):
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask_bias, past_k, past_v)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class LlamaModel(nn.Module):
+    """Parameter names follow transformers' LlamaForCausalLM, so its state dict loads as is."""
+
+    def __init__(self, cfg: ModelConfig, hidden_layers: tuple[int, ...] = (-1,)):
+        super().__init__()
+        self.cfg = cfg
+        # which features the `hidden_states` output carries, concatenated on the last axis:
+        # -1 is the final normed state (EAGLE-1, Medusa); layer indices i give the output of
+        # decoder layer i (EAGLE-3 reads a low, a middle and a high layer).
+        self.hidden_layers = tuple(hidden_layers)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64).to(torch.float32)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def rope(self, position_ids):
+        freqs = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # (B, Q, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, Q, D)
+        return emb.cos(), emb.sin()
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values):
+        """input_ids, position_ids: (B, Q) int64; attention_mask: (B, Q, P+Q) bool;
+        past_key_values: list of (key, value), each (B, Hkv, P, D).
+        Returns logits (B, Q, V), hidden_states (B, Q, C * len(hidden_layers)) and
+        present: list of (key, value), each (B, Hkv, Q, D) for the Q new positions only."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(position_ids)
+        zero = torch.zeros((), dtype=x.dtype)
+        neg = torch.tensor(torch.finfo(x.dtype).min, dtype=x.dtype)
+        mask_bias = torch.where(attention_mask, zero, neg).unsqueeze(1)  # (B, 1, Q, P+Q)
+        present, taps = [], {}
+        for i, layer in enumerate(self.layers):
+            past_k, past_v = past_key_values[i]
+            x, k, v = layer(x, cos, sin, mask_bias, past_k, past_v)
+            present.append((k, v))
+            taps[i] = x
+        normed = self.norm(x)
+        taps[-1] = normed
+        hidden = torch.cat([taps[i] for i in self.hidden_layers], dim=-1) if len(self.hidden_layers) > 1 else taps[self.hidden_layers[0]]
+        logits = self.lm_head(normed)
+        return logits, hidden, present
+
+    def empty_past(self, batch: int, dtype=torch.float32):
+        cfg = self.cfg
+        shape = (batch, cfg.num_key_value_heads, 0, cfg.head_dim)
+        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_hidden_layers)]
+
+
+def causal_mask(batch: int, q: int, past: int) -> torch.Tensor:
+    """(B, Q, P+Q) bool: every new position sees the whole past and the new positions up to itself."""
+    new = torch.tril(torch.ones(q, q, dtype=torch.bool))
+    full = torch.cat([torch.ones(q, past, dtype=torch.bool), new], dim=1)
+    return full.unsqueeze(0).expand(batch, q, past + q).contiguous()
