@@ -8,14 +8,12 @@ models permuted for its interleaved rotary layout, which is undone here.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specrt.artifacts import atomic_dir
 from specrt.errors import CheckpointError, UnsupportedArchitectureError
 from specrt.export.config import ModelConfig
 
@@ -58,9 +56,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
     """(config, float32 state dict with transformers names, the open reader)."""
     from gguf.quants import dequantize
+    from tqdm import tqdm
 
     path = Path(path)
     reader = _open(path)
@@ -97,7 +96,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], o
     if _field(reader, p + "rope.scaling.type") not in (None, "none"):
         raise UnsupportedArchitectureError(f"{path}: GGUF rope scaling is not supported; convert from the HF checkpoint instead.")
     state = {}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc="dequantize GGUF", unit="tensor", disable=not progress):
         parts = t.name.split(".")
         if parts[0] == "blk":
             hf = f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
@@ -122,24 +121,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     from safetensors.torch import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    cfg, state, reader = read_gguf(gguf_path)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", suffix=".tmp", dir=out_dir.parent))
-    try:
-        if cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
+    cfg, state, reader = read_gguf(gguf_path, progress=progress)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
         _write_tokenizer(gguf_path, reader, tmp)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -122,9 +122,8 @@ class LlamaModel(nn.Module):
         present: list of (key, value), each (B, Hkv, Q, D) for the Q new positions only."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids)
-        zero = torch.zeros((), dtype=x.dtype)
-        neg = torch.tensor(torch.finfo(x.dtype).min, dtype=x.dtype)
-        mask_bias = torch.where(attention_mask, zero, neg).unsqueeze(1)  # (B, 1, Q, P+Q)
+        # additive bias: 0 where attention is allowed, the most negative float elsewhere
+        mask_bias = torch.where(attention_mask, 0.0, torch.finfo(x.dtype).min).unsqueeze(1)  # (B, 1, Q, P+Q)
         present, taps = [], {}
         for i, layer in enumerate(self.layers):
             past_k, past_v = past_key_values[i]

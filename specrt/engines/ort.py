@@ -1,0 +1,163 @@
+"""ONNX Runtime engines: the step graph optimized once for an execution provider, cached on disk.
+
+`build_ort_engine` runs ORT's graph optimizations (level ALL) on the exported step graph and saves
+the optimized model with a manifest (ONNX hash, checkpoint hash, provider, ORT version).
+`load_ort_session` checks that manifest and opens a session on the cached model. ORT silently
+falls back to CPU when a GPU provider cannot load, so the provider that really runs is read back
+from the session and reported, and asking for a GPU provider that did not load is an error.
+
+onnxruntime is imported inside functions: `import specrt` works without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+from specrt.artifacts import atomic_dir, package_versions, read_manifest, write_manifest
+from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
+from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+
+ENGINE_KIND = "ort-engine"
+OPT_FILE = "model.opt.onnx"
+OPT_DATA = "model.opt.onnx.data"
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtOptions:
+    provider: str = "cpu"  # key of PROVIDERS
+    intra_op_threads: int = 0  # 0: ORT's default (one per physical core)
+    # Spinning threads wait for work at full speed; on a machine shared with other busy processes
+    # they slow everything down badly (DESIGN.md, "Contention"), so they are off unless asked for.
+    allow_spinning: bool = False
+
+
+def _ort():
+    try:
+        import onnxruntime as ort
+    except ImportError as e:  # pragma: no cover - onnxruntime is a core dependency
+        raise SpecrtError("onnxruntime is not installed; run `make setup` or `pip install onnxruntime`.") from e
+    return ort
+
+
+def _session_options(opts: OrtOptions, graph_opt_level):
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = graph_opt_level
+    if opts.intra_op_threads:
+        so.intra_op_num_threads = opts.intra_op_threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if opts.allow_spinning else "0")
+    so.add_session_config_entry("session.inter_op.allow_spinning", "1" if opts.allow_spinning else "0")
+    return so
+
+
+def _provider_list(provider: str) -> list[str]:
+    if provider not in PROVIDERS:
+        raise SpecrtError(f"unknown ONNX Runtime provider {provider!r}; choose one of {', '.join(PROVIDERS)}.")
+    ort = _ort()
+    want = PROVIDERS[provider]
+    available = ort.get_available_providers()
+    if want not in available:
+        raise SpecrtError(
+            f"ONNX Runtime provider {want} is not available in this onnxruntime build (available: "
+            f"{', '.join(available)}). For cuda/tensorrt install onnxruntime-gpu (`pip install specrt[gpu]`)."
+        )
+    return [want, "CPUExecutionProvider"] if want != "CPUExecutionProvider" else [want]
+
+
+def _check_provider_loaded(session, provider: str) -> str:
+    """The provider that really runs; an error if ORT fell back from a requested GPU provider."""
+    active = session.get_providers()
+    want = PROVIDERS[provider]
+    if active[0] != want:
+        raise SpecrtError(
+            f"ONNX Runtime was asked for {want} but runs {active[0]} (it falls back silently when a "
+            "provider's libraries cannot load). Check the CUDA/cuDNN/TensorRT libraries, or use --provider cpu."
+        )
+    return active[0]
+
+
+def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOptions = OrtOptions()) -> Path:
+    """Optimize the step graph for `options.provider` and cache it in `out_dir` with a manifest."""
+    ort = _ort()
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    onnx_manifest = read_onnx_manifest(onnx_dir)
+    providers = _provider_list(options.provider)
+    with atomic_dir(out_dir) as tmp:
+        so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+        so.optimized_model_filepath = str(tmp / OPT_FILE)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        t0 = time.perf_counter()
+        try:
+            session = ort.InferenceSession(str(onnx_dir / ONNX_FILE), so, providers=providers)
+        except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+            raise ArtifactError(f"ONNX Runtime could not load {onnx_dir / ONNX_FILE} ({e}); re-export it with `specrt export`.") from None
+        active = _check_provider_loaded(session, options.provider)
+        del session
+        write_manifest(
+            tmp,
+            ENGINE_KIND,
+            {
+                "onnx": {"path": str(onnx_dir.resolve()), "files": onnx_manifest["files"]},
+                "checkpoint": onnx_manifest["checkpoint"],
+                "config": onnx_manifest["config"],
+                "hidden_layers": onnx_manifest["hidden_layers"],
+                "provider": active,
+                "graph_optimization_level": "ORT_ENABLE_ALL",
+                "build_seconds": round(time.perf_counter() - t0, 2),
+                "versions": package_versions("onnxruntime"),
+            },
+        )
+    return out_dir
+
+
+def read_engine_manifest(engine_dir: str | Path, checkpoint_hash_expected: str | None = None) -> dict:
+    m = read_manifest(engine_dir, ENGINE_KIND, "specrt build-engines --model CHECKPOINT --out DIR")
+    if checkpoint_hash_expected is not None and m["checkpoint"]["hash"] != checkpoint_hash_expected:
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was built from checkpoint {m['checkpoint']['path']} "
+            f"({m['checkpoint']['hash'][:19]}…), not from the checkpoint given ({checkpoint_hash_expected[:19]}…). "
+            "Rebuild it with: specrt build-engines --model CHECKPOINT --out DIR"
+        )
+    built_with = m["versions"].get("onnxruntime")
+    installed = package_versions("onnxruntime")["onnxruntime"]
+    if built_with != installed:
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was optimized by onnxruntime {built_with}, but {installed} is installed; "
+            "optimized graphs are not portable across versions. Rebuild it with: specrt build-engines"
+        )
+    for name in (OPT_FILE, OPT_DATA):
+        if not (Path(engine_dir) / name).is_file():
+            raise ArtifactError(f"engine {engine_dir} lacks {name}; rebuild it with: specrt build-engines")
+    return m
+
+
+def load_ort_session(engine_dir: str | Path, options: OrtOptions | None = None, checkpoint_hash_expected: str | None = None):
+    """(session, manifest, active provider) for a built engine, after checking its manifest."""
+    ort = _ort()
+    engine_dir = Path(engine_dir)
+    m = read_engine_manifest(engine_dir, checkpoint_hash_expected)
+    provider = next(k for k, v in PROVIDERS.items() if v == m["provider"])
+    options = options or OrtOptions(provider=provider)
+    if PROVIDERS[options.provider] != m["provider"]:
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was optimized for {m['provider']}, not {PROVIDERS[options.provider]}; "
+            f"build one for it with: specrt build-engines --provider {options.provider}"
+        )
+    # the graph was optimized at build time; run it as saved
+    so = _session_options(options, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    try:
+        session = ort.InferenceSession(str(engine_dir / OPT_FILE), so, providers=_provider_list(options.provider))
+    except Exception as e:
+        raise ArtifactError(f"ONNX Runtime could not load engine {engine_dir / OPT_FILE} ({e}); rebuild it with: specrt build-engines") from None
+    return session, m, _check_provider_loaded(session, options.provider)
+

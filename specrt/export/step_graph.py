@@ -1,0 +1,171 @@
+"""Export the target step graph to ONNX (see DESIGN.md, "The target step graph").
+
+Inputs:  input_ids [B, Q] int64, position_ids [B, Q] int64, attention_mask [B, Q, P+Q] bool,
+         past_key_values.{i}.key / .value [B, Hkv, P, D] float32
+Outputs: logits [B, Q, V] float32, hidden_states [B, Q, C*k] float32,
+         present.{i}.key / .value [B, Hkv, Q, D] float32 (the Q new positions only)
+
+The directory written holds model.onnx, model.onnx.data (external weights) and manifest.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, write_manifest
+from specrt.errors import ManifestMismatchError
+from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.export.config import ModelConfig
+from specrt.export.llama import LlamaModel, causal_mask
+
+ONNX_KIND = "onnx-step-graph"
+ONNX_FILE = "model.onnx"
+ONNX_DATA = "model.onnx.data"
+DEFAULT_OPSET = 17
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGraphIO:
+    """Names and dynamic axes of the step graph, built from the layer count alone."""
+
+    num_layers: int
+
+    @property
+    def past_names(self) -> list[str]:
+        return [f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
+
+    @property
+    def present_names(self) -> list[str]:
+        return [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
+
+    @property
+    def input_names(self) -> list[str]:
+        return ["input_ids", "position_ids", "attention_mask", *self.past_names]
+
+    @property
+    def output_names(self) -> list[str]:
+        return ["logits", "hidden_states", *self.present_names]
+
+    @property
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        axes = {
+            "input_ids": {0: "batch", 1: "q_len"},
+            "position_ids": {0: "batch", 1: "q_len"},
+            "attention_mask": {0: "batch", 1: "q_len", 2: "kv_len"},
+            "logits": {0: "batch", 1: "q_len"},
+            "hidden_states": {0: "batch", 1: "q_len"},
+        }
+        axes.update({n: {0: "batch", 2: "past_len"} for n in self.past_names})
+        axes.update({n: {0: "batch", 2: "q_len"} for n in self.present_names})
+        return axes
+
+
+class StepGraph(nn.Module):
+    """Flat-argument wrapper of LlamaModel.forward for the exporter."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, attention_mask, *past_flat):
+        past = list(zip(past_flat[0::2], past_flat[1::2]))
+        logits, hidden, present = self.model(input_ids, position_ids, attention_mask, past)
+        return (logits, hidden, *[t for kv in present for t in kv])
+
+
+def example_inputs(cfg: ModelConfig, batch=2, q=3, past=4):
+    """Inputs used for tracing; every dynamic axis > 1 so none is specialised away."""
+    ids = torch.randint(0, cfg.vocab_size, (batch, q))
+    pos = torch.arange(past, past + q).unsqueeze(0).expand(batch, q).contiguous()
+    mask = causal_mask(batch, q, past)
+    kv = torch.zeros(batch, cfg.num_key_value_heads, past, cfg.head_dim)
+    return (ids, pos, mask, *[kv.clone() for _ in range(2 * cfg.num_hidden_layers)])
+
+
+def export_step_graph(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    opset: int = DEFAULT_OPSET,
+    hidden_layers: tuple[int, ...] = (-1,),
+    progress: bool = True,
+) -> Path:
+    """Export `checkpoint` (HF dir or .gguf) to `out_dir`; returns out_dir."""
+    import onnx
+    from tqdm import tqdm
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    steps = tqdm(total=5, desc="export", unit="step", disable=not progress)
+    steps.set_postfix_str("hash checkpoint")
+    ckpt_hash = checkpoint_hash(checkpoint)
+    steps.update()
+    steps.set_postfix_str("load weights")
+    model = load_model(checkpoint, hidden_layers=hidden_layers)
+    cfg = model.cfg
+    io = StepGraphIO(cfg.num_hidden_layers)
+    steps.update()
+    with atomic_dir(out_dir) as tmp:
+        steps.set_postfix_str("trace to ONNX")
+        t0 = time.perf_counter()
+        traced_path = tmp / "traced.onnx"
+        with torch.no_grad():
+            torch.onnx.export(
+                StepGraph(model),
+                example_inputs(cfg),
+                str(traced_path),
+                input_names=io.input_names,
+                output_names=io.output_names,
+                dynamic_axes=io.dynamic_axes,
+                opset_version=opset,
+                do_constant_folding=True,
+                dynamo=False,
+            )
+        steps.update()
+        steps.set_postfix_str("save with external data")
+        proto = onnx.load(str(traced_path))
+        for p in tmp.iterdir():
+            p.unlink()
+        onnx.save_model(proto, str(tmp / ONNX_FILE), save_as_external_data=True, all_tensors_to_one_file=True, location=ONNX_DATA, size_threshold=1024)
+        del proto
+        steps.update()
+        steps.set_postfix_str("onnx.checker full check")
+        onnx.checker.check_model(str(tmp / ONNX_FILE), full_check=True)
+        export_s = time.perf_counter() - t0
+        write_manifest(
+            tmp,
+            ONNX_KIND,
+            {
+                "checkpoint": {"path": str(checkpoint.resolve()), "hash": ckpt_hash},
+                "config": cfg.to_dict(),
+                "hidden_layers": list(hidden_layers),
+                "hidden_size_out": cfg.hidden_size * len(hidden_layers),
+                "opset": opset,
+                "exporter": "torch.onnx (TorchScript)",
+                "inputs": io.input_names,
+                "outputs": io.output_names,
+                "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
+                "dtypes": {"input_ids": "int64", "position_ids": "int64", "attention_mask": "bool", "kv": "float32", "logits": "float32"},
+                "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
+                "export_seconds": round(export_s, 2),
+                "versions": package_versions("torch", "onnx", "onnxruntime"),
+            },
+        )
+        steps.update()
+    steps.close()
+    return out_dir
+
+
+def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | None = None) -> dict:
+    """The step graph's manifest; with a checkpoint hash, refuse an export of another checkpoint."""
+    m = read_manifest(onnx_dir, ONNX_KIND, "specrt export --model CHECKPOINT --out DIR")
+    if checkpoint_hash_expected is not None and m["checkpoint"]["hash"] != checkpoint_hash_expected:
+        raise ManifestMismatchError(
+            f"{onnx_dir} was exported from checkpoint {m['checkpoint']['path']} ({m['checkpoint']['hash'][:19]}…), "
+            f"not from the checkpoint given ({checkpoint_hash_expected[:19]}…). Re-export with: "
+            f"specrt export --model CHECKPOINT --out {onnx_dir}"
+        )
+    return m

@@ -1,0 +1,230 @@
+"""Plain autoregressive generation on a step backend: prefill, then one token per step.
+
+    gen = Generator.from_engine("artifacts/SmolLM2-135M-Instruct/engines/ort-cpu")
+    result = gen.generate("What is speculative decoding?", max_new_tokens=64)
+    for piece in gen.stream("Tell me a joke"): print(piece, end="")
+
+The ladder of verbs: `forward_tokens` (one step over a ragged batch of new tokens, KV appended),
+`prefill` (the prompts, in chunks), `decode_one_token`, `generate_ids`, `generate` / `stream`.
+Batches are ragged: every row keeps its own length in the KV cache and the attention mask hides
+everything else, so rows of different lengths never need padding in the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Generator as Generator_
+
+import numpy as np
+
+from specrt.errors import PromptError, SpecrtError
+from specrt.runtime.backends import StepBackend
+from specrt.runtime.kv_cache import KVCache
+from specrt.runtime.sampling import SamplingParams, next_tokens
+from specrt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    prompt_tokens: int
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens or the context)
+    prefill_seconds: float
+    decode_seconds: float  # sum of the decode steps (model step + sampling)
+    step_seconds: list[float]  # latency of each decode step
+    text: str | None = None
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first (which prefill produces) per second of decode steps."""
+        return len(self.step_seconds) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    def summary(self) -> str:
+        return (
+            f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} ({self.finish_reason}); "
+            f"prefill {self.prefill_seconds * 1e3:.0f} ms, decode {self.decode_tokens_per_second:.1f} tokens/s"
+        )
+
+
+class Generator:
+    def __init__(self, backend: StepBackend, tokenizer: Tokenizer | None = None, max_context: int | None = None, prefill_chunk: int = 512):
+        self.backend = backend
+        self.config = backend.config
+        self.tokenizer = tokenizer
+        self.max_context = min(max_context or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        self.prefill_chunk = prefill_chunk
+        eos = set(self.config.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
+            eos.add(tokenizer.token_id(tokenizer.eos_token))
+        self.eos_ids = frozenset(eos)
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, options=None, **kw) -> "Generator":
+        """A generator on a built ORT engine. The checkpoint (for the tokenizer) defaults to the one
+        the engine was built from; a checkpoint given explicitly must be the one in the manifest."""
+        from specrt.engines.ort import load_ort_session, read_engine_manifest
+        from specrt.export.checkpoint import checkpoint_hash
+        from specrt.export.config import ModelConfig
+        from specrt.runtime.backends import OrtBackend
+
+        manifest = read_engine_manifest(engine_dir)
+        checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
+        session, manifest, provider = load_ort_session(engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint))
+        backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider)
+        return cls(backend, Tokenizer(checkpoint), **kw)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str | Path, **kw) -> "Generator":
+        """A generator on the PyTorch reference model (no export needed)."""
+        from specrt.export.checkpoint import load_model
+        from specrt.runtime.backends import TorchBackend
+
+        return cls(TorchBackend(load_model(checkpoint)), Tokenizer(checkpoint), **kw)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim)
+
+    def forward_tokens(self, cache: KVCache, tokens: list[list[int]]):
+        """One step over new tokens per row (rows may differ in count, even be empty); their KV is
+        appended to the cache. Returns the StepOutput (B, Q = longest row, ...)."""
+        counts = np.array([len(t) for t in tokens], dtype=np.int64)
+        Q = int(counts.max())
+        ids = np.zeros((cache.batch, Q), dtype=np.int64)
+        for b, t in enumerate(tokens):
+            ids[b, : len(t)] = t
+        positions = cache.lengths[:, None] + np.arange(Q, dtype=np.int64)[None, :]
+        out = self.backend.step(ids, positions, cache.attention_mask(Q), cache)
+        cache.append(out.present, counts)
+        return out
+
+    def prefill(self, cache: KVCache, prompts: list[list[int]]) -> np.ndarray:
+        """Run the prompts through the model in chunks; returns each row's last logits (B, V)."""
+        last = np.zeros((cache.batch, self.config.vocab_size), dtype=np.float32)
+        start = 0
+        while start < max(len(p) for p in prompts):
+            chunk = [p[start : start + self.prefill_chunk] for p in prompts]
+            out = self.forward_tokens(cache, chunk)
+            for b, c in enumerate(chunk):
+                if c:
+                    last[b] = out.logits[b, len(c) - 1]
+            start += self.prefill_chunk
+        return last
+
+    def decode_one_token(self, cache: KVCache, tokens: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """Feed one token per active row; returns logits (B, V)."""
+        out = self.forward_tokens(cache, [[int(t)] if a else [] for t, a in zip(tokens, active)])
+        return out.logits[:, 0]
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise PromptError(f"prompt {i} is empty (0 tokens); give at least one token of text.")
+            if len(p) >= self.max_context:
+                raise PromptError(
+                    f"prompt {i} has {len(p)} tokens, but the context holds {self.max_context} and generation "
+                    f"needs at least one free position; shorten the prompt to under {self.max_context} tokens."
+                )
+            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise PromptError(f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
+
+    def iter_generate(
+        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+    ) -> Generator_[tuple[np.ndarray, np.ndarray], None, list[GenerationResult]]:
+        """Generate for a batch of token-id prompts, step by step.
+
+        Yields (tokens (B,), produced (B,) bool) after every step: the new token of each row that
+        produced one. Returns (StopIteration.value) one GenerationResult per row."""
+        if max_new_tokens < 1:
+            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.check_prompts(prompts)
+        B = len(prompts)
+        lens = np.array([len(p) for p in prompts])
+        budget = np.minimum(max_new_tokens, self.max_context - lens)  # tokens each row may produce
+        cache = self.new_cache(B, int((lens + budget).max()))
+        rng = np.random.default_rng(sampling.seed)
+
+        t0 = time.perf_counter()
+        tokens = next_tokens(self.prefill(cache, prompts), sampling, rng)
+        prefill_s = time.perf_counter() - t0
+
+        out: list[list[int]] = [[] for _ in range(B)]
+        reason = ["length"] * B
+        active = np.ones(B, dtype=bool)
+        steps: list[float] = []
+        while True:
+            produced = active.copy()
+            for b in np.flatnonzero(active):
+                out[b].append(int(tokens[b]))
+                if int(tokens[b]) in self.eos_ids:
+                    active[b], reason[b] = False, "stop"
+                elif len(out[b]) >= budget[b]:
+                    active[b] = False
+            yield tokens.copy(), produced
+            if not active.any():
+                break
+            ts = time.perf_counter()
+            logits = self.decode_one_token(cache, tokens, active)
+            tokens = np.where(active, next_tokens(logits, sampling, rng), tokens)
+            steps.append(time.perf_counter() - ts)
+        decode_s = float(sum(steps))
+        return [GenerationResult(int(lens[b]), out[b], reason[b], prefill_s, decode_s, steps) for b in range(B)]
+
+    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()) -> list[GenerationResult]:
+        it = self.iter_generate(prompts, max_new_tokens, sampling)
+        while True:
+            try:
+                next(it)
+            except StopIteration as stop:
+                return stop.value
+
+    def encode_prompt(self, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise SpecrtError("this generator has no tokenizer; pass token ids to generate_ids instead.")
+        if not prompt or not prompt.strip():
+            raise PromptError("the prompt is empty; give some text to continue or answer.")
+        if not chat:
+            return self.tokenizer.encode(prompt)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def stream(
+        self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True, system: str | None = None
+    ) -> Generator_[str, None, GenerationResult]:
+        """Yield text pieces as tokens are produced; returns (StopIteration.value) the GenerationResult."""
+        ids = self.encode_prompt(prompt, chat, system)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        it = self.iter_generate([ids], max_new_tokens, sampling)
+        while True:
+            try:
+                tokens, produced = next(it)
+            except StopIteration as stop:
+                result = stop.value[0]
+                break
+            if produced[0] and int(tokens[0]) not in self.eos_ids:
+                if piece := detok.push(int(tokens[0])):
+                    yield piece
+        result.text = self.decode(result.token_ids)
+        return result
+
+    def generate(self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True, system: str | None = None) -> GenerationResult:
+        ids = self.encode_prompt(prompt, chat, system)
+        result = self.generate_ids([ids], max_new_tokens, sampling)[0]
+        result.text = self.decode(result.token_ids)
+        return result
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in token_ids if t not in self.eos_ids])

@@ -1,0 +1,72 @@
+"""The KV cache: preallocated once per generation, appended to in place, rolled back by length.
+
+Layout: keys and values are each [L, B, Hkv, C, D] float32 (C = capacity). Layer i's slice
+`keys[i]` is contiguous [B, Hkv, C, D], so it is fed to the step graph as `past_key_values.i.key`
+without a copy: the graph always sees the full capacity and the attention mask hides the slots
+past each row's length. A step writes only its new positions (`append`); rejecting draft tokens
+is `rollback` (a length change, nothing is moved).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
+        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        self.keys = np.zeros(shape, dtype=dtype)
+        self.values = np.zeros(shape, dtype=dtype)
+        self.lengths = np.zeros(batch, dtype=np.int64)  # committed positions per row
+        self.capacity = capacity
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    def past(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Full-capacity views (B, Hkv, C, D) of one layer; no copy."""
+        return self.keys[layer], self.values[layer]
+
+    def append(self, present: list[tuple[np.ndarray, np.ndarray]], counts: np.ndarray) -> None:
+        """Write the first counts[b] new positions of each row after its committed length and commit them.
+
+        present: per layer (key, value), each (B, Hkv, Q, D) as the step graph returns them.
+        """
+        counts = np.asarray(counts, dtype=np.int64)
+        end = self.lengths + counts
+        if (end > self.capacity).any():
+            raise ValueError(f"KV cache overflow: rows need {end.max()} positions, capacity is {self.capacity}")
+        for layer, (k, v) in enumerate(present):
+            for b in range(self.batch):
+                n, start = int(counts[b]), int(self.lengths[b])
+                if n:
+                    self.keys[layer, b, :, start : start + n] = k[b, :, :n]
+                    self.values[layer, b, :, start : start + n] = v[b, :, :n]
+        self.lengths = end
+
+    def rollback(self, lengths: np.ndarray) -> None:
+        """Forget everything past `lengths` (per row); slots are overwritten by later appends."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if (lengths > self.lengths).any() or (lengths < 0).any():
+            raise ValueError(f"rollback to {lengths.tolist()} from {self.lengths.tolist()}: can only shorten")
+        self.lengths = lengths.copy()
+
+    def attention_mask(self, q_len: int, new_mask: np.ndarray | None = None) -> np.ndarray:
+        """(B, Q, C + Q) bool mask for a step of Q new positions.
+
+        Past part: row b sees slots [0, lengths[b]). New part: `new_mask` (Q, Q) or (B, Q, Q)
+        (a tree: each position sees its ancestors and itself), causal by default.
+        """
+        B, C = self.batch, self.capacity
+        mask = np.zeros((B, q_len, C + q_len), dtype=bool)
+        past_ok = np.arange(C)[None, :] < self.lengths[:, None]  # (B, C)
+        mask[:, :, :C] = past_ok[:, None, :]
+        if new_mask is None:
+            new_mask = np.tril(np.ones((q_len, q_len), dtype=bool))
+        mask[:, :, C:] = new_mask
+        return mask
