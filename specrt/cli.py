@@ -1,0 +1,137 @@
+"""The `specrt` command line: a thin click layer; each command calls one library function.
+
+Heavy imports (torch, onnx, onnxruntime) happen inside the commands, so `specrt --help` is instant
+and works without them.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from specrt.errors import SpecrtError
+
+
+def _friendly_errors(fn):
+    """SpecrtError -> one clear line and exit status 1 (library code never exits)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecrtError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specrt")
+def main():
+    """specrt: export LLMs to ONNX, build engines, and generate (speculative decoding runtime)."""
+
+
+@main.command()
+@click.argument("gguf_file", type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Checkpoint directory to write (config.json, model.safetensors, tokenizer).")
+@_friendly_errors
+def convert(gguf_file: Path, out: Path):
+    """Convert a GGUF file to a float32 Hugging Face checkpoint directory."""
+    from specrt.export.gguf import convert_gguf
+
+    convert_gguf(gguf_file, out)
+    click.echo(f"wrote {out}")
+
+
+def _parse_layers(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated layer indices, e.g. -1 or 2,15,27") from None
+
+
+@main.command()
+@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="Checkpoint directory (config.json + safetensors) or .gguf file.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for model.onnx, its weights and manifest.json.")
+@click.option("--opset", default=17, show_default=True, help="ONNX opset.")
+@click.option("--hidden-layers", default="-1", show_default=True, help="Layers whose output `hidden_states` carries (-1: final normed state; e.g. 2,15,27 for EAGLE-3).")
+@_friendly_errors
+def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
+    """Export the target step graph (prefill, decode and verification in one graph) to ONNX."""
+    from specrt.export.step_graph import export_step_graph
+
+    export_step_graph(checkpoint, out, opset=opset, hidden_layers=_parse_layers(hidden_layers))
+    click.echo(f"wrote {out}")
+
+
+@main.command("build-engines")
+@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="Checkpoint directory or .gguf file.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory: onnx/ and engines/ are written under it.")
+@click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider to optimize for.")
+@click.option("--force", is_flag=True, help="Rebuild even when up-to-date artifacts exist.")
+@_friendly_errors
+def build_engines(checkpoint: Path, out: Path, provider: str, force: bool):
+    """Export the ONNX step graph (if needed) and build engines from it."""
+    from specrt.engines.build import BuildSpec, build_all
+
+    for line in build_all(BuildSpec(checkpoint=checkpoint, out=out, provider=provider, force=force)):
+        click.echo(line)
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt", "prompt_opt", help="Prompt text (or give it as the argument; '-' reads stdin).")
+@click.option("--artifacts", type=click.Path(path_type=Path), help="Artifact directory from build-engines (uses its engines/ort-<provider>).")
+@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (overrides --artifacts).")
+@click.option("--model", "checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory; checked against the engine's manifest. Alone, runs the PyTorch reference.")
+@click.option("--backend", default="ort", show_default=True, type=click.Choice(["ort", "torch"]), help="ort: the built engine; torch: the PyTorch reference model.")
+@click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0), help="0 is greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True), help="1 disables.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
+@click.option("--system", default=None, help="System message (chat mode).")
+@click.option("--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core).")
+@_friendly_errors
+def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads):
+    """Generate text, streaming it as it is produced; ends with token counts and tokens/s."""
+    from specrt.runtime.generator import Generator
+    from specrt.runtime.sampling import SamplingParams
+
+    text = prompt_opt if prompt_opt is not None else prompt
+    if text is None:
+        raise click.UsageError("give a prompt: specrt generate --artifacts DIR --prompt 'Hello'")
+    if text == "-":
+        text = sys.stdin.read()
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if backend == "torch":
+        if checkpoint is None:
+            raise click.UsageError("--backend torch needs --model CHECKPOINT")
+        gen = Generator.from_checkpoint(checkpoint)
+    else:
+        from specrt.engines.ort import OrtOptions
+
+        if engine is None:
+            if artifacts is None:
+                raise click.UsageError("give --artifacts DIR (from build-engines) or --engine DIR, or --backend torch --model CHECKPOINT")
+            engine = artifacts / "engines" / f"ort-{provider}"
+        gen = Generator.from_engine(engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads))
+    stream = gen.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
+    while True:
+        try:
+            piece = next(stream)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        click.echo(piece, nl=False)
+    click.echo()
+    click.echo(f"[{gen.backend.description}] {result.summary()}", err=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
