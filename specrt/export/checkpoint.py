@@ -19,14 +19,18 @@ from specrt.export.llama import LlamaModel
 _HASH_CHUNK = 8 << 20
 
 
+def require_checkpoint_dir(ckpt_dir: Path) -> None:
+    if not Path(ckpt_dir).is_dir():
+        raise CheckpointError(
+            f"checkpoint directory {ckpt_dir} does not exist. Pass a directory with config.json and "
+            "*.safetensors, or a .gguf file (for the default model run `make model`)."
+        )
+
+
 def weight_files(ckpt_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint directory, in a stable order."""
     ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        raise CheckpointError(
-            f"checkpoint directory {ckpt_dir} does not exist. Pass a directory with config.json and "
-            "*.safetensors (for the default model run `make model`)."
-        )
+    require_checkpoint_dir(ckpt_dir)
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in ckpt_dir.glob("*.bin")) + sorted(p.name for p in ckpt_dir.glob("*.pt"))
@@ -47,7 +51,13 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
 def checkpoint_hash(path: str | Path) -> str:
     """sha256 over config.json and the weight files (or over the GGUF file)."""
     path = Path(path)
-    files = [path] if path.is_file() else [path / "config.json", *weight_files(path)]
+    if path.is_file():
+        files = [path]
+    else:
+        files = weight_files(path)
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path} has no config.json; a checkpoint directory needs it next to its safetensors files.")
+        files = [path / "config.json", *files]
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
@@ -63,6 +73,7 @@ def load_config(path: str | Path) -> ModelConfig:
         from specrt.export.gguf import read_gguf
 
         return read_gguf(path)[0]
+    require_checkpoint_dir(path)
     return ModelConfig.from_json_file(path / "config.json")
 
 

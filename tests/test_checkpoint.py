@@ -1,0 +1,179 @@
+"""Checkpoint loading (safetensors directory, GGUF) and the errors bad checkpoints get."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_model, tiny_hf_config
+from specrt.errors import CheckpointError, UnsupportedArchitectureError
+from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.export.config import ModelConfig
+
+
+def clone(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_load_roundtrip(tiny_checkpoint):
+    m = load_model(tiny_checkpoint)
+    ref = random_model(tiny_hf_config())
+    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_missing_directory():
+    with pytest.raises(CheckpointError, match="does not exist.*make model"):
+        load_model("/nonexistent/ckpt")
+
+
+def test_no_safetensors_mentions_pickle(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors.*pickle weights \\(pytorch_model.bin\\)"):
+        load_model(d)
+
+
+def test_corrupt_safetensors(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_model(d)
+
+
+def test_truncated_safetensors(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_model(d)
+
+
+def test_missing_config(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_model(d)
+
+
+def test_corrupt_config(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    (d / "config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_model(d)
+
+
+def test_config_missing_key(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="lacks the required key 'hidden_size'"):
+        load_model(d)
+
+
+def test_config_does_not_match_weights(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 100
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="mlp.gate_proj.weight has shape .* config.json does not match"):
+        load_model(d)
+
+
+def test_incomplete_sharded_checkpoint(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="incomplete: shards model-00002-of-00002.safetensors"):
+        load_model(d)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+        ({"sliding_window": 64}, "sliding-window attention is not implemented"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+    ],
+)
+def test_unsupported_architectures(overrides, match):
+    with pytest.raises(UnsupportedArchitectureError, match=match):
+        ModelConfig.from_hf_dict(tiny_hf_config(**overrides))
+
+
+def test_hash_changes_with_weights(tiny_checkpoint, tmp_path):
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    h = checkpoint_hash(d)
+    data = bytearray((d / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (d / "model.safetensors").write_bytes(bytes(data))
+    assert checkpoint_hash(d) != h
+
+
+def _permute(w, n_head):
+    """llama.cpp's q/k permutation (convert_hf_to_gguf), the inverse of ours."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, hf, path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_rope_freq_base(hf["rope_theta"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_vocab_size(hf["vocab_size"])
+    w.add_eos_token_id(2)
+    w.add_bos_token_id(1)
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for k, v in model.state_dict().items():
+        a = v.numpy().astype(np.float32)
+        if k.startswith("layers."):
+            _, i, rest = k.split(".", 2)
+            mod, leaf = rest.rsplit(".", 1)
+            if mod == "self_attn.q_proj":
+                a = _permute(a, hf["num_attention_heads"])
+            elif mod == "self_attn.k_proj":
+                a = _permute(a, hf["num_key_value_heads"])
+            name = f"blk.{i}.{names[mod]}.{leaf}"
+        else:
+            name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[k]
+        w.add_tensor(name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_weights_unpermuted(tmp_path):
+    hf = tiny_hf_config()
+    model = random_model(hf, seed=5)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(model, hf, path)
+    loaded = load_model(path)
+    assert loaded.cfg.num_key_value_heads == 2 and not loaded.cfg.tie_word_embeddings
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_corrupt_gguf(tmp_path):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        load_model(p)
+
+
+def test_missing_gguf(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "none.gguf")

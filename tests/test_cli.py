@@ -1,0 +1,77 @@
+"""The CLI: help without heavy imports, generate end to end on the tiny model, clear errors."""
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from specrt.cli import main
+
+
+def test_import_and_help_do_not_load_heavy_modules():
+    code = (
+        "import sys, importlib, pkgutil, specrt\n"
+        "from click.testing import CliRunner\n"
+        "from specrt.cli import main\n"
+        "for cmd in [[], ['convert'], ['export'], ['build-engines'], ['generate']]:\n"
+        "    r = CliRunner().invoke(main, cmd + ['--help'])\n"
+        "    assert r.exit_code == 0, (cmd, r.output)\n"
+        "for m in pkgutil.walk_packages(specrt.__path__, 'specrt.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "heavy = [m for m in ('torch', 'onnxruntime', 'onnx', 'tensorrt', 'tensorrt_rtx', 'transformers') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    # every module imports; importing them pulls in torch (the model definition) but never a
+    # GPU library or transformers; help alone pulls in nothing heavy (checked below)
+    assert "tensorrt" not in out and "transformers" not in out
+    code_help = "import sys\nfrom specrt.cli import main\nprint([m for m in ('torch','onnxruntime','onnx') if m in sys.modules])"
+    assert subprocess.run([sys.executable, "-c", code_help], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_generate_streams_and_reports(tiny_artifacts):
+    r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w5 w6", "--max-new-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    assert "generated 8" in r.output or "(stop)" in r.output
+    assert "tokens/s" in r.output and "CPUExecutionProvider" in r.output
+
+
+def test_generate_sampling_options(tiny_artifacts):
+    args = ["generate", "--artifacts", str(tiny_artifacts), "w5", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "4", "--max-new-tokens", "6", "--no-chat"]
+    a = CliRunner().invoke(main, args)
+    b = CliRunner().invoke(main, args)
+    assert a.exit_code == 0, a.output
+    assert a.output.splitlines()[0] == b.output.splitlines()[0]
+
+
+def test_generate_with_wrong_checkpoint_is_refused(tiny_artifacts, tmp_path):
+    from conftest import random_model, save_checkpoint, tiny_hf_config
+
+    other = save_checkpoint(random_model(tiny_hf_config(), seed=11), tiny_hf_config(), tmp_path / "other")
+    r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--model", str(other), "--prompt", "w5"])
+    assert r.exit_code == 1 and "Error: engine" in r.output and "Rebuild it" in r.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--artifacts", "/nonexistent", "--prompt", "hi"], "does not exist. Create it with: specrt build-engines"),
+        (["generate", "--prompt", "hi"], "give --artifacts DIR"),
+        (["export", "--model", "/nonexistent", "--out", "/tmp/x"], "checkpoint directory /nonexistent does not exist"),
+        (["export", "--model", "/nonexistent", "--out", "/tmp/x", "--hidden-layers", "a,b"], "comma-separated layer indices"),
+    ],
+)
+def test_cli_errors_are_one_clear_line(args, message):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code != 0
+    assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def test_generate_empty_and_too_long_prompt(tiny_artifacts):
+    r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", ""])
+    assert r.exit_code == 1 and "prompt is empty" in r.output
+    long_prompt = " ".join(["w7"] * 300)  # tiny model context is 256
+    r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", long_prompt, "--no-chat"])
+    assert r.exit_code == 1 and "has 300 tokens" in r.output and "shorten the prompt" in r.output

@@ -1,0 +1,92 @@
+"""ORT engines: build, reuse, provider report, and refusal of stale, foreign or corrupt engines."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import random_model, save_checkpoint, tiny_hf_config
+from specrt.engines.build import BuildSpec, build_all
+from specrt.engines.ort import OrtOptions, build_ort_engine, load_ort_session
+from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
+from specrt.export.checkpoint import checkpoint_hash
+from specrt.runtime.generator import Generator
+
+
+def copy_artifacts(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_engine_reports_provider_and_records_versions(tiny_artifacts):
+    session, manifest, provider = load_ort_session(tiny_artifacts / "engines" / "ort-cpu")
+    assert provider == "CPUExecutionProvider" == session.get_providers()[0]
+    assert manifest["kind"] == "ort-engine" and manifest["versions"]["onnxruntime"]
+    assert (tiny_artifacts / "engines" / "ort-cpu" / "model.opt.onnx").is_file()
+
+
+def test_build_all_reuses_up_to_date_artifacts(tiny_checkpoint, tiny_artifacts, tmp_path):
+    out = copy_artifacts(tiny_artifacts, tmp_path / "art")
+    lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out)))
+    assert "up to date" in lines[0] and "up to date" in lines[1]
+    assert any("tensorrt" in line and "skipped" in line for line in lines)
+
+
+def test_build_all_rebuilds_when_checkpoint_changes(tiny_checkpoint, tiny_artifacts, tmp_path):
+    out = copy_artifacts(tiny_artifacts, tmp_path / "art")
+    other = save_checkpoint(random_model(tiny_hf_config(), seed=7), tiny_hf_config(), tmp_path / "other")
+    lines = list(build_all(BuildSpec(checkpoint=other, out=out)))
+    assert "exported" in lines[0] and "built" in lines[1]
+    assert json.loads((out / "engines/ort-cpu/manifest.json").read_text())["checkpoint"]["hash"] == checkpoint_hash(other)
+
+
+def test_engine_from_other_checkpoint_is_refused(tiny_artifacts, tmp_path):
+    other = save_checkpoint(random_model(tiny_hf_config(), seed=9), tiny_hf_config(), tmp_path / "other")
+    with pytest.raises(ManifestMismatchError, match="was built from checkpoint .* Rebuild it"):
+        Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu", checkpoint=other)
+
+
+def test_engine_built_by_other_onnxruntime_is_refused(tiny_artifacts, tmp_path):
+    art = copy_artifacts(tiny_artifacts, tmp_path / "art")
+    mpath = art / "engines/ort-cpu/manifest.json"
+    m = json.loads(mpath.read_text())
+    m["versions"]["onnxruntime"] = "0.0.1"
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(ManifestMismatchError, match="onnxruntime 0.0.1"):
+        load_ort_session(art / "engines/ort-cpu")
+
+
+def test_corrupt_engine_file_is_refused(tiny_artifacts, tmp_path):
+    art = copy_artifacts(tiny_artifacts, tmp_path / "art")
+    (art / "engines/ort-cpu/model.opt.onnx").write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(ArtifactError, match="could not load engine .* rebuild it"):
+        load_ort_session(art / "engines/ort-cpu")
+
+
+@pytest.mark.parametrize("damage", ["no-manifest", "bad-json", "wrong-kind"])
+def test_missing_or_foreign_manifest_is_refused(tiny_artifacts, tmp_path, damage):
+    art = copy_artifacts(tiny_artifacts, tmp_path / "art")
+    mpath = art / "engines/ort-cpu/manifest.json"
+    if damage == "no-manifest":
+        mpath.unlink()
+    elif damage == "bad-json":
+        mpath.write_text("{not json")
+    else:
+        mpath.write_text((art / "onnx/manifest.json").read_text())
+    with pytest.raises(ArtifactError, match="specrt build-engines"):
+        load_ort_session(art / "engines/ort-cpu")
+
+
+def test_unavailable_gpu_provider_is_a_clear_error(tiny_artifacts, tmp_path):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA; the refusal path cannot be shown here")
+    with pytest.raises(SpecrtError, match="CUDAExecutionProvider is not available .* onnxruntime-gpu"):
+        build_ort_engine(tiny_artifacts / "onnx", tmp_path / "cuda", OrtOptions(provider="cuda"))
+    assert not (tmp_path / "cuda").exists()
+
+
+def test_engine_for_other_provider_is_refused(tiny_artifacts):
+    with pytest.raises((ManifestMismatchError, SpecrtError)):
+        load_ort_session(tiny_artifacts / "engines" / "ort-cpu", OrtOptions(provider="cuda"))

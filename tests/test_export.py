@@ -1,0 +1,165 @@
+"""The exported step graph: checker, manifest, and ONNX Runtime against PyTorch.
+
+Parity tolerance: max |ORT - PyTorch| <= 1e-4 on logits (tiny model, |logits| ~ 1-10) and 1e-5 on KV.
+"""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from specrt.engines.ort import load_ort_session
+from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.runtime.backends import OrtBackend, TorchBackend
+from specrt.runtime.generator import Generator
+from specrt.runtime.kv_cache import KVCache
+from specrt.export.config import ModelConfig
+
+ATOL_LOGITS = 1e-4
+ATOL_KV = 1e-5
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_checkpoint, tiny_artifacts):
+    session, manifest, provider = load_ort_session(tiny_artifacts / "engines" / "ort-cpu")
+    ort_backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider)
+    return ort_backend, TorchBackend(load_model(tiny_checkpoint))
+
+
+def new_cache(cfg, batch, capacity):
+    return KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+
+
+def run_both(backends, ids, positions, mask_fn, prefix=None, capacity=128):
+    """Run the same step on ORT and torch, each on its own cache holding `prefix` tokens first."""
+    outs = []
+    for backend in backends:
+        gen = Generator(backend)
+        cache = new_cache(backend.config, ids.shape[0], capacity)
+        if prefix is not None:
+            gen.forward_tokens(cache, [list(p) for p in prefix])
+        mask = mask_fn(cache)
+        outs.append(backend.step(ids, positions, mask, cache))
+    return outs
+
+
+def assert_close(a, b):
+    assert np.abs(a.logits - b.logits).max() <= ATOL_LOGITS
+    assert np.abs(a.hidden_states - b.hidden_states).max() <= ATOL_LOGITS
+    for (ka, va), (kb, vb) in zip(a.present, b.present):
+        assert np.abs(ka - kb).max() <= ATOL_KV and np.abs(va - vb).max() <= ATOL_KV
+
+
+def test_onnx_passes_full_check_and_manifest_is_complete(tiny_checkpoint, tiny_artifacts):
+    onnx_dir = tiny_artifacts / "onnx"
+    onnx.checker.check_model(str(onnx_dir / "model.onnx"), full_check=True)
+    m = json.loads((onnx_dir / "manifest.json").read_text())
+    assert m["kind"] == "onnx-step-graph"
+    assert m["checkpoint"]["hash"] == checkpoint_hash(tiny_checkpoint)
+    assert m["inputs"][:3] == ["input_ids", "position_ids", "attention_mask"]
+    assert m["inputs"][3:5] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert m["outputs"][:4] == ["logits", "hidden_states", "present.0.key", "present.0.value"]
+    assert m["dynamic_axes"]["past_key_values.0.key"] == {"0": "batch", "2": "past_len"}
+    assert m["opset"] == 17 and m["versions"]["torch"] and m["versions"]["onnx"]
+    assert m["config"]["num_hidden_layers"] == 2
+    proto = onnx.load(str(onnx_dir / "model.onnx"), load_external_data=False)
+    dims = [d.dim_param or d.dim_value for d in proto.graph.input[2].type.tensor_type.shape.dim]
+    assert dims == ["batch", "q_len", "kv_len"]
+
+
+def test_prefill_64(backends):
+    ids = np.random.default_rng(0).integers(0, 128, (1, 64))
+    pos = np.arange(64)[None]
+    a, b = run_both(backends, ids, pos, lambda c: c.attention_mask(64))
+    assert_close(a, b)
+
+
+def test_decode_one_token_at_past_64(backends):
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, 128, (1, 64))
+    a, b = run_both(backends, rng.integers(0, 128, (1, 1)), np.array([[64]]), lambda c: c.attention_mask(1), prefix)
+    assert_close(a, b)
+
+
+def test_verify_5_positions_at_past_64(backends):
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(0, 128, (1, 64))
+    a, b = run_both(backends, rng.integers(0, 128, (1, 5)), np.arange(64, 69)[None], lambda c: c.attention_mask(5), prefix)
+    assert_close(a, b)
+
+
+def test_empty_past_runs(backends):
+    """P = 0 (capacity 0) is a valid shape for the graph."""
+    ids = np.array([[5, 6, 7]])
+    a, b = run_both(backends, ids, np.arange(3)[None], lambda c: c.attention_mask(3), capacity=0)
+    assert_close(a, b)
+
+
+def test_tree_mask_two_branches_matches_chains(backends):
+    """Root r with branches (a1, a2) and (b1, b2), verified in one pass with a tree mask, gives
+    the logits of the two chains r a1 a2 and r b1 b2 run separately."""
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, 128, (1, 20))
+    r, a1, a2, b1, b2 = (int(x) for x in rng.integers(0, 128, 5))
+    tree_ids = np.array([[r, a1, a2, b1, b2]])
+    tree_pos = np.array([[20, 21, 22, 21, 22]])
+    parents = [-1, 0, 1, 0, 3]
+    tree = np.zeros((5, 5), dtype=bool)
+    for i in range(5):
+        j = i
+        while j != -1:
+            tree[i, j] = True
+            j = parents[j]
+    tree_out = run_both(backends, tree_ids, tree_pos, lambda c: c.attention_mask(5, tree), prefix)
+    assert_close(*tree_out)
+    for chain, rows in (([r, a1, a2], [0, 1, 2]), ([r, b1, b2], [0, 3, 4])):
+        chain_out = run_both(backends, np.array([chain]), np.arange(20, 23)[None], lambda c: c.attention_mask(3), prefix)
+        for t, c in zip(tree_out, chain_out):
+            assert np.abs(t.logits[0, rows] - c.logits[0]).max() <= ATOL_LOGITS
+
+
+def test_batch_of_two_different_lengths(backends):
+    """Ragged batch (prompts of 10 and 6 tokens, then a decode step) equals each row run alone."""
+    rng = np.random.default_rng(4)
+    prompts = [list(rng.integers(0, 128, 10)), list(rng.integers(0, 128, 6))]
+    nxt = [[int(rng.integers(0, 128))], [int(rng.integers(0, 128))]]
+    for backend in backends:
+        gen = Generator(backend)
+        cache = new_cache(backend.config, 2, 32)
+        batch_prefill = gen.forward_tokens(cache, prompts)
+        batch_decode = gen.forward_tokens(cache, nxt)
+        assert cache.lengths.tolist() == [11, 7]
+        for b in range(2):
+            single = new_cache(backend.config, 1, 32)
+            p = gen.forward_tokens(single, [prompts[b]])
+            d = gen.forward_tokens(single, [nxt[b]])
+            n = len(prompts[b])
+            assert np.abs(batch_prefill.logits[b, :n] - p.logits[0]).max() <= ATOL_LOGITS
+            assert np.abs(batch_decode.logits[b, 0] - d.logits[0, 0]).max() <= ATOL_LOGITS
+            assert np.abs(cache.keys[:, b, :, :11 if b == 0 else 7] - single.keys[:, 0, :, : n + 1]).max() <= ATOL_KV
+    ort_gen, torch_gen = Generator(backends[0]), Generator(backends[1])
+    caches = [new_cache(backends[0].config, 2, 32) for _ in range(2)]
+    a = ort_gen.forward_tokens(caches[0], prompts)
+    b = torch_gen.forward_tokens(caches[1], prompts)
+    for row, n in enumerate((10, 6)):
+        assert np.abs(a.logits[row, :n] - b.logits[row, :n]).max() <= ATOL_LOGITS
+
+
+def test_export_is_atomic_on_failure(tiny_checkpoint, tmp_path, monkeypatch):
+    """A failing export leaves the previous artifact in place and no temporary directory behind."""
+    from specrt.export import step_graph
+
+    out = tmp_path / "onnx"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous export")
+
+    def boom(*a, **k):
+        raise RuntimeError("exporter crashed")
+
+    monkeypatch.setattr(torch.onnx, "export", boom)
+    with pytest.raises(RuntimeError, match="exporter crashed"):
+        step_graph.export_step_graph(tiny_checkpoint, out, progress=False)
+    assert (out / "keep.txt").read_text() == "previous export"
+    assert [p.name for p in tmp_path.iterdir()] == ["onnx"]

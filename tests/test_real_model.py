@@ -1,0 +1,93 @@
+"""The default model (SmolLM2-135M-Instruct): specrt against transformers, token for token.
+
+These tests need `make model`; CI runs it and sets SPECRT_REQUIRE_REAL_MODEL=1 so they cannot
+silently skip there.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REAL_GGUF
+from specrt.runtime.generator import Generator
+from specrt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+pytestmark = pytest.mark.real_model
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the factorial of n.",
+    "List three colours of the rainbow.",
+]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def hf_model(real_model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(real_model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(real_model_dir):
+    return transformers.AutoTokenizer.from_pretrained(str(real_model_dir))
+
+
+@pytest.fixture(scope="module")
+def ort_gen(real_artifacts):
+    return Generator.from_engine(real_artifacts / "engines" / "ort-cpu")
+
+
+def test_chat_template_matches_transformers(real_model_dir, hf_tokenizer):
+    ours = Tokenizer(real_model_dir)
+    for p in PROMPTS:
+        messages = [{"role": "user", "content": p}]
+        expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ours.apply_chat_template(messages) == expected
+        assert ours.encode(expected) == hf_tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_greedy_output_equals_transformers(ort_gen, hf_model):
+    for p in PROMPTS:
+        ids = ort_gen.encode_prompt(p)
+        ours = ort_gen.generate_ids([ids], max_new_tokens=NEW_TOKENS)[0].token_ids
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=sorted(ort_gen.eos_ids), pad_token_id=2)
+        expected = out[0, len(ids):].tolist()
+        assert ours == expected, p
+
+
+def test_ort_logits_match_transformers(ort_gen, hf_model):
+    ids = ort_gen.encode_prompt(PROMPTS[1])
+    cache = ort_gen.new_cache(1, len(ids))
+    logits = ort_gen.forward_tokens(cache, [ids]).logits[0]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0].numpy()
+    scale = np.abs(expected).max()
+    assert np.abs(logits - expected).max() <= 1e-4 * scale
+
+
+def test_gguf_read_matches_transformers_gguf_loader(real_model_dir):
+    """Our GGUF reader (own q/k unpermute) against transformers' GGUF loader, on logits."""
+    if not REAL_GGUF.is_file():
+        pytest.skip(f"{REAL_GGUF} not cached (make model keeps it)")
+    from specrt.export.checkpoint import load_model
+    from specrt.export.llama import causal_mask
+
+    ours = load_model(REAL_GGUF)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(REAL_GGUF.parent), gguf_file=REAL_GGUF.name, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198]])
+    with torch.no_grad():
+        a = ours(ids, torch.arange(11)[None], causal_mask(1, 11, 0), ours.empty_past(1))[0]
+        b = ref(ids).logits
+    assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
+
+
+def test_streaming_detokenizer_keeps_multibyte_text(real_model_dir):
+    tok = Tokenizer(real_model_dir)
+    text = "Café ☕ naïve — 日本語 🤖 done."
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.push(t) for t in ids]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
