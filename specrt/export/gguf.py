@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from specrt.artifacts import atomic_dir
-from specrt.errors import CheckpointError, UnsupportedArchitectureError
+from specrt.errors import CheckpointError, SpecrtError, UnsupportedArchitectureError
 from specrt.export.config import ModelConfig
 
 # GGUF tensor name (after the block prefix) -> transformers name
@@ -137,7 +137,10 @@ def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
     transformers builds the fast tokenizer from GGUF vocab and merges; only this conversion step
     uses transformers, the runtime reads tokenizer.json with the `tokenizers` package.
     """
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise SpecrtError("converting a GGUF tokenizer needs transformers: pip install 'specrt[convert]'") from None
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))

