@@ -37,6 +37,17 @@ def package_versions(*names: str) -> dict[str, str]:
     return out
 
 
+def cpu_model() -> str:
+    """The processor's model name (engines optimized for one CPU are not moved to another)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def file_sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

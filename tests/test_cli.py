@@ -75,3 +75,11 @@ def test_generate_empty_and_too_long_prompt(tiny_artifacts):
     long_prompt = " ".join(["w7"] * 300)  # tiny model context is 256
     r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", long_prompt, "--no-chat"])
     assert r.exit_code == 1 and "has 300 tokens" in r.output and "shorten the prompt" in r.output
+
+
+def test_generate_torch_backend_matches_engine(tiny_checkpoint, tiny_artifacts):
+    a = CliRunner().invoke(main, ["generate", "--backend", "torch", "--model", str(tiny_checkpoint), "--prompt", "w9 w10", "--max-new-tokens", "10"])
+    b = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w9 w10", "--max-new-tokens", "10"])
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    assert a.output.splitlines()[0] == b.output.splitlines()[0]
+    assert "torch" in a.output

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,20 @@ def test_engine_built_by_other_onnxruntime_is_refused(tiny_artifacts, tmp_path):
         load_ort_session(art / "engines/ort-cpu")
 
 
+def test_engine_optimized_on_other_cpu_is_refused(tiny_artifacts, tmp_path):
+    art = copy_artifacts(tiny_artifacts, tmp_path / "art")
+    mpath = art / "engines/ort-cpu/manifest.json"
+    m = json.loads(mpath.read_text())
+    m["host_cpu"] = "Some Other CPU 9000"
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(ManifestMismatchError, match="optimized on a 'Some Other CPU 9000' CPU.*Rebuild it here"):
+        load_ort_session(art / "engines/ort-cpu")
+    # build-engines notices the stale engine and rebuilds it
+    lines = list(build_all(BuildSpec(checkpoint=Path(m["checkpoint"]["path"]), out=art)))
+    assert "built" in lines[1]
+    load_ort_session(art / "engines/ort-cpu")
+
+
 def test_corrupt_engine_file_is_refused(tiny_artifacts, tmp_path):
     art = copy_artifacts(tiny_artifacts, tmp_path / "art")
     (art / "engines/ort-cpu/model.opt.onnx").write_bytes(b"\x00garbage" * 100)
@@ -88,5 +103,5 @@ def test_unavailable_gpu_provider_is_a_clear_error(tiny_artifacts, tmp_path):
 
 
 def test_engine_for_other_provider_is_refused(tiny_artifacts):
-    with pytest.raises((ManifestMismatchError, SpecrtError)):
+    with pytest.raises(ManifestMismatchError, match="optimized for CPUExecutionProvider, not CUDAExecutionProvider"):
         load_ort_session(tiny_artifacts / "engines" / "ort-cpu", OrtOptions(provider="cuda"))

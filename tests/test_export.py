@@ -163,3 +163,32 @@ def test_export_is_atomic_on_failure(tiny_checkpoint, tmp_path, monkeypatch):
         step_graph.export_step_graph(tiny_checkpoint, out, progress=False)
     assert (out / "keep.txt").read_text() == "previous export"
     assert [p.name for p in tmp_path.iterdir()] == ["onnx"]
+
+
+def test_onnx_from_other_checkpoint_is_refused(tiny_artifacts):
+    from specrt.errors import ManifestMismatchError
+    from specrt.export.step_graph import read_onnx_manifest
+
+    with pytest.raises(ManifestMismatchError, match="was exported from checkpoint .* Re-export with"):
+        read_onnx_manifest(tiny_artifacts / "onnx", "sha256:" + "0" * 64)
+
+
+def test_export_with_eagle3_hidden_layers(tiny_checkpoint, tmp_path):
+    """--hidden-layers 0,1,-1: hidden_states concatenates two layer outputs and the final state."""
+    import onnxruntime as ort
+
+    from specrt.export.step_graph import export_step_graph
+
+    out = export_step_graph(tiny_checkpoint, tmp_path / "onnx3", hidden_layers=(0, 1, -1), progress=False)
+    sess = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    model = load_model(tiny_checkpoint, hidden_layers=(0, 1, -1))
+    cfg = model.cfg
+    cache = new_cache(cfg, 1, 0)
+    ids = np.array([[3, 4, 5, 6]])
+    feeds = {"input_ids": ids, "position_ids": np.arange(4)[None], "attention_mask": cache.attention_mask(4)}
+    for i in range(cfg.num_hidden_layers):
+        feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"] = cache.past(i)
+    hidden = sess.run(["hidden_states"], feeds)[0]
+    expected = TorchBackend(model).step(ids, feeds["position_ids"], feeds["attention_mask"], cache).hidden_states
+    assert hidden.shape == (1, 4, 3 * cfg.hidden_size)
+    assert np.abs(hidden - expected).max() <= ATOL_LOGITS

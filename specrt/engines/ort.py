@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from specrt.artifacts import atomic_dir, package_versions, read_manifest, write_manifest
+from specrt.artifacts import atomic_dir, cpu_model, package_versions, read_manifest, write_manifest
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
 
@@ -96,6 +96,9 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
         so.optimized_model_filepath = str(tmp / OPT_FILE)
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        # ORT warns that a level-ALL graph may hold CPU-specific kernels; the manifest records the
+        # host CPU and loading refuses the engine on another one, so the warning is not repeated
+        so.log_severity_level = 3
         t0 = time.perf_counter()
         try:
             session = ort.InferenceSession(str(onnx_dir / ONNX_FILE), so, providers=providers)
@@ -112,6 +115,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "config": onnx_manifest["config"],
                 "hidden_layers": onnx_manifest["hidden_layers"],
                 "provider": active,
+                "host_cpu": cpu_model(),
                 "graph_optimization_level": "ORT_ENABLE_ALL",
                 "build_seconds": round(time.perf_counter() - t0, 2),
                 "versions": package_versions("onnxruntime"),
@@ -134,6 +138,11 @@ def read_engine_manifest(engine_dir: str | Path, checkpoint_hash_expected: str |
         raise ManifestMismatchError(
             f"engine {engine_dir} was optimized by onnxruntime {built_with}, but {installed} is installed; "
             "optimized graphs are not portable across versions. Rebuild it with: specrt build-engines"
+        )
+    if m["provider"] == PROVIDERS["cpu"] and m.get("host_cpu") != cpu_model():
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was optimized on a {m.get('host_cpu')!r} CPU, this is {cpu_model()!r}; "
+            "ORT's optimized CPU graphs may use kernels of the CPU they were built on. Rebuild it here with: specrt build-engines"
         )
     for name in (OPT_FILE, OPT_DATA):
         if not (Path(engine_dir) / name).is_file():
