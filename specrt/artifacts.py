@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-from specrt.errors import ArtifactError
+from specrt.errors import ArtifactError, ManifestMismatchError
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
@@ -123,3 +123,13 @@ def read_manifest(directory: str | Path, kind: str, how_to_make: str) -> dict[st
             f"{path} has schema version {manifest.get('schema_version')}, this specrt reads {SCHEMA_VERSION}. Re-create it with: {how_to_make}"
         )
     return manifest
+
+
+def require_same_checkpoint(manifest: dict[str, Any], expected_hash: str | None, what: str, fix: str) -> None:
+    """Refuse an artifact made from another checkpoint than the one given (if one is given)."""
+    made_from = manifest["checkpoint"]
+    if expected_hash is not None and made_from["hash"] != expected_hash:
+        raise ManifestMismatchError(
+            f"{what} was made from checkpoint {made_from['path']} ({made_from['hash'][:19]}…), not from the "
+            f"checkpoint given ({expected_hash[:19]}…). {fix}"
+        )

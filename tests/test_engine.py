@@ -43,7 +43,7 @@ def test_build_all_rebuilds_when_checkpoint_changes(tiny_checkpoint, tiny_artifa
 
 def test_engine_from_other_checkpoint_is_refused(tiny_artifacts, tmp_path):
     other = save_checkpoint(random_model(tiny_hf_config(), seed=9), tiny_hf_config(), tmp_path / "other")
-    with pytest.raises(ManifestMismatchError, match="was built from checkpoint .* Rebuild it"):
+    with pytest.raises(ManifestMismatchError, match="engine .* was made from checkpoint .* Rebuild it"):
         Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu", checkpoint=other)
 
 

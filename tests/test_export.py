@@ -169,7 +169,7 @@ def test_onnx_from_other_checkpoint_is_refused(tiny_artifacts):
     from specrt.errors import ManifestMismatchError
     from specrt.export.step_graph import read_onnx_manifest
 
-    with pytest.raises(ManifestMismatchError, match="was exported from checkpoint .* Re-export with"):
+    with pytest.raises(ManifestMismatchError, match="ONNX export .* was made from checkpoint .* Re-export with"):
         read_onnx_manifest(tiny_artifacts / "onnx", "sha256:" + "0" * 64)
 
 

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from specrt.artifacts import atomic_dir, cpu_model, package_versions, read_manifest, write_manifest
+from specrt.artifacts import atomic_dir, cpu_model, package_versions, read_manifest, require_same_checkpoint, write_manifest
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
 
@@ -126,12 +126,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
 
 def read_engine_manifest(engine_dir: str | Path, checkpoint_hash_expected: str | None = None) -> dict:
     m = read_manifest(engine_dir, ENGINE_KIND, "specrt build-engines --model CHECKPOINT --out DIR")
-    if checkpoint_hash_expected is not None and m["checkpoint"]["hash"] != checkpoint_hash_expected:
-        raise ManifestMismatchError(
-            f"engine {engine_dir} was built from checkpoint {m['checkpoint']['path']} "
-            f"({m['checkpoint']['hash'][:19]}…), not from the checkpoint given ({checkpoint_hash_expected[:19]}…). "
-            "Rebuild it with: specrt build-engines --model CHECKPOINT --out DIR"
-        )
+    require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", "Rebuild it with: specrt build-engines --model CHECKPOINT --out DIR")
     built_with = m["versions"].get("onnxruntime")
     installed = package_versions("onnxruntime")["onnxruntime"]
     if built_with != installed:

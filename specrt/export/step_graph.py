@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, write_manifest
-from specrt.errors import ManifestMismatchError
+from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, write_manifest
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel, causal_mask
@@ -167,10 +166,5 @@ def export_step_graph(
 def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | None = None) -> dict:
     """The step graph's manifest; with a checkpoint hash, refuse an export of another checkpoint."""
     m = read_manifest(onnx_dir, ONNX_KIND, "specrt export --model CHECKPOINT --out DIR")
-    if checkpoint_hash_expected is not None and m["checkpoint"]["hash"] != checkpoint_hash_expected:
-        raise ManifestMismatchError(
-            f"{onnx_dir} was exported from checkpoint {m['checkpoint']['path']} ({m['checkpoint']['hash'][:19]}…), "
-            f"not from the checkpoint given ({checkpoint_hash_expected[:19]}…). Re-export with: "
-            f"specrt export --model CHECKPOINT --out {onnx_dir}"
-        )
+    require_same_checkpoint(m, checkpoint_hash_expected, f"ONNX export {onnx_dir}", f"Re-export with: specrt export --model CHECKPOINT --out {onnx_dir}")
     return m
