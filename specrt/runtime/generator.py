@@ -33,8 +33,10 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS), "length" (max_new_tokens or the context)
     prefill_seconds: float
     decode_seconds: float  # sum of the decode steps (model step + sampling)
-    step_seconds: list[float]  # latency of each decode step
+    step_seconds: list[float]  # latency of each decode step (speculative: each draft + verify step)
     text: str | None = None
+    metrics: object | None = None  # SpecMetrics for speculative decoding
+
 
     @property
     def generated_tokens(self) -> int:
@@ -43,7 +45,7 @@ class GenerationResult:
     @property
     def decode_tokens_per_second(self) -> float:
         """Tokens after the first (which prefill produces) per second of decode steps."""
-        return len(self.step_seconds) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+        return (len(self.token_ids) - 1) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
     def summary(self) -> str:
         return (
@@ -95,16 +97,26 @@ class Generator:
         c = self.config
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim)
 
-    def forward_tokens(self, cache: KVCache, tokens: list[list[int]]):
+    def forward_tokens(self, cache: KVCache, tokens: list[list[int]], trees: list[tuple[np.ndarray, np.ndarray]] | None = None):
         """One step over new tokens per row (rows may differ in count, even be empty); their KV is
-        appended to the cache. Returns the StepOutput (B, Q = longest row, ...)."""
+        appended to the cache. Returns the StepOutput (B, Q = longest row, ...).
+
+        trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
+        sequence: position = committed length + depth, and each token sees what its mask allows."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
         Q = int(counts.max())
         ids = np.zeros((cache.batch, Q), dtype=np.int64)
+        offsets = np.broadcast_to(np.arange(Q, dtype=np.int64), (cache.batch, Q)).copy()
+        new_mask = np.broadcast_to(np.tril(np.ones((Q, Q), dtype=bool)), (cache.batch, Q, Q)).copy()
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = t
-        positions = cache.lengths[:, None] + np.arange(Q, dtype=np.int64)[None, :]
-        out = self.backend.step(ids, positions, cache.attention_mask(Q), cache)
+            if trees is not None and trees[b] is not None:
+                depths, mask = trees[b]
+                n = len(t)
+                offsets[b, :n] = depths
+                new_mask[b, :n, :n] = mask
+        positions = cache.lengths[:, None] + offsets
+        out = self.backend.step(ids, positions, cache.attention_mask(Q, new_mask), cache)
         cache.append(out.present, counts)
         return out
 

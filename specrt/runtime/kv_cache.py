@@ -56,6 +56,20 @@ class KVCache:
             raise ValueError(f"rollback to {lengths.tolist()} from {self.lengths.tolist()}: can only shorten")
         self.lengths = lengths.copy()
 
+    def keep(self, row: int, start: int, slots: list[int]) -> None:
+        """Keep, of the positions from `start` on in `row`, only the given slots, moved to start,
+        start+1, ... in order, and set the row's length after them (tree acceptance: the accepted
+        path is compacted behind the committed prefix). Slots must be increasing."""
+        for j, src in enumerate(slots):
+            dst = start + j
+            if src != dst:
+                self.keys[:, row, :, dst] = self.keys[:, row, :, src]
+                self.values[:, row, :, dst] = self.values[:, row, :, src]
+        new_len = start + len(slots)
+        if new_len > self.lengths[row]:
+            raise ValueError(f"keep: row {row} has {self.lengths[row]} positions, asked to keep up to {new_len}")
+        self.lengths[row] = new_len
+
     def attention_mask(self, q_len: int, new_mask: np.ndarray | None = None) -> np.ndarray:
         """(B, Q, C + Q) bool mask for a step of Q new positions.
 
