@@ -97,9 +97,13 @@ def build_engines(checkpoint: Path, out: Path, provider: str, force: bool):
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
 @click.option("--system", default=None, help="System message (chat mode).")
 @click.option("--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core).")
+@click.option("--draft", default="none", show_default=True, type=click.Choice(["none", "ngram", "suffix"]), help="Draft method for speculative decoding.")
+@click.option("--num-draft", default="auto", show_default=True, help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model).")
+@click.option("--max-draft", default=16, show_default=True, type=click.IntRange(min=1), help="Upper bound for --num-draft auto.")
 @_friendly_errors
-def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads):
-    """Generate text, streaming it as it is produced; ends with token counts and tokens/s."""
+def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads, draft, num_draft, max_draft):
+    """Generate text, streaming it as it is produced; ends with token counts and tokens/s
+    (and, with --draft, the speculative decoding metrics)."""
     from specrt.runtime.generator import Generator
     from specrt.runtime.sampling import SamplingParams
 
@@ -121,7 +125,13 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
                 raise click.UsageError("give --artifacts DIR (from build-engines) or --engine DIR, or --backend torch --model CHECKPOINT")
             engine = artifacts / "engines" / f"ort-{provider}"
         gen = Generator.from_engine(engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads))
-    stream = gen.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
+    runner = gen
+    if draft != "none":
+        from specrt.runtime.drafts import make_proposer
+        from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+        runner = SpeculativeDecoder(gen, make_proposer(draft), make_policy(num_draft, max_draft))
+    stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
     while True:
         try:
             piece = next(stream)
@@ -129,8 +139,12 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
             result = stop.value
             break
         click.echo(piece, nl=False)
+        sys.stdout.flush()
     click.echo()
+    sys.stdout.flush()
     click.echo(f"[{gen.backend.description}] {result.summary()}", err=True)
+    if result.metrics is not None:
+        click.echo(f"[{draft} draft, num_draft={num_draft}] {result.metrics.summary()}", err=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -83,3 +83,15 @@ def test_generate_torch_backend_matches_engine(tiny_checkpoint, tiny_artifacts):
     assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
     assert a.output.splitlines()[0] == b.output.splitlines()[0]
     assert "torch" in a.output
+
+
+def test_generate_with_draft_prints_metrics(tiny_artifacts):
+    args = ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w5 w6 w5 w6 w5", "--no-chat", "--max-new-tokens", "12"]
+    plain = CliRunner().invoke(main, args)
+    for draft, n in (("ngram", "3"), ("suffix", "auto")):
+        r = CliRunner().invoke(main, args + ["--draft", draft, "--num-draft", n])
+        assert r.exit_code == 0, r.output
+        assert r.output.splitlines()[0] == plain.output.splitlines()[0]
+        assert f"[{draft} draft, num_draft={n}]" in r.output and "mean accepted length" in r.output
+    r = CliRunner().invoke(main, args + ["--draft", "ngram", "--num-draft", "lots"])
+    assert r.exit_code == 1 and "num_draft must be a number" in r.output

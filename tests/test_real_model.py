@@ -91,3 +91,22 @@ def test_streaming_detokenizer_keeps_multibyte_text(real_model_dir):
     pieces = [d.push(t) for t in ids]
     assert "".join(pieces) == tok.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+CODE_EDIT = (
+    "Add a docstring to this function and return the whole function:\n\n"
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n"
+)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_speculative_equals_plain_on_default_model(ort_gen, method):
+    from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    ids = ort_gen.encode_prompt(CODE_EDIT)
+    plain = ort_gen.generate_ids([ids], 64)[0].token_ids
+    for num_draft in (5, "auto"):
+        r = SpeculativeDecoder(ort_gen, make_proposer(method), make_policy(num_draft)).generate_ids([ids], 64)[0]
+        assert r.token_ids == plain, (method, num_draft)
+        assert r.metrics.accepted_tokens > 0

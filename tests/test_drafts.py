@@ -1,0 +1,81 @@
+"""Draft methods without weights: n-gram / prompt lookup and suffix decoding."""
+
+import numpy as np
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.runtime.drafts import DRAFT_METHODS, make_proposer
+from specrt.runtime.drafts.ngram import NgramProposer
+from specrt.runtime.drafts.suffix import SuffixProposer, SuffixTrie
+
+
+@pytest.mark.parametrize(
+    "context, n_min, n_max, k, expected",
+    [
+        ([1, 2, 3, 4, 9, 1, 2, 3], 2, 4, 3, [4, 9, 1]),  # longest match "1 2 3"
+        ([1, 2, 3, 4, 2, 3, 5, 2, 3], 2, 4, 2, [5, 2]),  # most recent of two "2 3" matches
+        ([1, 2, 3, 4, 5], 2, 4, 3, []),  # no repeat
+        ([7, 8, 7], 1, 3, 4, [8, 7]),  # unigram match, continuation runs to the end
+        ([7, 8, 7], 2, 3, 4, []),  # ... not allowed with n_min = 2
+        ([5, 6, 5, 6, 5, 6], 2, 2, 0, []),  # no budget
+    ],
+)
+def test_ngram(context, n_min, n_max, k, expected):
+    assert NgramProposer(n_min, n_max).propose(0, context, k).tokens.tolist() == expected
+
+
+def test_suffix_trie_counts_substrings():
+    t = SuffixTrie(max_depth=3)
+    t.extend([1, 2, 1, 2, 3])
+    assert t.root.children[1].count == 2 and t.root.children[2].count == 2
+    assert t.root.children[1].children[2].count == 2
+    assert t.root.children[1].children[2].children[1].count == 1
+    assert 3 not in t.root.children[1].children[2].children[1].children  # depth 3 is the limit
+    node, m = t.match([9, 1, 2], max_match=8)
+    assert m == 2 and set(node.children) == {1, 3}
+
+
+def test_suffix_tree_proposal_scores_by_frequency():
+    p = SuffixProposer(spec_factor=4.0, min_score=0.05)
+    # "a b" is followed by "c" three times and by "d" once
+    ctx = [1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3, 9, 1, 2, 4, 6, 1, 2]
+    p.begin(0, ctx)
+    tree = p.propose(0, ctx, 6)
+    assert tree.tokens[0] == 3 and tree.parents[0] == -1
+    assert abs(tree.scores[0] - 0.75) < 1e-9
+    assert 4 in tree.tokens[tree.parents == -1]  # the less frequent branch is in the tree too
+    assert len(tree) <= 6 and (np.diff(tree.scores[tree.parents == -1]) <= 0).all()
+
+
+def test_suffix_budget_follows_match_length():
+    p = SuffixProposer(spec_factor=1.0, min_score=0.0)
+    ctx = [5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 5]  # the match "5" has length 1
+    p.begin(0, ctx)
+    assert len(p.propose(0, ctx, 8)) == 1
+
+
+def test_suffix_learns_from_earlier_outputs():
+    p = SuffixProposer()
+    p.begin(0, [1, 2])
+    p.end(0, [10, 11, 12, 13, 14, 15])
+    p.begin(0, [40, 41])
+    ctx = [40, 41, 10, 11, 12]
+    tree = p.propose(0, ctx, 8)
+    assert tree.tokens.tolist()[:3] == [13, 14, 15]
+
+
+def test_suffix_request_trie_follows_growing_context():
+    p = SuffixProposer()
+    p.begin(0, [1, 2, 3, 4])
+    assert len(p.propose(0, [1, 2, 3, 4], 4)) == 0
+    tree = p.propose(0, [1, 2, 3, 4, 1, 2], 4)  # the two new tokens are fed on the way
+    assert tree.tokens.tolist()[:2] == [3, 4]
+
+
+def test_registry():
+    assert set(DRAFT_METHODS) >= {"ngram", "suffix"}
+    assert make_proposer("ngram", n_max=3).n_max == 3
+    with pytest.raises(SpecrtError, match="unknown draft method 'medusa2'; choose one of ngram, suffix"):
+        make_proposer("medusa2")
+    with pytest.raises(SpecrtError, match="bad options for draft method 'ngram'"):
+        make_proposer("ngram", window=3)
