@@ -6,6 +6,7 @@ and works without them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -145,6 +146,34 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
     click.echo(f"[{gen.backend.description}] {result.summary()}", err=True)
     if result.metrics is not None:
         click.echo(f"[{draft} draft, num_draft={num_draft}] {result.metrics.summary()}", err=True)
+
+
+@main.command()
+@click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts/SmolLM2-135M-Instruct"), show_default=True, help="Artifact directory from build-engines.")
+@click.option("--model", "checkpoint", type=click.Path(path_type=Path), default=None, help="Checkpoint (default: the one the engine was built from).")
+@click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts.jsonl"), show_default=True, help="JSON lines with 'class' and 'prompt'.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench/results"), show_default=True, help="Where the JSON and the PNG go.")
+@click.option("--max-new-tokens", default=192, show_default=True, type=click.IntRange(min=1))
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--no-transformers", is_flag=True, help="Skip the transformers baselines.")
+@click.option("--quick", is_flag=True, help="One repeat, 48 tokens, N in {2, 4}: a smoke run.")
+@_friendly_errors
+def bench(artifacts, checkpoint, prompts, out, max_new_tokens, repeats, no_transformers, quick):
+    """Benchmark speculative decoding on a prompt set: table, JSON and a speedup-vs-N plot."""
+    from specrt.benchmark import SpecBenchConfig, format_table, run_spec_benchmark, write_results
+
+    cfg = SpecBenchConfig(engine_dir=artifacts / "engines" / "ort-cpu", checkpoint=checkpoint, prompts=prompts, out_dir=out,
+                          max_new_tokens=max_new_tokens, repeats=repeats, transformers=not no_transformers)
+    if quick:
+        cfg = dataclasses.replace(cfg, repeats=1, max_new_tokens=48, fixed_n=(4,), sweep_n=(2, 4))
+    result = run_spec_benchmark(cfg, log=lambda line: click.echo(line, err=True))
+    click.echo(format_table(result))
+    sweep = result["sweep"]
+    if sweep["measured"]:
+        click.echo(f"\nsweep ({sweep['method']}, {sweep['class']}): " + "  ".join(
+            f"N={n}: {m:.2f}x (model {p:.2f}x)" for n, m, p in zip(sweep["n"], sweep["measured"], sweep["predicted"] or [float("nan")] * len(sweep["n"]))))
+    json_path, png = write_results(result, out)
+    click.echo(f"wrote {json_path}" + (f" and {png}" if png else ""))
 
 
 if __name__ == "__main__":  # pragma: no cover

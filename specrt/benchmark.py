@@ -1,0 +1,240 @@
+"""`specrt bench`: speculative decoding on a prompt set, side by side in one run.
+
+For every repeat and prompt (in turn, so machine noise hits all methods alike) it times, end to
+end (prefill included) and greedy:
+    specrt plain decoding, each draft method at each fixed N and at N = auto,
+    transformers' prompt lookup (prompt_lookup_num_tokens) and transformers' plain generate.
+Then a sweep of fixed N on one prompt class gives measured decode speedup vs N (prefill
+excluded), drawn beside the cost
+model's prediction  E[tokens | N] / (T_draft/T_decode + 1 + alpha * N), where E[tokens | N] and
+the drafted length come from the largest-N run (truncating its drafts) and alpha is measured.
+Writes JSON (with date, versions and machine) and a PNG; returns the result dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from specrt.artifacts import cpu_model, package_versions
+from specrt.errors import SpecrtError
+
+
+@dataclasses.dataclass
+class SpecBenchConfig:
+    engine_dir: Path
+    checkpoint: Path | None = None
+    prompts: Path = Path("bench/prompts.jsonl")
+    out_dir: Path = Path("bench/results")
+    max_new_tokens: int = 192
+    repeats: int = 2
+    methods: tuple[str, ...] = ("ngram", "suffix")
+    fixed_n: tuple[int, ...] = (4, 8)
+    sweep_n: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    sweep_method: str = "ngram"  # a chain: truncating its drafts predicts smaller N exactly
+    sweep_class: str = "code_edit"
+    transformers: bool = True  # compare with transformers' prompt lookup and plain generate
+    hf_lookup_tokens: int = 10
+
+
+def load_prompts(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecrtError(f"prompt set {path} not found; pass --prompts FILE (JSON lines with 'class' and 'prompt').")
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            p = json.loads(line)
+            prompts.append({"class": str(p["class"]), "prompt": str(p["prompt"])})
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise SpecrtError(f"{path}:{i + 1}: each line must be a JSON object with 'class' and 'prompt' ({e})") from None
+    return prompts
+
+
+def predicted_curve(metrics, ns) -> list[float]:
+    """Cost-model speedup for each N, from one run at a larger N (its drafts truncated to N)."""
+    steps = metrics.steps
+    acc = np.array(metrics.accepted_at_depth + [0] * 64, dtype=np.float64) / steps
+    drafted = np.array(metrics.drafted_at_depth + [0] * 64, dtype=np.float64) / steps
+    alpha, ratio = metrics.alpha or 0.0, metrics.draft_ratio or 0.0
+    return [float((1 + acc[:n].sum()) / (1 + ratio + alpha * drafted[:n].sum())) for n in ns]
+
+
+def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> dict:
+    from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.generator import Generator
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    prompts = load_prompts(cfg.prompts)
+    gen = Generator.from_engine(cfg.engine_dir, cfg.checkpoint)
+    hf = None
+    if cfg.transformers:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        checkpoint = cfg.checkpoint or json.loads((Path(cfg.engine_dir) / "manifest.json").read_text())["checkpoint"]["path"]
+        hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        torch.set_num_threads(os.cpu_count() or 1)
+
+    def timed(fn):
+        t = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t
+
+    def hf_generate(ids, lookup):
+        import torch
+
+        kw = {"prompt_lookup_num_tokens": cfg.hf_lookup_tokens} if lookup else {}
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=cfg.max_new_tokens,
+                              do_sample=False, eos_token_id=sorted(gen.eos_ids), pad_token_id=sorted(gen.eos_ids)[0], **kw)
+        return out[0, len(ids):].tolist()
+
+    variants = [(m, n) for m in cfg.methods for n in (*cfg.fixed_n, "auto")]
+    runs = []  # one dict per (repeat, prompt, variant)
+    for r in range(cfg.repeats):
+        for pi, p in enumerate(prompts):
+            ids = gen.encode_prompt(p["prompt"])
+            plain, t_plain = timed(lambda: gen.generate_ids([ids], cfg.max_new_tokens)[0])
+            base = {"repeat": r, "prompt": pi, "class": p["class"]}
+            runs.append({**base, "variant": "plain", "tokens": len(plain.token_ids), "seconds": t_plain, "same_as_plain": True})
+            line = [f"r{r + 1} #{pi + 1} {p['class']:<13} plain {len(plain.token_ids) / t_plain:5.1f} tok/s"]
+            for method, n in variants:
+                spec = SpeculativeDecoder(gen, make_proposer(method), make_policy(n))  # fresh: no cross-prompt memory
+                res, t = timed(lambda: spec.generate_ids([ids], cfg.max_new_tokens)[0])
+                m = res.metrics
+                runs.append({**base, "variant": f"{method} N={n}", "tokens": len(res.token_ids), "seconds": t,
+                             "same_as_plain": res.token_ids == plain.token_ids, "mean_accepted_length": m.mean_accepted_length,
+                             "acceptance_rate": m.acceptance_rate, "alpha": m.alpha})
+                line.append(f"{method}/{n} {t_plain / t:4.2f}x")
+            if hf is not None:
+                for name, lookup in (("transformers prompt lookup", True), ("transformers plain", False)):
+                    toks, t = timed(lambda: hf_generate(ids, lookup))
+                    runs.append({**base, "variant": name, "tokens": len(toks), "seconds": t, "same_as_plain": toks == plain.token_ids})
+                line.append(f"hf-pld {runs[-2]['tokens'] / runs[-2]['seconds']:5.1f} tok/s")
+            log("  ".join(line))
+
+    # sweep: measured and predicted speedup vs N on one class
+    sweep_prompts = [i for i, p in enumerate(prompts) if p["class"] == cfg.sweep_class]
+    sweep = {"method": cfg.sweep_method, "class": cfg.sweep_class, "n": list(cfg.sweep_n), "measured": [], "predicted": []}
+    per_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
+    predicted: list[list[float]] = []
+    for pi in sweep_prompts:
+        ids = gen.encode_prompt(prompts[pi]["prompt"])
+        plain = gen.generate_ids([ids], cfg.max_new_tokens)[0]
+        for n in cfg.sweep_n:
+            res = SpeculativeDecoder(gen, make_proposer(cfg.sweep_method), make_policy(n)).generate_ids([ids], cfg.max_new_tokens)[0]
+            # decode only (prefill excluded), as the cost model describes the decode loop
+            per_n[n].append(res.decode_tokens_per_second / plain.decode_tokens_per_second)
+            if n == max(cfg.sweep_n):
+                predicted.append(predicted_curve(res.metrics, cfg.sweep_n))
+        log(f"sweep #{pi + 1}: " + "  ".join(f"N={n} {per_n[n][-1]:.2f}x" for n in cfg.sweep_n))
+    sweep["measured"] = [statistics.median(per_n[n]) for n in cfg.sweep_n] if sweep_prompts else []
+    sweep["predicted"] = [statistics.median(col) for col in zip(*predicted)] if predicted else []
+
+    summary = summarize(runs)
+    result = {
+        "benchmark": "speculative-decoding",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "versions": package_versions("onnxruntime", "torch", "transformers", "numpy"),
+        "backend": gen.backend.description,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
+        "summary": summary,
+        "sweep": sweep,
+        "runs": runs,
+    }
+    return result
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per class and variant: tokens/s (total tokens / total seconds per repeat, median over
+    repeats), speedup over specrt plain, mean accepted length, and greedy equality."""
+    classes = sorted({r["class"] for r in runs}, key=[r["class"] for r in runs].index)
+    variants = sorted({r["variant"] for r in runs}, key=[r["variant"] for r in runs].index)
+    repeats = sorted({r["repeat"] for r in runs})
+    out: dict = {}
+    for c in classes:
+        out[c] = {}
+        for v in variants:
+            tps = []
+            for rep in repeats:
+                sel = [r for r in runs if r["class"] == c and r["variant"] == v and r["repeat"] == rep]
+                if sel:
+                    tps.append(sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel))
+            sel = [r for r in runs if r["class"] == c and r["variant"] == v]
+            if not sel:
+                continue
+            entry = {"tokens_per_s": statistics.median(tps), "same_as_plain": f"{sum(r['same_as_plain'] for r in sel)}/{len(sel)}"}
+            if "mean_accepted_length" in sel[0]:
+                entry["mean_accepted_length"] = statistics.median(r["mean_accepted_length"] for r in sel)
+            out[c][v] = entry
+        plain = out[c]["plain"]["tokens_per_s"]
+        for v in out[c]:
+            out[c][v]["speedup_vs_plain"] = out[c][v]["tokens_per_s"] / plain
+    return out
+
+
+def format_table(result: dict) -> str:
+    summary = result["summary"]
+    classes = list(summary)
+    variants = list(next(iter(summary.values())))
+    head = f"{'variant':<28}" + "".join(f"{c:>22}" for c in classes)
+    lines = [head, "-" * len(head)]
+    for v in variants:
+        cells = []
+        for c in classes:
+            e = summary[c].get(v)
+            if e is None:
+                cells.append(f"{'-':>22}")
+                continue
+            mal = f" L{e['mean_accepted_length']:.1f}" if "mean_accepted_length" in e else ""
+            cells.append(f"{e['tokens_per_s']:6.1f} {e['speedup_vs_plain']:4.2f}x{mal:>6}".rjust(22))
+        lines.append(f"{v:<28}" + "".join(cells))
+    lines.append("cells: tokens/s, speedup over specrt plain, L = mean accepted length (bonus included)")
+    return "\n".join(lines)
+
+
+def plot_sweep(result: dict, path: Path) -> Path | None:
+    sweep = result["sweep"]
+    if not sweep["measured"]:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot(sweep["n"], sweep["measured"], "o-", label="measured")
+    if sweep["predicted"]:
+        ax.plot(sweep["n"], sweep["predicted"], "s--", label="cost model: E[tokens|N] / (T_draft/T_decode + 1 + αN)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("draft tokens per step N")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"{sweep['method']} drafts, {sweep['class']} prompts ({result['machine']['cpu']})", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_results(result: dict, out_dir: Path) -> tuple[Path, Path | None]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    json_path = out_dir / f"speculative-{stamp}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return json_path, plot_sweep(result, out_dir / f"speedup-vs-n-{stamp}.png")
