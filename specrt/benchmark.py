@@ -108,13 +108,14 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
             ids = gen.encode_prompt(p["prompt"])
             plain, t_plain = timed(lambda: gen.generate_ids([ids], cfg.max_new_tokens)[0])
             base = {"repeat": r, "prompt": pi, "class": p["class"]}
-            runs.append({**base, "variant": "plain", "tokens": len(plain.token_ids), "seconds": t_plain, "same_as_plain": True})
+            runs.append({**base, "variant": "plain", "tokens": len(plain.token_ids), "seconds": t_plain, "same_as_plain": True,
+                         "decode_seconds": plain.decode_seconds})
             line = [f"r{r + 1} #{pi + 1} {p['class']:<13} plain {len(plain.token_ids) / t_plain:5.1f} tok/s"]
             for method, n in variants:
                 spec = SpeculativeDecoder(gen, make_proposer(method), make_policy(n))  # fresh: no cross-prompt memory
                 res, t = timed(lambda: spec.generate_ids([ids], cfg.max_new_tokens)[0])
                 m = res.metrics
-                runs.append({**base, "variant": f"{method} N={n}", "tokens": len(res.token_ids), "seconds": t,
+                runs.append({**base, "variant": f"{method} N={n}", "tokens": len(res.token_ids), "seconds": t, "decode_seconds": res.decode_seconds,
                              "same_as_plain": res.token_ids == plain.token_ids, "mean_accepted_length": m.mean_accepted_length,
                              "acceptance_rate": m.acceptance_rate, "alpha": m.alpha})
                 line.append(f"{method}/{n} {t_plain / t:4.2f}x")
@@ -159,8 +160,10 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Per class and variant: tokens/s (total tokens / total seconds per repeat, median over
-    repeats), speedup over specrt plain, mean accepted length, and greedy equality."""
+    """Per class and variant: end-to-end tokens/s (prefill included; total tokens / total seconds
+    per repeat, median over repeats) and its speedup over specrt plain; for specrt runs also the
+    decode-only speedup (tokens after the first / decode seconds, prefill excluded); mean accepted
+    length; greedy equality with plain."""
     classes = sorted({r["class"] for r in runs}, key=[r["class"] for r in runs].index)
     variants = sorted({r["variant"] for r in runs}, key=[r["variant"] for r in runs].index)
     repeats = sorted({r["repeat"] for r in runs})
@@ -168,21 +171,27 @@ def summarize(runs: list[dict]) -> dict:
     for c in classes:
         out[c] = {}
         for v in variants:
-            tps = []
+            tps, dps = [], []
             for rep in repeats:
                 sel = [r for r in runs if r["class"] == c and r["variant"] == v and r["repeat"] == rep]
                 if sel:
                     tps.append(sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel))
+                if sel and "decode_seconds" in sel[0]:
+                    dps.append(sum(r["tokens"] - 1 for r in sel) / sum(r["decode_seconds"] for r in sel))
             sel = [r for r in runs if r["class"] == c and r["variant"] == v]
             if not sel:
                 continue
             entry = {"tokens_per_s": statistics.median(tps), "same_as_plain": f"{sum(r['same_as_plain'] for r in sel)}/{len(sel)}"}
+            if dps:
+                entry["decode_tokens_per_s"] = statistics.median(dps)
             if "mean_accepted_length" in sel[0]:
                 entry["mean_accepted_length"] = statistics.median(r["mean_accepted_length"] for r in sel)
             out[c][v] = entry
-        plain = out[c]["plain"]["tokens_per_s"]
-        for v in out[c]:
-            out[c][v]["speedup_vs_plain"] = out[c][v]["tokens_per_s"] / plain
+        plain = out[c]["plain"]
+        for e in out[c].values():
+            e["speedup_vs_plain"] = e["tokens_per_s"] / plain["tokens_per_s"]
+            if "decode_tokens_per_s" in e:
+                e["decode_speedup_vs_plain"] = e["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     return out
 
 
@@ -190,19 +199,21 @@ def format_table(result: dict) -> str:
     summary = result["summary"]
     classes = list(summary)
     variants = list(next(iter(summary.values())))
-    head = f"{'variant':<28}" + "".join(f"{c:>22}" for c in classes)
+    head = f"{'variant':<28}" + "".join(f"{c:>28}" for c in classes)
     lines = [head, "-" * len(head)]
     for v in variants:
         cells = []
         for c in classes:
             e = summary[c].get(v)
             if e is None:
-                cells.append(f"{'-':>22}")
+                cells.append(f"{'-':>28}")
                 continue
-            mal = f" L{e['mean_accepted_length']:.1f}" if "mean_accepted_length" in e else ""
-            cells.append(f"{e['tokens_per_s']:6.1f} {e['speedup_vs_plain']:4.2f}x{mal:>6}".rjust(22))
+            dec = f"{e['decode_speedup_vs_plain']:4.2f}x" if "decode_speedup_vs_plain" in e else ""
+            mal = f"L{e['mean_accepted_length']:.1f}" if "mean_accepted_length" in e else ""
+            cells.append(f"{e['tokens_per_s']:6.1f} {e['speedup_vs_plain']:4.2f}x {dec:>5} {mal:>5}".rjust(28))
         lines.append(f"{v:<28}" + "".join(cells))
-    lines.append("cells: tokens/s, speedup over specrt plain, L = mean accepted length (bonus included)")
+    lines.append("cells: end-to-end tokens/s and its speedup over specrt plain (prefill included), decode-only speedup,")
+    lines.append("       L = mean accepted length (bonus token included)")
     return "\n".join(lines)
 
 

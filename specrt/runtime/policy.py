@@ -4,7 +4,9 @@
 
 with everything measured online:
     E[tokens | N] = 1 + sum_{i<=N} prod_{j<=i} a_j, a_j the acceptance rate at depth j given
-                    depth j-1 was accepted (exponentially decayed counts, a Beta(1, 1) prior);
+                    depth j-1 was accepted (exponentially decayed counts; the prior of depth j is
+                    two pseudo-observations at the rate of depth j-1, so depths not yet drafted
+                    are expected to behave like the deepest one seen, and N can grow into them);
     step cost     t(Q) = c0 + c1 * Q fitted by least squares to recent steps (Q = positions in
                     the step over the whole batch); T_decode = t(B) and
                     alpha_B = c1 * B / (c0 + c1 * B), so a larger batch makes each extra verified
@@ -33,6 +35,7 @@ class CostModel:
         self.steps: collections.deque = collections.deque(maxlen=window)  # (positions, seconds)
         self.draft_s = None
         self.alpha_prior = alpha_prior
+        self._cost: tuple[float, float] | None = None  # fitted (c0, c1), cleared by each new step
 
     def observe_acceptance(self, drafted_depth: int, accepted: int) -> None:
         self.tried *= self.decay
@@ -44,10 +47,16 @@ class CostModel:
     def observe_step(self, positions: int, seconds: float, draft_seconds: float) -> None:
         self.steps.append((positions, seconds))
         self.draft_s = draft_seconds if self.draft_s is None else 0.9 * self.draft_s + 0.1 * draft_seconds
+        self._cost = None
 
     def step_cost(self) -> tuple[float, float] | None:
         """(c0, c1) of t(Q) = c0 + c1 * Q; None before any step. Until several distinct Q have
         been seen, one step's time is split between c0 and c1 with the prior alpha."""
+        if self._cost is None:
+            self._cost = self._fit_step_cost()
+        return self._cost
+
+    def _fit_step_cost(self) -> tuple[float, float] | None:
         if not self.steps:
             return None
         q = np.array([s[0] for s in self.steps], dtype=np.float64)
@@ -59,7 +68,12 @@ class CostModel:
         return max(float(c0), 1e-6), max(float(c1), 0.0)
 
     def acceptance(self) -> np.ndarray:
-        return (self.hit + 1.0) / (self.tried + 2.0)
+        rates = np.empty(self.max_draft)
+        prior = 0.5
+        for j in range(self.max_draft):
+            rates[j] = (self.hit[j] + 2.0 * prior) / (self.tried[j] + 2.0)
+            prior = rates[j]
+        return rates
 
     def decode_seconds(self, batch: int) -> float | None:
         cost = self.step_cost()

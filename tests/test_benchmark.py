@@ -1,0 +1,40 @@
+"""`specrt bench` end to end on the tiny model (no transformers baseline): table, JSON, PNG."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specrt.cli import main
+from specrt.errors import SpecrtError
+from specrt.benchmark import load_prompts
+
+
+def test_bench_command_writes_table_json_and_plot(tiny_artifacts, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in [
+        {"class": "chat", "prompt": "w5 w6 w7"},
+        {"class": "code_edit", "prompt": "w9 w10 w11 w9 w10 w11 w9 w10"},
+    ]))
+    out = tmp_path / "results"
+    r = CliRunner().invoke(main, ["bench", "--artifacts", str(tiny_artifacts), "--prompts", str(prompts), "--out", str(out), "--quick", "--no-transformers"])
+    assert r.exit_code == 0, r.output
+    assert "ngram N=auto" in r.output and "suffix N=4" in r.output and "sweep (ngram, code_edit)" in r.output
+    result = json.loads(next(out.glob("speculative-*.json")).read_text())
+    assert result["machine"]["cpu"] and result["versions"]["onnxruntime"] and result["date"]
+    assert set(result["summary"]) == {"chat", "code_edit"}
+    for entry in result["summary"]["code_edit"].values():
+        n, total = entry["same_as_plain"].split("/")
+        assert n == total  # greedy speculative output equals plain in every run
+    assert len(result["sweep"]["measured"]) == len(result["sweep"]["predicted"]) == 2
+    png = next(out.glob("speedup-vs-n-*.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_prompt_file(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"prompt": "no class"}\n')
+    with pytest.raises(SpecrtError, match="bad.jsonl:1: each line must be a JSON object with 'class' and 'prompt'"):
+        load_prompts(p)
+    with pytest.raises(SpecrtError, match="not found"):
+        load_prompts(tmp_path / "none.jsonl")
