@@ -63,12 +63,13 @@ def load_prompts(path: Path) -> list[dict]:
 
 
 def predicted_curve(metrics, ns) -> list[float]:
-    """Cost-model speedup for each N, from one run at a larger N (its drafts truncated to N)."""
+    """Cost-model speedup for each N, from one run at a larger N (its chain drafts truncated to N):
+    E[tokens | N] / (1 + P(draft) * (beta + T_draft/T_decode) + alpha * E[drafted | N])."""
     steps = metrics.steps
     acc = np.array(metrics.accepted_at_depth + [0] * 64, dtype=np.float64) / steps
     drafted = np.array(metrics.drafted_at_depth + [0] * 64, dtype=np.float64) / steps
-    alpha, ratio = metrics.alpha or 0.0, metrics.draft_ratio or 0.0
-    return [float((1 + acc[:n].sum()) / (1 + ratio + alpha * drafted[:n].sum())) for n in ns]
+    alpha, beta, ratio = metrics.alpha or 0.0, metrics.beta or 0.0, metrics.draft_ratio or 0.0
+    return [float((1 + acc[:n].sum()) / (1 + drafted[0] * (beta + ratio) + alpha * drafted[:n].sum())) for n in ns]
 
 
 def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> dict:
@@ -229,7 +230,7 @@ def plot_sweep(result: dict, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     ax.plot(sweep["n"], sweep["measured"], "o-", label="measured")
     if sweep["predicted"]:
-        ax.plot(sweep["n"], sweep["predicted"], "s--", label="cost model: E[tokens|N] / (T_draft/T_decode + 1 + αN)")
+        ax.plot(sweep["n"], sweep["predicted"], "s--", label="cost model: E[tokens|N] / (T_draft/T_decode + 1 + β + αN)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("draft tokens per step N")
     ax.set_ylabel("speedup over plain decoding")

@@ -136,24 +136,38 @@ def test_cost_model_turns_speculation_off_when_it_does_not_pay():
     m = CostModel(max_draft=8)
     for _ in range(200):
         m.observe_acceptance(drafted_depth=4, accepted=0)
-    for q in (1, 5, 9):
-        m.observe_step(q, 0.02 * (1 + 0.2 * (q - 1)), 0.0)
+    for q in (1, 5, 9, 1):
+        m.observe_step(q, 1, 0.02 * (1 + (0.1 + 0.04 * (q - 1)) * (q > 1)), 0.0)
     assert int(np.argmax(m.speedups(1))) == 0
     assert AutoPolicy(max_draft=8).num_draft(m, 1) == 0
+
+
+def test_cost_model_measures_the_verification_jump_and_slope():
+    """t(1) = 20 ms; verification steps cost 2 ms more plus 1 ms per position."""
+    m = CostModel(max_draft=16)
+    for _ in range(5):
+        m.observe_step(1, 1, 0.020, 0.0)
+    for q in range(2, 40, 4):
+        m.observe_step(q, 1, 0.022 + 0.001 * q, 0.0005)
+    c = m.cost(1)
+    assert abs(c.decode - 0.020) < 1e-9
+    assert abs(c.alpha - 0.05) < 1e-6 and abs(c.beta - 0.15) < 1e-6  # (22 + 1) / 20 - 1
+    assert abs(c.draft_ratio - 0.025) < 1e-9
+    assert c.relative(np.array([0, 4])).tolist() == pytest.approx([1.0, 1 + 0.15 + 0.025 + 0.2])
 
 
 def test_cost_model_speculates_when_acceptance_is_high_and_less_for_big_batches():
     m = CostModel(max_draft=16)
     for _ in range(200):
         m.observe_acceptance(drafted_depth=16, accepted=16)
-    for q in range(1, 40, 4):
-        m.observe_step(q, 0.020 + 0.001 * q, 0.0)  # c0 = 20 ms, c1 = 1 ms per position
-    assert abs(m.alpha(1) - 0.001 / 0.021) < 1e-6
+    for b in (1, 64):
+        m.observe_step(b, b, 0.020 + 0.001 * b, 0.0)  # plain steps: 21 ms at B = 1, 84 ms at B = 64
+    for q in range(2, 40, 4):
+        m.observe_step(q, 1, 0.020 + 0.001 * q, 0.0)  # c0 = 20 ms, c1 = 1 ms per position
     n1 = int(np.argmax(m.speedups(1)))
-    n64 = int(np.argmax(m.speedups(64)))
     assert n1 == 16 and m.speedups(1)[16] > 5
-    assert m.alpha(64) > 0.7 and m.speedups(64).max() < m.speedups(1).max()
-    assert n64 <= n1
+    assert m.cost(64).alpha > 0.7 and m.speedups(64).max() < m.speedups(1).max()
+    assert int(np.argmax(m.speedups(64))) <= n1
 
 
 def test_auto_policy_probes_while_off():

@@ -23,6 +23,7 @@ class SpecMetrics:
     step_seconds: float = 0.0  # target steps
     draft_seconds: float = 0.0  # proposers
     alpha: float | None = None  # measured marginal cost of one verified position / decode step
+    beta: float | None = None  # measured fixed extra cost of a verification step / decode step
     draft_ratio: float | None = None  # measured T_draft / T_decode
     decode_step_seconds: float | None = None  # measured (fitted) cost of a plain decode step
     predicted_speedup: float | None = None  # cost model with the measured numbers
@@ -69,7 +70,7 @@ class SpecMetrics:
             f"per position [{pos}]",
         ]
         if self.alpha is not None:
-            parts.append(f"alpha {self.alpha:.3f}")
+            parts.append(f"alpha {self.alpha:.3f} beta {self.beta:.3f}")
         if self.predicted_speedup is not None and self.measured_speedup is not None:
             parts.append(f"speedup predicted {self.predicted_speedup:.2f}x / measured {self.measured_speedup:.2f}x")
         return ", ".join(parts)

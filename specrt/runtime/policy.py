@@ -1,41 +1,61 @@
 """Speculation length: a fixed N, or `auto`, which picks N each step from the cost model
 
-    speedup(N) = E[tokens per step | N] / (T_draft/T_decode + 1 + alpha_B * N)
+    speedup(N) = E[tokens per step | N] / (T_draft/T_decode + 1 + beta_B + alpha_B * N)
 
 with everything measured online:
     E[tokens | N] = 1 + sum_{i<=N} prod_{j<=i} a_j, a_j the acceptance rate at depth j given
                     depth j-1 was accepted (exponentially decayed counts; the prior of depth j is
                     two pseudo-observations at the rate of depth j-1, so depths not yet drafted
                     are expected to behave like the deepest one seen, and N can grow into them);
-    step cost     t(Q) = c0 + c1 * Q fitted by least squares to recent steps (Q = positions in
-                    the step over the whole batch); T_decode = t(B) and
-                    alpha_B = c1 * B / (c0 + c1 * B), so a larger batch makes each extra verified
-                    position relatively dearer and speculation turns itself down;
+    T_decode      median time of recent plain steps (no draft) at this batch size B;
+    alpha, beta   a line t(P) = c0 + c1 * P fitted to recent steps that verified drafts
+                    (P = positions in the step over the whole batch): alpha_B = c1 * B / T_decode
+                    is the cost of one more draft position per row, beta_B = t(B) / T_decode - 1
+                    the fixed extra cost of any verification step. beta is the refinement of
+                    the textbook model: on a CPU a step of Q = 2 costs ~12 % more than Q = 1
+                    (matrix-vector vs matrix-matrix kernels), then ~4 % per position, and a
+                    line through Q = 1 gets both the small and the large drafts wrong. A larger
+                    batch makes alpha_B larger, so speculation turns itself down;
     T_draft       decayed mean of the proposer's time per step.
 N = 0 (plain decoding, speedup 1) is always a candidate, so speculation that does not pay is
-switched off; while off, every `probe_every`-th step drafts a little to keep the acceptance
-estimates current.
+switched off; while off, every `probe_every`-th step drafts a little to keep the estimates current.
+Before enough steps are seen, the priors alpha = 0.05 and beta = 0.1 stand in.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 
 
-class CostModel:
-    """Online estimates of alpha, T_decode, T_draft and per-depth acceptance."""
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    decode: float  # T_decode (seconds) at this batch size
+    alpha: float  # per extra draft position per row, relative to T_decode
+    beta: float  # fixed extra cost of a verification step, relative to T_decode
+    draft_ratio: float  # T_draft / T_decode
 
-    def __init__(self, max_draft: int, decay: float = 0.98, window: int = 64, alpha_prior: float = 0.05):
+    def relative(self, n: np.ndarray) -> np.ndarray:
+        """Cost of a step with n draft tokens per row, in plain decode steps."""
+        n = np.asarray(n, dtype=np.float64)
+        return 1.0 + np.where(n > 0, self.beta + self.draft_ratio + self.alpha * n, 0.0)
+
+
+class CostModel:
+    """Online estimates of T_decode, alpha, beta, T_draft and per-depth acceptance."""
+
+    def __init__(self, max_draft: int, decay: float = 0.98, window: int = 96, alpha_prior: float = 0.05, beta_prior: float = 0.1):
         self.max_draft = max_draft
         self.decay = decay
         self.tried = np.zeros(max_draft)  # decayed counts: depth j was drafted and j-1 accepted
         self.hit = np.zeros(max_draft)  # ... and depth j was accepted
-        self.steps: collections.deque = collections.deque(maxlen=window)  # (positions, seconds)
-        self.draft_s = None
-        self.alpha_prior = alpha_prior
-        self._cost: tuple[float, float] | None = None  # fitted (c0, c1), cleared by each new step
+        self.plain_steps: collections.deque = collections.deque(maxlen=window)  # (batch, seconds)
+        self.spec_steps: collections.deque = collections.deque(maxlen=window)  # (positions, seconds)
+        self.draft_s: float | None = None
+        self.alpha_prior, self.beta_prior = alpha_prior, beta_prior
+        self._fits: dict[int, StepCost | None] = {}  # per batch size, cleared by each new step
 
     def observe_acceptance(self, drafted_depth: int, accepted: int) -> None:
         self.tried *= self.decay
@@ -44,28 +64,39 @@ class CostModel:
         self.tried[:tested] += 1
         self.hit[: min(accepted, self.max_draft)] += 1
 
-    def observe_step(self, positions: int, seconds: float, draft_seconds: float) -> None:
-        self.steps.append((positions, seconds))
-        self.draft_s = draft_seconds if self.draft_s is None else 0.9 * self.draft_s + 0.1 * draft_seconds
-        self._cost = None
+    def observe_step(self, positions: int, batch: int, seconds: float, draft_seconds: float) -> None:
+        """One target step over `positions` positions for `batch` rows (positions == batch: no draft)."""
+        if positions == batch:
+            self.plain_steps.append((batch, seconds))
+        else:
+            self.spec_steps.append((positions, seconds))
+            self.draft_s = draft_seconds if self.draft_s is None else 0.9 * self.draft_s + 0.1 * draft_seconds
+        self._fits.clear()
 
-    def step_cost(self) -> tuple[float, float] | None:
-        """(c0, c1) of t(Q) = c0 + c1 * Q; None before any step. Until several distinct Q have
-        been seen, one step's time is split between c0 and c1 with the prior alpha."""
-        if self._cost is None:
-            self._cost = self._fit_step_cost()
-        return self._cost
+    def cost(self, batch: int) -> StepCost | None:
+        if batch not in self._fits:
+            self._fits[batch] = self._fit(batch)
+        return self._fits[batch]
 
-    def _fit_step_cost(self) -> tuple[float, float] | None:
-        if not self.steps:
+    def _fit(self, batch: int) -> StepCost | None:
+        plain = [t for b, t in self.plain_steps if b == batch]
+        spec = np.array(self.spec_steps, dtype=np.float64).reshape(-1, 2)
+        if plain:
+            decode = float(np.median(plain))
+        elif len(spec):  # no plain step yet: back out T_decode from the verification steps with the priors
+            rel = 1 + self.beta_prior + self.alpha_prior * (spec[:, 0] / batch - 1)
+            decode = float(np.median(spec[:, 1] / rel))
+        else:
             return None
-        q = np.array([s[0] for s in self.steps], dtype=np.float64)
-        t = np.array([s[1] for s in self.steps], dtype=np.float64)
-        if len(np.unique(q)) < 3:
-            t1 = float(np.median(t / (1 + self.alpha_prior * (q - 1))))  # cost of Q = 1
-            return t1 * (1 - self.alpha_prior), t1 * self.alpha_prior
-        c1, c0 = np.polyfit(q, t, 1)
-        return max(float(c0), 1e-6), max(float(c1), 0.0)
+        if len(np.unique(spec[:, 0])) >= 3:
+            c1, c0 = np.polyfit(spec[:, 0], spec[:, 1], 1)
+            c1 = max(float(c1), 0.0)
+            alpha = c1 * batch / decode
+            beta = max((c0 + c1 * batch) / decode - 1.0, 0.0)
+        else:
+            alpha, beta = self.alpha_prior, self.beta_prior
+        ratio = (self.draft_s or 0.0) / decode
+        return StepCost(decode, alpha, beta, ratio)
 
     def acceptance(self) -> np.ndarray:
         rates = np.empty(self.max_draft)
@@ -75,31 +106,13 @@ class CostModel:
             prior = rates[j]
         return rates
 
-    def decode_seconds(self, batch: int) -> float | None:
-        cost = self.step_cost()
-        return None if cost is None else cost[0] + cost[1] * batch
-
-    def alpha(self, batch: int) -> float:
-        cost = self.step_cost()
-        if cost is None:
-            return self.alpha_prior
-        c0, c1 = cost
-        return c1 * batch / (c0 + c1 * batch)
-
-    def draft_ratio(self, batch: int) -> float:
-        dec = self.decode_seconds(batch)
-        if dec is None or self.draft_s is None:
-            return 0.0
-        return self.draft_s / dec
-
     def expected_tokens(self) -> np.ndarray:
         """(max_draft + 1,) E[tokens per step] for N = 0 .. max_draft."""
         return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()))])
 
     def speedups(self, batch: int) -> np.ndarray:
-        n = np.arange(self.max_draft + 1)
-        cost = 1.0 + self.alpha(batch) * n + np.where(n > 0, self.draft_ratio(batch), 0.0)
-        return self.expected_tokens() / cost
+        cost = self.cost(batch) or StepCost(1.0, self.alpha_prior, self.beta_prior, 0.0)
+        return self.expected_tokens() / cost.relative(np.arange(self.max_draft + 1))
 
 
 class FixedPolicy:

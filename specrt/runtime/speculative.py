@@ -81,6 +81,7 @@ class SpeculativeDecoder:
         reason = ["length"] * B
         active = np.ones(B, dtype=bool)
         step_times: list[float] = []
+        drafted_per_step: list[float] = []
 
         def emit(b: int, tokens: list[int]) -> list[int]:
             """Append tokens to row b up to EOS or its budget; returns what was appended."""
@@ -127,7 +128,8 @@ class SpeculativeDecoder:
                     cost.observe_acceptance(depth, len(verdict.accepted))
                 new_tokens[b] = emit(int(b), verdict.tokens(tree))
             step_s = time.perf_counter() - ts
-            cost.observe_step(sum(len(f) for f in feed), step_s, draft_s)
+            cost.observe_step(sum(len(f) for f in feed), len(rows), step_s, draft_s)
+            drafted_per_step.append(sum(len(trees[b]) for b in rows) / len(rows))
             metrics.step_seconds += step_s
             metrics.draft_seconds += draft_s
             step_times.append(step_s + draft_s)
@@ -135,12 +137,12 @@ class SpeculativeDecoder:
 
         for b in range(B):
             self.proposer.end(b, out[b])
-        metrics.alpha = cost.alpha(1)
-        metrics.draft_ratio = cost.draft_ratio(1)
-        metrics.decode_step_seconds = cost.decode_seconds(B)
-        if metrics.steps and metrics.drafted_tokens:
-            mean_n = metrics.drafted_tokens / metrics.steps
-            metrics.predicted_speedup = metrics.mean_accepted_length / (1 + metrics.draft_ratio + metrics.alpha * mean_n)
+        fitted = cost.cost(B)
+        if fitted is not None and metrics.steps:
+            metrics.alpha, metrics.beta, metrics.draft_ratio = fitted.alpha, fitted.beta, fitted.draft_ratio
+            metrics.decode_step_seconds = fitted.decode
+            # the cost model's speedup for the drafts this run made: tokens per step / mean step cost
+            metrics.predicted_speedup = metrics.mean_accepted_length / float(fitted.relative(np.array(drafted_per_step)).mean())
         decode_s = float(sum(step_times))
         results = []
         for b in range(B):
