@@ -55,6 +55,7 @@ test-fast: setup
 
 bench: build-engines
 	$(PY) bench/bench_decode.py --model $(MODEL_DIR) --artifacts $(ARTIFACTS)
+	$(SPECRT) bench --artifacts $(ARTIFACTS) --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(ARTIFACTS)

@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from specrt.artifacts import cpu_model, package_versions
 from specrt.errors import SpecrtError
 
@@ -43,6 +41,7 @@ class SpecBenchConfig:
     sweep_method: str = "ngram"  # a chain: truncating its drafts predicts smaller N exactly
     sweep_class: str = "code_edit"
     transformers: bool = True  # compare with transformers' prompt lookup and plain generate
+    main_runs: bool = True  # False: only the speedup-vs-N sweep
     hf_lookup_tokens: int = 10
 
 
@@ -62,16 +61,6 @@ def load_prompts(path: Path) -> list[dict]:
     return prompts
 
 
-def predicted_curve(metrics, ns) -> list[float]:
-    """Cost-model speedup for each N, from one run at a larger N (its chain drafts truncated to N):
-    E[tokens | N] / (1 + P(draft) * (beta + T_draft/T_decode) + alpha * E[drafted | N])."""
-    steps = metrics.steps
-    acc = np.array(metrics.accepted_at_depth + [0] * 64, dtype=np.float64) / steps
-    drafted = np.array(metrics.drafted_at_depth + [0] * 64, dtype=np.float64) / steps
-    alpha, beta, ratio = metrics.alpha or 0.0, metrics.beta or 0.0, metrics.draft_ratio or 0.0
-    return [float((1 + acc[:n].sum()) / (1 + drafted[0] * (beta + ratio) + alpha * drafted[:n].sum())) for n in ns]
-
-
 def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> dict:
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.generator import Generator
@@ -80,7 +69,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
     prompts = load_prompts(cfg.prompts)
     gen = Generator.from_engine(cfg.engine_dir, cfg.checkpoint)
     hf = None
-    if cfg.transformers:
+    if cfg.transformers and cfg.main_runs:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -104,7 +93,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
 
     variants = [(m, n) for m in cfg.methods for n in (*cfg.fixed_n, "auto")]
     runs = []  # one dict per (repeat, prompt, variant)
-    for r in range(cfg.repeats):
+    for r in range(cfg.repeats if cfg.main_runs else 0):
         for pi, p in enumerate(prompts):
             ids = gen.encode_prompt(p["prompt"])
             plain, t_plain = timed(lambda: gen.generate_ids([ids], cfg.max_new_tokens)[0])
@@ -131,7 +120,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
     sweep_prompts = [i for i, p in enumerate(prompts) if p["class"] == cfg.sweep_class]
     sweep = {"method": cfg.sweep_method, "class": cfg.sweep_class, "n": list(cfg.sweep_n), "measured": [], "predicted": []}
     per_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
-    predicted: list[list[float]] = []
+    pred_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
     for pi in sweep_prompts:
         ids = gen.encode_prompt(prompts[pi]["prompt"])
         plain = gen.generate_ids([ids], cfg.max_new_tokens)[0]
@@ -139,11 +128,10 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
             res = SpeculativeDecoder(gen, make_proposer(cfg.sweep_method), make_policy(n)).generate_ids([ids], cfg.max_new_tokens)[0]
             # decode only (prefill excluded), as the cost model describes the decode loop
             per_n[n].append(res.decode_tokens_per_second / plain.decode_tokens_per_second)
-            if n == max(cfg.sweep_n):
-                predicted.append(predicted_curve(res.metrics, cfg.sweep_n))
+            pred_n[n].append(res.metrics.predicted_speedup or float("nan"))
         log(f"sweep #{pi + 1}: " + "  ".join(f"N={n} {per_n[n][-1]:.2f}x" for n in cfg.sweep_n))
     sweep["measured"] = [statistics.median(per_n[n]) for n in cfg.sweep_n] if sweep_prompts else []
-    sweep["predicted"] = [statistics.median(col) for col in zip(*predicted)] if predicted else []
+    sweep["predicted"] = [statistics.median(pred_n[n]) for n in cfg.sweep_n] if sweep_prompts else []
 
     summary = summarize(runs)
     result = {
@@ -198,6 +186,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def format_table(result: dict) -> str:
     summary = result["summary"]
+    if not summary:
+        return "(no main runs)"
     classes = list(summary)
     variants = list(next(iter(summary.values())))
     head = f"{'variant':<28}" + "".join(f"{c:>28}" for c in classes)
@@ -230,7 +220,7 @@ def plot_sweep(result: dict, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     ax.plot(sweep["n"], sweep["measured"], "o-", label="measured")
     if sweep["predicted"]:
-        ax.plot(sweep["n"], sweep["predicted"], "s--", label="cost model: E[tokens|N] / (T_draft/T_decode + 1 + β + αN)")
+        ax.plot(sweep["n"], sweep["predicted"], "s--", label="cost model with the run's acceptance: L / (T_draft/T_decode + 1 + β + αN)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("draft tokens per step N")
     ax.set_ylabel("speedup over plain decoding")
@@ -247,6 +237,6 @@ def write_results(result: dict, out_dir: Path) -> tuple[Path, Path | None]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
-    json_path = out_dir / f"speculative-{stamp}.json"
+    json_path = out_dir / (f"speculative-{stamp}.json" if result["summary"] else f"speculative-sweep-{stamp}.json")
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     return json_path, plot_sweep(result, out_dir / f"speedup-vs-n-{stamp}.png")

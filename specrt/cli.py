@@ -157,13 +157,14 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers baselines.")
 @click.option("--quick", is_flag=True, help="One repeat, 48 tokens, N in {2, 4}: a smoke run.")
+@click.option("--sweep-only", is_flag=True, help="Only the speedup-vs-N sweep and its plot.")
 @_friendly_errors
-def bench(artifacts, checkpoint, prompts, out, max_new_tokens, repeats, no_transformers, quick):
+def bench(artifacts, checkpoint, prompts, out, max_new_tokens, repeats, no_transformers, quick, sweep_only):
     """Benchmark speculative decoding on a prompt set: table, JSON and a speedup-vs-N plot."""
     from specrt.benchmark import SpecBenchConfig, format_table, run_spec_benchmark, write_results
 
     cfg = SpecBenchConfig(engine_dir=artifacts / "engines" / "ort-cpu", checkpoint=checkpoint, prompts=prompts, out_dir=out,
-                          max_new_tokens=max_new_tokens, repeats=repeats, transformers=not no_transformers)
+                          max_new_tokens=max_new_tokens, repeats=repeats, transformers=not no_transformers, main_runs=not sweep_only)
     if quick:
         cfg = dataclasses.replace(cfg, repeats=1, max_new_tokens=48, fixed_n=(4,), sweep_n=(2, 4))
     result = run_spec_benchmark(cfg, log=lambda line: click.echo(line, err=True))
