@@ -73,12 +73,28 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory: onnx/ and engines/ are written under it.")
 @click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider to optimize for.")
 @click.option("--force", is_flag=True, help="Rebuild even when up-to-date artifacts exist.")
+@click.option("--tensorrt", "tensorrt", default="auto", show_default=True, type=click.Choice(["auto", "off", "tensorrt", "tensorrt-rtx"]),
+              help="TensorRT engine: auto builds one when tensorrt or tensorrt_rtx is installed.")
+@click.option("--max-context", default=2048, show_default=True, type=click.IntRange(min=2), help="TensorRT profiles: longest context (prompt + output).")
+@click.option("--max-prefill", default=512, show_default=True, type=click.IntRange(min=1), help="TensorRT prefill profile: longest prompt chunk.")
+@click.option("--max-verify", default=17, show_default=True, type=click.IntRange(min=1), help="TensorRT verify profile: max draft tokens (or tree size) + 1.")
+@click.option("--max-batch", default=1, show_default=True, type=click.IntRange(min=1), help="TensorRT profiles: largest batch.")
+@click.option("--compute-capability", "compute_capabilities", multiple=True, help="TensorRT-RTX target GPU, e.g. SM89 (repeatable; default: the library's).")
+@click.option("--workspace-mib", default=4096, show_default=True, type=click.IntRange(min=16), help="TensorRT builder workspace limit.")
 @_friendly_errors
-def build_engines(checkpoint: Path, out: Path, provider: str, force: bool):
-    """Export the ONNX step graph (if needed) and build engines from it."""
+def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tensorrt: str, max_context: int, max_prefill: int, max_verify: int,
+                  max_batch: int, compute_capabilities: tuple[str, ...], workspace_mib: int):
+    """Export the ONNX step graph (if needed) and build engines from it: ONNX Runtime always,
+    TensorRT / TensorRT-RTX when installed."""
     from specrt.engines.build import BuildSpec, build_all
+    from specrt.engines.profiles import EngineShapes
+    from specrt.engines.trt import TrtBuildSpec
 
-    for line in build_all(BuildSpec(checkpoint=checkpoint, out=out, provider=provider, force=force)):
+    shapes = EngineShapes(max_batch=max_batch, max_context=max_context, max_prefill=max_prefill, max_verify=max_verify)
+    trt_spec = TrtBuildSpec(shapes=shapes, workspace_mib=workspace_mib, compute_capabilities=compute_capabilities,
+                            timing_cache=out / "engines" / "timing.cache")
+    spec = BuildSpec(checkpoint=checkpoint, out=out, provider=provider, force=force, tensorrt=tensorrt, trt=trt_spec)
+    for line in build_all(spec):
         click.echo(line)
 
 

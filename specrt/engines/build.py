@@ -3,16 +3,17 @@
 Layout of an artifact directory:
     <out>/onnx/                 model.onnx, model.onnx.data, manifest.json
     <out>/engines/ort-<prov>/   model.opt.onnx, model.opt.onnx.data, manifest.json
+    <out>/engines/trt-<flavour>/ model.engine, manifest.json (when tensorrt or tensorrt_rtx is installed)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import time
 from pathlib import Path
 from typing import Iterator
 
+from specrt.engines.trt import TrtBuildSpec
 from specrt.errors import SpecrtError
 
 
@@ -23,6 +24,8 @@ class BuildSpec:
     provider: str = "cpu"
     force: bool = False
     opset: int = 17
+    tensorrt: str = "auto"  # auto: build when a TensorRT flavour is installed; "off"; or a flavour
+    trt: TrtBuildSpec = TrtBuildSpec()
 
 
 def onnx_dir(out: Path) -> Path:
@@ -31,6 +34,10 @@ def onnx_dir(out: Path) -> Path:
 
 def ort_engine_dir(out: Path, provider: str = "cpu") -> Path:
     return Path(out) / "engines" / f"ort-{provider}"
+
+
+def trt_engine_dir(out: Path, flavour: str) -> Path:
+    return Path(out) / "engines" / f"trt-{flavour}"
 
 
 def _up_to_date(read, *args) -> bool:
@@ -68,8 +75,30 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
         build_ort_engine(odir, edir, OrtOptions(provider=spec.provider))
         yield f"ort       {edir}: built for {read_engine_manifest(edir)['provider']} in {time.perf_counter() - t0:.1f} s"
 
-    for lib in ("tensorrt", "tensorrt_rtx"):
-        if importlib.util.find_spec(lib) is None:
-            yield f"{lib:<9} skipped: the {lib} Python package is not installed"
-        else:
-            yield f"{lib:<9} skipped: TensorRT engine builds are not implemented in this version of specrt"
+    yield from _build_tensorrt(spec, odir, onnx_files, ckpt_hash, exported)
+
+
+def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool) -> Iterator[str]:
+    from specrt.engines.trt import FLAVOURS, available_flavours, build_trt_engine, read_trt_manifest
+
+    if spec.tensorrt == "off":
+        yield "tensorrt  skipped: --no-tensorrt"
+        return
+    installed = available_flavours()
+    wanted = installed[:1] if spec.tensorrt == "auto" else [spec.tensorrt]
+    if not wanted:
+        yield f"tensorrt  skipped: neither {' nor '.join(FLAVOURS)} is installed (pip install tensorrt-rtx, or tensorrt on an NVIDIA host)"
+        return
+    flavour = wanted[0]
+    if flavour not in installed:
+        raise SpecrtError(f"--tensorrt {flavour} was asked for, but it is not installed; pip install {flavour}")
+    edir = trt_engine_dir(spec.out, flavour)
+    if not spec.force and not exported and _up_to_date(read_trt_manifest, edir, onnx_files, ckpt_hash):
+        m = read_trt_manifest(edir, check_file=False)
+        if m["profiles"] == [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()]:
+            yield f"{flavour:<9} {edir}: up to date"
+            return
+    t0 = time.perf_counter()
+    build_trt_engine(odir, edir, dataclasses.replace(spec.trt, flavour=flavour))
+    size = (edir / "model.engine").stat().st_size / 2**20
+    yield f"{flavour:<9} {edir}: built in {time.perf_counter() - t0:.1f} s ({size:.0f} MiB; running it needs an NVIDIA GPU)"

@@ -1,0 +1,207 @@
+"""TensorRT engines (TensorRT 10/11 and TensorRT-RTX share this one build path).
+
+    ONNX step graph -> strongly typed network -> optimization profiles (profiles.py) ->
+    serialized engine + manifest.json, written atomically
+
+Precision comes from the network's types and Q/DQ nodes (TensorRT 11 and TensorRT-RTX have no
+FP16/INT8 builder flags), so the network is always built strongly typed. The manifest records the
+flavour and version of TensorRT, the compute capabilities targeted, the ONNX files' hashes, the
+profiles and the I/O; `read_trt_manifest` refuses an engine whose manifest does not match the
+ONNX, the installed TensorRT or the engine file itself. Running an engine needs a GPU (trt_runtime.py).
+
+tensorrt / tensorrt_rtx are imported inside functions: `import specrt` works without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import time
+from pathlib import Path
+
+from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, write_manifest
+from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
+from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
+from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+
+TRT_KIND = "trt-engine"
+ENGINE_FILE = "model.engine"
+FLAVOURS = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}  # flavour -> module
+
+
+def available_flavours() -> list[str]:
+    return [f for f, mod in FLAVOURS.items() if importlib.util.find_spec(mod) is not None]
+
+
+def load_tensorrt(flavour: str = "auto"):
+    """(flavour, module). 'auto' takes full TensorRT when installed, else TensorRT-RTX."""
+    if flavour == "auto":
+        found = available_flavours()
+        if not found:
+            raise SpecrtError("neither tensorrt nor tensorrt_rtx is installed; `pip install tensorrt-rtx` (builds on any machine) or tensorrt (needs an NVIDIA host).")
+        flavour = found[0]
+    if flavour not in FLAVOURS:
+        raise SpecrtError(f"unknown TensorRT flavour {flavour!r}; choose one of {', '.join(FLAVOURS)} or auto.")
+    try:
+        return flavour, importlib.import_module(FLAVOURS[flavour])
+    except ImportError as e:
+        raise SpecrtError(f"{flavour} is not importable ({e}); install it with `pip install {flavour}`.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrtBuildSpec:
+    flavour: str = "auto"  # tensorrt | tensorrt-rtx | auto
+    shapes: EngineShapes = EngineShapes()
+    workspace_mib: int = 4096
+    # TensorRT-RTX only: target GPUs, e.g. ("SM89", "SM120"); empty = the library's default
+    compute_capabilities: tuple[str, ...] = ()
+    timing_cache: Path | None = None  # reused and updated across builds (full TensorRT; a no-op in TensorRT-RTX)
+
+
+def _progress_monitor(trt, enabled: bool):
+    """An IProgressMonitor that drives tqdm bars, built after the TensorRT module is imported."""
+    if not enabled or not hasattr(trt, "IProgressMonitor"):
+        return None
+    from tqdm import tqdm
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self.bars = {}
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            if parent_phase is None:  # top-level phases only; nested ones would flood a log
+                self.bars[phase_name] = tqdm(total=num_steps, desc=f"TensorRT: {phase_name}")
+
+        def step_complete(self, phase_name, step):
+            if phase_name in self.bars:
+                self.bars[phase_name].update(1)
+            return True  # False would cancel the build
+
+        def phase_finish(self, phase_name):
+            bar = self.bars.pop(phase_name, None)
+            if bar is not None:
+                bar.close()
+
+    return Monitor()
+
+
+def _parse_onnx(trt, builder, logger, onnx_path: Path):
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise ArtifactError(f"TensorRT could not parse {onnx_path}: {errors}. Re-export it with `specrt export`.")
+    return network, parser
+
+
+def build_trt_engine(onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSpec = TrtBuildSpec(), progress: bool = True) -> Path:
+    """Build a TensorRT engine with the verify and prefill profiles; returns out_dir."""
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    onnx_manifest = read_onnx_manifest(onnx_dir)
+    cfg = onnx_manifest["config"]
+    profiles = spec.shapes.profiles()  # validated before TensorRT is touched
+    flavour, trt = load_tensorrt(spec.flavour)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network, _parser = _parse_onnx(trt, builder, logger, onnx_dir / ONNX_FILE)
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, spec.workspace_mib << 20)
+    targets = []
+    if spec.compute_capabilities:
+        if flavour != "tensorrt-rtx":
+            raise SpecrtError("compute capabilities are chosen per build only with TensorRT-RTX; full TensorRT builds for the GPU it runs on.")
+        config.num_compute_capabilities = len(spec.compute_capabilities)
+        for i, cc in enumerate(spec.compute_capabilities):
+            if not hasattr(trt.ComputeCapability, cc):
+                known = [n for n in dir(trt.ComputeCapability) if n.startswith("SM")]
+                raise SpecrtError(f"unknown compute capability {cc!r}; this TensorRT-RTX knows {', '.join(known)}.")
+            config.set_compute_capability(getattr(trt.ComputeCapability, cc), i)
+        targets = list(spec.compute_capabilities)
+    timing_cache = None
+    if spec.timing_cache is not None and flavour == "tensorrt":
+        blob = spec.timing_cache.read_bytes() if spec.timing_cache.is_file() else b""
+        timing_cache = config.create_timing_cache(blob)
+        config.set_timing_cache(timing_cache, ignore_mismatch=False)
+    monitor = _progress_monitor(trt, progress)
+    if monitor is not None:
+        config.progress_monitor = monitor
+    for p in profiles:
+        prof = builder.create_optimization_profile()
+        for name, (mn, opt, mx) in p.shapes(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]).items():
+            prof.set_shape(name, mn, opt, mx)
+        if config.add_optimization_profile(prof) < 0:
+            raise SpecrtError(f"TensorRT rejected the {p.name} profile {p}; check the engine shapes.")
+    t0 = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise ArtifactError(f"TensorRT failed to build an engine from {onnx_dir / ONNX_FILE} (see the log above).")
+    build_s = time.perf_counter() - t0
+    with atomic_dir(out_dir) as tmp:
+        (tmp / ENGINE_FILE).write_bytes(memoryview(serialized))
+        write_manifest(
+            tmp,
+            TRT_KIND,
+            {
+                "flavour": flavour,
+                "tensorrt_version": trt.__version__,
+                "compute_capabilities": targets or ["library default"],
+                "onnx": {"path": str(onnx_dir.resolve()), "files": onnx_manifest["files"]},
+                "checkpoint": onnx_manifest["checkpoint"],
+                "config": cfg,
+                "hidden_layers": onnx_manifest["hidden_layers"],
+                "profiles": [dataclasses.asdict(p) for p in profiles],
+                "inputs": [_io(network.get_input(i)) for i in range(network.num_inputs)],
+                "outputs": [_io(network.get_output(i)) for i in range(network.num_outputs)],
+                "workspace_mib": spec.workspace_mib,
+                "engine_sha256": file_sha256(tmp / ENGINE_FILE),
+                "build_seconds": round(build_s, 2),
+                "versions": package_versions("onnx"),
+            },
+        )
+    if timing_cache is not None:
+        spec.timing_cache.parent.mkdir(parents=True, exist_ok=True)
+        spec.timing_cache.write_bytes(memoryview(timing_cache.serialize()))
+    return out_dir
+
+
+def _io(t) -> dict:
+    return {"name": t.name, "dtype": str(t.dtype).split(".")[-1].lower(), "shape": list(t.shape)}
+
+
+def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, checkpoint_hash_expected: str | None = None, check_file: bool = True) -> dict:
+    """The engine's manifest, checked against the ONNX it should come from, the checkpoint, the
+    installed TensorRT and the engine file's hash."""
+    engine_dir = Path(engine_dir)
+    how = "specrt build-engines --model CHECKPOINT --out DIR --tensorrt"
+    m = read_manifest(engine_dir, TRT_KIND, how)
+    require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", f"Rebuild it with: {how}")
+    if onnx_files is not None and m["onnx"]["files"] != onnx_files:
+        raise ManifestMismatchError(f"engine {engine_dir} was built from another export of the ONNX step graph; rebuild it with: {how}")
+    flavour = m.get("flavour")
+    if flavour not in FLAVOURS or flavour not in available_flavours():
+        raise ManifestMismatchError(f"engine {engine_dir} was built with {flavour}, which is not installed here; install it or rebuild with: {how}")
+    installed = load_tensorrt(flavour)[1].__version__
+    if installed != m["tensorrt_version"]:
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was built with {flavour} {m['tensorrt_version']}, but {installed} is installed; "
+            f"engines do not move across versions. Rebuild it with: {how}"
+        )
+    path = engine_dir / ENGINE_FILE
+    if not path.is_file():
+        raise ArtifactError(f"engine {engine_dir} lacks {ENGINE_FILE}; rebuild it with: {how}")
+    if check_file and file_sha256(path) != m["engine_sha256"]:
+        raise ArtifactError(f"{path} does not match the hash in its manifest (corrupt or replaced); rebuild it with: {how}")
+    return m
+
+
+def select_profile(manifest: dict, batch: int, q_len: int, past_len: int) -> int:
+    """Index of the first profile that holds the step (verify comes first)."""
+    for i, p in enumerate(manifest["profiles"]):
+        spec = ProfileSpec(p["name"], *(Range(**p[k]) for k in ("batch", "q_len", "past_len")))
+        if spec.holds(batch, q_len, past_len):
+            return i
+    raise SpecrtError(f"no profile of this engine holds batch {batch}, Q {q_len}, past {past_len}; rebuild with larger engine shapes.")
+
