@@ -54,6 +54,43 @@ class GenerationResult:
         )
 
 
+@dataclasses.dataclass
+class Started:
+    """What every generation loop begins with: budgets, a fresh cache, the prefill's first tokens."""
+
+    lens: np.ndarray  # prompt lengths
+    budget: np.ndarray  # tokens each row may produce
+    cache: KVCache
+    rng: np.random.Generator
+    first: np.ndarray  # (B,) first generated token of each row
+    prefill_seconds: float
+
+
+def run_to_end(steps):
+    """Drain a step iterator (iter_generate) and return its results."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def stream_text(gen: "Generator", steps) -> Generator_[str, None, "GenerationResult"]:
+    """Text pieces of row 0 from a step iterator yielding new tokens per row; returns its result."""
+    detok = IncrementalDetokenizer(gen.tokenizer)
+    while True:
+        try:
+            new = next(steps)
+        except StopIteration as stop:
+            result = stop.value[0]
+            break
+        text = "".join(detok.push(t) for t in new[0] if t not in gen.eos_ids)
+        if text:
+            yield text
+    result.text = gen.decode(result.token_ids)
+    return result
+
+
 class Generator:
     def __init__(self, backend: StepBackend, tokenizer: Tokenizer | None = None, max_context: int | None = None, prefill_chunk: int = 512):
         self.backend = backend
@@ -153,55 +190,54 @@ class Generator:
             if bad:
                 raise PromptError(f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
 
-    def iter_generate(
-        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
-    ) -> Generator_[tuple[np.ndarray, np.ndarray], None, list[GenerationResult]]:
-        """Generate for a batch of token-id prompts, step by step.
-
-        Yields (tokens (B,), produced (B,) bool) after every step: the new token of each row that
-        produced one. Returns (StopIteration.value) one GenerationResult per row."""
+    def start(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams, headroom: int = 0) -> Started:
+        """Check the prompts, allocate the cache (output plus `headroom` positions) and prefill."""
         if max_new_tokens < 1:
             raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.check_prompts(prompts)
-        B = len(prompts)
         lens = np.array([len(p) for p in prompts])
-        budget = np.minimum(max_new_tokens, self.max_context - lens)  # tokens each row may produce
-        cache = self.new_cache(B, int((lens + budget).max()))
+        budget = np.minimum(max_new_tokens, self.max_context - lens)
+        cache = self.new_cache(len(prompts), int((lens + budget).max()) + headroom)
         rng = np.random.default_rng(sampling.seed)
-
         t0 = time.perf_counter()
-        tokens = next_tokens(self.prefill(cache, prompts), sampling, rng)
-        prefill_s = time.perf_counter() - t0
+        first = next_tokens(self.prefill(cache, prompts), sampling, rng)
+        return Started(lens, budget, cache, rng, first, time.perf_counter() - t0)
 
+    def iter_generate(
+        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+    ) -> Generator_[list[list[int]], None, list[GenerationResult]]:
+        """Generate for a batch of token-id prompts, step by step.
+
+        Yields, after every step, the new tokens of each row (one, or none for a finished row).
+        Returns (StopIteration.value) one GenerationResult per row."""
+        st = self.start(prompts, max_new_tokens, sampling)
+        B = len(prompts)
         out: list[list[int]] = [[] for _ in range(B)]
         reason = ["length"] * B
         active = np.ones(B, dtype=bool)
         steps: list[float] = []
+        tokens = st.first
         while True:
-            produced = active.copy()
+            new: list[list[int]] = [[] for _ in range(B)]
             for b in np.flatnonzero(active):
                 out[b].append(int(tokens[b]))
+                new[b] = [int(tokens[b])]
                 if int(tokens[b]) in self.eos_ids:
                     active[b], reason[b] = False, "stop"
-                elif len(out[b]) >= budget[b]:
+                elif len(out[b]) >= st.budget[b]:
                     active[b] = False
-            yield tokens.copy(), produced
+            yield new
             if not active.any():
                 break
             ts = time.perf_counter()
-            logits = self.decode_one_token(cache, tokens, active)
-            tokens = np.where(active, next_tokens(logits, sampling, rng), tokens)
+            logits = self.decode_one_token(st.cache, tokens, active)
+            tokens = np.where(active, next_tokens(logits, sampling, st.rng), tokens)
             steps.append(time.perf_counter() - ts)
         decode_s = float(sum(steps))
-        return [GenerationResult(int(lens[b]), out[b], reason[b], prefill_s, decode_s, steps) for b in range(B)]
+        return [GenerationResult(int(st.lens[b]), out[b], reason[b], st.prefill_seconds, decode_s, steps) for b in range(B)]
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()) -> list[GenerationResult]:
-        it = self.iter_generate(prompts, max_new_tokens, sampling)
-        while True:
-            try:
-                next(it)
-            except StopIteration as stop:
-                return stop.value
+        return run_to_end(self.iter_generate(prompts, max_new_tokens, sampling))
 
     def encode_prompt(self, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
         if self.tokenizer is None:
@@ -217,20 +253,7 @@ class Generator:
         self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True, system: str | None = None
     ) -> Generator_[str, None, GenerationResult]:
         """Yield text pieces as tokens are produced; returns (StopIteration.value) the GenerationResult."""
-        ids = self.encode_prompt(prompt, chat, system)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        it = self.iter_generate([ids], max_new_tokens, sampling)
-        while True:
-            try:
-                tokens, produced = next(it)
-            except StopIteration as stop:
-                result = stop.value[0]
-                break
-            if produced[0] and int(tokens[0]) not in self.eos_ids:
-                if piece := detok.push(int(tokens[0])):
-                    yield piece
-        result.text = self.decode(result.token_ids)
-        return result
+        return stream_text(self, self.iter_generate([self.encode_prompt(prompt, chat, system)], max_new_tokens, sampling))
 
     def generate(self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True, system: str | None = None) -> GenerationResult:
         ids = self.encode_prompt(prompt, chat, system)

@@ -21,11 +21,10 @@ from typing import Generator as Generator_
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.runtime.generator import GenerationResult, Generator
+from specrt.runtime.generator import GenerationResult, Generator, run_to_end, stream_text
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
-from specrt.runtime.sampling import SamplingParams, next_tokens, probs_from_logits
-from specrt.runtime.tokenizer import IncrementalDetokenizer
+from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.verification import DraftTree, accept_greedy, accept_sampling
 
 
@@ -58,24 +57,15 @@ class SpeculativeDecoder:
         """Yields, after every step, the new tokens of each row (possibly none); returns one
         GenerationResult per row, each carrying the batch's SpecMetrics."""
         gen = self.gen
-        if max_new_tokens < 1:
-            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        gen.check_prompts(prompts)
         B = len(prompts)
-        lens = np.array([len(p) for p in prompts])
-        budget = np.minimum(max_new_tokens, gen.max_context - lens)
         max_draft = self.policy.max_draft
         # room for the longest output plus one unverified draft
-        cache = gen.new_cache(B, int((lens + budget).max()) + max_draft + 1)
-        rng = np.random.default_rng(sampling.seed)
+        st = gen.start(prompts, max_new_tokens, sampling, headroom=max_draft + 1)
+        cache, rng, budget = st.cache, st.rng, st.budget
         cost = CostModel(max(max_draft, 1))
         metrics = SpecMetrics()
         for b, p in enumerate(prompts):
             self.proposer.begin(b, p)
-
-        t0 = time.perf_counter()
-        first = next_tokens(gen.prefill(cache, prompts), sampling, rng)
-        prefill_s = time.perf_counter() - t0
 
         out: list[list[int]] = [[] for _ in range(B)]
         reason = ["length"] * B
@@ -97,7 +87,7 @@ class SpeculativeDecoder:
                     break
             return taken
 
-        yield [emit(b, [int(first[b])]) for b in range(B)]
+        yield [emit(b, [int(st.first[b])]) for b in range(B)]
         while active.any():
             rows = np.flatnonzero(active)
             td = time.perf_counter()
@@ -146,35 +136,17 @@ class SpeculativeDecoder:
         decode_s = float(sum(step_times))
         results = []
         for b in range(B):
-            r = GenerationResult(int(lens[b]), out[b], reason[b], prefill_s, decode_s, step_times)
+            r = GenerationResult(int(st.lens[b]), out[b], reason[b], st.prefill_seconds, decode_s, step_times)
             r.metrics = metrics
             results.append(r)
         return results
 
     def generate_ids(self, prompts, max_new_tokens=128, sampling=SamplingParams()) -> list[GenerationResult]:
-        it = self.iter_generate(prompts, max_new_tokens, sampling)
-        while True:
-            try:
-                next(it)
-            except StopIteration as stop:
-                return stop.value
+        return run_to_end(self.iter_generate(prompts, max_new_tokens, sampling))
 
     def stream(self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None):
         """Yield text pieces; returns (StopIteration.value) the GenerationResult with metrics."""
-        ids = self.gen.encode_prompt(prompt, chat, system)
-        detok = IncrementalDetokenizer(self.gen.tokenizer)
-        it = self.iter_generate([ids], max_new_tokens, sampling)
-        while True:
-            try:
-                new = next(it)
-            except StopIteration as stop:
-                result = stop.value[0]
-                break
-            text = "".join(detok.push(t) for t in new[0] if t not in self.eos_ids)
-            if text:
-                yield text
-        result.text = self.gen.decode(result.token_ids)
-        return result
+        return stream_text(self.gen, self.iter_generate([self.gen.encode_prompt(prompt, chat, system)], max_new_tokens, sampling))
 
     def generate(self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None) -> GenerationResult:
         ids = self.gen.encode_prompt(prompt, chat, system)
