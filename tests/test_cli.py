@@ -95,3 +95,15 @@ def test_generate_with_draft_prints_metrics(tiny_artifacts):
         assert f"[{draft} draft, num_draft={n}]" in r.output and "mean accepted length" in r.output
     r = CliRunner().invoke(main, args + ["--draft", "ngram", "--num-draft", "lots"])
     assert r.exit_code == 1 and "num_draft must be a number" in r.output
+
+
+def test_generate_cuda_options_without_gpu(tiny_checkpoint):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present; the refusal cannot be shown")
+    base = ["generate", "--backend", "torch", "--model", str(tiny_checkpoint), "--prompt", "w5"]
+    r = CliRunner().invoke(main, base + ["--device", "cuda"])
+    assert r.exit_code == 1 and "torch sees no CUDA GPU" in r.output
+    r = CliRunner().invoke(main, base + ["--cuda-graphs"])
+    assert r.exit_code == 1 and "CUDA graphs need a CUDA device" in r.output

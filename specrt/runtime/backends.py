@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.runtime.kv_cache import KVCache
 
@@ -54,19 +55,81 @@ class OrtBackend:
 
 
 class TorchBackend:
-    def __init__(self, model):
+    """Our PyTorch model as a step backend.
+
+    device="cpu" (default) is the reference: the KV cache stays in numpy and is shared without a
+    copy. On another device (cuda) the cache is allocated there (`cache_device`), inputs go over
+    once per step and only logits and hidden states come back. With cuda_graphs=True every
+    fixed-shape step (batch, Q <= max_graph_q, cache buffers) is captured once as a CUDA graph and
+    replayed with its inputs copied into static buffers; prefill chunks run eagerly.
+    """
+
+    def __init__(self, model, device: str = "cpu", cuda_graphs: bool = False, max_graph_q: int = 32):
         import torch
 
-        self.model = model.eval()
+        if cuda_graphs and not str(device).startswith("cuda"):
+            raise SpecrtError("CUDA graphs need a CUDA device: pass device='cuda' (or drop cuda_graphs).")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise SpecrtError("device 'cuda' asked for, but torch sees no CUDA GPU (torch.cuda.is_available() is False).")
+        self.device = torch.device(device)
+        self.model = model.eval().to(self.device)
         self.config = model.cfg
-        self.description = f"torch {torch.__version__} (reference, cpu)"
+        self.cache_device = None if self.device.type == "cpu" else str(self.device)
+        self.cuda_graphs, self.max_graph_q = cuda_graphs, max_graph_q
+        self._graphs: dict = {}  # (B, Q, cache buffer address) -> (graph, static inputs, static outputs)
+        self._graph_cache_ptr = None
+        kind = "reference, cpu" if self.device.type == "cpu" else f"{self.device}{', CUDA graphs' if cuda_graphs else ''}"
+        self.description = f"torch {torch.__version__} ({kind})"
+
+    def _past(self, cache):
+        import torch
+
+        if cache.device is None:
+            return [tuple(torch.from_numpy(t) for t in cache.past(i)) for i in range(cache.num_layers)]
+        return [cache.past(i) for i in range(cache.num_layers)]
+
+    def _forward(self, ids, pos, mask, past):
+        logits, hidden, present = self.model(ids, pos, mask, past)
+        return [logits, hidden, *[t for kv in present for t in kv]]
 
     def step(self, input_ids, position_ids, attention_mask, cache):
         import torch
 
-        past = [tuple(torch.from_numpy(t) for t in cache.past(i)) for i in range(cache.num_layers)]
+        inputs = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True) for a in (input_ids, position_ids, attention_mask)]
         with torch.inference_mode():
-            logits, hidden, present = self.model(
-                torch.from_numpy(input_ids), torch.from_numpy(position_ids), torch.from_numpy(attention_mask), past
-            )
-        return StepOutput(logits.numpy(), hidden.numpy(), [(k.numpy(), v.numpy()) for k, v in present])
+            if self.cuda_graphs and input_ids.shape[1] <= self.max_graph_q:
+                outs = self._replay(inputs, cache)
+            else:
+                outs = self._forward(*inputs, self._past(cache))
+        logits, hidden, flat = outs[0], outs[1], outs[2:]
+        present = list(zip(flat[0::2], flat[1::2]))
+        if cache.device is None:
+            present = [(k.numpy(), v.numpy()) for k, v in present]
+        return StepOutput(logits.float().cpu().numpy(), hidden.float().cpu().numpy(), present)
+
+    def _replay(self, inputs, cache):
+        """Run the step through a CUDA graph captured for this (batch, Q, cache)."""
+        import torch
+
+        ptr = cache.keys.data_ptr()
+        if ptr != self._graph_cache_ptr:  # a new generation's cache: graphs of the old one are stale
+            self._graphs.clear()
+            self._graph_cache_ptr = ptr
+        key = tuple(inputs[0].shape)
+        if key not in self._graphs:
+            static_in = [t.clone() for t in inputs]
+            past = self._past(cache)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graphs requires
+                self._forward(*static_in, past)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self._forward(*static_in, past)
+            self._graphs[key] = (graph, static_in, static_out)
+        graph, static_in, static_out = self._graphs[key]
+        for dst, src in zip(static_in, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return static_out

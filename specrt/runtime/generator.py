@@ -121,18 +121,20 @@ class Generator:
         return cls(backend, Tokenizer(checkpoint), **kw)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path, **kw) -> "Generator":
-        """A generator on the PyTorch reference model (no export needed)."""
+    def from_checkpoint(cls, checkpoint: str | Path, device: str = "cpu", cuda_graphs: bool = False, **kw) -> "Generator":
+        """A generator on the PyTorch model (no export needed): the reference on CPU, the
+        PyTorch-CUDA backend with `device="cuda"` (and CUDA graphs with `cuda_graphs=True`)."""
         from specrt.export.checkpoint import load_model
         from specrt.runtime.backends import TorchBackend
 
-        return cls(TorchBackend(load_model(checkpoint)), Tokenizer(checkpoint), **kw)
+        return cls(TorchBackend(load_model(checkpoint), device=device, cuda_graphs=cuda_graphs), Tokenizer(checkpoint), **kw)
 
     # -- steps ----------------------------------------------------------------------------------
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.config
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim)
+        device = getattr(self.backend, "cache_device", None)  # backends that keep the KV on a device
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=device)
 
     def forward_tokens(self, cache: KVCache, tokens: list[list[int]], trees: list[tuple[np.ndarray, np.ndarray]] | None = None):
         """One step over new tokens per row (rows may differ in count, even be empty); their KV is

@@ -5,6 +5,9 @@ Layout: keys and values are each [L, B, Hkv, C, D] float32 (C = capacity). Layer
 without a copy: the graph always sees the full capacity and the attention mask hides the slots
 past each row's length. A step writes only its new positions (`append`); rejecting draft tokens
 is `rollback` (a length change, nothing is moved).
+
+The buffers are numpy arrays for the CPU engines, or torch tensors on a device (`device="cuda"`)
+for the PyTorch-CUDA backend, so the cache never leaves the GPU there; indexing is the same.
 """
 
 from __future__ import annotations
@@ -13,10 +16,17 @@ import numpy as np
 
 
 class KVCache:
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32, device: str | None = None):
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
-        self.keys = np.zeros(shape, dtype=dtype)
-        self.values = np.zeros(shape, dtype=dtype)
+        if device is None:
+            self.keys = np.zeros(shape, dtype=dtype)
+            self.values = np.zeros(shape, dtype=dtype)
+        else:
+            import torch
+
+            self.keys = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.values = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.device = device
         self.lengths = np.zeros(batch, dtype=np.int64)  # committed positions per row
         self.capacity = capacity
 

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# One command for a machine with an NVIDIA GPU and PyTorch (under 8 minutes): the PyTorch-CUDA
+# backend with and without CUDA graphs (equality checks, step latency by Q, tokens/s) and the
+# CUDA-marked tests. Installs only the small pure-Python needs when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible to torch'"
+"$PY" -c "import tokenizers, jinja2, click, tqdm, onnx, safetensors, gguf" 2>/dev/null || "$PY" -m pip install -q tokenizers jinja2 click tqdm onnx safetensors gguf pytest scipy
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+timeout 420 "$PY" scripts/gpu_check.py
+timeout 60 "$PY" -m pytest -q -rs tests/test_torch_device.py -p no:cacheprovider

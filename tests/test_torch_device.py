@@ -1,0 +1,62 @@
+"""The PyTorch backend with a device-resident KV cache (the PyTorch-CUDA path) and CUDA graphs.
+
+The device-cache path is exercised on the CPU by keeping the cache in torch tensors; the CUDA
+tests are marked `gpu` and skip (visibly, with -rs) on machines without a CUDA GPU.
+"""
+
+import pytest
+import torch
+
+from conftest import random_model, tiny_hf_config
+from specrt.errors import SpecrtError
+from specrt.runtime.backends import TorchBackend
+from specrt.runtime.drafts import make_proposer
+from specrt.runtime.generator import Generator
+from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+HF = tiny_hf_config(vocab_size=32)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 3, 4, 9, 10]]
+has_cuda = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not has_cuda, reason="needs an NVIDIA GPU with CUDA (torch.cuda.is_available() is False)")
+
+
+def outputs(backend, spec: bool):
+    gen = Generator(backend)
+    if spec:
+        return [r.token_ids for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)).generate_ids(PROMPTS, 40)]
+    return [r.token_ids for r in gen.generate_ids(PROMPTS, 40)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = random_model(HF, seed=3, scale=0.3)
+    b = TorchBackend(model)
+    return model, {spec: outputs(b, spec) for spec in (False, True)}
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_torch_tensor_cache_equals_numpy_cache(reference, spec):
+    model, expected = reference
+    backend = TorchBackend(model)
+    backend.cache_device = "cpu"  # keep the cache in torch tensors, as on a GPU
+    gen = Generator(backend)
+    cache = gen.new_cache(1, 8)
+    assert isinstance(cache.keys, torch.Tensor)
+    assert outputs(backend, spec) == expected[spec]
+
+
+def test_cuda_graphs_need_cuda():
+    with pytest.raises(SpecrtError, match="CUDA graphs need a CUDA device"):
+        TorchBackend(random_model(HF), device="cpu", cuda_graphs=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("spec", [False, True])
+def test_cuda_backend_matches_reference(reference, graphs, spec):
+    model, expected = reference
+    backend = TorchBackend(random_model(HF, seed=3, scale=0.3), device="cuda", cuda_graphs=graphs)
+    assert outputs(backend, spec) == expected[spec]
+    if graphs:
+        assert backend._graphs, "no step was captured as a CUDA graph"
