@@ -41,7 +41,8 @@ def run_both(backends, ids, positions, mask_fn, prefix=None, capacity=128):
         if prefix is not None:
             gen.forward_tokens(cache, [list(p) for p in prefix])
         mask = mask_fn(cache)
-        outs.append(backend.step(ids, positions, mask, cache))
+        index = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
+        outs.append(backend.step(ids, positions, mask, index, cache))
     return outs
 
 
@@ -58,8 +59,9 @@ def test_onnx_passes_full_check_and_manifest_is_complete(tiny_checkpoint, tiny_a
     m = json.loads((onnx_dir / "manifest.json").read_text())
     assert m["kind"] == "onnx-step-graph"
     assert m["checkpoint"]["hash"] == checkpoint_hash(tiny_checkpoint)
-    assert m["inputs"][:3] == ["input_ids", "position_ids", "attention_mask"]
-    assert m["inputs"][3:5] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert m["inputs"][:4] == ["input_ids", "position_ids", "attention_mask", "logits_index"]
+    assert m["inputs"][4:6] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert m["graph_version"] == 2 and m["dynamic_axes"]["logits"] == {"0": "batch", "1": "n_logits"}
     assert m["outputs"][:4] == ["logits", "hidden_states", "present.0.key", "present.0.value"]
     assert m["dynamic_axes"]["past_key_values.0.key"] == {"0": "batch", "2": "past_len"}
     assert m["opset"] == 17 and m["versions"]["torch"] and m["versions"]["onnx"]
@@ -185,10 +187,41 @@ def test_export_with_eagle3_hidden_layers(tiny_checkpoint, tmp_path):
     cfg = model.cfg
     cache = new_cache(cfg, 1, 0)
     ids = np.array([[3, 4, 5, 6]])
-    feeds = {"input_ids": ids, "position_ids": np.arange(4)[None], "attention_mask": cache.attention_mask(4)}
+    feeds = {"input_ids": ids, "position_ids": np.arange(4)[None], "attention_mask": cache.attention_mask(4), "logits_index": np.array([[3]])}
     for i in range(cfg.num_hidden_layers):
         feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"] = cache.past(i)
     hidden = sess.run(["hidden_states"], feeds)[0]
-    expected = TorchBackend(model).step(ids, feeds["position_ids"], feeds["attention_mask"], cache).hidden_states
+    expected = TorchBackend(model).step(ids, feeds["position_ids"], feeds["attention_mask"], feeds["logits_index"], cache).hidden_states
     assert hidden.shape == (1, 4, 3 * cfg.hidden_size)
     assert np.abs(hidden - expected).max() <= ATOL_LOGITS
+
+
+def test_logits_index_selects_positions(backends):
+    """Asking for the logits of chosen positions (per row) gives those rows of the full logits."""
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, 128, (2, 7))
+    pos = np.broadcast_to(np.arange(7), (2, 7)).copy()
+    for backend in backends:
+        cache = new_cache(backend.config, 2, 0)
+        mask = cache.attention_mask(7)
+        full = backend.step(ids, pos, mask, np.broadcast_to(np.arange(7), (2, 7)).copy(), cache)
+        picked = backend.step(ids, pos, mask, np.array([[6, 2], [4, 4]]), cache)
+        assert picked.logits.shape == (2, 2, 128)
+        assert np.abs(picked.logits[0] - full.logits[0, [6, 2]]).max() <= ATOL_LOGITS
+        assert np.abs(picked.logits[1] - full.logits[1, [4, 4]]).max() <= ATOL_LOGITS
+        assert np.abs(picked.hidden_states - full.hidden_states).max() <= ATOL_LOGITS
+
+
+def test_export_of_older_graph_version_is_refused(tiny_artifacts, tmp_path):
+    import json
+    import shutil
+
+    from specrt.errors import ArtifactError
+    from specrt.export.step_graph import read_onnx_manifest
+
+    d = shutil.copytree(tiny_artifacts / "onnx", tmp_path / "onnx")
+    m = json.loads((d / "manifest.json").read_text())
+    del m["graph_version"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="step graph version 1, this specrt runs version 2; re-export"):
+        read_onnx_manifest(d)

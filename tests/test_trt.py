@@ -18,7 +18,8 @@ def test_profile_shapes_cover_every_input():
     assert shapes["input_ids"] == ((1, 1), (1, 4), (2, 17))
     assert shapes["attention_mask"] == ((1, 1, 1), (1, 4, 104), (2, 17, 317))
     assert shapes["past_key_values.1.value"] == ((1, 3, 0, 64), (1, 3, 100, 64), (2, 3, 300, 64))
-    assert len(shapes) == 3 + 4
+    assert shapes["logits_index"] == ((1, 1), (1, 4), (2, 17))
+    assert len(shapes) == 4 + 4
 
 
 def test_default_profiles_and_selection():

@@ -56,6 +56,7 @@ class ProfileSpec:
             "input_ids": triple(b, q),
             "position_ids": triple(b, q),
             "attention_mask": triple(b, q, kv),
+            "logits_index": triple(b, Range(1, q.opt, q.max)),  # K in 1..Q: the last position, or all
         }
         for i in range(num_layers):
             for kind in ("key", "value"):

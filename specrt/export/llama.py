@@ -115,10 +115,12 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, Q, D)
         return emb.cos(), emb.sin()
 
-    def forward(self, input_ids, position_ids, attention_mask, past_key_values):
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values, logits_index=None):
         """input_ids, position_ids: (B, Q) int64; attention_mask: (B, Q, P+Q) bool;
-        past_key_values: list of (key, value), each (B, Hkv, P, D).
-        Returns logits (B, Q, V), hidden_states (B, Q, C * len(hidden_layers)) and
+        past_key_values: list of (key, value), each (B, Hkv, P, D); logits_index: (B, K) int64,
+        the positions (0..Q-1) whose logits are wanted (None: all Q; prefill asks for the last
+        only, which saves the vocabulary projection of every other prompt position).
+        Returns logits (B, K, V), hidden_states (B, Q, C * len(hidden_layers)) and
         present: list of (key, value), each (B, Hkv, Q, D) for the Q new positions only."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids)
@@ -133,6 +135,9 @@ class LlamaModel(nn.Module):
         normed = self.norm(x)
         taps[-1] = normed
         hidden = torch.cat([taps[i] for i in self.hidden_layers], dim=-1) if len(self.hidden_layers) > 1 else taps[self.hidden_layers[0]]
+        if logits_index is not None:
+            B, K = logits_index.shape
+            normed = torch.gather(normed, 1, logits_index.unsqueeze(-1).expand(B, K, normed.shape[-1]))  # (B, K, C)
         logits = self.lm_head(normed)
         return logits, hidden, present
 

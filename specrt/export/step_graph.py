@@ -1,8 +1,9 @@
 """Export the target step graph to ONNX (see DESIGN.md, "The target step graph").
 
 Inputs:  input_ids [B, Q] int64, position_ids [B, Q] int64, attention_mask [B, Q, P+Q] bool,
-         past_key_values.{i}.key / .value [B, Hkv, P, D] float32
-Outputs: logits [B, Q, V] float32, hidden_states [B, Q, C*k] float32,
+         logits_index [B, K] int64 (positions whose logits are computed: all Q to verify, the
+         last one to prefill), past_key_values.{i}.key / .value [B, Hkv, P, D] float32
+Outputs: logits [B, K, V] float32, hidden_states [B, Q, C*k] float32,
          present.{i}.key / .value [B, Hkv, Q, D] float32 (the Q new positions only)
 
 The directory written holds model.onnx, model.onnx.data (external weights) and manifest.json.
@@ -19,11 +20,14 @@ import torch
 from torch import nn
 
 from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, write_manifest
+from specrt.errors import ArtifactError
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel, causal_mask
 
 ONNX_KIND = "onnx-step-graph"
+# the I/O contract of the step graph; exports of another version are refused and rebuilt
+GRAPH_VERSION = 2
 ONNX_FILE = "model.onnx"
 ONNX_DATA = "model.onnx.data"
 DEFAULT_OPSET = 17
@@ -45,7 +49,7 @@ class StepGraphIO:
 
     @property
     def input_names(self) -> list[str]:
-        return ["input_ids", "position_ids", "attention_mask", *self.past_names]
+        return ["input_ids", "position_ids", "attention_mask", "logits_index", *self.past_names]
 
     @property
     def output_names(self) -> list[str]:
@@ -57,7 +61,8 @@ class StepGraphIO:
             "input_ids": {0: "batch", 1: "q_len"},
             "position_ids": {0: "batch", 1: "q_len"},
             "attention_mask": {0: "batch", 1: "q_len", 2: "kv_len"},
-            "logits": {0: "batch", 1: "q_len"},
+            "logits_index": {0: "batch", 1: "n_logits"},
+            "logits": {0: "batch", 1: "n_logits"},
             "hidden_states": {0: "batch", 1: "q_len"},
         }
         axes.update({n: {0: "batch", 2: "past_len"} for n in self.past_names})
@@ -72,9 +77,9 @@ class StepGraph(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, position_ids, attention_mask, *past_flat):
+    def forward(self, input_ids, position_ids, attention_mask, logits_index, *past_flat):
         past = list(zip(past_flat[0::2], past_flat[1::2]))
-        logits, hidden, present = self.model(input_ids, position_ids, attention_mask, past)
+        logits, hidden, present = self.model(input_ids, position_ids, attention_mask, past, logits_index)
         return (logits, hidden, *[t for kv in present for t in kv])
 
 
@@ -83,8 +88,9 @@ def example_inputs(cfg: ModelConfig, batch=2, q=3, past=4):
     ids = torch.randint(0, cfg.vocab_size, (batch, q))
     pos = torch.arange(past, past + q).unsqueeze(0).expand(batch, q).contiguous()
     mask = causal_mask(batch, q, past)
+    index = torch.tensor([[q - 2, q - 1]] * batch)  # K = 2 != Q, so neither is specialised to the other
     kv = torch.zeros(batch, cfg.num_key_value_heads, past, cfg.head_dim)
-    return (ids, pos, mask, *[kv.clone() for _ in range(2 * cfg.num_hidden_layers)])
+    return (ids, pos, mask, index, *[kv.clone() for _ in range(2 * cfg.num_hidden_layers)])
 
 
 def export_step_graph(
@@ -143,6 +149,7 @@ def export_step_graph(
             tmp,
             ONNX_KIND,
             {
+                "graph_version": GRAPH_VERSION,
                 "checkpoint": {"path": str(checkpoint.resolve()), "hash": ckpt_hash},
                 "config": cfg.to_dict(),
                 "hidden_layers": list(hidden_layers),
@@ -152,7 +159,7 @@ def export_step_graph(
                 "inputs": io.input_names,
                 "outputs": io.output_names,
                 "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
-                "dtypes": {"input_ids": "int64", "position_ids": "int64", "attention_mask": "bool", "kv": "float32", "logits": "float32"},
+                "dtypes": {"input_ids": "int64", "position_ids": "int64", "attention_mask": "bool", "logits_index": "int64", "kv": "float32", "logits": "float32"},
                 "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
                 "export_seconds": round(export_s, 2),
                 "versions": package_versions("torch", "onnx", "onnxruntime"),
@@ -166,5 +173,10 @@ def export_step_graph(
 def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | None = None) -> dict:
     """The step graph's manifest; with a checkpoint hash, refuse an export of another checkpoint."""
     m = read_manifest(onnx_dir, ONNX_KIND, "specrt export --model CHECKPOINT --out DIR")
+    if m.get("graph_version") != GRAPH_VERSION:
+        raise ArtifactError(
+            f"{onnx_dir} holds step graph version {m.get('graph_version', 1)}, this specrt runs version {GRAPH_VERSION}; "
+            "re-export it with: specrt export (build-engines does this by itself)"
+        )
     require_same_checkpoint(m, checkpoint_hash_expected, f"ONNX export {onnx_dir}", f"Re-export with: specrt export --model CHECKPOINT --out {onnx_dir}")
     return m

@@ -1,7 +1,7 @@
 """Step backends: one forward step of the target model, behind one small interface.
 
 A backend runs the step graph contract of DESIGN.md on numpy arrays:
-    step(input_ids (B, Q), position_ids (B, Q), attention_mask (B, Q, C+Q), cache) -> StepOutput
+    step(input_ids (B, Q), position_ids (B, Q), attention_mask (B, Q, C+Q), logits_index (B, K), cache) -> StepOutput
 reading past KV straight from the cache's preallocated buffers (no copy) and returning the KV
 of the Q new positions, which the caller commits with `cache.append`.
 
@@ -23,7 +23,7 @@ from specrt.runtime.kv_cache import KVCache
 
 @dataclasses.dataclass
 class StepOutput:
-    logits: np.ndarray  # (B, Q, V) float32
+    logits: np.ndarray  # (B, K, V) float32, at the positions logits_index asked for
     hidden_states: np.ndarray  # (B, Q, C * len(hidden_layers)) float32
     present: list[tuple[np.ndarray, np.ndarray]]  # per layer (key, value), each (B, Hkv, Q, D)
 
@@ -32,7 +32,7 @@ class StepBackend(Protocol):
     config: ModelConfig
     description: str  # what runs, e.g. "onnxruntime 1.32.0 CPUExecutionProvider"
 
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, cache: KVCache) -> StepOutput: ...
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, logits_index: np.ndarray, cache: KVCache) -> StepOutput: ...
 
 
 class OrtBackend:
@@ -46,8 +46,8 @@ class OrtBackend:
         self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
         self._output_names = [o.name for o in session.get_outputs()]
 
-    def step(self, input_ids, position_ids, attention_mask, cache):
-        feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache):
+        feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask, "logits_index": logits_index}
         for i, (kname, vname) in enumerate(self._past_names):
             feeds[kname], feeds[vname] = cache.past(i)
         out = self.session.run(self._output_names, feeds)
@@ -88,14 +88,15 @@ class TorchBackend:
             return [tuple(torch.from_numpy(t) for t in cache.past(i)) for i in range(cache.num_layers)]
         return [cache.past(i) for i in range(cache.num_layers)]
 
-    def _forward(self, ids, pos, mask, past):
-        logits, hidden, present = self.model(ids, pos, mask, past)
+    def _forward(self, ids, pos, mask, index, past):
+        logits, hidden, present = self.model(ids, pos, mask, past, index)
         return [logits, hidden, *[t for kv in present for t in kv]]
 
-    def step(self, input_ids, position_ids, attention_mask, cache):
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache):
         import torch
 
-        inputs = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True) for a in (input_ids, position_ids, attention_mask)]
+        arrays = (input_ids, position_ids, attention_mask, logits_index)
+        inputs = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True) for a in arrays]
         with torch.inference_mode():
             if self.cuda_graphs and input_ids.shape[1] <= self.max_graph_q:
                 outs = self._replay(inputs, cache)
@@ -115,7 +116,7 @@ class TorchBackend:
         if ptr != self._graph_cache_ptr:  # a new generation's cache: graphs of the old one are stale
             self._graphs.clear()
             self._graph_cache_ptr = ptr
-        key = tuple(inputs[0].shape)
+        key = (tuple(inputs[0].shape), tuple(inputs[3].shape))
         if key not in self._graphs:
             static_in = [t.clone() for t in inputs]
             past = self._past(cache)

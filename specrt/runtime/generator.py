@@ -136,9 +136,10 @@ class Generator:
         device = getattr(self.backend, "cache_device", None)  # backends that keep the KV on a device
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=device)
 
-    def forward_tokens(self, cache: KVCache, tokens: list[list[int]], trees: list[tuple[np.ndarray, np.ndarray]] | None = None):
+    def forward_tokens(self, cache: KVCache, tokens: list[list[int]], trees: list[tuple[np.ndarray, np.ndarray]] | None = None, last_only: bool = False):
         """One step over new tokens per row (rows may differ in count, even be empty); their KV is
-        appended to the cache. Returns the StepOutput (B, Q = longest row, ...).
+        appended to the cache. Returns the StepOutput (B, Q = longest row, ...): logits at every
+        position, or with last_only=True at each row's last token only (B, 1, V).
 
         trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
         sequence: position = committed length + depth, and each token sees what its mask allows."""
@@ -155,7 +156,11 @@ class Generator:
                 offsets[b, :n] = depths
                 new_mask[b, :n, :n] = mask
         positions = cache.lengths[:, None] + offsets
-        out = self.backend.step(ids, positions, cache.attention_mask(Q, new_mask), cache)
+        if last_only:
+            index = np.maximum(counts - 1, 0)[:, None]
+        else:
+            index = np.broadcast_to(np.arange(Q, dtype=np.int64), (cache.batch, Q)).copy()
+        out = self.backend.step(ids, positions, cache.attention_mask(Q, new_mask), index, cache)
         cache.append(out.present, counts)
         return out
 
@@ -165,10 +170,10 @@ class Generator:
         start = 0
         while start < max(len(p) for p in prompts):
             chunk = [p[start : start + self.prefill_chunk] for p in prompts]
-            out = self.forward_tokens(cache, chunk)
+            out = self.forward_tokens(cache, chunk, last_only=True)
             for b, c in enumerate(chunk):
                 if c:
-                    last[b] = out.logits[b, len(c) - 1]
+                    last[b] = out.logits[b, 0]
             start += self.prefill_chunk
         return last
 
