@@ -193,3 +193,13 @@ def test_metrics_conventions():
 def test_bad_num_draft(value):
     with pytest.raises(SpecrtError, match="num_draft must be"):
         make_policy(value)
+
+
+def test_cost_model_with_one_verification_size_uses_its_measured_cost():
+    m = CostModel(max_draft=8)
+    for _ in range(4):
+        m.observe_step(1, 1, 0.020, 0.0)
+        m.observe_step(9, 1, 0.030, 0.0)  # N = 8 always: 1.5x a decode step
+    c = m.cost(1)
+    assert c.relative(np.array([8]))[0] == pytest.approx(1.5)
+    assert c.beta == pytest.approx(0.5 * 0.1 / (0.1 + 0.05 * 8)) and c.alpha > 0

@@ -19,7 +19,9 @@ with everything measured online:
     T_draft       decayed mean of the proposer's time per step.
 N = 0 (plain decoding, speedup 1) is always a candidate, so speculation that does not pay is
 switched off; while off, every `probe_every`-th step drafts a little to keep the estimates current.
-Before enough steps are seen, the priors alpha = 0.05 and beta = 0.1 stand in.
+With a single verification size seen, its measured cost is split between alpha and beta in the
+ratio of the priors; before any verification step (or plain step) the priors alpha = 0.05 and
+beta = 0.1 stand in.
 """
 
 from __future__ import annotations
@@ -88,11 +90,19 @@ class CostModel:
             decode = float(np.median(spec[:, 1] / rel))
         else:
             return None
-        if len(np.unique(spec[:, 0])) >= 3:
+        sizes = np.unique(spec[:, 0])
+        if len(sizes) >= 2:  # a line through the verification steps
             c1, c0 = np.polyfit(spec[:, 0], spec[:, 1], 1)
             c1 = max(float(c1), 0.0)
             alpha = c1 * batch / decode
             beta = max((c0 + c1 * batch) / decode - 1.0, 0.0)
+        elif len(sizes) == 1 and plain and sizes[0] > batch:
+            # one verification size seen: its measured extra cost r, split between beta and alpha
+            # in the proportion of the priors (exact for that size, which is all a fixed N uses)
+            n = sizes[0] / batch - 1  # draft tokens per row
+            r = max(float(np.median(spec[:, 1])) / decode - 1.0, 0.0)
+            beta = r * self.beta_prior / (self.beta_prior + self.alpha_prior * n)
+            alpha = (r - beta) / n
         else:
             alpha, beta = self.alpha_prior, self.beta_prior
         ratio = (self.draft_s or 0.0) / decode
