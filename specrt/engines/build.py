@@ -40,12 +40,12 @@ def trt_engine_dir(out: Path, flavour: str) -> Path:
     return Path(out) / "engines" / f"trt-{flavour}"
 
 
-def _up_to_date(read, *args) -> bool:
+def _manifest_if_valid(read, *args) -> dict | None:
+    """The artifact's manifest when `read` accepts it (present, current, matching), else None."""
     try:
-        read(*args)
-        return True
+        return read(*args)
     except SpecrtError:
-        return False
+        return None
 
 
 def build_all(spec: BuildSpec) -> Iterator[str]:
@@ -56,19 +56,20 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
 
     ckpt_hash = checkpoint_hash(spec.checkpoint)
     odir = onnx_dir(spec.out)
-    if not spec.force and _up_to_date(read_onnx_manifest, odir, ckpt_hash):
+    onnx_manifest = None if spec.force else _manifest_if_valid(read_onnx_manifest, odir, ckpt_hash)
+    exported = onnx_manifest is None
+    if not exported:
         yield f"onnx      {odir}: up to date (checkpoint {ckpt_hash[:19]}…)"
-        exported = False
     else:
         t0 = time.perf_counter()
         export_step_graph(spec.checkpoint, odir, opset=spec.opset)
         yield f"onnx      {odir}: exported in {time.perf_counter() - t0:.1f} s"
-        exported = True
+        onnx_manifest = read_onnx_manifest(odir)
+    onnx_files = onnx_manifest["files"]
 
     edir = ort_engine_dir(spec.out, spec.provider)
-    onnx_files = read_onnx_manifest(odir)["files"]
-    fresh = not spec.force and not exported and _up_to_date(read_engine_manifest, edir, ckpt_hash)
-    if fresh and read_engine_manifest(edir)["onnx"]["files"] == onnx_files:
+    current = None if spec.force or exported else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
+    if current is not None and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
     else:
         t0 = time.perf_counter()
@@ -82,7 +83,7 @@ def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: st
     from specrt.engines.trt import FLAVOURS, available_flavours, build_trt_engine, read_trt_manifest
 
     if spec.tensorrt == "off":
-        yield "tensorrt  skipped: --no-tensorrt"
+        yield "tensorrt  skipped: --tensorrt off"
         return
     installed = available_flavours()
     wanted = installed[:1] if spec.tensorrt == "auto" else [spec.tensorrt]
@@ -93,11 +94,10 @@ def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: st
     if flavour not in installed:
         raise SpecrtError(f"--tensorrt {flavour} was asked for, but it is not installed; pip install {flavour}")
     edir = trt_engine_dir(spec.out, flavour)
-    if not spec.force and not exported and _up_to_date(read_trt_manifest, edir, onnx_files, ckpt_hash):
-        m = read_trt_manifest(edir, check_file=False)
-        if m["profiles"] == [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()]:
-            yield f"{flavour:<9} {edir}: up to date"
-            return
+    current = None if spec.force or exported else _manifest_if_valid(read_trt_manifest, edir, onnx_files, ckpt_hash)
+    if current is not None and current["profiles"] == [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()]:
+        yield f"{flavour:<9} {edir}: up to date"
+        return
     t0 = time.perf_counter()
     build_trt_engine(odir, edir, dataclasses.replace(spec.trt, flavour=flavour))
     size = (edir / "model.engine").stat().st_size / 2**20

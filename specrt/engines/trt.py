@@ -171,7 +171,7 @@ def _io(t) -> dict:
     return {"name": t.name, "dtype": str(t.dtype).split(".")[-1].lower(), "shape": list(t.shape)}
 
 
-def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, checkpoint_hash_expected: str | None = None, check_file: bool = True) -> dict:
+def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, checkpoint_hash_expected: str | None = None) -> dict:
     """The engine's manifest, checked against the ONNX it should come from, the checkpoint, the
     installed TensorRT and the engine file's hash."""
     engine_dir = Path(engine_dir)
@@ -192,7 +192,7 @@ def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, ch
     path = engine_dir / ENGINE_FILE
     if not path.is_file():
         raise ArtifactError(f"engine {engine_dir} lacks {ENGINE_FILE}; rebuild it with: {how}")
-    if check_file and file_sha256(path) != m["engine_sha256"]:
+    if file_sha256(path) != m["engine_sha256"]:
         raise ArtifactError(f"{path} does not match the hash in its manifest (corrupt or replaced); rebuild it with: {how}")
     return m
 

@@ -37,7 +37,6 @@ class GenerationResult:
     text: str | None = None
     metrics: object | None = None  # SpecMetrics for speculative decoding
 
-
     @property
     def generated_tokens(self) -> int:
         return len(self.token_ids)

@@ -93,15 +93,17 @@ class SpeculativeDecoder:
             td = time.perf_counter()
             n_draft = self.policy.num_draft(cost, len(rows))
             trees: dict[int, DraftTree] = {}
+            depths: dict[int, np.ndarray] = {}
             for b in rows:
                 tree = self.proposer.propose(int(b), prompts[b] + out[b], n_draft) if n_draft > 0 else DraftTree.empty()
                 trees[b] = tree.truncate(n_draft)
+                depths[b] = trees[b].depths()
             draft_s = time.perf_counter() - td
 
             ts = time.perf_counter()
             start = cache.lengths.copy()  # the root of row b goes to slot start[b]
             feed = [[out[b][-1], *trees[b].tokens.tolist()] if active[b] else [] for b in range(B)]
-            shapes = [(np.concatenate([[0], trees[b].depths()]), trees[b].ancestor_mask()) if active[b] else None for b in range(B)]
+            shapes = [(np.concatenate([[0], depths[b]]), trees[b].ancestor_mask()) if active[b] else None for b in range(B)]
             step = gen.forward_tokens(cache, feed, shapes)
             new_tokens: list[list[int]] = [[] for _ in range(B)]
             for b in rows:
@@ -112,7 +114,7 @@ class SpeculativeDecoder:
                 else:
                     verdict = accept_sampling(tree, probs_from_logits(logits, sampling), rng)
                 cache.keep(int(b), int(start[b]) + 1, [int(start[b]) + 1 + i for i in verdict.accepted])
-                depth = int(tree.depths().max()) if len(tree) else 0
+                depth = int(depths[b].max()) if len(tree) else 0
                 metrics.observe_draft(len(tree), len(verdict.accepted), depth)
                 if len(tree):
                     cost.observe_acceptance(depth, len(verdict.accepted))
