@@ -4,7 +4,8 @@
 
 Checks greedy speculative output == greedy plain output (with and without graphs, and against
 the CPU reference), times one target step at Q = 1..16 and plain decoding tokens/s, with and
-without graphs. Uses the default model when `models/SmolLM2-135M-Instruct` exists, else random
+without graphs; then the same for a TensorRT engine (exported and built here) where tensorrt or
+tensorrt_rtx is installed. Uses the default model when `models/SmolLM2-135M-Instruct` exists, else random
 weights with its exact config (same shapes, so the same timings; token ids instead of text).
 Prints a table and writes JSON to $OUT (or bench/results/).
 """
@@ -43,13 +44,13 @@ def load():
     if (ckpt / "config.json").is_file():
         from specrt.export.checkpoint import load_model
 
-        return load_model(ckpt), "SmolLM2-135M-Instruct"
+        return load_model(ckpt), "SmolLM2-135M-Instruct", ckpt
     torch.manual_seed(0)
     model = LlamaModel(ModelConfig.from_hf_dict(SMOLLM2))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.05 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-    return model.eval(), "random weights, SmolLM2-135M config"
+    return model.eval(), "random weights, SmolLM2-135M config", None
 
 
 def prompts(vocab):
@@ -77,13 +78,55 @@ def step_ms(gen, q, device, past=512, repeats=20):
     return statistics.median(times[3:]) * 1e3
 
 
+def check_tensorrt(model, ckpt, device, measure) -> str:
+    """Export, build and run the TensorRT engine (with and without graphs) where TensorRT is installed."""
+    from specrt.engines.trt import available_flavours
+
+    flavours = available_flavours()
+    if not flavours or device != "cuda":
+        return "not installed: TensorRT path not checked" if not flavours else "skipped: needs --device cuda"
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from specrt.engines.profiles import EngineShapes
+    from specrt.engines.trt import TrtBuildSpec, build_trt_engine
+    from specrt.engines.trt_runtime import TrtBackend
+    from specrt.export.step_graph import export_step_graph
+
+    flavour = flavours[0]
+    tmp = Path(tempfile.mkdtemp(prefix="specrt-gpu-check-"))
+    if ckpt is None:  # random weights: write them as a checkpoint to export from
+        ckpt = tmp / "ckpt"
+        ckpt.mkdir()
+        state = {k if k == "lm_head.weight" else "model." + k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(ckpt / "model.safetensors"))
+        (ckpt / "config.json").write_text(json.dumps(SMOLLM2))
+    t0 = time.perf_counter()
+    try:
+        export_step_graph(ckpt, tmp / "onnx")
+        caps = ("CURRENT",) if flavour == "tensorrt-rtx" else ()
+        build_trt_engine(tmp / "onnx", tmp / "engine", TrtBuildSpec(flavour=flavour, shapes=EngineShapes(max_context=1024), compute_capabilities=caps))
+    except Exception as e:  # report and go on: the torch results above still stand
+        return f"{flavour}: export or build failed: {type(e).__name__}: {e}"
+    built = f"{flavour}: exported and built in {time.perf_counter() - t0:.0f} s"
+    for graphs in (False, True):
+        try:
+            measure(f"{flavour}{'+graphs' if graphs else ''}", TrtBackend(tmp / "engine", device="cuda", cuda_graphs=graphs))
+        except Exception as e:  # report and go on: the torch results above still stand
+            return f"{built}; running it failed: {type(e).__name__}: {e}"
+    return built
+
+
 def main():
     # --device cpu runs the same flow without graphs: a smoke test of this script on any machine
     device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU visible to torch; nothing to check")
         return 2
-    model, what = load()
+    model, what, ckpt = load()
     cpu_model = model
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "none (cpu smoke run)",
@@ -94,11 +137,8 @@ def main():
     expected = [r.token_ids for r in ref.generate_ids(ps[:1], 32)]
     gpu_model = LlamaModel(model.cfg).eval()
     gpu_model.load_state_dict(model.state_dict())
-    for graphs in (False, True) if device == "cuda" else (False,):
-        name = f"{device}+graphs" if graphs else device
-        backend = TorchBackend(gpu_model, device=device, cuda_graphs=graphs)
-        if device == "cpu":
-            backend.cache_device = "cpu"  # the device-cache path, as on a GPU
+
+    def measure(name, backend):
         gen = Generator(backend)
         gen.eos_ids = frozenset()
         plain = [r.token_ids for r in gen.generate_ids(ps, 96)]
@@ -106,17 +146,15 @@ def main():
         result["checks"][f"{name}: greedy speculative == plain"] = spec == plain
         result["checks"][f"{name}: first 32 tokens == CPU reference"] = [p[:32] for p in plain[:1]] == expected
         result["step_ms"][name] = {q: round(step_ms(gen, q, device), 3) for q in (1, 2, 4, 8, 12, 16)}
-        runs = []
-        for _ in range(3):
-            r = gen.generate_ids([ps[1]], 128)[0]
-            runs.append(r.decode_tokens_per_second)
+        runs = [gen.generate_ids([ps[1]], 128)[0].decode_tokens_per_second for _ in range(3)]
         result["decode_tok_s"][name] = round(statistics.median(runs), 1)
-    try:
-        import tensorrt  # noqa: F401
 
-        result["tensorrt"] = "installed; the TensorRT runtime backend is not implemented yet"
-    except ImportError:
-        result["tensorrt"] = "not installed: TensorRT path not checked"
+    for graphs in (False, True) if device == "cuda" else (False,):
+        backend = TorchBackend(gpu_model, device=device, cuda_graphs=graphs)
+        if device == "cpu":
+            backend.cache_device = "cpu"  # the device-cache path, as on a GPU
+        measure(f"torch {device}{'+graphs' if graphs else ''}", backend)
+    result["tensorrt"] = check_tensorrt(model, ckpt, device, measure)
 
     print(f"GPU: {result['gpu']}   model: {what}")
     for k, v in result["checks"].items():

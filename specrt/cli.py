@@ -79,7 +79,7 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
 @click.option("--max-prefill", default=512, show_default=True, type=click.IntRange(min=1), help="TensorRT prefill profile: longest prompt chunk.")
 @click.option("--max-verify", default=17, show_default=True, type=click.IntRange(min=1), help="TensorRT verify profile: max draft tokens (or tree size) + 1.")
 @click.option("--max-batch", default=1, show_default=True, type=click.IntRange(min=1), help="TensorRT profiles: largest batch.")
-@click.option("--compute-capability", "compute_capabilities", multiple=True, help="TensorRT-RTX target GPU, e.g. SM89 (repeatable; default: the library's).")
+@click.option("--compute-capability", "compute_capabilities", multiple=True, help="TensorRT-RTX target GPU, e.g. SM89, or CURRENT (this machine's GPU); repeatable; default: the library's (SM80, 86, 89, 120+).")
 @click.option("--workspace-mib", default=4096, show_default=True, type=click.IntRange(min=16), help="TensorRT builder workspace limit.")
 @_friendly_errors
 def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tensorrt: str, max_context: int, max_prefill: int, max_verify: int,
@@ -104,7 +104,8 @@ def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tenso
 @click.option("--artifacts", type=click.Path(path_type=Path), help="Artifact directory from build-engines (uses its engines/ort-<provider>).")
 @click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (overrides --artifacts).")
 @click.option("--model", "checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory; checked against the engine's manifest. Alone, runs the PyTorch reference.")
-@click.option("--backend", default="ort", show_default=True, type=click.Choice(["ort", "torch"]), help="ort: the built engine; torch: the PyTorch reference model.")
+@click.option("--backend", default="ort", show_default=True, type=click.Choice(["ort", "trt", "torch"]),
+              help="ort: the ONNX Runtime engine; trt: the TensorRT engine (NVIDIA GPU); torch: the PyTorch model.")
 @click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0), help="0 is greedy.")
@@ -114,8 +115,8 @@ def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tenso
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
 @click.option("--system", default=None, help="System message (chat mode).")
 @click.option("--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core).")
-@click.option("--device", default="cpu", show_default=True, help="--backend torch: cpu (the reference) or cuda (PyTorch-CUDA backend).")
-@click.option("--cuda-graphs", is_flag=True, help="--backend torch --device cuda: capture fixed-shape steps as CUDA graphs.")
+@click.option("--device", default=None, help="--backend torch: cpu (the reference, default) or cuda (PyTorch-CUDA backend); --backend trt: the GPU (default cuda).")
+@click.option("--cuda-graphs", is_flag=True, help="--backend trt, or torch --device cuda: capture fixed-shape steps as CUDA graphs.")
 @click.option("--draft", default="none", show_default=True, type=click.Choice(["none", "ngram", "suffix"]), help="Draft method for speculative decoding.")
 @click.option("--num-draft", default="auto", show_default=True, help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model).")
 @click.option("--max-draft", default=16, show_default=True, type=click.IntRange(min=1), help="Upper bound for --num-draft auto.")
@@ -136,7 +137,17 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
     if backend == "torch":
         if checkpoint is None:
             raise click.UsageError("--backend torch needs --model CHECKPOINT")
-        gen = Generator.from_checkpoint(checkpoint, device=device, cuda_graphs=cuda_graphs)
+        gen = Generator.from_checkpoint(checkpoint, device=device or "cpu", cuda_graphs=cuda_graphs)
+    elif backend == "trt":
+        if engine is None:
+            if artifacts is None:
+                raise click.UsageError("--backend trt needs --artifacts DIR (from build-engines) or --engine DIR")
+            built = [artifacts / "engines" / f"trt-{f}" for f in ("tensorrt", "tensorrt-rtx")]
+            engine = next((d for d in built if d.is_dir()), None)
+            if engine is None:
+                raise SpecrtError(f"{artifacts} has no TensorRT engine ({' or '.join(str(d) for d in built)}); build one with: "
+                                  f"specrt build-engines --model CHECKPOINT --out {artifacts} --tensorrt auto")
+        gen = Generator.from_trt_engine(engine, checkpoint, device=device or "cuda", cuda_graphs=cuda_graphs)
     else:
         from specrt.engines.ort import OrtOptions
 

@@ -107,3 +107,15 @@ def test_generate_cuda_options_without_gpu(tiny_checkpoint):
     assert r.exit_code == 1 and "torch sees no CUDA GPU" in r.output
     r = CliRunner().invoke(main, base + ["--cuda-graphs"])
     assert r.exit_code == 1 and "CUDA graphs need a CUDA device" in r.output
+
+
+def test_generate_trt_backend_without_gpu(tiny_artifacts, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present; the refusal cannot be shown")
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx is not installed (make setup installs it)")
+    r = CliRunner().invoke(main, ["generate", "--backend", "trt", "--artifacts", str(tiny_artifacts), "--prompt", "w5"])
+    assert r.exit_code == 1 and "trt-tensorrt-rtx needs an NVIDIA GPU" in r.output and "--backend ort" in r.output
+    r = CliRunner().invoke(main, ["generate", "--backend", "trt", "--artifacts", str(tmp_path), "--prompt", "w5"])
+    assert r.exit_code == 1 and "has no TensorRT engine" in r.output and "build-engines" in r.output

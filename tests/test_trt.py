@@ -83,6 +83,12 @@ def test_build_for_chosen_compute_capability(tiny_artifacts, tmp_path):
     with pytest.raises(SpecrtError, match="unknown compute capability 'SM1'"):
         build_trt_engine(tiny_artifacts / "onnx", tmp_path / "bad", TrtBuildSpec(compute_capabilities=("SM1",)), progress=False)
     assert not (tmp_path / "bad").exists()
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SpecrtError, match="CURRENT means the GPU of this machine, and none is visible"):
+            build_trt_engine(tiny_artifacts / "onnx", tmp_path / "cur", TrtBuildSpec(compute_capabilities=("CURRENT",)), progress=False)
+        assert not (tmp_path / "cur").exists()
 
 
 def test_invalid_shapes_fail_before_building(tiny_artifacts, tmp_path):

@@ -116,10 +116,10 @@ def build_trt_engine(onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSp
         config.num_compute_capabilities = len(spec.compute_capabilities)
         for i, cc in enumerate(spec.compute_capabilities):
             if not hasattr(trt.ComputeCapability, cc):
-                known = [n for n in dir(trt.ComputeCapability) if n.startswith("SM")]
+                known = [n for n in dir(trt.ComputeCapability) if n.startswith("SM") or n == "CURRENT"]
                 raise SpecrtError(f"unknown compute capability {cc!r}; this TensorRT-RTX knows {', '.join(known)}.")
             config.set_compute_capability(getattr(trt.ComputeCapability, cc), i)
-        targets = list(spec.compute_capabilities)
+        targets = [_current_sm() if cc == "CURRENT" else cc for cc in spec.compute_capabilities]
     timing_cache = None
     if spec.timing_cache is not None and flavour == "tensorrt":
         blob = spec.timing_cache.read_bytes() if spec.timing_cache.is_file() else b""
@@ -148,6 +148,7 @@ def build_trt_engine(onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSp
                 "flavour": flavour,
                 "tensorrt_version": trt.__version__,
                 "compute_capabilities": targets or ["library default"],
+                "build_gpu": _build_gpu() if flavour == "tensorrt" else None,  # full TensorRT builds for this GPU only
                 "onnx": {"path": str(onnx_dir.resolve()), "files": onnx_manifest["files"]},
                 "checkpoint": onnx_manifest["checkpoint"],
                 "config": cfg,
@@ -165,6 +166,26 @@ def build_trt_engine(onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSp
         spec.timing_cache.parent.mkdir(parents=True, exist_ok=True)
         spec.timing_cache.write_bytes(memoryview(timing_cache.serialize()))
     return out_dir
+
+
+def _build_gpu() -> dict | None:
+    """{name, sm} of the GPU this process builds on (torch's view), or None without one."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        return {"name": torch.cuda.get_device_name(), "sm": f"SM{major}{minor}"}
+    except ImportError:
+        return None
+
+
+def _current_sm() -> str:
+    gpu = _build_gpu()
+    if gpu is None:
+        raise SpecrtError("compute capability CURRENT means the GPU of this machine, and none is visible; name one instead, e.g. SM89.")
+    return gpu["sm"]
 
 
 def _io(t) -> dict:

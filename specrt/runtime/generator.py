@@ -95,8 +95,9 @@ class Generator:
         self.backend = backend
         self.config = backend.config
         self.tokenizer = tokenizer
-        self.max_context = min(max_context or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        self.prefill_chunk = prefill_chunk
+        limits = [self.config.max_position_embeddings, getattr(backend, "max_context", None) or self.config.max_position_embeddings]  # engines built for less
+        self.max_context = min(max_context or min(limits), *limits)
+        self.prefill_chunk = min(prefill_chunk, getattr(backend, "max_step_q", None) or prefill_chunk)  # an engine's largest profile
         eos = set(self.config.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
             eos.add(tokenizer.token_id(tokenizer.eos_token))
@@ -117,6 +118,19 @@ class Generator:
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
         session, manifest, provider = load_ort_session(engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint))
         backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider)
+        return cls(backend, Tokenizer(checkpoint), **kw)
+
+    @classmethod
+    def from_trt_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cuda", cuda_graphs: bool = False, **kw) -> "Generator":
+        """A generator on a TensorRT / TensorRT-RTX engine (needs an NVIDIA GPU). The checkpoint (for
+        the tokenizer) defaults to the one the engine was built from and must match its manifest."""
+        from specrt.artifacts import read_manifest
+        from specrt.engines.trt import TRT_KIND
+        from specrt.engines.trt_runtime import TrtBackend
+        from specrt.export.checkpoint import checkpoint_hash
+
+        checkpoint = Path(checkpoint or read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")["checkpoint"]["path"])
+        backend = TrtBackend(engine_dir, device=device, cuda_graphs=cuda_graphs, checkpoint_hash_expected=checkpoint_hash(checkpoint))
         return cls(backend, Tokenizer(checkpoint), **kw)
 
     @classmethod

@@ -1,0 +1,162 @@
+"""The TensorRT runtime backend.
+
+On the CPU: its glue (profile choice by Q, input shapes, tensor addresses with the KV cache bound
+in place, outputs) runs against a real engine's manifest with a stand-in runtime
+(fake_tensorrt.py) that executes our PyTorch model from the bound addresses; its refusals
+(no GPU, wrong GPU, an engine TensorRT cannot load, foreign I/O, a step no profile holds) are
+checked directly. On a GPU with TensorRT (marked gpu, skipped here): the real engine, with and
+without CUDA graphs, against the PyTorch reference.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from fake_tensorrt import fake_tensorrt
+from specrt.engines.profiles import EngineShapes
+from specrt.errors import ArtifactError, ManifestMismatchError, PromptError, SpecrtError
+from specrt.runtime.backends import TorchBackend
+from specrt.runtime.drafts import make_proposer
+from specrt.runtime.generator import Generator
+from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx is not installed (make setup installs it)")
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7, 8, 9], [40, 41, 42, 43, 40, 41, 42]]
+has_cuda = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    from specrt.export.checkpoint import load_model
+
+    return load_model(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def small_engine(tiny_artifacts, tmp_path_factory):
+    """A TensorRT-RTX engine with small profiles: context 64, prefill chunks <= 16, verify Q <= 5."""
+    from specrt.engines.trt import TrtBuildSpec, build_trt_engine
+
+    spec = TrtBuildSpec(flavour="tensorrt-rtx", shapes=EngineShapes(max_context=64, max_prefill=16, max_verify=5))
+    return build_trt_engine(tiny_artifacts / "onnx", tmp_path_factory.mktemp("trt") / "small", spec, progress=False)
+
+
+def fake_backend(engine_dir, model, **kw):
+    from specrt.engines.trt import read_trt_manifest
+    from specrt.engines.trt_runtime import TrtBackend
+
+    fake = fake_tensorrt(model, read_trt_manifest(engine_dir)["profiles"], **kw)
+    return TrtBackend(engine_dir, device="cpu", trt_module=fake), fake.engine
+
+
+def run(gen, prompts, spec: bool, n=40):
+    if spec:
+        return [r.token_ids for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4, 4)).generate_ids(prompts, n)]
+    return [r.token_ids for r in gen.generate_ids(prompts, n)]
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_engine_steps_equal_the_reference(small_engine, model, spec):
+    """Plain and speculative greedy output through the backend's bindings equal the PyTorch
+    reference; the 23-token prompt is prefilled in chunks of 16 on the prefill profile, decode and
+    verification (Q <= 5) run on the verify profile."""
+    backend, engine = fake_backend(small_engine, model)
+    gen = Generator(backend)
+    assert (gen.max_context, gen.prefill_chunk) == (64, 16)  # limited by the engine's profiles
+    for prompt in PROMPTS:
+        expected = run(Generator(TorchBackend(model), max_context=64), [prompt], spec)
+        engine.executed_profiles.clear()
+        assert run(gen, [prompt], spec) == expected
+        chunks = [min(16, len(prompt) - i) for i in range(0, len(prompt), 16)]
+        used = engine.executed_profiles
+        assert used[: len(chunks)] == [1 if c > 5 else 0 for c in chunks]  # prefill profile for Q > 5
+        assert set(used[len(chunks) :]) == {0} and len(used) > len(chunks) + 5
+    assert backend.description.startswith("tensorrt-rtx ")
+
+
+def test_prompt_longer_than_the_engine_context(small_engine, model):
+    gen = Generator(fake_backend(small_engine, model)[0])
+    with pytest.raises(PromptError, match="context holds 64"):
+        gen.generate_ids([list(range(3, 70))], 4)
+
+
+def test_step_no_profile_holds(small_engine, model):
+    gen = Generator(fake_backend(small_engine, model)[0])
+    with pytest.raises(SpecrtError, match="no profile of this engine holds batch 2"):
+        gen.generate_ids(PROMPTS, 4)  # the engine was built for batch 1
+
+
+def test_engine_whose_profiles_differ_from_its_manifest(small_engine, model):
+    from specrt.engines.trt import read_trt_manifest
+    from specrt.engines.trt_runtime import TrtBackend
+
+    profiles = read_trt_manifest(small_engine)["profiles"]
+    profiles[0] = {**profiles[0], "q_len": {"min": 1, "opt": 1, "max": 1}}  # the engine serves less than its manifest says
+    backend = TrtBackend(small_engine, device="cpu", trt_module=fake_tensorrt(model, profiles))
+    with pytest.raises(SpecrtError, match="TensorRT refused shape .* for input_ids in profile 0"):
+        run(Generator(backend), PROMPTS[1:], spec=True)
+
+
+def test_engine_with_foreign_io_is_refused(small_engine, model):
+    with pytest.raises(ManifestMismatchError, match=r"does not have the step graph's I/O \(missing \['hidden_states'\]"):
+        fake_backend(small_engine, model, drop=("hidden_states",))
+
+
+def test_engine_tensorrt_cannot_load(small_engine, model):
+    with pytest.raises(ArtifactError, match="TensorRT could not load .*model.engine"):
+        fake_backend(small_engine, model, loadable=False)
+
+
+@pytest.mark.skipif(has_cuda, reason="checks the CPU-only refusal")
+def test_real_runtime_without_a_gpu(small_engine, tiny_checkpoint):
+    """With the installed TensorRT-RTX: on a machine without a GPU the engine is refused with a
+    clear error, both when a GPU is asked for and when deserialization is tried anyway."""
+    from specrt.engines.trt_runtime import TrtBackend
+
+    with pytest.raises(SpecrtError, match="needs an NVIDIA GPU, and torch sees none"):
+        Generator.from_trt_engine(small_engine, tiny_checkpoint)
+    with pytest.raises(ArtifactError, match="TensorRT could not load"):
+        TrtBackend(small_engine, device="cpu")
+
+
+def test_engine_gpu_checks():
+    from specrt.engines.trt_runtime import check_engine_gpu
+
+    rtx = {"flavour": "tensorrt-rtx", "compute_capabilities": ["library default"]}
+    for ok in [(8, 0), (8, 6), (8, 9), (12, 0), (12, 1)]:
+        check_engine_gpu(rtx, ok, "gpu")
+    for bad, name in [((9, 0), "NVIDIA H200"), ((7, 5), "RTX 2080 Ti")]:
+        with pytest.raises(ManifestMismatchError, match=f"this GPU \\({name}\\) is SM{bad[0]}{bad[1]}.*--compute-capability SM{bad[0]}{bad[1]}"):
+            check_engine_gpu(rtx, bad, name)
+    check_engine_gpu({**rtx, "compute_capabilities": ["SM75"]}, (7, 5), "RTX 2080 Ti")
+    with pytest.raises(ManifestMismatchError, match="built by TensorRT-RTX for SM75"):
+        check_engine_gpu({**rtx, "compute_capabilities": ["SM75"]}, (8, 9), "RTX 4090")
+    full = {"flavour": "tensorrt", "build_gpu": {"name": "NVIDIA H200", "sm": "SM90"}}
+    check_engine_gpu(full, (9, 0), "NVIDIA H100")
+    with pytest.raises(ManifestMismatchError, match=r"built by TensorRT on NVIDIA H200 \(SM90\), but this GPU \(NVIDIA A100\) is SM80"):
+        check_engine_gpu(full, (8, 0), "NVIDIA A100")
+
+
+# -- real engines on a GPU (skipped without one) ---------------------------------------------------
+
+runnable_flavours = [f for f, mod in (("tensorrt", "tensorrt"), ("tensorrt-rtx", "tensorrt_rtx")) if importlib.util.find_spec(mod)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_cuda, reason="needs an NVIDIA GPU with CUDA (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("spec", [False, True])
+def test_real_engine_on_gpu_equals_reference(tiny_artifacts, model, tmp_path_factory, graphs, spec):
+    from specrt.engines.trt import TrtBuildSpec, build_trt_engine
+    from specrt.engines.trt_runtime import TrtBackend
+
+    flavour = runnable_flavours[0]
+    out = tmp_path_factory.mktemp("gpu-engine") / flavour
+    shapes = EngineShapes(max_context=64, max_prefill=16, max_verify=5)
+    caps = () if flavour == "tensorrt" else ("CURRENT",)
+    engine = build_trt_engine(tiny_artifacts / "onnx", out, TrtBuildSpec(flavour=flavour, shapes=shapes, compute_capabilities=caps), progress=False)
+    gen = Generator(TrtBackend(engine, device="cuda", cuda_graphs=graphs))
+    for prompt in PROMPTS:
+        assert run(gen, [prompt], spec) == run(Generator(TorchBackend(model), max_context=64), [prompt], spec)
