@@ -60,3 +60,29 @@ def test_cuda_backend_matches_reference(reference, graphs, spec):
     assert outputs(backend, spec) == expected[spec]
     if graphs:
         assert backend._graphs, "no step was captured as a CUDA graph"
+
+
+def test_graph_backends_reuse_their_caches(reference):
+    """With reuse_cache (set by CUDA-graph backends) the generator pools caches: capacities are
+    rounded up to 256, a finished generation's cache is handed to the next one (so captured graphs
+    stay valid), two generations running at once get different caches, and outputs are unchanged."""
+    model, expected = reference
+    backend = TorchBackend(model)
+    backend.cache_device, backend.reuse_cache = "cpu", True
+    gen = Generator(backend)
+    seen = []
+    real_new = gen.new_cache
+    gen.new_cache = lambda b, c: seen.append(real_new(b, c)) or seen[-1]
+    for spec in (False, True, False):
+        assert outputs(backend, spec) == expected[spec]  # a fresh generator each: its own pool
+        got = [r.token_ids for r in (SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)) if spec else gen).generate_ids(PROMPTS, 40)]
+        assert got == expected[spec]
+    assert len({id(c) for c in seen}) == 1 and seen[0].capacity == 256 and not seen[0].in_use
+    a, b = gen.iter_generate(PROMPTS, 40), gen.iter_generate(PROMPTS, 40)
+    next(a), next(b)  # both hold a cache now
+    assert len({id(c) for c in seen[-2:]}) == 2
+    from specrt.runtime.generator import run_to_end
+
+    assert [r.token_ids for r in run_to_end(b)] == expected[False]
+    a.close()  # an abandoned generation gives its cache back too
+    assert not any(c.in_use for c in seen)

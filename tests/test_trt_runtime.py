@@ -76,6 +76,17 @@ def test_engine_steps_equal_the_reference(small_engine, model, spec):
     assert backend.description.startswith("tensorrt-rtx ")
 
 
+def test_pooled_caches_fit_the_engine(small_engine, model):
+    """With graphs the generator pools caches rounded up to 256 positions; for an engine the
+    rounding stops at the profiles' largest past (context 64 + verify 5)."""
+    backend, _ = fake_backend(small_engine, model)
+    backend.reuse_cache = True  # as with cuda_graphs on a GPU
+    gen = Generator(backend)
+    expected = run(Generator(TorchBackend(model), max_context=64), PROMPTS[1:], spec=True)
+    assert run(gen, PROMPTS[1:], spec=True) == expected and run(gen, PROMPTS[1:], spec=True) == expected
+    assert [c.capacity for c in gen._cache_pool] == [69]
+
+
 def test_prompt_longer_than_the_engine_context(small_engine, model):
     gen = Generator(fake_backend(small_engine, model)[0])
     with pytest.raises(PromptError, match="context holds 64"):

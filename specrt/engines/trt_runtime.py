@@ -32,7 +32,7 @@ import numpy as np
 from specrt.engines.trt import ENGINE_FILE, load_tensorrt, read_trt_manifest, select_profile
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.config import ModelConfig
-from specrt.runtime.backends import StepOutput
+from specrt.runtime.backends import MAX_GRAPHS, StepOutput
 
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index")
 # TensorRT DataType member name -> torch dtype name
@@ -142,8 +142,9 @@ class TrtBackend:
             self._contexts.append(ctx)
         self.cuda_graphs = cuda_graphs and not rtx_graphs  # our own capture (full TensorRT)
         self.max_graph_q = max_graph_q
-        self._graphs: dict = {}  # (profile, B, Q, K) -> (graph, static inputs, outputs) or None (not capturable)
-        self._graph_cache_ptr = None
+        self._graphs: dict = {}  # (cache address, capacity, profile, B, Q, K) -> (graph, static inputs, outputs) or None
+        self.reuse_cache = cuda_graphs  # pooled caches, so graphs (ours or TensorRT-RTX's) outlive one generation
+        self.max_cache = int(m["profiles"][0]["past_len"]["max"])  # pooled caches must still fit the profiles
         graphs = ", CUDA graphs (TensorRT-RTX built-in)" if rtx_graphs else ", CUDA graphs" if cuda_graphs else ""
         self.description = f"{m['flavour']} {m['tensorrt_version']} ({self.device}{graphs})"
 
@@ -232,12 +233,11 @@ class TrtBackend:
         """Run the step through a CUDA graph captured for this (profile, batch, Q, K) and cache."""
         import torch
 
-        ptr = cache.keys.data_ptr()
-        if ptr != self._graph_cache_ptr:  # a new generation's cache: graphs bound to the old one are stale
-            self._graphs.clear()
-            self._graph_cache_ptr = ptr
-        key = (profile, *arrays["input_ids"].shape, arrays["logits_index"].shape[1])
+        # a graph is bound to the cache buffers' address and shape; pooled caches (reuse_cache) keep both
+        key = (cache.keys.data_ptr(), cache.capacity, profile, *arrays["input_ids"].shape, arrays["logits_index"].shape[1])
         if key not in self._graphs:
+            if len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.clear()
             static_in = self._inputs(arrays)
             out = self._run(profile, static_in, cache)  # plain run first: flushes deferred shape updates
             if hasattr(self._contexts[profile], "is_stream_capturable") and not self._contexts[profile].is_stream_capturable(self._handle):

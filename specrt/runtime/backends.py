@@ -21,6 +21,9 @@ from specrt.export.config import ModelConfig
 from specrt.runtime.kv_cache import KVCache
 
 
+MAX_GRAPHS = 128  # captured step graphs kept per backend before they are dropped and captured again
+
+
 @dataclasses.dataclass
 class StepOutput:
     logits: np.ndarray  # (B, K, V) float32, at the positions logits_index asked for
@@ -61,7 +64,8 @@ class TorchBackend:
     copy. On another device (cuda) the cache is allocated there (`cache_device`), inputs go over
     once per step and only logits and hidden states come back. With cuda_graphs=True every
     fixed-shape step (batch, Q <= max_graph_q, cache buffers) is captured once as a CUDA graph and
-    replayed with its inputs copied into static buffers; prefill chunks run eagerly.
+    replayed with its inputs copied into static buffers; prefill chunks run eagerly. The generator
+    then pools its caches (`reuse_cache`), so a shape is captured once, not once per generation.
     """
 
     def __init__(self, model, device: str = "cpu", cuda_graphs: bool = False, max_graph_q: int = 32):
@@ -76,8 +80,8 @@ class TorchBackend:
         self.config = model.cfg
         self.cache_device = None if self.device.type == "cpu" else str(self.device)
         self.cuda_graphs, self.max_graph_q = cuda_graphs, max_graph_q
-        self._graphs: dict = {}  # (B, Q, cache buffer address) -> (graph, static inputs, static outputs)
-        self._graph_cache_ptr = None
+        self._graphs: dict = {}  # (cache address, capacity, (B, Q), (B, K)) -> (graph, static inputs, static outputs)
+        self.reuse_cache = cuda_graphs  # pooled caches, so graphs outlive one generation (Generator.new_cache)
         kind = "reference, cpu" if self.device.type == "cpu" else f"{self.device}{', CUDA graphs' if cuda_graphs else ''}"
         self.description = f"torch {torch.__version__} ({kind})"
 
@@ -112,12 +116,11 @@ class TorchBackend:
         """Run the step through a CUDA graph captured for this (batch, Q, cache)."""
         import torch
 
-        ptr = cache.keys.data_ptr()
-        if ptr != self._graph_cache_ptr:  # a new generation's cache: graphs of the old one are stale
-            self._graphs.clear()
-            self._graph_cache_ptr = ptr
-        key = (tuple(inputs[0].shape), tuple(inputs[3].shape))
+        # a graph is bound to the cache buffers' address and shape; pooled caches (reuse_cache) keep both
+        key = (cache.keys.data_ptr(), cache.capacity, tuple(inputs[0].shape), tuple(inputs[3].shape))
         if key not in self._graphs:
+            if len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.clear()
             static_in = [t.clone() for t in inputs]
             past = self._past(cache)
             stream = torch.cuda.Stream()

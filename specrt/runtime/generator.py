@@ -26,6 +26,10 @@ from specrt.runtime.sampling import SamplingParams, next_tokens
 from specrt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+CACHE_BUCKET = 256  # pooled caches (CUDA-graph backends) have capacities in multiples of this
+CACHE_POOL_SIZE = 4
+
+
 @dataclasses.dataclass
 class GenerationResult:
     prompt_tokens: int
@@ -102,6 +106,7 @@ class Generator:
         if tokenizer is not None and tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
             eos.add(tokenizer.token_id(tokenizer.eos_token))
         self.eos_ids = frozenset(eos)
+        self._cache_pool: list[KVCache] = []
 
     # -- construction -------------------------------------------------------------------------
 
@@ -145,9 +150,36 @@ class Generator:
     # -- steps ----------------------------------------------------------------------------------
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """A KV cache of at least `capacity` positions for `batch` rows.
+
+        Backends that capture CUDA graphs (`reuse_cache = True`) get caches from a small pool, with
+        the capacity rounded up to a multiple of CACHE_BUCKET (but not past the backend's
+        `max_cache`): a graph is bound to its cache's buffers, so reusing them across generations
+        lets each step shape be captured once, not once per generation. A pooled cache is handed
+        out again only after `release` (generation loops release theirs when they end)."""
         c = self.config
         device = getattr(self.backend, "cache_device", None)  # backends that keep the KV on a device
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=device)
+        if not getattr(self.backend, "reuse_cache", False):
+            return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=device)
+        limit = getattr(self.backend, "max_cache", None) or capacity + CACHE_BUCKET
+        capacity = max(capacity, min(-(-capacity // CACHE_BUCKET) * CACHE_BUCKET, limit))
+        for cache in self._cache_pool:
+            if not cache.in_use and cache.batch == batch and cache.capacity == capacity:
+                cache.reset()
+                cache.in_use = True
+                return cache
+        cache = KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=device)
+        cache.in_use = True
+        idle = [k for k in self._cache_pool if not k.in_use]
+        if len(self._cache_pool) >= CACHE_POOL_SIZE and idle:
+            self._cache_pool.remove(idle[0])  # the oldest idle one makes room
+        if len(self._cache_pool) < CACHE_POOL_SIZE:
+            self._cache_pool.append(cache)
+        return cache
+
+    def release(self, cache: KVCache) -> None:
+        """The generation that used `cache` is over: a pooled cache may be handed out again."""
+        cache.in_use = False
 
     def forward_tokens(self, cache: KVCache, tokens: list[list[int]], trees: list[tuple[np.ndarray, np.ndarray]] | None = None, last_only: bool = False):
         """One step over new tokens per row (rows may differ in count, even be empty); their KV is
@@ -231,6 +263,12 @@ class Generator:
         Yields, after every step, the new tokens of each row (one, or none for a finished row).
         Returns (StopIteration.value) one GenerationResult per row."""
         st = self.start(prompts, max_new_tokens, sampling)
+        try:
+            return (yield from self._steps(st, prompts, sampling))
+        finally:
+            self.release(st.cache)
+
+    def _steps(self, st: Started, prompts, sampling):
         B = len(prompts)
         out: list[list[int]] = [[] for _ in range(B)]
         reason = ["length"] * B

@@ -56,11 +56,17 @@ class SpeculativeDecoder:
     ) -> Generator_[list[list[int]], None, list[GenerationResult]]:
         """Yields, after every step, the new tokens of each row (possibly none); returns one
         GenerationResult per row, each carrying the batch's SpecMetrics."""
+        # room for the longest output plus one unverified draft
+        st = self.gen.start(prompts, max_new_tokens, sampling, headroom=self.policy.max_draft + 1)
+        try:
+            return (yield from self._steps(st, prompts, sampling))
+        finally:
+            self.gen.release(st.cache)
+
+    def _steps(self, st, prompts, sampling):
         gen = self.gen
         B = len(prompts)
         max_draft = self.policy.max_draft
-        # room for the longest output plus one unverified draft
-        st = gen.start(prompts, max_new_tokens, sampling, headroom=max_draft + 1)
         cache, rng, budget = st.cache, st.rng, st.budget
         cost = CostModel(max(max_draft, 1))
         metrics = SpecMetrics()
