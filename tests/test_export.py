@@ -225,3 +225,30 @@ def test_export_of_older_graph_version_is_refused(tiny_artifacts, tmp_path):
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match="step graph version 1, this specrt runs version 2; re-export"):
         read_onnx_manifest(d)
+
+
+def polygraphy_lint(onnx_path, tmp_path) -> dict:
+    """`polygraphy check lint`: an independent check of the graph (ONNX checker, per-node
+    inference with ONNX Runtime on generated data, unused and dead nodes)."""
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("polygraphy", reason="polygraphy is not installed (the test extra installs it)")
+    exe = shutil.which("polygraphy") or str(__import__("pathlib").Path(sys.executable).parent / "polygraphy")
+    report = tmp_path / "lint.json"
+    r = subprocess.run([exe, "check", "lint", str(onnx_path), "-o", str(report)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return json.loads(report.read_text())
+
+
+def test_polygraphy_lint_tiny(tiny_artifacts, tmp_path):
+    lint = polygraphy_lint(tiny_artifacts / "onnx" / "model.onnx", tmp_path)
+    assert lint["summary"]["failing"] == [] and len(lint["summary"]["passing"]) > 100
+    assert lint["lint_entries"] == []
+
+
+@pytest.mark.real_model
+def test_polygraphy_lint_default_model(real_artifacts, tmp_path):
+    lint = polygraphy_lint(real_artifacts / "onnx" / "model.onnx", tmp_path)
+    assert lint["summary"]["failing"] == [] and lint["lint_entries"] == []
