@@ -132,6 +132,20 @@ def test_real_runtime_without_a_gpu(small_engine, tiny_checkpoint):
         TrtBackend(small_engine, device="cpu")
 
 
+def test_engine_from_a_stale_onnx_export_is_refused(small_engine, tiny_checkpoint, tmp_path):
+    """Generator.from_trt_engine checks the engine against the ONNX export it was built from (when
+    that is still on disk) before it looks for a GPU."""
+    import json
+    import shutil
+
+    e = shutil.copytree(small_engine, tmp_path / "e")
+    m = json.loads((e / "manifest.json").read_text())
+    m["onnx"]["files"]["model.onnx"] = "sha256:" + "0" * 64  # built from an earlier export
+    (e / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestMismatchError, match="built from another export of the ONNX step graph"):
+        Generator.from_trt_engine(e, tiny_checkpoint)
+
+
 def test_engine_gpu_checks():
     from specrt.engines.trt_runtime import check_engine_gpu
 

@@ -128,14 +128,21 @@ class Generator:
     @classmethod
     def from_trt_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cuda", cuda_graphs: bool = False, **kw) -> "Generator":
         """A generator on a TensorRT / TensorRT-RTX engine (needs an NVIDIA GPU). The checkpoint (for
-        the tokenizer) defaults to the one the engine was built from and must match its manifest."""
+        the tokenizer) defaults to the one the engine was built from and must match its manifest;
+        so must the ONNX export it was built from, where that is still on disk."""
         from specrt.artifacts import read_manifest
         from specrt.engines.trt import TRT_KIND
         from specrt.engines.trt_runtime import TrtBackend
         from specrt.export.checkpoint import checkpoint_hash
 
-        checkpoint = Path(checkpoint or read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")["checkpoint"]["path"])
-        backend = TrtBackend(engine_dir, device=device, cuda_graphs=cuda_graphs, checkpoint_hash_expected=checkpoint_hash(checkpoint))
+        manifest = read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")
+        checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
+        onnx_files = None  # where the ONNX it was built from is still present, it must be that export
+        if (Path(manifest["onnx"]["path"]) / "manifest.json").is_file():
+            from specrt.export.step_graph import read_onnx_manifest
+
+            onnx_files = read_onnx_manifest(manifest["onnx"]["path"])["files"]
+        backend = TrtBackend(engine_dir, device=device, cuda_graphs=cuda_graphs, checkpoint_hash_expected=checkpoint_hash(checkpoint), onnx_files=onnx_files)
         return cls(backend, Tokenizer(checkpoint), **kw)
 
     @classmethod
