@@ -252,3 +252,33 @@ def test_polygraphy_lint_tiny(tiny_artifacts, tmp_path):
 def test_polygraphy_lint_default_model(real_artifacts, tmp_path):
     lint = polygraphy_lint(real_artifacts / "onnx" / "model.onnx", tmp_path)
     assert lint["summary"]["failing"] == [] and lint["lint_entries"] == []
+
+
+def test_tied_embedding_is_stored_once(tmp_path, tiny_checkpoint):
+    """A tied model's export keeps one copy of the embedding (the LM head's W^T, which the lookup
+    gathers along axis 1) and still matches PyTorch on prefill and decode; untied models keep both."""
+    import onnxruntime as ort
+
+    from conftest import random_model, save_checkpoint, tiny_hf_config
+    from specrt.export.step_graph import export_step_graph, read_onnx_manifest
+
+    hf = tiny_hf_config(tie_word_embeddings=True)
+    ckpt = save_checkpoint(random_model(hf, seed=5), hf, tmp_path / "tied")
+    out = export_step_graph(ckpt, tmp_path / "onnx", progress=False)
+    assert read_onnx_manifest(out)["tied_embedding_shared"] is True
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    big = [i.name for i in proto.graph.initializer if np.prod(i.dims) == hf["vocab_size"] * hf["hidden_size"]]
+    assert len(big) == 1 and big[0] != "model.embed_tokens.weight"
+    backends = [OrtBackend(ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]), load_model(ckpt).cfg, "cpu"),
+                TorchBackend(load_model(ckpt))]
+    ids = np.array([[3, 9, 27, 81 % 128, 100, 127, 0, 5]])
+    a, b = run_both(backends, ids, np.arange(8)[None], lambda c: c.attention_mask(8))
+    assert_close(a, b)
+    a, b = run_both(backends, ids[:, :1], np.array([[8]]), lambda c: c.attention_mask(1), prefix=ids)
+    assert_close(a, b)
+
+
+def test_untied_export_keeps_both_matrices(tiny_artifacts):
+    from specrt.export.step_graph import read_onnx_manifest
+
+    assert read_onnx_manifest(tiny_artifacts / "onnx")["tied_embedding_shared"] is False

@@ -16,6 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -93,6 +94,38 @@ def example_inputs(cfg: ModelConfig, batch=2, q=3, past=4):
     return (ids, pos, mask, index, *[kv.clone() for _ in range(2 * cfg.num_hidden_layers)])
 
 
+def share_tied_embedding(proto, embed_name: str = "model.embed_tokens.weight") -> bool:
+    """Store a tied embedding once. The TorchScript exporter folds the LM head's transpose into a
+    second constant W^T [C, V] next to the embedding W [V, C] (+113 MB for SmolLM2); the lookup
+    becomes Gather(W^T, ids, axis=1) -> [C, B, Q], transposed to [B, Q, C], and W is dropped.
+    Returns False (graph untouched) unless exactly that pattern, with W^T equal to W.T, is found."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = proto.graph
+    inits = {i.name: i for i in graph.initializer}
+    gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] == embed_name]
+    heads = [n for n in graph.node if n.op_type == "MatMul" and "lm_head" in n.name and n.input[1] in inits]
+    if embed_name not in inits or len(gathers) != 1 or len(heads) != 1:
+        return False
+    w, wt = numpy_helper.to_array(inits[embed_name]), numpy_helper.to_array(inits[heads[0].input[1]])
+    if wt.shape != w.T.shape or not np.array_equal(wt, w.T):
+        return False
+    gather = gathers[0]
+    if any(a.name == "axis" and a.i != 0 for a in gather.attribute):
+        return False
+    out = gather.output[0]
+    gather.input[0] = heads[0].input[1]
+    del gather.attribute[:]
+    gather.attribute.append(onnx.helper.make_attribute("axis", 1))
+    gather.output[0] = out + "/hidden_first"
+    transpose = onnx.helper.make_node("Transpose", [gather.output[0]], [out], name=gather.name + "/to_bqc", perm=[1, 2, 0])
+    position = list(graph.node).index(gather) + 1
+    graph.node.insert(position, transpose)
+    graph.initializer.remove(inits[embed_name])
+    return True
+
+
 def export_step_graph(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -137,6 +170,7 @@ def export_step_graph(
         steps.update()
         steps.set_postfix_str("save with external data")
         proto = onnx.load(str(traced_path))
+        shared = cfg.tie_word_embeddings and share_tied_embedding(proto)
         for p in tmp.iterdir():
             p.unlink()
         onnx.save_model(proto, str(tmp / ONNX_FILE), save_as_external_data=True, all_tensors_to_one_file=True, location=ONNX_DATA, size_threshold=1024)
@@ -156,6 +190,7 @@ def export_step_graph(
                 "hidden_size_out": cfg.hidden_size * len(hidden_layers),
                 "opset": opset,
                 "exporter": "torch.onnx (TorchScript)",
+                "tied_embedding_shared": bool(shared),
                 "inputs": io.input_names,
                 "outputs": io.output_names,
                 "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
