@@ -176,18 +176,19 @@ class TrtBackend:
         K = logits_index.shape[1]
         profile = select_profile(self.manifest, B, Q, cache.capacity)
         arrays = dict(zip(STEP_INPUTS, (input_ids, position_ids, attention_mask, logits_index)))
+        caller = torch.cuda.current_stream(self.device) if self._stream is not None else None  # where the cache is appended to
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with stream:
-            if self._stream is not None:
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache's last appends
+            if caller is not None:
+                self._stream.wait_stream(caller)  # the cache's last appends come first
             if self.cuda_graphs and Q <= self.max_graph_q:
                 out = self._replay(profile, arrays, cache)
             else:
                 out = self._run(profile, self._inputs(arrays), cache)
             logits = out["logits"].float().cpu().numpy()  # waits for the step on this stream
             hidden = out["hidden_states"].float().cpu().numpy()
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if caller is not None:
+            caller.wait_stream(self._stream)  # the caller's appends of `present` wait for the step
         L = self.config.num_hidden_layers
         present = [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(L)]
         return StepOutput(logits, hidden, present)
@@ -244,7 +245,7 @@ class TrtBackend:
                 self._graphs[key] = None
                 return out
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self._stream):
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
                 self._execute(profile)
             self._graphs[key] = (graph, static_in, out)
             return out
