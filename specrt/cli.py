@@ -179,6 +179,26 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
 
 
 @main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@_friendly_errors
+def inspect(path: Path):
+    """Show what an artifact directory (or one artifact in it) holds, TensorRT profiles included,
+    and whether each artifact would load here; exit status 1 if any would be refused."""
+    from specrt.inspect import find_artifacts, inspect_artifact
+
+    refused = 0
+    for p in find_artifacts(path):
+        r = inspect_artifact(p)
+        click.echo(f"{r.path}  [{r.kind}]")
+        for line in r.lines:
+            click.echo(line)
+        click.echo(f"  status      {r.verdict}\n")
+        refused += not r.usable
+    if refused:
+        sys.exit(1)
+
+
+@main.command()
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts/SmolLM2-135M-Instruct"), show_default=True, help="Artifact directory from build-engines.")
 @click.option("--model", "checkpoint", type=click.Path(path_type=Path), default=None, help="Checkpoint (default: the one the engine was built from).")
 @click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts.jsonl"), show_default=True, help="JSON lines with 'class' and 'prompt'.")

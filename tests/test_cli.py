@@ -119,3 +119,27 @@ def test_generate_trt_backend_without_gpu(tiny_artifacts, tmp_path):
     assert r.exit_code == 1 and "trt-tensorrt-rtx needs an NVIDIA GPU" in r.output and "--backend ort" in r.output
     r = CliRunner().invoke(main, ["generate", "--backend", "trt", "--artifacts", str(tmp_path), "--prompt", "w5"])
     assert r.exit_code == 1 and "has no TensorRT engine" in r.output and "build-engines" in r.output
+
+
+def test_inspect_artifacts(tiny_artifacts, tmp_path):
+    import json
+    import shutil
+
+    import torch
+
+    r = CliRunner().invoke(main, ["inspect", str(tiny_artifacts)])
+    out = r.output
+    assert "[onnx-step-graph]" in out and "[ort-engine]" in out and "status      usable here" in out
+    assert "LlamaForCausalLM: 2 layers, hidden 64, vocab 128" in out
+    if (tiny_artifacts / "engines" / "trt-tensorrt-rtx").is_dir():
+        assert "[trt-engine]" in out and "verify         1..1       1..17       0..2065" in out and "prefill" in out
+        if not torch.cuda.is_available():
+            assert "running it needs an NVIDIA GPU and there is none here" in out and r.exit_code == 1
+    art = shutil.copytree(tiny_artifacts, tmp_path / "art")
+    m = json.loads((art / "engines" / "ort-cpu" / "manifest.json").read_text())
+    m["versions"]["onnxruntime"] = "1.0.0"
+    (art / "engines" / "ort-cpu" / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["inspect", str(art / "engines" / "ort-cpu")])
+    assert r.exit_code == 1 and "refused here: engine" in r.output and "was optimized by onnxruntime 1.0.0" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert r.exit_code == 1 and "holds no specrt artifacts" in r.output

@@ -1,0 +1,127 @@
+"""`specrt inspect`: what an artifact directory holds and whether it can be used here.
+
+For an artifact directory from build-engines (onnx/ and engines/*) or any one artifact in it:
+its kind, model, checkpoint, files and sizes, for a TensorRT engine its flavour, targets and
+optimization profiles, and a verdict from the same checks the loaders run (checkpoint, ONNX
+export, tool versions, CPU, engine hash); a refusal quotes their error, fix included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from specrt.artifacts import MANIFEST
+from specrt.errors import SpecrtError
+
+
+@dataclasses.dataclass
+class Inspection:
+    path: Path
+    kind: str
+    lines: list[str]
+    usable: bool
+    verdict: str
+
+
+def _size(path: Path) -> str:
+    n = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _check(manifest: dict, path: Path) -> str | None:
+    """The loader's refusal for this artifact here, or None when it would load."""
+    from specrt.engines.ort import ENGINE_KIND, read_engine_manifest
+    from specrt.engines.trt import TRT_KIND, read_trt_manifest
+    from specrt.export.step_graph import ONNX_KIND, read_onnx_manifest
+
+    onnx_files = None
+    onnx_dir = Path(manifest.get("onnx", {}).get("path", "")) if isinstance(manifest.get("onnx"), dict) else None
+    if onnx_dir is not None and (onnx_dir / MANIFEST).is_file():
+        try:
+            onnx_files = read_onnx_manifest(onnx_dir)["files"]
+        except SpecrtError as e:
+            return f"its ONNX export is not usable: {e}"
+    try:
+        if manifest["kind"] == ONNX_KIND:
+            read_onnx_manifest(path)
+        elif manifest["kind"] == ENGINE_KIND:
+            m = read_engine_manifest(path)
+            if onnx_files is not None and m["onnx"]["files"] != onnx_files:
+                return "built from another export of the ONNX step graph; rebuild it with: specrt build-engines"
+        elif manifest["kind"] == TRT_KIND:
+            read_trt_manifest(path, onnx_files)
+            return _gpu_check(manifest, path)
+        else:
+            return f"unknown artifact kind {manifest['kind']!r}"
+    except SpecrtError as e:
+        return str(e)
+    return None
+
+
+def _gpu_check(manifest: dict, path: Path) -> str | None:
+    from specrt.engines.trt_runtime import check_engine_gpu
+
+    try:
+        import torch
+    except ImportError:
+        return "its checks pass, but running it needs PyTorch with CUDA and an NVIDIA GPU"
+    if not torch.cuda.is_available():
+        return "its checks pass, but running it needs an NVIDIA GPU and there is none here (torch.cuda.is_available() is False)"
+    check_engine_gpu(manifest, torch.cuda.get_device_capability(), torch.cuda.get_device_name(), path)
+    return None
+
+
+def _profiles(manifest: dict) -> list[str]:
+    rows = [f"    {'profile':<9}{'batch':>10}{'Q':>12}{'past':>14}"]
+    for p in manifest["profiles"]:
+        rng = {k: f"{p[k]['min']}..{p[k]['max']}" for k in ("batch", "q_len", "past_len")}
+        rows.append(f"    {p['name']:<9}{rng['batch']:>10}{rng['q_len']:>12}{rng['past_len']:>14}")
+    return rows
+
+
+def inspect_artifact(path: str | Path) -> Inspection:
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        kind = manifest["kind"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return Inspection(path, "?", [], False, f"no readable {MANIFEST} ({type(e).__name__}); not a specrt artifact")
+    cfg = manifest.get("config", {})
+    lines = [f"  created     {manifest.get('created', '?')}"]
+    if cfg:
+        lines.append(f"  model       {cfg.get('architecture')}: {cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, "
+                     f"vocab {cfg.get('vocab_size')}, {cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} heads")
+    ckpt = manifest.get("checkpoint") or {}
+    if ckpt:
+        lines.append(f"  checkpoint  {ckpt.get('path')} ({str(ckpt.get('hash', ''))[:19]}…)")
+    lines.append(f"  size        {_size(path)}")
+    if kind == "onnx-step-graph":
+        lines.append(f"  graph       version {manifest.get('graph_version')}, opset {manifest.get('opset')}, hidden layers {manifest.get('hidden_layers')}, "
+                     f"tied embedding stored once: {manifest.get('tied_embedding_shared', False)}")
+    elif kind == "ort-engine":
+        lines.append(f"  runtime     onnxruntime {manifest.get('versions', {}).get('onnxruntime')} {manifest.get('provider')}, optimized on {manifest.get('host_cpu')!r}")
+    elif kind == "trt-engine":
+        gpu = manifest.get("build_gpu")
+        targets = manifest.get("compute_capabilities", [])
+        targets = "SM80, SM86, SM89, SM120+ (the library default)" if targets == ["library default"] else ", ".join(targets)
+        lines.append(f"  runtime     {manifest.get('flavour')} {manifest.get('tensorrt_version')}, targets {targets}"
+                     + (f", built on {gpu['name']} ({gpu['sm']})" if gpu else ""))
+        lines.append(f"  inputs      {len(manifest.get('inputs', []))}, outputs {len(manifest.get('outputs', []))}, workspace {manifest.get('workspace_mib')} MiB")
+        lines += _profiles(manifest)
+    refusal = _check(manifest, path)
+    return Inspection(path, kind, lines, refusal is None, "usable here" if refusal is None else f"refused here: {refusal}")
+
+
+def find_artifacts(path: str | Path) -> list[Path]:
+    """The artifact directories at `path`: itself, or onnx/ and engines/* under it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecrtError(f"{path} is not a directory; give an artifact directory from: specrt build-engines --out DIR")
+    if (path / MANIFEST).is_file():
+        return [path]
+    found = [p for p in [path / "onnx", *sorted((path / "engines").glob("*"))] if (p / MANIFEST).is_file()]
+    if not found:
+        raise SpecrtError(f"{path} holds no specrt artifacts (no {MANIFEST} in it, in onnx/ or engines/*); create them with: specrt build-engines --out {path}")
+    return found
