@@ -89,3 +89,53 @@ def test_graph_backends_reuse_their_caches(reference):
     assert [r.token_ids for r in run_to_end(b)] == expected[False]
     a.close()  # an abandoned generation gives its cache back too
     assert not any(c.in_use for c in seen)
+
+
+def emulate_graphs(backend):
+    """Turn on the CUDA-graph path on the CPU, with capture emulated: a 'graph' re-runs the step on
+    the buffers it was captured with and writes the same output tensors, as a replay does. This
+    tests the bookkeeping (static inputs, keys per shape and cache, pooled caches); the real capture
+    runs only on a GPU. Returns the list of captures made."""
+    captures = []
+
+    def capture(fn):
+        out = fn()
+        captures.append(out)
+
+        def replay():
+            for dst, src in zip(out, fn()):
+                dst.copy_(src)
+
+        return replay, out
+
+    backend.cuda_graphs, backend.reuse_cache, backend.cache_device = True, True, "cpu"
+    backend._capture = capture
+    return captures
+
+
+def interleaved(runner, prompts, n):
+    """Two generations of one generator advanced in turn (each holds its own cache)."""
+    from specrt.runtime.generator import run_to_end
+
+    a, b = runner.iter_generate(prompts, n), runner.iter_generate(prompts[::-1], n)
+    for _ in range(5):
+        next(a), next(b)
+    return [r.token_ids for r in run_to_end(a)], [r.token_ids for r in run_to_end(b)]
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_graph_path_bookkeeping_with_emulated_capture(reference, spec):
+    model, expected = reference
+    backend = TorchBackend(model)
+    captures = emulate_graphs(backend)
+    gen = Generator(backend)
+    runner = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)) if spec else gen
+    assert [r.token_ids for r in runner.generate_ids(PROMPTS, 40)] == expected[spec]
+    first = len(captures)
+    assert first >= 1
+    assert [r.token_ids for r in runner.generate_ids(PROMPTS, 40)] == expected[spec]
+    assert len(captures) == first  # the second generation replayed the first one's graphs
+    a, b = interleaved(runner, PROMPTS, 40)  # two caches alive at once: graphs must not mix them up
+    assert a == expected[spec]
+    if not spec:
+        assert b == [r.token_ids for r in Generator(TorchBackend(model)).generate_ids(PROMPTS[::-1], 40)]

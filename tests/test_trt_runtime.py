@@ -86,6 +86,45 @@ def test_pooled_caches_fit_the_engine(small_engine, model):
     assert [c.capacity for c in gen._cache_pool] == [69]
 
 
+@pytest.mark.parametrize("spec", [False, True])
+def test_graph_path_with_emulated_capture(small_engine, model, spec):
+    """The CUDA-graph path's bookkeeping on the CPU: a 'graph' re-binds the shapes and addresses
+    its context had when captured (what a real graph bakes in) and executes; steps of every shape
+    (per profile) replay from static buffers, a second generation replays the first one's graphs,
+    and two generations alive at once keep their caches apart."""
+    from specrt.runtime.generator import run_to_end
+
+    backend, _ = fake_backend(small_engine, model)
+    captures = []
+
+    def capture(profile):
+        ctx = backend._contexts[profile]
+        shapes, addresses = dict(ctx.shapes), dict(ctx.addresses)
+        captures.append(profile)
+
+        def replay():
+            ctx.shapes, ctx.addresses = dict(shapes), dict(addresses)
+            backend._execute(profile)
+
+        return replay
+
+    backend.cuda_graphs, backend.reuse_cache, backend._capture = True, True, capture
+    gen = Generator(backend)
+    reference = Generator(TorchBackend(model), max_context=64)
+    counts = []
+    for _ in range(2):
+        for prompt in PROMPTS:
+            assert run(gen, [prompt], spec) == run(reference, [prompt], spec)
+        counts.append(len(captures))
+    assert counts[0] > 0 and counts[1] == counts[0] and set(captures) == {0, 1}  # round 2 captured nothing new
+    runner = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4, 4)) if spec else gen
+    a, b = runner.iter_generate(PROMPTS[:1], 30), runner.iter_generate(PROMPTS[1:], 30)
+    for _ in range(4):
+        next(a), next(b)
+    assert [r.token_ids for r in run_to_end(a)] == run(reference, PROMPTS[:1], spec, 30)
+    assert [r.token_ids for r in run_to_end(b)] == run(reference, PROMPTS[1:], spec, 30)
+
+
 def test_prompt_longer_than_the_engine_context(small_engine, model):
     gen = Generator(fake_backend(small_engine, model)[0])
     with pytest.raises(PromptError, match="context holds 64"):

@@ -114,8 +114,6 @@ class TorchBackend:
 
     def _replay(self, inputs, cache):
         """Run the step through a CUDA graph captured for this (batch, Q, cache)."""
-        import torch
-
         # a graph is bound to the cache buffers' address and shape; pooled caches (reuse_cache) keep both
         key = (cache.keys.data_ptr(), cache.capacity, tuple(inputs[0].shape), tuple(inputs[3].shape))
         if key not in self._graphs:
@@ -123,17 +121,25 @@ class TorchBackend:
                 self._graphs.clear()
             static_in = [t.clone() for t in inputs]
             past = self._past(cache)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graphs requires
-                self._forward(*static_in, past)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = self._forward(*static_in, past)
-            self._graphs[key] = (graph, static_in, static_out)
-        graph, static_in, static_out = self._graphs[key]
+            replay, static_out = self._capture(lambda: self._forward(*static_in, past))
+            self._graphs[key] = (replay, static_in, static_out)
+        replay, static_in, static_out = self._graphs[key]
         for dst, src in zip(static_in, inputs):
             dst.copy_(src)
-        graph.replay()
+        replay()
         return static_out
+
+    def _capture(self, fn):
+        """Capture `fn` (which reads and writes only fixed buffers) as a CUDA graph; returns
+        (replay, the outputs it writes). The one seam the CPU tests replace with an emulation."""
+        import torch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graphs requires
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph.replay, out
