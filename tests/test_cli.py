@@ -14,18 +14,18 @@ def test_import_and_help_do_not_load_heavy_modules():
         "import sys, importlib, pkgutil, specrt\n"
         "from click.testing import CliRunner\n"
         "from specrt.cli import main\n"
-        "for cmd in [[], ['convert'], ['export'], ['build-engines'], ['generate']]:\n"
+        "for cmd in [[], ['convert'], ['export'], ['build-engines'], ['generate'], ['serve'], ['inspect'], ['bench']]:\n"
         "    r = CliRunner().invoke(main, cmd + ['--help'])\n"
         "    assert r.exit_code == 0, (cmd, r.output)\n"
         "for m in pkgutil.walk_packages(specrt.__path__, 'specrt.'):\n"
         "    importlib.import_module(m.name)\n"
-        "heavy = [m for m in ('torch', 'onnxruntime', 'onnx', 'tensorrt', 'tensorrt_rtx', 'transformers') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'onnxruntime', 'onnx', 'tensorrt', 'tensorrt_rtx', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules]\n"
         "print(heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     # every module imports; importing them pulls in torch (the model definition) but never a
     # GPU library or transformers; help alone pulls in nothing heavy (checked below)
-    assert "tensorrt" not in out and "transformers" not in out
+    assert "tensorrt" not in out and "transformers" not in out and "fastapi" not in out
     code_help = "import sys\nfrom specrt.cli import main\nprint([m for m in ('torch','onnxruntime','onnx') if m in sys.modules])"
     assert subprocess.run([sys.executable, "-c", code_help], capture_output=True, text=True, check=True).stdout.strip() == "[]"
 

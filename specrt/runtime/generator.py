@@ -95,8 +95,10 @@ def stream_text(gen: "Generator", steps) -> Generator_[str, None, "GenerationRes
 
 
 class Generator:
-    def __init__(self, backend: StepBackend, tokenizer: Tokenizer | None = None, max_context: int | None = None, prefill_chunk: int = 512):
+    def __init__(self, backend: StepBackend, tokenizer: Tokenizer | None = None, max_context: int | None = None, prefill_chunk: int = 512,
+                 checkpoint: Path | None = None):
         self.backend = backend
+        self.checkpoint = checkpoint  # where the weights and tokenizer came from, when known
         self.config = backend.config
         self.tokenizer = tokenizer
         limits = [self.config.max_position_embeddings, getattr(backend, "max_context", None) or self.config.max_position_embeddings]  # engines built for less
@@ -123,7 +125,7 @@ class Generator:
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
         session, manifest, provider = load_ort_session(engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint))
         backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider)
-        return cls(backend, Tokenizer(checkpoint), **kw)
+        return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod
     def from_trt_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cuda", cuda_graphs: bool = False, **kw) -> "Generator":
@@ -143,7 +145,7 @@ class Generator:
 
             onnx_files = read_onnx_manifest(manifest["onnx"]["path"])["files"]
         backend = TrtBackend(engine_dir, device=device, cuda_graphs=cuda_graphs, checkpoint_hash_expected=checkpoint_hash(checkpoint), onnx_files=onnx_files)
-        return cls(backend, Tokenizer(checkpoint), **kw)
+        return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, device: str = "cpu", cuda_graphs: bool = False, **kw) -> "Generator":
@@ -152,7 +154,7 @@ class Generator:
         from specrt.export.checkpoint import load_model
         from specrt.runtime.backends import TorchBackend
 
-        return cls(TorchBackend(load_model(checkpoint), device=device, cuda_graphs=cuda_graphs), Tokenizer(checkpoint), **kw)
+        return cls(TorchBackend(load_model(checkpoint), device=device, cuda_graphs=cuda_graphs), Tokenizer(checkpoint), checkpoint=Path(checkpoint), **kw)
 
     # -- steps ----------------------------------------------------------------------------------
 

@@ -1,0 +1,177 @@
+"""The OpenAI-compatible server, through FastAPI's test client, on the tiny model's ORT engine.
+
+Outputs are checked against the generator itself (greedy: the same tokens; streaming: the same
+text as the non-streamed answer); every refusal is checked for its status and OpenAI error body.
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi", reason="fastapi is not installed (the server extra; make setup installs it)")
+pytest.importorskip("httpx", reason="httpx is not installed (the test extra)")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from specrt.runtime.drafts import make_proposer  # noqa: E402
+from specrt.runtime.generator import Generator  # noqa: E402
+from specrt.runtime.sampling import SamplingParams  # noqa: E402
+from specrt.runtime.server import CompletionService, ServerLimits, create_app  # noqa: E402
+from specrt.runtime.speculative import SpeculativeDecoder, make_policy  # noqa: E402
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w5 w6 w7 w5 w6 w7 w5"}]
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_artifacts):
+    return Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
+
+
+def client(runner, **limits):
+    return TestClient(create_app(CompletionService(runner, "tiny", ServerLimits(**limits))))
+
+
+def expected_chat(gen, n):
+    tok = gen.tokenizer
+    ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    r = gen.generate_ids([ids], n, SamplingParams())[0]
+    return ids, r
+
+
+def sse(response) -> list:
+    events = [line[len("data: "):] for line in response.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_chat_completion_equals_the_generator(gen, speculative):
+    runner = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)) if speculative else gen
+    c = client(runner)
+    r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 24, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids, ref = expected_chat(gen, 24)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": gen.decode(ref.token_ids)}
+    assert body["choices"][0]["finish_reason"] == ref.finish_reason
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref.token_ids), "total_tokens": len(ids) + len(ref.token_ids)}
+    assert body["specrt"]["backend"].startswith("onnxruntime") and ("mean_accepted_length" in body["specrt"]) == speculative
+
+
+def test_streaming_gives_the_same_text(gen):
+    c = client(gen)
+    req = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    whole = c.post("/v1/chat/completions", json=req).json()
+    r = c.post("/v1/chat/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse(r)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert len([ch for ch in chunks if ch["choices"] and ch["choices"][0]["delta"].get("content")]) > 1  # really streamed
+
+
+def test_text_completion_and_stop_sequence(gen):
+    c = client(gen)
+    ids = gen.tokenizer.encode("w5 w6 w7")
+    ref = gen.decode(gen.generate_ids([ids], 30)[0].token_ids)
+    r = c.post("/v1/completions", json={"prompt": "w5 w6 w7", "max_tokens": 30, "temperature": 0}).json()
+    assert r["object"] == "text_completion" and r["choices"][0]["text"] == ref
+    words = ref.split()
+    stop = " ".join(words[3:5])  # two words in the middle of the answer
+    cut = ref[: ref.index(stop)]
+    for stream in (False, True):
+        req = {"prompt": "w5 w6 w7", "max_tokens": 30, "temperature": 0, "stop": [stop, "never"], "stream": stream}
+        r = c.post("/v1/completions", json=req)
+        if stream:
+            chunks = sse(r)
+            assert "".join(ch["choices"][0]["text"] for ch in chunks) == cut and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        else:
+            assert r.json()["choices"][0] == {"index": 0, "text": cut, "finish_reason": "stop", "logprobs": None}
+
+
+def test_sampling_is_seeded(gen):
+    c = client(gen)
+    req = {"messages": MESSAGES, "max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 7}
+    a, b = (c.post("/v1/chat/completions", json=req).json()["choices"][0]["message"]["content"] for _ in range(2))
+    assert a == b
+
+
+def test_models_health_metrics(gen):
+    c = client(gen)
+    assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    assert c.get("/health").json()["status"] == "ok"
+    c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 3})
+    m = c.get("/metrics").json()
+    assert m["requests"] == 1 and m["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    "body, status, param, message",
+    [
+        (b"{not json", 400, None, "not valid JSON"),
+        (b"[1, 2]", 400, None, "must be a JSON object"),
+        ({"messages": []}, 400, "messages", "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]", "role 'system', 'user' or 'assistant'"),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "must be a string"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content", "only text parts"),
+        ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens", "must be in [1, 1024]"),
+        ({"messages": MESSAGES, "max_tokens": 5000}, 400, "max_tokens", "must be in [1, 1024]"),
+        ({"messages": MESSAGES, "max_tokens": "many"}, 400, "max_tokens", "must be an integer"),
+        ({"messages": MESSAGES, "temperature": 3}, 400, "temperature", "must be in [0.0, 2.0]"),
+        ({"messages": MESSAGES, "top_p": 0}, 400, "top_p", "must be in (0.0, 1.0]"),
+        ({"messages": MESSAGES, "n": 2}, 400, "n", "only n = 1"),
+        ({"messages": MESSAGES, "stop": ["a", ""]}, 400, "stop", "non-empty strings"),
+        ({"messages": MESSAGES, "stream": "yes"}, 400, "stream", "true or false"),
+        ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+        ({"messages": MESSAGES, "model": "gpt-4"}, 404, "model", "is not served here; this server serves 'tiny'"),
+        ({"messages": [{"role": "user", "content": "w5 " * 400}]}, 400, "messages", "context holds 256"),
+    ],
+)
+def test_bad_requests_get_openai_errors(gen, body, status, param, message):
+    c = client(gen)
+    r = c.post("/v1/chat/completions", content=body if isinstance(body, bytes) else json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_body_too_large_and_busy(gen):
+    c = client(gen, max_body_bytes=200)
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5 " * 100}]})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    c = client(gen, max_queue=0)
+    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+
+
+def test_disconnected_stream_frees_the_engine(gen):
+    """A stream the client abandons ends its generation: the engine lock and the cache come back."""
+    service = CompletionService(gen, "tiny")
+    job = service.parse(json.dumps({"prompt": "w5 w6", "max_tokens": 50, "stream": True}).encode(), chat=False)
+    pieces = service.run(job)
+    next(pieces)
+    assert service._engine.locked()
+    pieces.close()
+    assert not service._engine.locked()
+    job = service.parse(json.dumps({"prompt": "w5 w6", "max_tokens": 5}).encode(), chat=False)
+    assert service.response(job, service.run(job))["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.real_model
+def test_default_model_served_with_speculation(real_artifacts):
+    """The default model behind the server with the suffix draft answers exactly what plain
+    greedy generation gives, streamed and not."""
+    gen = Generator.from_engine(real_artifacts / "engines" / "ort-cpu")
+    c = client(SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto")))
+    messages = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
+    tok = gen.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    expected = gen.decode(gen.generate_ids([ids], 48)[0].token_ids)
+    req = {"messages": messages, "max_tokens": 48, "temperature": 0}
+    assert c.post("/v1/chat/completions", json=req).json()["choices"][0]["message"]["content"] == expected
+    chunks = sse(c.post("/v1/chat/completions", json={**req, "stream": True}))
+    assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == expected
