@@ -81,9 +81,13 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
 @click.option("--max-batch", default=1, show_default=True, type=click.IntRange(min=1), help="TensorRT profiles: largest batch.")
 @click.option("--compute-capability", "compute_capabilities", multiple=True, help="TensorRT-RTX target GPU, e.g. SM89, or CURRENT (this machine's GPU); repeatable; default: the library's (SM80, 86, 89, 120+).")
 @click.option("--workspace-mib", default=4096, show_default=True, type=click.IntRange(min=16), help="TensorRT builder workspace limit.")
+@click.option("--quantize", default="none", show_default=True, type=click.Choice(["none", "int4", "int8-a8", "int4-a8"]),
+              help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): int4 weights, or "
+                   "int8/int4 weights with int8 activations (-a8: faster, but speculative output may then differ from plain).")
+@click.option("--quant-block-size", default=32, show_default=True, type=click.Choice(["16", "32", "64", "128", "256"]), help="Weights per quantization scale.")
 @_friendly_errors
 def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tensorrt: str, max_context: int, max_prefill: int, max_verify: int,
-                  max_batch: int, compute_capabilities: tuple[str, ...], workspace_mib: int):
+                  max_batch: int, compute_capabilities: tuple[str, ...], workspace_mib: int, quantize: str, quant_block_size: str):
     """Export the ONNX step graph (if needed) and build engines from it: ONNX Runtime always,
     TensorRT / TensorRT-RTX when installed."""
     from specrt.engines.build import BuildSpec, build_all
@@ -93,16 +97,19 @@ def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tenso
     shapes = EngineShapes(max_batch=max_batch, max_context=max_context, max_prefill=max_prefill, max_verify=max_verify)
     trt_spec = TrtBuildSpec(shapes=shapes, workspace_mib=workspace_mib, compute_capabilities=compute_capabilities,
                             timing_cache=out / "engines" / "timing.cache")
-    spec = BuildSpec(checkpoint=checkpoint, out=out, provider=provider, force=force, tensorrt=tensorrt, trt=trt_spec)
+    spec = BuildSpec(checkpoint=checkpoint, out=out, provider=provider, force=force, tensorrt=tensorrt, trt=trt_spec, quantize=quantize,
+                     quant_block_size=int(quant_block_size))
     for line in build_all(spec):
         click.echo(line)
 
 
-def _make_runner(artifacts, engine, checkpoint, backend, provider, threads, device, cuda_graphs, draft, num_draft, max_draft):
+def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft):
     """(generator, runner): the generator on the chosen backend, and the runner (itself, or a
     speculative decoder over it with the chosen draft)."""
     from specrt.runtime.generator import Generator
 
+    if quantize != "none" and backend != "ort":
+        raise click.UsageError(f"--quantize {quantize} runs an ORT engine (MatMulNBits); use it with --backend ort")
     if backend == "torch":
         if checkpoint is None:
             raise click.UsageError("--backend torch needs --model CHECKPOINT")
@@ -123,7 +130,9 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, threads, devi
         if engine is None:
             if artifacts is None:
                 raise click.UsageError("give --artifacts DIR (from build-engines) or --engine DIR, or --backend torch --model CHECKPOINT")
-            engine = artifacts / "engines" / f"ort-{provider}"
+            engine = artifacts / "engines" / (f"ort-{provider}" if quantize == "none" else f"ort-{provider}-{quantize}")
+            if quantize != "none" and not engine.is_dir():
+                raise SpecrtError(f"{engine} does not exist; build it with: specrt build-engines --model CHECKPOINT --out {artifacts} --quantize {quantize}")
         gen = Generator.from_engine(engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads))
     runner = gen
     if draft != "none":
@@ -143,6 +152,8 @@ def _engine_options(fn):
         click.option("--backend", default="ort", show_default=True, type=click.Choice(["ort", "trt", "torch"]),
                      help="ort: the ONNX Runtime engine; trt: the TensorRT engine (NVIDIA GPU); torch: the PyTorch model."),
         click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider."),
+        click.option("--quantize", default="none", show_default=True, type=click.Choice(["none", "int4", "int8-a8", "int4-a8"]),
+                     help="--artifacts: run the weight-only quantized ORT engine (build-engines --quantize)."),
         click.option("--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core)."),
         click.option("--device", default=None, help="--backend torch: cpu (the reference, default) or cuda (PyTorch-CUDA backend); --backend trt: the GPU (default cuda)."),
         click.option("--cuda-graphs", is_flag=True, help="--backend trt, or torch --device cuda: capture fixed-shape steps as CUDA graphs."),
@@ -167,7 +178,7 @@ def _engine_options(fn):
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
 @click.option("--system", default=None, help="System message (chat mode).")
 @_friendly_errors
-def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads,
+def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, quantize, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads,
              device, cuda_graphs, draft, num_draft, max_draft):
     """Generate text, streaming it as it is produced; ends with token counts and tokens/s
     (and, with --draft, the speculative decoding metrics)."""
@@ -179,7 +190,7 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
     if text == "-":
         text = sys.stdin.read()
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, threads, device, cuda_graphs, draft, num_draft, max_draft)
+    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft)
     stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
     while True:
         try:
@@ -205,7 +216,7 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
 @click.option("--max-body-kb", default=1024, show_default=True, type=click.IntRange(min=1), help="Largest request body; larger ones get 413.")
 @click.option("--max-queue", default=8, show_default=True, type=click.IntRange(min=0), help="Requests that may wait for the engine; more get 503.")
 @_friendly_errors
-def serve(artifacts, engine, checkpoint, backend, provider, threads, device, cuda_graphs, draft, num_draft, max_draft, host, port, served_model_name,
+def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft, host, port, served_model_name,
           max_tokens_limit, max_body_kb, max_queue):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, streaming included), optionally with speculative decoding (--draft)."""
@@ -217,7 +228,7 @@ def serve(artifacts, engine, checkpoint, backend, provider, threads, device, cud
     from specrt.runtime.server import CompletionService, ServerLimits
     from specrt.runtime.server import serve as run_server
 
-    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, threads, device, cuda_graphs, draft, num_draft, max_draft)
+    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft)
     name = served_model_name or Path(gen.checkpoint or checkpoint or artifacts or engine).name
     limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
     service = CompletionService(runner, name, limits)

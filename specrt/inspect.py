@@ -100,8 +100,16 @@ def inspect_artifact(path: str | Path) -> Inspection:
     if kind == "onnx-step-graph":
         lines.append(f"  graph       version {manifest.get('graph_version')}, opset {manifest.get('opset')}, hidden layers {manifest.get('hidden_layers')}, "
                      f"tied embedding stored once: {manifest.get('tied_embedding_shared', False)}")
+        q = manifest.get("quantization")
+        if q:
+            lines.append(f"  quantized   {q['scheme']}: {q['bits']}-bit weights in blocks of {q['block_size']}, "
+                         f"{'int8' if q.get('accuracy_level') == 4 else 'float32'} activations, {q.get('quantized_matmuls')} MatMuls")
     elif kind == "ort-engine":
         lines.append(f"  runtime     onnxruntime {manifest.get('versions', {}).get('onnxruntime')} {manifest.get('provider')}, optimized on {manifest.get('host_cpu')!r}")
+        inv = manifest.get("batch_invariance")
+        if inv:
+            lines.append(f"  positions   logits move by {inv['relative']:.1e} of their range between 1- and {inv['positions']}-position steps "
+                         f"({'exact speculative decoding' if inv['relative'] <= 1e-4 else 'speculative output may differ from plain'})")
     elif kind == "trt-engine":
         gpu = manifest.get("build_gpu")
         targets = manifest.get("compute_capabilities", [])
@@ -121,7 +129,7 @@ def find_artifacts(path: str | Path) -> list[Path]:
         raise SpecrtError(f"{path} is not a directory; give an artifact directory from: specrt build-engines --out DIR")
     if (path / MANIFEST).is_file():
         return [path]
-    found = [p for p in [path / "onnx", *sorted((path / "engines").glob("*"))] if (p / MANIFEST).is_file()]
+    found = [p for p in [path / "onnx", *sorted(path.glob("onnx-*")), *sorted((path / "engines").glob("*"))] if (p / MANIFEST).is_file()]
     if not found:
         raise SpecrtError(f"{path} holds no specrt artifacts (no {MANIFEST} in it, in onnx/ or engines/*); create them with: specrt build-engines --out {path}")
     return found

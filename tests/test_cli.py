@@ -143,3 +143,15 @@ def test_inspect_artifacts(tiny_artifacts, tmp_path):
     assert r.exit_code == 1 and "refused here: engine" in r.output and "was optimized by onnxruntime 1.0.0" in r.output
     r = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert r.exit_code == 1 and "holds no specrt artifacts" in r.output
+
+
+def test_generate_with_quantized_engine(tiny_checkpoint, tmp_path):
+    art = tmp_path / "art"
+    r = CliRunner().invoke(main, ["build-engines", "--model", str(tiny_checkpoint), "--out", str(art), "--tensorrt", "off", "--quantize", "int4"])
+    assert r.exit_code == 0 and "onnx-int4: quantized" in r.output, r.output
+    r = CliRunner().invoke(main, ["generate", "--artifacts", str(art), "--quantize", "int4", "--prompt", "w5 w6", "--max-new-tokens", "6"])
+    assert r.exit_code == 0 and "generated 6" in r.output, r.output
+    r = CliRunner().invoke(main, ["generate", "--artifacts", str(art), "--quantize", "int8-a8", "--prompt", "w5"])
+    assert r.exit_code == 1 and "ort-cpu-int8-a8 does not exist" in r.output and "--quantize int8-a8" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(art)])
+    assert "quantized   int4: 4-bit weights in blocks of 32, float32 activations" in r.output

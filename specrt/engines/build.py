@@ -4,6 +4,8 @@ Layout of an artifact directory:
     <out>/onnx/                 model.onnx, model.onnx.data, manifest.json
     <out>/engines/ort-<prov>/   model.opt.onnx, model.opt.onnx.data, manifest.json
     <out>/engines/trt-<flavour>/ model.engine, manifest.json (when tensorrt or tensorrt_rtx is installed)
+    <out>/onnx-<scheme>/        with --quantize int4|int8: the weight-only quantized step graph
+    <out>/engines/ort-<prov>-<scheme>/  its ORT engine
 """
 
 from __future__ import annotations
@@ -26,14 +28,20 @@ class BuildSpec:
     opset: int = 17
     tensorrt: str = "auto"  # auto: build when a TensorRT flavour is installed; "off"; or a flavour
     trt: TrtBuildSpec = TrtBuildSpec()
+    quantize: str = "none"  # none or a calibration.weight_only scheme: also build that quantized graph and its ORT engine
+    quant_block_size: int = 32
 
 
 def onnx_dir(out: Path) -> Path:
     return Path(out) / "onnx"
 
 
-def ort_engine_dir(out: Path, provider: str = "cpu") -> Path:
-    return Path(out) / "engines" / f"ort-{provider}"
+def ort_engine_dir(out: Path, provider: str = "cpu", quantize: str = "none") -> Path:
+    return Path(out) / "engines" / (f"ort-{provider}" if quantize == "none" else f"ort-{provider}-{quantize}")
+
+
+def quant_onnx_dir(out: Path, scheme: str) -> Path:
+    return Path(out) / f"onnx-{scheme}"
 
 
 def trt_engine_dir(out: Path, flavour: str) -> Path:
@@ -77,6 +85,37 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
         yield f"ort       {edir}: built for {read_engine_manifest(edir)['provider']} in {time.perf_counter() - t0:.1f} s"
 
     yield from _build_tensorrt(spec, odir, onnx_files, ckpt_hash, exported)
+    if spec.quantize != "none":
+        yield from _build_quantized(spec, odir, onnx_files, ckpt_hash)
+
+
+def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str) -> Iterator[str]:
+    from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
+    from specrt.engines.ort import OrtOptions, build_ort_engine, read_engine_manifest
+    from specrt.export.step_graph import read_onnx_manifest
+
+    wspec = WeightOnlySpec(scheme=spec.quantize, block_size=spec.quant_block_size)
+    wspec.validate()
+    qdir = quant_onnx_dir(spec.out, spec.quantize)
+    current = None if spec.force else _manifest_if_valid(read_onnx_manifest, qdir, ckpt_hash)
+    wanted = {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}
+    fresh = current is None or current.get("source_onnx", {}).get("files") != onnx_files or {
+        k: current["quantization"].get(k) for k in wanted} != wanted
+    if fresh:
+        t0 = time.perf_counter()
+        quantize_weight_only(odir, qdir, wspec)
+        yield f"{spec.quantize:<9} {qdir}: quantized in {time.perf_counter() - t0:.1f} s"
+    else:
+        yield f"{spec.quantize:<9} {qdir}: up to date"
+    qfiles = read_onnx_manifest(qdir)["files"]
+    edir = ort_engine_dir(spec.out, spec.provider, spec.quantize)
+    current = None if spec.force or fresh else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
+    if current is not None and current["onnx"]["files"] == qfiles:
+        yield f"ort       {edir}: up to date"
+    else:
+        t0 = time.perf_counter()
+        build_ort_engine(qdir, edir, OrtOptions(provider=spec.provider))
+        yield f"ort       {edir}: built in {time.perf_counter() - t0:.1f} s (TensorRT takes no MatMulNBits graph: none built for {spec.quantize})"
 
 
 def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool) -> Iterator[str]:

@@ -85,6 +85,32 @@ def _check_provider_loaded(session, provider: str) -> str:
     return active[0]
 
 
+def batch_invariance(session, config: dict, provider: str, prefix: int = 12, steps: int = 6) -> dict:
+    """How much a position's logits depend on how many positions one step computes: the same
+    tokens fed one per step and as one multi-position step (as speculative verification does).
+    Exact speculative decoding needs this to be at float rounding level (~1e-6 of the logits'
+    range); kernels that switch arithmetic with the number of rows (int8 activations) are not."""
+    from specrt.export.config import ModelConfig
+    from specrt.runtime.backends import OrtBackend
+    from specrt.runtime.generator import Generator
+
+    import numpy as np
+
+    gen = Generator(OrtBackend(session, ModelConfig.from_dict(config), provider))
+    ids = np.random.default_rng(0).integers(3, gen.config.vocab_size, prefix + steps).tolist()
+    one, many = gen.new_cache(1, prefix + steps), gen.new_cache(1, prefix + steps)
+    gen.forward_tokens(one, [ids[:prefix]], last_only=True)
+    gen.forward_tokens(many, [ids[:prefix]], last_only=True)
+    single = np.stack([gen.forward_tokens(one, [[t]]).logits[0, 0] for t in ids[prefix:]])
+    multi = gen.forward_tokens(many, [ids[prefix:]]).logits[0]
+    diff = float(np.abs(single - multi).max())
+    return {"max_abs_diff": diff, "relative": diff / max(float(np.ptp(multi)), 1e-12),
+            "argmax_agreement": float((single.argmax(-1) == multi.argmax(-1)).mean()), "positions": steps}
+
+
+BATCH_VARIANCE_LIMIT = 1e-4  # relative; float32 engines measure ~1e-6
+
+
 def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOptions = OrtOptions()) -> Path:
     """Optimize the step graph for `options.provider` and cache it in `out_dir` with a manifest."""
     ort = _ort()
@@ -105,6 +131,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
         except Exception as e:  # ORT raises its own Fail/InvalidGraph types
             raise ArtifactError(f"ONNX Runtime could not load {onnx_dir / ONNX_FILE} ({e}); re-export it with `specrt export`.") from None
         active = _check_provider_loaded(session, options.provider)
+        invariance = batch_invariance(session, onnx_manifest["config"], active)
         del session
         write_manifest(
             tmp,
@@ -117,6 +144,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "provider": active,
                 "host_cpu": cpu_model(),
                 "graph_optimization_level": "ORT_ENABLE_ALL",
+                "batch_invariance": invariance,
                 "build_seconds": round(time.perf_counter() - t0, 2),
                 "versions": package_versions("onnxruntime"),
             },

@@ -125,6 +125,7 @@ class Generator:
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
         session, manifest, provider = load_ort_session(engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint))
         backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider)
+        backend.batch_invariance = manifest.get("batch_invariance")  # measured at build (ort.batch_invariance)
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod

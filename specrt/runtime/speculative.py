@@ -16,6 +16,7 @@ back. Greedy output equals plain greedy decoding, sampled output follows the tar
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Generator as Generator_
 
 import numpy as np
@@ -26,6 +27,22 @@ from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.verification import DraftTree, accept_greedy, accept_sampling
+
+
+def batch_variance_warning(backend) -> str | None:
+    """A warning when the backend's logits for a position depend on how many positions a step
+    computes (measured when its engine was built): then verification can disagree with plain
+    decoding on near ties, and speculative output is not guaranteed to equal plain output."""
+    from specrt.engines.ort import BATCH_VARIANCE_LIMIT
+
+    measured = getattr(backend, "batch_invariance", None)
+    if not measured or measured["relative"] <= BATCH_VARIANCE_LIMIT:
+        return None
+    return (
+        f"this engine's logits change by up to {measured['relative']:.1%} of their range between one-position and multi-position "
+        f"steps (int8 activations?), so speculative output may differ from plain output; for exact speculative decoding "
+        f"use a float32 or weight-only engine (build-engines --quantize int4|int8, not -a8)."
+    )
 
 
 def make_policy(num_draft: int | str, max_draft: int = 16):
@@ -46,6 +63,9 @@ class SpeculativeDecoder:
         self.gen = generator
         self.proposer = proposer
         self.policy = policy if policy is not None else AutoPolicy()
+        self.exactness_warning = batch_variance_warning(generator.backend)
+        if self.exactness_warning:
+            warnings.warn(self.exactness_warning, stacklevel=2)
 
     @property
     def eos_ids(self):

@@ -1,0 +1,148 @@
+"""Weight-only quantization: what it costs in accuracy and what it buys in speed, side by side.
+
+    python bench/bench_quant.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--tokens 128]
+
+For float32 and each quantized variant (int8 and int4 weights, block 32 and 128, with float32 or
+int8 (-a8) activations; built from the artifact's float32 export into a temporary directory, each
+with its ORT engine):
+  - size of the ORT engine on disk;
+  - perplexity, teacher-forced, on the prompt set's texts (bench/prompts.jsonl, human-written),
+    and top-1 agreement of the next-token prediction with float32 at the same positions;
+  - greedy generation: how many prompts give exactly float32's tokens, and the mean position of
+    the first difference;
+  - decode tokens/s (plain, greedy) and the speculative speedup (suffix draft, N = auto) on the
+    code-editing prompts, end to end, each variant against its own plain decoding.
+Variants run in turn for every prompt, so machine noise hits them alike. Prints a table and
+writes JSON (date, versions, machine) to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {"float32": None, "int8 b32": ("int8", 32), "int4 b32": ("int4", 32), "int4 b128": ("int4", 128),
+            "int8-a8 b32": ("int8-a8", 32), "int4-a8 b32": ("int4-a8", 32)}
+
+
+def nll_and_top1(gen, ids: list[int], chunk: int = 256):
+    """Per-position negative log-likelihood of ids[1:] and the argmax predictions, teacher-forced."""
+    cache = gen.new_cache(1, len(ids) + 1)
+    nll, top1 = [], []
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start : start + chunk]
+        logits = gen.forward_tokens(cache, [piece]).logits[0].astype(np.float64)
+        targets = ids[start + 1 : start + 1 + len(piece)]
+        logits = logits[: len(targets)]
+        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        nll += (logz - logits[np.arange(len(targets)), targets]).tolist()
+        top1 += logits.argmax(-1).tolist()
+    return np.array(nll), np.array(top1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args()
+
+    from specrt.artifacts import cpu_model, package_versions
+    from specrt.benchmark import load_prompts
+    from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
+    from specrt.engines.ort import build_ort_engine
+    from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.generator import Generator
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    prompts = load_prompts(args.prompts)
+    tmp = Path(tempfile.mkdtemp(prefix="specrt-quant-"))
+    engines = {"float32": args.artifacts / "engines" / "ort-cpu"}
+    for name, v in VARIANTS.items():
+        if v is None:
+            continue
+        qdir = quantize_weight_only(args.artifacts / "onnx", tmp / f"onnx-{v[0]}-{v[1]}", WeightOnlySpec(scheme=v[0], block_size=v[1]), progress=False)
+        engines[name] = build_ort_engine(qdir, tmp / f"ort-{v[0]}-{v[1]}")
+    gens = {name: Generator.from_engine(e) for name, e in engines.items()}
+    ref = gens["float32"]
+
+    rows = {name: {"engine_mib": round(sum(p.stat().st_size for p in Path(e).rglob("*") if p.is_file()) / 2**20, 1),
+                   "nll": [], "top1_agree": [], "same_greedy": 0, "first_diff": [], "decode_tok_s": [], "spec_speedup": [], "mean_accepted": [],
+                   "spec_equals_plain": 0, "spec_runs": 0}
+            for name, e in engines.items()}
+    for i, p in enumerate(prompts):
+        text_ids = ref.tokenizer.encode(p["prompt"])
+        fp_top1 = None
+        for name, gen in gens.items():
+            nll, top1 = nll_and_top1(gen, text_ids)
+            fp_top1 = top1 if name == "float32" else fp_top1
+            rows[name]["nll"] += nll.tolist()
+            rows[name]["top1_agree"] += (top1 == fp_top1).tolist()
+        ids = ref.encode_prompt(p["prompt"])
+        fp_tokens = None
+        for name, gen in gens.items():
+            plain = gen.generate_ids([ids], args.tokens)[0]
+            fp_tokens = plain.token_ids if name == "float32" else fp_tokens
+            rows[name]["decode_tok_s"].append(plain.decode_tokens_per_second)
+            same = plain.token_ids == fp_tokens
+            rows[name]["same_greedy"] += same
+            if not same:
+                rows[name]["first_diff"].append(next((j for j, (a, b) in enumerate(zip(plain.token_ids, fp_tokens)) if a != b), min(len(plain.token_ids), len(fp_tokens))))
+            if p["class"] == "code_edit":
+                t0 = time.perf_counter()
+                gen.generate_ids([ids], args.tokens)
+                t_plain = time.perf_counter() - t0
+                spec = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto"))
+                t0 = time.perf_counter()
+                res = spec.generate_ids([ids], args.tokens)[0]
+                rows[name]["spec_speedup"].append(t_plain / (time.perf_counter() - t0))
+                rows[name]["mean_accepted"].append(res.metrics.mean_accepted_length)
+                rows[name]["spec_runs"] += 1
+                rows[name]["spec_equals_plain"] += res.token_ids == plain.token_ids
+        print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+
+    table = {}
+    for name, r in rows.items():
+        table[name] = {
+            "engine_mib": r["engine_mib"],
+            "perplexity": round(float(np.exp(np.mean(r["nll"]))), 3),
+            "top1_agreement": round(float(np.mean(r["top1_agree"])), 4),
+            "greedy_identical": f"{r['same_greedy']}/{len(prompts)}",
+            "mean_first_difference": round(statistics.mean(r["first_diff"]), 1) if r["first_diff"] else None,
+            "decode_tok_s": round(statistics.median(r["decode_tok_s"]), 1),
+            "spec_speedup_code_edit": round(statistics.median(r["spec_speedup"]), 2) if r["spec_speedup"] else None,
+            "mean_accepted_code_edit": round(statistics.median(r["mean_accepted"]), 2) if r["mean_accepted"] else None,
+            "speculative_equals_plain": f"{r['spec_equals_plain']}/{r['spec_runs']}",
+            "batch_invariance_relative": gens[name].backend.batch_invariance["relative"],
+        }
+    fp = table["float32"]["decode_tok_s"]
+    print(f"\n{'variant':<13}{'ORT MiB':>9}{'ppl':>9}{'top-1 =fp32':>13}{'greedy =fp32':>14}{'1st diff':>10}{'decode tok/s':>14}{'vs fp32':>9}"
+          f"{'spec (code)':>13}{'L':>6}{'spec=plain':>12}{'Q-variance':>12}")
+    for name, t in table.items():
+        print(f"{name:<13}{t['engine_mib']:>9}{t['perplexity']:>9}{t['top1_agreement']:>13.3f}{t['greedy_identical']:>14}{str(t['mean_first_difference']):>10}"
+              f"{t['decode_tok_s']:>14}{t['decode_tok_s'] / fp:>8.2f}x{str(t['spec_speedup_code_edit']) + 'x':>13}{str(t['mean_accepted_code_edit']):>6}"
+              f"{t['speculative_equals_plain']:>12}{t['batch_invariance_relative']:>12.1e}")
+    result = {"benchmark": "weight-only-quantization", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"cpu": cpu_model()}, "versions": package_versions("onnxruntime", "onnx", "numpy"),
+              "artifacts": str(args.artifacts), "prompts": str(args.prompts), "max_new_tokens": args.tokens,
+              "corpus_tokens": len(rows["float32"]["nll"]), "variants": table}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"quant-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
