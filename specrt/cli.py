@@ -139,7 +139,13 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, thr
         from specrt.runtime.drafts import make_proposer
         from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
-        runner = SpeculativeDecoder(gen, make_proposer(draft), make_policy(num_draft, max_draft))
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # said once, plainly, below
+            runner = SpeculativeDecoder(gen, make_proposer(draft), make_policy(num_draft, max_draft))
+        if runner.exactness_warning:
+            click.echo(f"warning: {runner.exactness_warning}", err=True)
     return gen, runner
 
 

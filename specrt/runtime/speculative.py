@@ -41,7 +41,7 @@ def batch_variance_warning(backend) -> str | None:
     return (
         f"this engine's logits change by up to {measured['relative']:.1%} of their range between one-position and multi-position "
         f"steps (int8 activations?), so speculative output may differ from plain output; for exact speculative decoding "
-        f"use a float32 or weight-only engine (build-engines --quantize int4|int8, not -a8)."
+        f"use a float32 engine or a weight-only one (build-engines --quantize int4, not an -a8 scheme)."
     )
 
 
