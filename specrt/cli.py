@@ -220,7 +220,7 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the checkpoint directory's name).")
 @click.option("--max-tokens", "max_tokens_limit", default=1024, show_default=True, type=click.IntRange(min=1), help="Largest max_tokens a request may ask for (and the default).")
 @click.option("--max-body-kb", default=1024, show_default=True, type=click.IntRange(min=1), help="Largest request body; larger ones get 413.")
-@click.option("--max-queue", default=8, show_default=True, type=click.IntRange(min=0), help="Requests that may wait for the engine; more get 503.")
+@click.option("--max-queue", default=8, show_default=True, type=click.IntRange(min=0), help="Requests that may wait while the engine is busy; more get 503.")
 @_friendly_errors
 def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft, host, port, served_model_name,
           max_tokens_limit, max_body_kb, max_queue):

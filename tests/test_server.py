@@ -143,8 +143,14 @@ def test_body_too_large_and_busy(gen):
     c = client(gen, max_body_bytes=200)
     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5 " * 100}]})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    c = client(gen, max_queue=0)
-    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+    service = CompletionService(gen, "tiny", ServerLimits(max_queue=0))
+    c = TestClient(create_app(service))
+    assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200  # idle: served
+    service._engine.acquire()  # as if another request were running
+    try:
+        r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+    finally:
+        service._engine.release()
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
 
 
@@ -176,3 +182,20 @@ def test_default_model_served_with_speculation(real_artifacts):
     assert c.post("/v1/chat/completions", json=req).json()["choices"][0]["message"]["content"] == expected
     chunks = sse(c.post("/v1/chat/completions", json={**req, "stream": True}))
     assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == expected
+
+
+def test_concurrent_requests_are_served_in_turn(gen):
+    """Requests arriving together wait for the engine and each gets its own, correct answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = client(gen)
+    prompts = ["w5 w6 w7", "w9 w10", "w20 w21 w22 w23"]
+    expected = [gen.decode(gen.generate_ids([gen.tokenizer.encode(p)], 16)[0].token_ids) for p in prompts]
+
+    def ask(p):
+        return c.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0, "stream": p.startswith("w9")})
+
+    with ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(ask, prompts))
+    texts = ["".join(ch["choices"][0]["text"] for ch in sse(r)) if p.startswith("w9") else r.json()["choices"][0]["text"] for p, r in zip(prompts, responses)]
+    assert texts == expected

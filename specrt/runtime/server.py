@@ -46,7 +46,7 @@ class ServerLimits:
     max_body_bytes: int = 1 << 20
     max_tokens: int = 1024  # per request; also the default when a request names none
     max_stop: int = 4
-    max_queue: int = 8  # requests waiting for the engine before new ones get a 503
+    max_queue: int = 8  # requests that may wait while the engine is busy; more get a 503
 
 
 @dataclasses.dataclass
@@ -181,7 +181,7 @@ class CompletionService:
         """Text pieces as they are produced, the last one with finish_reason and token counts.
         Waits for the engine (503 when too many wait); closing the iterator ends the generation."""
         with self._count:
-            if self._waiting >= self.limits.max_queue:
+            if self._engine.locked() and self._waiting >= self.limits.max_queue:
                 self.stats["refused"] += 1
                 raise RequestError(f"the server is busy ({self._waiting} requests waiting); retry later", status=503, code="server_busy", kind="server_error")
             self._waiting += 1
