@@ -1,0 +1,121 @@
+"""The server end to end: what the HTTP layer costs and whether speculation's speedup survives it.
+
+    python bench/bench_server.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--repeats 2]
+
+Starts `specrt serve` (plain, then `--draft suffix`; a fresh server for every repeat, since the
+suffix draft remembers earlier answers across requests) on a free local port and sends it the
+prompt set (bench/prompts.jsonl; greedy, 128 tokens), once not streamed and once streamed.
+Reports per server: time to first token (streamed), end-to-end tokens/s per request (client wall
+time), the share of that wall time spent outside the engine (HTTP, JSON, tokenizer; from the
+engine's own prefill + decode time in the `specrt` field), and whether the plain and speculative
+servers returned the same text. Prints a table and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(artifacts: Path, draft: str, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--artifacts", str(artifacts), "--port", str(port), "--draft", draft]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    import httpx
+
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited: {proc.stderr.read()[-2000:]}")
+    raise SystemExit("server did not come up in 60 s")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args()
+
+    import httpx
+
+    from specrt.artifacts import cpu_model, package_versions
+    from specrt.benchmark import load_prompts
+
+    prompts = load_prompts(args.prompts)
+    rows, texts = {}, {}
+    for draft in ("none", "suffix"):
+        r = {"ttft_ms": [], "tok_s": [], "overhead": [], "by_class": {}}
+        for _ in range(args.repeats):
+            # a fresh server per repeat: the suffix draft remembers earlier answers across
+            # requests, so asking the same prompt again would measure that memory instead
+            port = free_port()
+            proc = start(args.artifacts, draft, port)
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            try:
+                for i, p in enumerate(prompts):
+                    req = {"messages": [{"role": "user", "content": p["prompt"]}], "max_tokens": args.tokens, "temperature": 0}
+                    t0 = time.perf_counter()
+                    body = httpx.post(url, json=req, timeout=600).json()
+                    wall = time.perf_counter() - t0
+                    n = body["usage"]["completion_tokens"]
+                    engine_s = body["specrt"]["prefill_ms"] / 1e3 + ((n - 1) / body["specrt"]["decode_tokens_per_second"] if n > 1 else 0.0)
+                    r["tok_s"].append(n / wall)
+                    r["by_class"].setdefault(p["class"], []).append(n / wall)
+                    r["overhead"].append(max(0.0, wall - engine_s) / wall)
+                    texts.setdefault(draft, {})[i] = body["choices"][0]["message"]["content"]
+                    t0 = time.perf_counter()
+                    with httpx.stream("POST", url, json={**req, "stream": True}, timeout=600) as resp:
+                        lines = resp.iter_lines()
+                        for line in lines:
+                            if line.startswith("data: ") and '"content"' in line:
+                                r["ttft_ms"].append((time.perf_counter() - t0) * 1e3)
+                                break
+                        for _ in lines:  # read the stream to its end before the next request
+                            pass
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        rows[draft] = {"ttft_ms": round(statistics.median(r["ttft_ms"]), 1), "tokens_per_second": round(statistics.median(r["tok_s"]), 1),
+                       "outside_engine_share": round(statistics.median(r["overhead"]), 4),
+                       "tokens_per_second_by_class": {c: round(statistics.median(v), 1) for c, v in r["by_class"].items()}}
+        print(f"{draft}: done", file=sys.stderr, flush=True)
+    same = sum(texts["none"][i] == texts["suffix"][i] for i in texts["none"])
+    classes = list(rows["none"]["tokens_per_second_by_class"])
+    print(f"\n{'server':<16}{'TTFT ms':>9}{'tok/s':>8}{'outside engine':>16}" + "".join(f"{c:>15}" for c in classes))
+    for draft, row in rows.items():
+        print(f"{'plain' if draft == 'none' else 'suffix draft':<16}{row['ttft_ms']:>9}{row['tokens_per_second']:>8}{row['outside_engine_share']:>15.1%}"
+              + "".join(f"{row['tokens_per_second_by_class'][c]:>15}" for c in classes))
+    print(f"speculative answers equal to plain: {same}/{len(texts['none'])}")
+    result = {"benchmark": "server", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": {"cpu": cpu_model()},
+              "versions": package_versions("onnxruntime", "fastapi", "uvicorn", "httpx"), "max_tokens": args.tokens, "repeats": args.repeats,
+              "servers": rows, "speculative_equals_plain": f"{same}/{len(texts['none'])}"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"server-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
