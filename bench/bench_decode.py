@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -21,10 +20,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from specrt.artifacts import package_versions
+from specrt.benchmark import write_result_json
 from specrt.engines.ort import OrtOptions
 from specrt.runtime.generator import Generator
 
@@ -147,11 +146,7 @@ def main():
         "bandwidth_bound_tok_s": bound,
         "raw": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_result_json(result, args.out, 'decode')}")
 
 
 if __name__ == "__main__":

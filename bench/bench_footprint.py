@@ -58,6 +58,7 @@ def main():
     import numpy as np
 
     from specrt.artifacts import cpu_model, package_versions
+    from specrt.benchmark import write_result_json
     from specrt.runtime.generator import Generator
 
     rows = {}
@@ -104,10 +105,7 @@ def main():
     print(f"greedy tokens equal: {same}")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": {"cpu": cpu_model()},
               "versions": package_versions("onnxruntime", "onnx", "torch", "numpy"), "repeats": args.repeats, "rows": rows, "greedy_equal": same}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"footprint-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {write_result_json(result, args.out, 'footprint')}")
     return 0 if same else 1
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import tempfile
@@ -60,7 +59,7 @@ def main():
     args = ap.parse_args()
 
     from specrt.artifacts import cpu_model, package_versions
-    from specrt.benchmark import load_prompts
+    from specrt.benchmark import load_prompts, write_result_json
     from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
     from specrt.engines.ort import build_ort_engine
     from specrt.runtime.drafts import make_proposer
@@ -138,10 +137,7 @@ def main():
               "machine": {"cpu": cpu_model()}, "versions": package_versions("onnxruntime", "onnx", "numpy"),
               "artifacts": str(args.artifacts), "prompts": str(args.prompts), "max_new_tokens": args.tokens,
               "corpus_tokens": len(rows["float32"]["nll"]), "variants": table}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"quant-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {write_result_json(result, args.out, 'quant')}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import socket
 import statistics
 import subprocess
@@ -61,7 +60,7 @@ def main():
     import httpx
 
     from specrt.artifacts import cpu_model, package_versions
-    from specrt.benchmark import load_prompts
+    from specrt.benchmark import load_prompts, write_result_json
 
     prompts = load_prompts(args.prompts)
     rows, texts = {}, {}
@@ -111,10 +110,7 @@ def main():
     result = {"benchmark": "server", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": {"cpu": cpu_model()},
               "versions": package_versions("onnxruntime", "fastapi", "uvicorn", "httpx"), "max_tokens": args.tokens, "repeats": args.repeats,
               "servers": rows, "speculative_equals_plain": f"{same}/{len(texts['none'])}"}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"server-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {write_result_json(result, args.out, 'server')}")
 
 
 if __name__ == "__main__":

@@ -233,10 +233,15 @@ def plot_sweep(result: dict, path: Path) -> Path | None:
     return path
 
 
-def write_results(result: dict, out_dir: Path) -> tuple[Path, Path | None]:
+def write_result_json(result: dict, out_dir: str | Path, name: str) -> Path:
+    """Write a benchmark's result as `<out_dir>/<name>-<date>.json` (the bench scripts share this)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.date.today().isoformat()
-    json_path = out_dir / (f"speculative-{stamp}.json" if result["summary"] else f"speculative-sweep-{stamp}.json")
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    return json_path, plot_sweep(result, out_dir / f"speedup-vs-n-{stamp}.png")
+    path = out_dir / f"{name}-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def write_results(result: dict, out_dir: Path) -> tuple[Path, Path | None]:
+    json_path = write_result_json(result, out_dir, "speculative" if result["summary"] else "speculative-sweep")
+    return json_path, plot_sweep(result, Path(out_dir) / f"speedup-vs-n-{datetime.date.today().isoformat()}.png")

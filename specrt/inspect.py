@@ -34,15 +34,12 @@ def _check(manifest: dict, path: Path) -> str | None:
     """The loader's refusal for this artifact here, or None when it would load."""
     from specrt.engines.ort import ENGINE_KIND, read_engine_manifest
     from specrt.engines.trt import TRT_KIND, read_trt_manifest
-    from specrt.export.step_graph import ONNX_KIND, read_onnx_manifest
+    from specrt.export.step_graph import ONNX_KIND, read_onnx_manifest, source_onnx_files
 
-    onnx_files = None
-    onnx_dir = Path(manifest.get("onnx", {}).get("path", "")) if isinstance(manifest.get("onnx"), dict) else None
-    if onnx_dir is not None and (onnx_dir / MANIFEST).is_file():
-        try:
-            onnx_files = read_onnx_manifest(onnx_dir)["files"]
-        except SpecrtError as e:
-            return f"its ONNX export is not usable: {e}"
+    try:
+        onnx_files = source_onnx_files(manifest)
+    except SpecrtError as e:
+        return f"its ONNX export is not usable: {e}"
     try:
         if manifest["kind"] == ONNX_KIND:
             read_onnx_manifest(path)

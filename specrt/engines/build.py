@@ -58,7 +58,6 @@ def _manifest_if_valid(read, *args) -> dict | None:
 
 def build_all(spec: BuildSpec) -> Iterator[str]:
     """Build what is missing or stale; yields one line per artifact saying what happened."""
-    from specrt.engines.ort import OrtOptions, build_ort_engine, read_engine_manifest
     from specrt.export.checkpoint import checkpoint_hash
     from specrt.export.step_graph import export_step_graph, read_onnx_manifest
 
@@ -75,15 +74,7 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
         onnx_manifest = read_onnx_manifest(odir)
     onnx_files = onnx_manifest["files"]
 
-    edir = ort_engine_dir(spec.out, spec.provider)
-    current = None if spec.force or exported else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
-    if current is not None and current["onnx"]["files"] == onnx_files:
-        yield f"ort       {edir}: up to date"
-    else:
-        t0 = time.perf_counter()
-        build_ort_engine(odir, edir, OrtOptions(provider=spec.provider))
-        yield f"ort       {edir}: built for {read_engine_manifest(edir)['provider']} in {time.perf_counter() - t0:.1f} s"
-
+    yield from _build_ort(spec, odir, onnx_files, ckpt_hash, stale=exported)
     yield from _build_tensorrt(spec, odir, onnx_files, ckpt_hash, exported)
     if spec.quantize != "none":
         yield from _build_quantized(spec, odir, onnx_files, ckpt_hash)
@@ -91,7 +82,6 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
 
 def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str) -> Iterator[str]:
     from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
-    from specrt.engines.ort import OrtOptions, build_ort_engine, read_engine_manifest
     from specrt.export.step_graph import read_onnx_manifest
 
     wspec = WeightOnlySpec(scheme=spec.quantize, block_size=spec.quant_block_size)
@@ -107,15 +97,23 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
         yield f"{spec.quantize:<9} {qdir}: quantized in {time.perf_counter() - t0:.1f} s"
     else:
         yield f"{spec.quantize:<9} {qdir}: up to date"
-    qfiles = read_onnx_manifest(qdir)["files"]
-    edir = ort_engine_dir(spec.out, spec.provider, spec.quantize)
-    current = None if spec.force or fresh else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
-    if current is not None and current["onnx"]["files"] == qfiles:
+    yield from _build_ort(spec, qdir, read_onnx_manifest(qdir)["files"], ckpt_hash, stale=fresh, quantize=spec.quantize,
+                          note=f" (TensorRT takes no MatMulNBits graph: none built for {spec.quantize})")
+
+
+def _build_ort(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, stale: bool, quantize: str = "none", note: str = "") -> Iterator[str]:
+    """The ORT engine of the graph in `odir`: reused when its manifest is valid and built from
+    `onnx_files` (and the graph was not just re-made: `stale`), else built."""
+    from specrt.engines.ort import OrtOptions, build_ort_engine, read_engine_manifest
+
+    edir = ort_engine_dir(spec.out, spec.provider, quantize)
+    current = None if spec.force or stale else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
+    if current is not None and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
     else:
         t0 = time.perf_counter()
-        build_ort_engine(qdir, edir, OrtOptions(provider=spec.provider))
-        yield f"ort       {edir}: built in {time.perf_counter() - t0:.1f} s (TensorRT takes no MatMulNBits graph: none built for {spec.quantize})"
+        build_ort_engine(odir, edir, OrtOptions(provider=spec.provider))
+        yield f"ort       {edir}: built for {read_engine_manifest(edir)['provider']} in {time.perf_counter() - t0:.1f} s{note}"
 
 
 def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool) -> Iterator[str]:

@@ -12,7 +12,6 @@ onnxruntime is imported inside functions: `import specrt` works without it.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from pathlib import Path
 

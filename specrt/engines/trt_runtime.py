@@ -173,7 +173,6 @@ class TrtBackend:
         import torch
 
         B, Q = input_ids.shape
-        K = logits_index.shape[1]
         profile = select_profile(self.manifest, B, Q, cache.capacity)
         arrays = dict(zip(STEP_INPUTS, (input_ids, position_ids, attention_mask, logits_index)))
         caller = torch.cuda.current_stream(self.device) if self._stream is not None else None  # where the cache is appended to

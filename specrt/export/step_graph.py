@@ -215,3 +215,12 @@ def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | Non
         )
     require_same_checkpoint(m, checkpoint_hash_expected, f"ONNX export {onnx_dir}", f"Re-export with: specrt export --model CHECKPOINT --out {onnx_dir}")
     return m
+
+
+def source_onnx_files(manifest: dict) -> dict | None:
+    """The file hashes of the ONNX export an engine's manifest names, read from that export's own
+    manifest while it is still on disk (None once it is gone); a current engine must match them."""
+    source = manifest.get("onnx")
+    if not isinstance(source, dict) or not (Path(source.get("path", "")) / "manifest.json").is_file():
+        return None
+    return read_onnx_manifest(source["path"])["files"]

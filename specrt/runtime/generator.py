@@ -101,8 +101,8 @@ class Generator:
         self.checkpoint = checkpoint  # where the weights and tokenizer came from, when known
         self.config = backend.config
         self.tokenizer = tokenizer
-        limits = [self.config.max_position_embeddings, getattr(backend, "max_context", None) or self.config.max_position_embeddings]  # engines built for less
-        self.max_context = min(max_context or min(limits), *limits)
+        # the smallest of: what was asked, what an engine was built for, what the model supports
+        self.max_context = min(v for v in (max_context, getattr(backend, "max_context", None), self.config.max_position_embeddings) if v)
         self.prefill_chunk = min(prefill_chunk, getattr(backend, "max_step_q", None) or prefill_chunk)  # an engine's largest profile
         eos = set(self.config.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
@@ -140,12 +140,10 @@ class Generator:
 
         manifest = read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
-        onnx_files = None  # where the ONNX it was built from is still present, it must be that export
-        if (Path(manifest["onnx"]["path"]) / "manifest.json").is_file():
-            from specrt.export.step_graph import read_onnx_manifest
+        from specrt.export.step_graph import source_onnx_files
 
-            onnx_files = read_onnx_manifest(manifest["onnx"]["path"])["files"]
-        backend = TrtBackend(engine_dir, device=device, cuda_graphs=cuda_graphs, checkpoint_hash_expected=checkpoint_hash(checkpoint), onnx_files=onnx_files)
+        backend = TrtBackend(engine_dir, device=device, cuda_graphs=cuda_graphs, checkpoint_hash_expected=checkpoint_hash(checkpoint),
+                             onnx_files=source_onnx_files(manifest))
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod
