@@ -231,15 +231,21 @@ def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, d
         import uvicorn  # noqa: F401
     except ImportError:
         raise SpecrtError("the server needs fastapi and uvicorn: pip install 'specrt[server]' (make setup installs them)") from None
-    from specrt.runtime.server import CompletionService, ServerLimits
+    from specrt.runtime.server import CompletionService, ServerLimits, bind_socket
     from specrt.runtime.server import serve as run_server
 
-    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft)
-    name = served_model_name or Path(gen.checkpoint or checkpoint or artifacts or engine).name
-    limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
-    service = CompletionService(runner, name, limits)
-    click.echo(f"serving {name!r} on http://{host}:{port} [{gen.backend.description}{', ' + draft + ' draft' if draft != 'none' else ''}]", err=True)
-    run_server(service, host=host, port=port)
+    sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once
+    try:
+        gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft)
+        name = served_model_name or Path(gen.checkpoint or checkpoint or artifacts or engine).name
+        limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
+        service = CompletionService(runner, name, limits)
+    except BaseException:
+        sock.close()
+        raise
+    url_host = f"[{host}]" if ":" in host else host
+    click.echo(f"serving {name!r} on http://{url_host}:{port} [{gen.backend.description}{', ' + draft + ' draft' if draft != 'none' else ''}]", err=True)
+    run_server(service, sock)
 
 
 @main.command()

@@ -5,6 +5,9 @@ text as the non-streamed answer); every refusal is checked for its status and Op
 """
 
 import json
+import socket
+import threading
+import time
 
 import pytest
 
@@ -129,6 +132,12 @@ def test_models_health_metrics(gen):
         ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
         ({"messages": MESSAGES, "model": "gpt-4"}, 404, "model", "is not served here; this server serves 'tiny'"),
         ({"messages": [{"role": "user", "content": "w5 " * 400}]}, 400, "messages", "context holds 256"),
+        # NaN and infinity: Python's JSON reader takes them, and every range check with NaN is False
+        ({"messages": MESSAGES, "top_p": float("nan")}, 400, "top_p", "must be a finite number, got nan"),
+        ({"messages": MESSAGES, "temperature": float("nan")}, 400, "temperature", "must be a finite number, got nan"),
+        ({"messages": MESSAGES, "temperature": float("-inf")}, 400, "temperature", "must be a finite number, got -inf"),
+        ({"messages": MESSAGES, "seed": -1}, 400, "seed", "must be in [0, 9223372036854775807], got -1"),
+        (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nests JSON too deeply"),
     ],
 )
 def test_bad_requests_get_openai_errors(gen, body, status, param, message):
@@ -139,33 +148,135 @@ def test_bad_requests_get_openai_errors(gen, body, status, param, message):
     assert message in err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
 
 
+class SlowBackend:
+    """The tiny engine with a pause in every step: a long generation a test can interrupt."""
+
+    def __init__(self, backend, seconds: float):
+        self.backend, self.seconds = backend, seconds
+
+    def step(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return self.backend.step(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def slow_generator(gen, seconds=0.04):
+    """A generator that never meets EOS and takes `seconds` per step."""
+    slow = Generator(SlowBackend(gen.backend, seconds), gen.tokenizer)
+    slow.eos_ids = frozenset()
+    return slow
+
+
+def wait_until(condition, seconds=5.0):
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.01)
+    return condition()
+
+
 def test_body_too_large_and_busy(gen):
     c = client(gen, max_body_bytes=200)
     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5 " * 100}]})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    service = CompletionService(gen, "tiny", ServerLimits(max_queue=0))
+    service = CompletionService(slow_generator(gen), "tiny", ServerLimits(max_queue=0))
     c = TestClient(create_app(service))
     assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200  # idle: served
-    service._engine.acquire()  # as if another request were running
-    try:
-        r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
-    finally:
-        service._engine.release()
-    assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+    long = service.run(service.parse(json.dumps({"prompt": "w5", "max_tokens": 200, "temperature": 0}).encode(), chat=False))
+    next(long)  # the engine is busy with it
+    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+    long.close()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy" and r.headers["retry-after"] == "1"
+    assert wait_until(lambda: not service.busy)
+    assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200
+    service.close()
 
 
-def test_disconnected_stream_frees_the_engine(gen):
-    """A stream the client abandons ends its generation: the engine lock and the cache come back."""
-    service = CompletionService(gen, "tiny")
-    job = service.parse(json.dumps({"prompt": "w5 w6", "max_tokens": 50, "stream": True, "temperature": 0}).encode(), chat=False)
+def test_closing_the_stream_frees_the_engine(gen):
+    """A consumer that stops reading ends its generation within a step (no garbage collector
+    involved): the engine thread takes the next request and the cache comes back."""
+    service = CompletionService(slow_generator(gen), "tiny")
+    job = service.parse(json.dumps({"prompt": "w5 w6", "max_tokens": 200, "stream": True, "temperature": 0}).encode(), chat=False)
     pieces = service.run(job)
     next(pieces)
-    assert service._engine.locked()
+    assert service.busy
+    held = pieces  # a live reference: only the explicit close may end the generation
+    t0 = time.monotonic()
     pieces.close()
-    assert not service._engine.locked()
+    assert wait_until(lambda: not service.busy, 2.0), "the generation went on after its consumer closed the stream"
+    assert time.monotonic() - t0 < 1.0 and held is pieces
+    assert service.stats["cancelled"] == 1 and service.stats["completion_tokens"] < 50
     job = service.parse(json.dumps({"prompt": "w5 w6", "max_tokens": 5, "temperature": 0}).encode(), chat=False)
     expected = gen.generate_ids([gen.tokenizer.encode("w5 w6")], 5)[0]
     assert service.response(job, service.run(job))["choices"][0]["finish_reason"] == expected.finish_reason
+    assert not any(c.in_use for c in service.gen._cache_pool)
+    service.close()
+
+
+def test_a_cancelled_ticket_in_the_queue_never_runs(gen):
+    service = CompletionService(slow_generator(gen), "tiny")
+    parse = lambda n: service.parse(json.dumps({"prompt": "w5", "max_tokens": n, "temperature": 0}).encode(), chat=False)  # noqa: E731
+    first = service.run(parse(200))
+    next(first)
+    queued = service.submit(parse(200))
+    queued.cancel()
+    first.close()
+    assert wait_until(queued.done.is_set)
+    assert list(queued) == [] and service.stats["requests"] == 1
+    service.close()
+
+
+@pytest.fixture
+def live_server(gen):
+    """A real uvicorn server on a free loopback port over the slow tiny engine: (service, port)."""
+    import uvicorn
+
+    from specrt.runtime.server import bind_socket
+
+    service = CompletionService(slow_generator(gen), "tiny")
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, 10)
+    yield service, sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(10)
+    service.close()
+
+
+def raw_request(port: int, body: dict) -> socket.socket:
+    """Send a POST /v1/completions by hand, so the test decides when the connection closes."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_that_disconnects_does_not_hold_the_server(live_server, stream):
+    """A client leaves in the middle of a long generation (240 tokens at 40 ms a step: ~10 s);
+    the next request is answered within a few seconds, not after the abandoned generation."""
+    import httpx
+
+    service, port = live_server
+    s = raw_request(port, {"prompt": "w5 w6", "max_tokens": 240, "temperature": 0, "stream": stream})
+    if stream:
+        got = b""
+        while got.count(b"data: ") < 3:  # a couple of chunks have arrived
+            got += s.recv(4096)
+    else:
+        assert wait_until(lambda: service.busy and service.stats["requests"] == 1)
+        time.sleep(0.3)
+    s.close()
+    t0 = time.monotonic()
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "w9", "max_tokens": 3, "temperature": 0}, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert elapsed < 3.0, f"the next request waited {elapsed:.1f} s behind an abandoned generation"
+    assert service.stats["cancelled"] == 1 and service.stats["completion_tokens"] < 100
 
 
 @pytest.mark.real_model
@@ -199,3 +310,24 @@ def test_concurrent_requests_are_served_in_turn(gen):
         responses = list(pool.map(ask, prompts))
     texts = ["".join(ch["choices"][0]["text"] for ch in sse(r)) if p.startswith("w9") else r.json()["choices"][0]["text"] for p, r in zip(prompts, responses)]
     assert texts == expected
+
+
+def test_port_in_use_is_refused_before_serving(tiny_artifacts):
+    """`serve` binds its port before it says "serving on": a taken port is one line naming the
+    process that holds it and the option to change."""
+    import os
+    import subprocess
+    import sys
+
+    from specrt.errors import SpecrtError
+    from specrt.runtime.server import bind_socket
+
+    held = bind_socket("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    with pytest.raises(SpecrtError, match=rf"port {port} on 127.0.0.1 is already in use by process .*\(pid {os.getpid()}\); .*--port"):
+        bind_socket("127.0.0.1", port)
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "serve", "--artifacts", str(tiny_artifacts), "--port", str(port)],
+                       capture_output=True, text=True, timeout=120)
+    held.close()
+    assert r.returncode == 1 and "serving" not in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"Error: port {port} on 127.0.0.1 is already in use")

@@ -9,20 +9,28 @@ with `stream: true` as server-sent events ending in `data: [DONE]`), GET /metric
 Two layers: `CompletionService` parses and checks a request body (every problem is a 400 in
 OpenAI's error format naming the field and the fix; a body over the size limit is a 413, an
 unknown model a 404, a full queue a 503) and runs it as a stream of text pieces with stop
-sequences applied; `create_app` is the thin FastAPI layer. One engine serves one request at a
-time (requests queue up to `max_queue`); a client that disconnects mid-stream ends its
-generation and frees the engine.
+sequences applied; `create_app` is the thin FastAPI layer.
+
+One engine thread owns the generator and runs one request at a time; requests wait in a queue of
+at most `max_queue` (more get a 503 with Retry-After). Each request is a `Ticket`: the engine
+thread puts its pieces there and checks its cancel flag between model steps. The HTTP layer
+cancels the ticket as soon as it sees the client disconnect (streamed or not), so the generation
+ends within one step and the next request starts at once. Nothing waits for the garbage
+collector to close an abandoned generator, and no lock is held across an HTTP write.
 
 fastapi / uvicorn are imported only by `create_app` / `serve` (the `server` extra).
 """
 
 
+import asyncio
 import dataclasses
 import json
+import math
+import queue
 import threading
 import time
 import uuid
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 from specrt.errors import PromptError, SpecrtError
 from specrt.runtime.generator import GenerationResult, Generator
@@ -33,9 +41,11 @@ from specrt.runtime.tokenizer import IncrementalDetokenizer
 class RequestError(SpecrtError):
     """A request the server refuses; carries the HTTP status and OpenAI's error fields."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
@@ -78,9 +88,77 @@ def _number(body: dict, name: str, lo: float, hi: float, default, integer: bool 
     kind = int if integer else (int, float)
     if isinstance(v, bool) or not isinstance(v, kind):
         raise RequestError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}", param=name)
+    if not math.isfinite(v):  # Python's JSON reader takes NaN and Infinity; every comparison with NaN is False
+        raise RequestError(f"'{name}' must be a finite number, got {v}", param=name)
     if v < lo or v > hi or (lo_open and v == lo):
         raise RequestError(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=name)
     return v
+
+
+_END = object()  # the engine thread's last item on a ticket
+
+
+class Ticket:
+    """One request between the HTTP layer and the engine thread.
+
+    The engine thread `put`s pieces (and, on failure, the exception) and finally `_END`; the
+    consumer reads them synchronously (`__iter__`) or, given an event loop, asynchronously
+    (`next_async`). `cancel()` may come from any thread: the engine thread stops the generation
+    at its next step and frees the cache; a ticket still in the queue is never started."""
+
+    def __init__(self, job: "Job", loop: asyncio.AbstractEventLoop | None = None):
+        self.job = job
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancel = threading.Event()
+        self._loop = loop
+        self._ready = asyncio.Event() if loop is not None else None
+        self.done = threading.Event()  # set after the engine thread let go of the ticket
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def put(self, item) -> None:
+        self._items.put(item)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop is closed: nobody will read this ticket any more
+                self.cancel()
+
+    def _take(self, item):
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator["Piece"]:
+        try:
+            while True:
+                try:
+                    yield self._take(self._items.get())
+                except StopIteration:
+                    return
+        finally:
+            self.cancel()  # a consumer that stops reading ends the generation
+
+    async def next_async(self) -> "Piece":
+        """The next piece; StopAsyncIteration after the last one."""
+        while True:
+            try:
+                item = self._items.get_nowait()
+            except queue.Empty:
+                await self._ready.wait()
+                self._ready.clear()
+                continue
+            try:
+                return self._take(item)
+            except StopIteration:
+                raise StopAsyncIteration from None
 
 
 class CompletionService:
@@ -92,10 +170,24 @@ class CompletionService:
             raise SpecrtError("the server needs a generator with a tokenizer")
         self.model_id = model_id
         self.limits = limits
-        self._engine = threading.Lock()
-        self._waiting = 0
-        self._count = threading.Lock()
-        self.stats = {"requests": 0, "refused": 0, "prompt_tokens": 0, "completion_tokens": 0, "busy_seconds": 0.0}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _waiting, _busy and the worker's start
+        self._waiting = 0  # tickets in the queue, not yet started
+        self._busy = False  # the engine thread is running a ticket
+        self._worker: threading.Thread | None = None
+        self.stats = {"requests": 0, "refused": 0, "cancelled": 0, "prompt_tokens": 0, "completion_tokens": 0, "busy_seconds": 0.0}
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def close(self) -> None:
+        """Stop the engine thread once the queue is empty (tickets still queued are run first)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            self._queue.put(None)
+            worker.join()
 
     # -- parsing --------------------------------------------------------------------------------
 
@@ -106,6 +198,8 @@ class CompletionService:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"request body is not valid JSON ({e}); send a JSON object") from None
+        except RecursionError:
+            raise RequestError("request body nests JSON too deeply; send a flat JSON object") from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         model = body.get("model")
@@ -128,12 +222,17 @@ class CompletionService:
                 f"the prompt has {len(prompt_ids)} tokens and the context holds {self.gen.max_context}; shorten it",
                 param="messages" if chat else "prompt", code="context_length_exceeded",
             )
-        sampling = SamplingParams(
-            temperature=_number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI's default; 0 is greedy
-            top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
-            top_k=_number(body, "top_k", 0, 1 << 20, 0, integer=True),
-            seed=_number(body, "seed", -(1 << 63), (1 << 63) - 1, None, integer=True),
-        )
+        try:
+            sampling = SamplingParams(
+                temperature=_number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI's default; 0 is greedy
+                top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+                top_k=_number(body, "top_k", 0, 1 << 20, 0, integer=True),
+                seed=_number(body, "seed", 0, (1 << 63) - 1, None, integer=True),
+            )
+        except RequestError:
+            raise
+        except SpecrtError as e:  # a check of SamplingParams' own that the ranges above missed
+            raise RequestError(str(e)) from None
         stop = body.get("stop")
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > self.limits.max_stop:
@@ -177,27 +276,54 @@ class CompletionService:
 
     # -- running --------------------------------------------------------------------------------
 
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
+        """Queue a request for the engine thread (a 503 when `max_queue` requests already wait
+        behind a busy engine); its pieces arrive on the returned ticket."""
+        ticket = Ticket(job, loop)
+        with self._lock:
+            if (self._busy or self._waiting) and self._waiting >= self.limits.max_queue:
+                self.stats["refused"] += 1
+                raise RequestError(f"the server is busy ({self._waiting} requests waiting); retry later", status=503, code="server_busy",
+                                   kind="server_error", headers={"Retry-After": "1"})
+            self._waiting += 1
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="specrt-engine", daemon=True)
+                self._worker.start()
+        self._queue.put(ticket)
+        return ticket
+
     def run(self, job: Job) -> Iterator[Piece]:
         """Text pieces as they are produced, the last one with finish_reason and token counts.
-        Waits for the engine (503 when too many wait); closing the iterator ends the generation."""
-        with self._count:
-            if self._engine.locked() and self._waiting >= self.limits.max_queue:
-                self.stats["refused"] += 1
-                raise RequestError(f"the server is busy ({self._waiting} requests waiting); retry later", status=503, code="server_busy", kind="server_error")
-            self._waiting += 1
-        try:
-            self._engine.acquire()
-        finally:
-            with self._count:
-                self._waiting -= 1
-        t0 = time.perf_counter()
-        try:
-            yield from self._generate(job)
-        finally:
-            self._engine.release()
-            self.stats["busy_seconds"] += time.perf_counter() - t0
+        Closing the iterator (or leaving it unread) cancels the generation."""
+        return iter(self.submit(job))
 
-    def _generate(self, job: Job) -> Iterator[Piece]:
+    def _work(self) -> None:
+        """The engine thread: runs tickets one at a time until `close`."""
+        while (ticket := self._queue.get()) is not None:
+            with self._lock:
+                self._waiting -= 1
+                self._busy = True
+            t0 = time.perf_counter()
+            try:
+                if ticket.cancelled:
+                    self.stats["cancelled"] += 1
+                    continue
+                pieces = self._generate(ticket.job, lambda: ticket.cancelled)
+                try:
+                    for piece in pieces:
+                        ticket.put(piece)
+                finally:
+                    pieces.close()  # here, on this thread: the cache is released before the next ticket
+            except Exception as e:  # handed to the request's consumer, which answers with it
+                ticket.put(e)
+            finally:
+                ticket.put(_END)
+                ticket.done.set()
+                with self._lock:
+                    self._busy = False
+                self.stats["busy_seconds"] += time.perf_counter() - t0
+
+    def _generate(self, job: Job, cancelled=lambda: False) -> Iterator[Piece]:
         gen = self.gen
         try:
             gen.check_prompts([job.prompt_ids])
@@ -211,6 +337,10 @@ class CompletionService:
         result, finish = None, "length"
         try:
             while True:
+                if cancelled():
+                    self.stats["cancelled"] += 1
+                    finish = "cancelled"
+                    break
                 try:
                     new = next(steps)
                 except StopIteration as stop:
@@ -251,30 +381,10 @@ class CompletionService:
             out["specrt"] = self._extras(last.result)
         return out
 
-    def events(self, job: Job, pieces: Iterator[Piece]) -> Iterator[str]:
-        """Server-sent events: one chunk per piece, then the finish chunk, usage if asked, [DONE]."""
-        rid, created = self._id(job), int(time.time())
-        kind = "chat.completion.chunk" if job.chat else "text_completion"
-
-        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
-            if job.chat:
-                delta = ({"role": "assistant"} if role else {}) | ({"content": delta_text} if delta_text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": self.model_id, "choices": [choice]}) + "\n\n"
-
-        if job.chat:
-            yield chunk(None, None, role=True)
-        last = None
-        for p in pieces:
-            last = p
-            if p.text:
-                yield chunk(p.text, None)
-        yield chunk(None if job.chat else "", last.finish_reason)
-        if job.include_usage:
-            yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": self.model_id, "choices": [], "usage": self._usage(last)}) + "\n\n"
-        yield "data: [DONE]\n\n"
+    def events(self, job: Job) -> "SseWriter":
+        """Server-sent events for a streamed answer: one chunk per piece, then the finish chunk,
+        usage if asked, [DONE]."""
+        return SseWriter(job, self._id(job), self.model_id)
 
     def _id(self, job: Job) -> str:
         return ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -295,16 +405,83 @@ class CompletionService:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "specrt"}]}
 
 
+class SseWriter:
+    """The text of OpenAI's streamed chunks, piece by piece (`head`, `piece`, `tail`)."""
+
+    def __init__(self, job: Job, rid: str, model_id: str):
+        self.job, self.rid, self.model_id = job, rid, model_id
+        self.created = int(time.time())
+        self.kind = "chat.completion.chunk" if job.chat else "text_completion"
+        self.last: Piece | None = None
+
+    def _event(self, choices: list, **extra) -> str:
+        body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_id, "choices": choices, **extra}
+        return "data: " + json.dumps(body) + "\n\n"
+
+    def _chunk(self, delta_text: str | None, finish: str | None, role: bool = False) -> str:
+        if self.job.chat:
+            delta = ({"role": "assistant"} if role else {}) | ({"content": delta_text} if delta_text is not None else {})
+            return self._event([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
+        return self._event([{"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}])
+
+    def head(self) -> list[str]:
+        return [self._chunk(None, None, role=True)] if self.job.chat else []
+
+    def piece(self, p: Piece) -> list[str]:
+        self.last = p
+        return [self._chunk(p.text, None)] if p.text else []
+
+    def tail(self) -> list[str]:
+        out = [self._chunk(None if self.job.chat else "", self.last.finish_reason)]
+        if self.job.include_usage:
+            out.append(self._event([], usage=CompletionService._usage(self.last)))
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, exc: Exception) -> list[str]:
+        """A failure after the stream began: OpenAI's error object as the last event."""
+        err = exc if isinstance(exc, RequestError) else RequestError(f"generation failed: {exc}", status=500, kind="server_error")
+        return ["data: " + json.dumps(err.body()) + "\n\n", "data: [DONE]\n\n"]
+
+
+async def _cancel_on_disconnect(receive, ticket: Ticket) -> None:
+    """Cancel the ticket when the client goes away (ASGI's http.disconnect)."""
+    while not ticket.done.is_set():
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            ticket.cancel()
+            return
+
+
 def create_app(service: CompletionService):
     """The FastAPI app: routes map onto the service; RequestError becomes OpenAI's error JSON."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
+
+    class TicketStream(StreamingResponse):
+        """A streamed answer that cancels its ticket however the response ends: finished,
+        client gone (Starlette stops the body when it sees http.disconnect), or failed."""
+
+        def __init__(self, ticket: Ticket, content):
+            super().__init__(content, media_type="text/event-stream")
+            self.ticket = ticket
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.ticket.cancel()
 
     app = FastAPI(title="specrt", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestError)
     async def _refused(request, exc: RequestError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _failed(request, exc: Exception):
+        err = RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error")
+        return JSONResponse(err.body(), status_code=500)
 
     async def read(request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -317,23 +494,35 @@ def create_app(service: CompletionService):
                 raise RequestError(f"request body is over {service.limits.max_body_bytes} bytes", status=413, code="request_too_large")
         return raw
 
-    def respond(job: Job):
-        pieces = service.run(job)
-        first = next(pieces)  # waits for the engine and prefills; refusals surface here, as a status
-        pieces = _chain(first, pieces)
-        if job.stream:
-            return StreamingResponse(service.events(job, pieces), media_type="text/event-stream")
-        return JSONResponse(service.response(job, pieces))
+    async def respond(request: Request, chat: bool):
+        job = await run_in_threadpool(service.parse, await read(request), chat)
+        ticket = service.submit(job, asyncio.get_running_loop())
+        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, ticket))
+        try:
+            first = await ticket.next_async()  # waits for the engine and prefills; refusals surface here, as a status
+            if job.stream:
+                watcher.cancel()  # from here on Starlette's streaming response watches the client
+                return TicketStream(ticket, _sse(service.events(job), ticket, first))
+            pieces = [first]
+            while True:
+                try:
+                    pieces.append(await ticket.next_async())
+                except StopAsyncIteration:
+                    break
+            return JSONResponse(service.response(job, iter(pieces)))
+        except BaseException:
+            ticket.cancel()
+            raise
+        finally:
+            watcher.cancel()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        job = service.parse(await read(request), chat=True)
-        return await _in_thread(respond, job)
+        return await respond(request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        job = service.parse(await read(request), chat=False)
-        return await _in_thread(respond, job)
+        return await respond(request, chat=False)
 
     @app.get("/v1/models")
     async def models():
@@ -341,7 +530,7 @@ def create_app(service: CompletionService):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": service.model_id, "backend": service.gen.backend.description}
+        return {"status": "ok", "model": service.model_id, "backend": service.gen.backend.description, "busy": service.busy}
 
     @app.get("/metrics")
     async def metrics():
@@ -350,21 +539,82 @@ def create_app(service: CompletionService):
     return app
 
 
-def _chain(first: Piece, rest: Iterator[Piece]) -> Iterator[Piece]:
+async def _sse(writer: SseWriter, ticket: Ticket, first: Piece) -> AsyncIterator[str]:
+    for event in writer.head():
+        yield event
+    piece = first
+    while True:
+        for event in writer.piece(piece):
+            yield event
+        try:
+            piece = await ticket.next_async()
+        except StopAsyncIteration:
+            break
+        except Exception as e:
+            for event in writer.error(e):
+                yield event
+            return
+    for event in writer.tail():
+        yield event
+
+
+def bind_socket(host: str, port: int):
+    """A listening socket on host:port, or a SpecrtError that says what holds the port and what
+    to change. Binding before the server starts means "serving on ..." is only said once true."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        yield first
-        yield from rest
-    finally:
-        rest.close()
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            holder = _port_holder(port)
+            raise SpecrtError(f"port {port} on {host} is already in use{f' by {holder}' if holder else ''}; stop that process "
+                              f"or choose another port with --port") from None
+        if e.errno == errno.EADDRNOTAVAIL or isinstance(e, socket.gaierror):
+            raise SpecrtError(f"cannot listen on {host}: no such address on this machine; use --host 127.0.0.1 or 0.0.0.0") from None
+        raise SpecrtError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --host or --port") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
 
 
-async def _in_thread(fn, *args):
-    from starlette.concurrency import run_in_threadpool
+def _port_holder(port: int) -> str | None:
+    """'process NAME (pid N)' listening on `port`, read from /proc (Linux; None elsewhere or when unreadable)."""
+    import os
+    from pathlib import Path
 
-    return await run_in_threadpool(fn, *args)
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f[9])
+        except (OSError, ValueError, IndexError):
+            continue
+    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    name = Path(f"/proc/{pid}/comm").read_text().strip()
+                    return f"process {name} (pid {pid})"
+        except OSError:
+            continue
+    return None
 
 
-def serve(service: CompletionService, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(service: CompletionService, sock, log_level: str = "info") -> None:
+    """Run the app on a socket from `bind_socket` until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(service), host=host, port=port, log_level="info")
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level=log_level))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.close()
