@@ -17,16 +17,52 @@ from specrt.errors import SpecrtError
 
 
 def _friendly_errors(fn):
-    """SpecrtError -> one clear line and exit status 1 (library code never exits)."""
+    """SpecrtError -> one clear line and exit status 1 (library code never exits). Progress bars
+    still drawn are closed first, so the message gets a line of its own and no bar is redrawn
+    after it."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except SpecrtError as e:
+            _close_progress_bars()
             raise click.ClickException(str(e)) from None
 
     return wrapper
+
+
+def _close_progress_bars() -> None:
+    if "tqdm" not in sys.modules:
+        return
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+class FiniteFloat(click.ParamType):
+    """A float in [lo, hi] that is a real number: click's FloatRange lets NaN through (every
+    comparison with NaN is False), and 'inf' parses as a float."""
+
+    name = "float"
+
+    def __init__(self, lo: float, hi: float | None = None, lo_open: bool = False):
+        self.lo, self.hi, self.lo_open = lo, hi, lo_open
+
+    def convert(self, value, param, ctx):
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        import math
+
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if v < self.lo or (self.lo_open and v == self.lo) or (self.hi is not None and v > self.hi):
+            hi = "" if self.hi is None else f", {self.hi}]"
+            self.fail(f"{v} is not in {'(' if self.lo_open else '['}{self.lo}{hi or ', inf)'}", param, ctx)
+        return v
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -103,10 +139,13 @@ def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tenso
         click.echo(line)
 
 
-def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft):
+def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft,
+                 verify_artifacts=False):
     """(generator, runner): the generator on the chosen backend, and the runner (itself, or a
     speculative decoder over it with the chosen draft)."""
     from specrt.runtime.generator import Generator
+
+    verify = "full" if verify_artifacts else "auto"
 
     if quantize != "none" and backend != "ort":
         raise click.UsageError(f"--quantize {quantize} runs an ORT engine (MatMulNBits); use it with --backend ort")
@@ -123,7 +162,7 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, thr
             if engine is None:
                 raise SpecrtError(f"{artifacts} has no TensorRT engine ({' or '.join(str(d) for d in built)}); build one with: "
                                   f"specrt build-engines --model CHECKPOINT --out {artifacts} --tensorrt auto")
-        gen = Generator.from_trt_engine(engine, checkpoint, device=device or "cuda", cuda_graphs=cuda_graphs)
+        gen = Generator.from_trt_engine(engine, checkpoint, device=device or "cuda", cuda_graphs=cuda_graphs, verify=verify)
     else:
         from specrt.engines.ort import OrtOptions
 
@@ -133,7 +172,7 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, thr
             engine = artifacts / "engines" / (f"ort-{provider}" if quantize == "none" else f"ort-{provider}-{quantize}")
             if quantize != "none" and not engine.is_dir():
                 raise SpecrtError(f"{engine} does not exist; build it with: specrt build-engines --model CHECKPOINT --out {artifacts} --quantize {quantize}")
-        gen = Generator.from_engine(engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads))
+        gen = Generator.from_engine(engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads), verify=verify)
     runner = gen
     if draft != "none":
         from specrt.runtime.drafts import make_proposer
@@ -166,6 +205,8 @@ def _engine_options(fn):
         click.option("--draft", default="none", show_default=True, type=click.Choice(["none", "ngram", "suffix"]), help="Draft method for speculative decoding."),
         click.option("--num-draft", default="auto", show_default=True, help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model)."),
         click.option("--max-draft", default=16, show_default=True, type=click.IntRange(min=1), help="Upper bound for --num-draft auto."),
+        click.option("--verify-artifacts", is_flag=True,
+                     help="Hash the engine's files in full before loading (by default only files changed since their last check are hashed)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -177,15 +218,15 @@ def _engine_options(fn):
 @click.option("--prompt", "prompt_opt", help="Prompt text (or give it as the argument; '-' reads stdin).")
 @_engine_options
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0), help="0 is greedy.")
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0), help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True), help="1 disables.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, lo_open=True), help="1 disables.")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (an integer >= 0).")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
 @click.option("--system", default=None, help="System message (chat mode).")
 @_friendly_errors
 def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, quantize, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads,
-             device, cuda_graphs, draft, num_draft, max_draft):
+             device, cuda_graphs, draft, num_draft, max_draft, verify_artifacts):
     """Generate text, streaming it as it is produced; ends with token counts and tokens/s
     (and, with --draft, the speculative decoding metrics)."""
     from specrt.runtime.sampling import SamplingParams
@@ -196,7 +237,8 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
     if text == "-":
         text = sys.stdin.read()
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft)
+    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft,
+                               verify_artifacts)
     stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
     while True:
         try:
@@ -222,8 +264,8 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
 @click.option("--max-body-kb", default=1024, show_default=True, type=click.IntRange(min=1), help="Largest request body; larger ones get 413.")
 @click.option("--max-queue", default=8, show_default=True, type=click.IntRange(min=0), help="Requests that may wait while the engine is busy; more get 503.")
 @_friendly_errors
-def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft, host, port, served_model_name,
-          max_tokens_limit, max_body_kb, max_queue):
+def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft, verify_artifacts, host, port,
+          served_model_name, max_tokens_limit, max_body_kb, max_queue):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, streaming included), optionally with speculative decoding (--draft)."""
     try:
@@ -236,7 +278,8 @@ def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, d
 
     sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once
     try:
-        gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft)
+        gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft,
+                                   max_draft, verify_artifacts)
         name = served_model_name or Path(gen.checkpoint or checkpoint or artifacts or engine).name
         limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
         service = CompletionService(runner, name, limits)

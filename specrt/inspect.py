@@ -3,7 +3,8 @@
 For an artifact directory from build-engines (onnx/ and engines/*) or any one artifact in it:
 its kind, model, checkpoint, files and sizes, for a TensorRT engine its flavour, targets and
 optimization profiles, and a verdict from the same checks the loaders run (checkpoint, ONNX
-export, tool versions, CPU, engine hash); a refusal quotes their error, fix included.
+export, tool versions, CPU), with every file's sha256 checked in full against the manifest; a
+refusal quotes their error, fix included. A manifest that lacks fields is reported, not shown.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ def _check(manifest: dict, path: Path) -> str | None:
         return f"its ONNX export is not usable: {e}"
     try:
         if manifest["kind"] == ONNX_KIND:
-            read_onnx_manifest(path)
+            read_onnx_manifest(path, verify="full")
         elif manifest["kind"] == ENGINE_KIND:
-            m = read_engine_manifest(path)
-            if onnx_files is not None and m["onnx"]["files"] != onnx_files:
+            m = read_engine_manifest(path, verify="full")
+            if onnx_files is not None and m["onnx"].get("files") != onnx_files:
                 return "built from another export of the ONNX step graph; rebuild it with: specrt build-engines"
         elif manifest["kind"] == TRT_KIND:
-            read_trt_manifest(path, onnx_files)
+            read_trt_manifest(path, onnx_files, verify="full")
             return _gpu_check(manifest, path)
         else:
             return f"unknown artifact kind {manifest['kind']!r}"
@@ -83,8 +84,17 @@ def inspect_artifact(path: str | Path) -> Inspection:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         kind = manifest["kind"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         return Inspection(path, "?", [], False, f"no readable {MANIFEST} ({type(e).__name__}); not a specrt artifact")
+    refusal = _check(manifest, path)
+    try:
+        lines = _describe(manifest, kind, path)
+    except (KeyError, TypeError, AttributeError, ValueError):  # the verdict names the missing field
+        lines = [f"  size        {_size(path)}", "  (the manifest is incomplete: details not shown)"]
+    return Inspection(path, str(kind), lines, refusal is None, "usable here" if refusal is None else f"refused here: {refusal}")
+
+
+def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
     cfg = manifest.get("config", {})
     lines = [f"  created     {manifest.get('created', '?')}"]
     if cfg:
@@ -115,8 +125,10 @@ def inspect_artifact(path: str | Path) -> Inspection:
                      + (f", built on {gpu['name']} ({gpu['sm']})" if gpu else ""))
         lines.append(f"  inputs      {len(manifest.get('inputs', []))}, outputs {len(manifest.get('outputs', []))}, workspace {manifest.get('workspace_mib')} MiB")
         lines += _profiles(manifest)
-    refusal = _check(manifest, path)
-    return Inspection(path, kind, lines, refusal is None, "usable here" if refusal is None else f"refused here: {refusal}")
+    files = manifest.get("files")
+    if isinstance(files, dict):
+        lines.append(f"  files       {', '.join(files)} (sha256 checked in full)")
+    return lines
 
 
 def find_artifacts(path: str | Path) -> list[Path]:

@@ -1,6 +1,7 @@
 """Checkpoint loading (safetensors directory, GGUF) and the errors bad checkpoints get."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 from conftest import random_model, tiny_hf_config
 from specrt.errors import CheckpointError, UnsupportedArchitectureError
-from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.export.checkpoint import checkpoint_hash, load_config, load_model
 from specrt.export.config import ModelConfig
 
 
@@ -194,3 +195,58 @@ def test_corrupt_gguf(tmp_path):
 def test_missing_gguf(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "none.gguf")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
+        ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"num_attention_heads": -4}, "num_attention_heads must be a positive integer, got -4"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+        ({"num_hidden_layers": "two"}, 'num_hidden_layers must be an integer, got "two"'),
+        ({"vocab_size": 12.5}, "vocab_size must be an integer, got 12.5"),
+        ({"intermediate_size": None}, "lacks the required key 'intermediate_size'; restore it"),
+        ({"head_dim": True}, "head_dim must be an integer, got true"),
+        ({"head_dim": 15}, "head_dim must be even"),
+        ({"rms_norm_eps": "small"}, 'rms_norm_eps must be a number, got "small"'),
+        ({"rope_theta": -1.0}, "rope_theta must be a positive finite number, got -1.0"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, got 0"),
+        ({"eos_token_id": [2, "x"]}, "eos_token_id must be token ids"),
+    ],
+)
+def test_config_with_impossible_values_is_one_line(tiny_checkpoint, tmp_path, overrides, message):
+    """Every reader of config.json (export, build-engines, the torch backend) goes through one
+    check that names the field; the CLI prints it as one line, no traceback."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    d = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(overrides)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_config(d)
+    r = CliRunner().invoke(main, ["export", "--model", str(d), "--out", str(tmp_path / "onnx")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert r.output.strip().splitlines()[-1].startswith(f"Error: {d / 'config.json'}: {message}")
+    assert not (tmp_path / "onnx").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{corrupt", "tokenizer_config.json is not valid JSON"),
+    ("[1, 2]", "tokenizer_config.json must hold a JSON object, not list"),
+    ('{"eos_token": 5}', "eos_token must be a string"),
+    ('{"chat_template": 7}', "chat_template must be a string"),
+])
+def test_corrupt_tokenizer_config_is_one_line(tiny_checkpoint, tmp_path, content, message):
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    d = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+    (d / "tokenizer_config.json").write_text(content)
+    r = CliRunner().invoke(main, ["generate", "--backend", "torch", "--model", str(d), "--prompt", "w5", "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and message in r.output and not isinstance(r.exception, (ValueError, TypeError, AttributeError)), r.output

@@ -69,6 +69,36 @@ def test_cli_errors_are_one_clear_line(args, message):
     assert "Traceback" not in r.output
 
 
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--temperature", "nan", "Invalid value for '--temperature': 'nan' is not a finite number"),
+        ("--temperature", "inf", "Invalid value for '--temperature': 'inf' is not a finite number"),
+        ("--temperature", "-0.5", "Invalid value for '--temperature': -0.5 is not in [0.0, inf)"),
+        ("--top-p", "nan", "Invalid value for '--top-p': 'nan' is not a finite number"),
+        ("--top-p", "0", "Invalid value for '--top-p': 0.0 is not in (0.0, 1.0]"),
+        ("--seed", "-1", "Invalid value for '--seed': -1 is not in the range x>=0"),
+    ],
+)
+def test_out_of_range_sampling_options_are_refused(tiny_artifacts, option, value, message):
+    """NaN passed click's FloatRange and generated empty text with exit 0; a negative seed was a
+    numpy traceback."""
+    r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w5", option, value])
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output
+
+
+def test_sampling_params_refuse_nan_and_negative_seeds():
+    from specrt.errors import SpecrtError
+    from specrt.runtime.sampling import SamplingParams
+
+    for kw, message in [({"temperature": float("nan")}, "temperature must be a finite number"),
+                        ({"top_p": float("nan")}, "top_p must be a finite number"),
+                        ({"temperature": float("inf")}, "temperature must be a finite number"),
+                        ({"seed": -3}, "seed must be an integer >= 0")]:
+        with pytest.raises(SpecrtError, match=message):
+            SamplingParams(**kw)
+
+
 def test_generate_empty_and_too_long_prompt(tiny_artifacts):
     r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", ""])
     assert r.exit_code == 1 and "prompt is empty" in r.output
@@ -155,3 +185,20 @@ def test_generate_with_quantized_engine(tiny_checkpoint, tmp_path):
     assert r.exit_code == 1 and "ort-cpu-int8-a8 does not exist" in r.output and "--quantize int8-a8" in r.output
     r = CliRunner().invoke(main, ["inspect", str(art)])
     assert "quantized   int4: 4-bit weights in blocks of 32, float32 activations" in r.output
+
+
+def test_error_during_a_progress_bar_gets_its_own_line(tiny_checkpoint, tmp_path):
+    """The export's bar is drawn when the config turns out bad: the message must not land on the
+    bar's line, and the bar must not be redrawn after it."""
+    import json
+    import shutil
+
+    d = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "export", "--model", str(d), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    lines = r.stderr.replace("\r", "\n").strip().splitlines()
+    assert "export:" in r.stderr  # the bar was drawn
+    assert lines[-1].startswith("Error: ") and "num_attention_heads must be a positive integer" in lines[-1]

@@ -79,8 +79,11 @@ def test_engine_optimized_on_other_cpu_is_refused(tiny_artifacts, tmp_path):
 def test_corrupt_engine_file_is_refused(tiny_artifacts, tmp_path):
     art = copy_artifacts(tiny_artifacts, tmp_path / "art")
     (art / "engines/ort-cpu/model.opt.onnx").write_bytes(b"\x00garbage" * 100)
-    with pytest.raises(ArtifactError, match="could not load engine .* rebuild it"):
+    with pytest.raises(ArtifactError, match="model.opt.onnx does not match the sha256 in its manifest .* re-create it with: specrt build-engines"):
         load_ort_session(art / "engines/ort-cpu")
+    # unchecked (verify="none"), ONNX Runtime's own refusal is still one clear error
+    with pytest.raises(ArtifactError, match="could not load engine .* rebuild it"):
+        load_ort_session(art / "engines/ort-cpu", verify="none")
 
 
 @pytest.mark.parametrize("damage", ["no-manifest", "bad-json", "wrong-kind"])

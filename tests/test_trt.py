@@ -106,7 +106,7 @@ def test_corrupt_engine_is_refused(tiny_engine, tmp_path):
     data = bytearray((e / "model.engine").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (e / "model.engine").write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match="does not match the hash in its manifest"):
+    with pytest.raises(ArtifactError, match="model.engine does not match the sha256 in its manifest"):
         read_trt_manifest(e)
 
 

@@ -57,7 +57,19 @@ def _manifest_if_valid(read, *args) -> dict | None:
 
 
 def build_all(spec: BuildSpec) -> Iterator[str]:
-    """Build what is missing or stale; yields one line per artifact saying what happened."""
+    """Build what is missing or stale; yields one line per artifact saying what happened.
+
+    One build at a time writes to `spec.out` (a second is refused); it starts by removing the
+    temporary directories a build that was killed left behind (up to an engine's size each)."""
+    from specrt.artifacts import clean_stale_temporaries, exclusive_lock
+
+    with exclusive_lock(spec.out, "specrt build-engines"):
+        for stale in clean_stale_temporaries(spec.out):
+            yield f"cleaned   {stale}: left by an interrupted build"
+        yield from _build_all(spec)
+
+
+def _build_all(spec: BuildSpec) -> Iterator[str]:
     from specrt.export.checkpoint import checkpoint_hash
     from specrt.export.step_graph import export_step_graph, read_onnx_manifest
 

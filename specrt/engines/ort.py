@@ -1,8 +1,9 @@
 """ONNX Runtime engines: the step graph optimized once for an execution provider, cached on disk.
 
 `build_ort_engine` runs ORT's graph optimizations (level ALL) on the exported step graph and saves
-the optimized model with a manifest (ONNX hash, checkpoint hash, provider, ORT version).
-`load_ort_session` checks that manifest and opens a session on the cached model. ORT silently
+the optimized model with a manifest (ONNX hash, checkpoint hash, provider, ORT version, the
+sha256 of its own files). `load_ort_session` checks that manifest and the files (in full when
+they changed since their last check, or when asked) and opens a session on the cached model. ORT silently
 falls back to CPU when a GPU provider cannot load, so the provider that really runs is read back
 from the session and reported, and asking for a GPU provider that did not load is an error.
 
@@ -15,7 +16,16 @@ import dataclasses
 import time
 from pathlib import Path
 
-from specrt.artifacts import atomic_dir, cpu_model, package_versions, read_manifest, require_same_checkpoint, write_manifest
+from specrt.artifacts import (
+    atomic_dir,
+    cpu_model,
+    file_sha256,
+    package_versions,
+    read_manifest,
+    require_same_checkpoint,
+    verify_files,
+    write_manifest,
+)
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
 
@@ -145,15 +155,26 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "graph_optimization_level": "ORT_ENABLE_ALL",
                 "batch_invariance": invariance,
                 "build_seconds": round(time.perf_counter() - t0, 2),
+                "files": {name: file_sha256(tmp / name) for name in (OPT_FILE, OPT_DATA)},
                 "versions": package_versions("onnxruntime"),
             },
         )
     return out_dir
 
 
-def read_engine_manifest(engine_dir: str | Path, checkpoint_hash_expected: str | None = None) -> dict:
-    m = read_manifest(engine_dir, ENGINE_KIND, "specrt build-engines --model CHECKPOINT --out DIR")
-    require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", "Rebuild it with: specrt build-engines --model CHECKPOINT --out DIR")
+HOW_TO_BUILD = "specrt build-engines --model CHECKPOINT --out DIR"
+MANIFEST_FIELDS = {"onnx": dict, "provider": str, "host_cpu": str, "versions": dict}
+
+
+def read_engine_manifest(engine_dir: str | Path, checkpoint_hash_expected: str | None = None, verify: str = "auto") -> dict:
+    """The engine's manifest, checked against the checkpoint, the installed onnxruntime, this CPU
+    and its own files (verify: "auto" reads a file in full only when it changed since its last
+    check, "full" always, "none" never: for callers that only read the manifest)."""
+    from specrt.export.config import config_from_manifest
+
+    m = read_manifest(engine_dir, ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
+    config_from_manifest(m, engine_dir, HOW_TO_BUILD)
+    require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", f"Rebuild it with: {HOW_TO_BUILD}")
     built_with = m["versions"].get("onnxruntime")
     installed = package_versions("onnxruntime")["onnxruntime"]
     if built_with != installed:
@@ -161,22 +182,26 @@ def read_engine_manifest(engine_dir: str | Path, checkpoint_hash_expected: str |
             f"engine {engine_dir} was optimized by onnxruntime {built_with}, but {installed} is installed; "
             "optimized graphs are not portable across versions. Rebuild it with: specrt build-engines"
         )
+    if m["provider"] not in PROVIDERS.values():
+        raise ArtifactError(f"engine {engine_dir} names an unknown provider {m['provider']!r}; rebuild it with: {HOW_TO_BUILD}")
     if m["provider"] == PROVIDERS["cpu"] and m.get("host_cpu") != cpu_model():
         raise ManifestMismatchError(
             f"engine {engine_dir} was optimized on a {m.get('host_cpu')!r} CPU, this is {cpu_model()!r}; "
             "ORT's optimized CPU graphs may use kernels of the CPU they were built on. Rebuild it here with: specrt build-engines"
         )
-    for name in (OPT_FILE, OPT_DATA):
-        if not (Path(engine_dir) / name).is_file():
-            raise ArtifactError(f"engine {engine_dir} lacks {name}; rebuild it with: specrt build-engines")
+    if set(m["files"]) != {OPT_FILE, OPT_DATA}:
+        raise ArtifactError(f"engine {engine_dir}: its manifest lists {sorted(m['files'])}, not {OPT_FILE} and {OPT_DATA}; rebuild it with: {HOW_TO_BUILD}")
+    if verify != "none":
+        verify_files(engine_dir, m["files"], HOW_TO_BUILD, full=verify == "full")
     return m
 
 
-def load_ort_session(engine_dir: str | Path, options: OrtOptions | None = None, checkpoint_hash_expected: str | None = None):
-    """(session, manifest, active provider) for a built engine, after checking its manifest."""
+def load_ort_session(engine_dir: str | Path, options: OrtOptions | None = None, checkpoint_hash_expected: str | None = None, verify: str = "auto"):
+    """(session, manifest, active provider) for a built engine, after checking its manifest and
+    files (`verify`, as in read_engine_manifest)."""
     ort = _ort()
     engine_dir = Path(engine_dir)
-    m = read_engine_manifest(engine_dir, checkpoint_hash_expected)
+    m = read_engine_manifest(engine_dir, checkpoint_hash_expected, verify)
     provider = next(k for k, v in PROVIDERS.items() if v == m["provider"])
     options = options or OrtOptions(provider=provider)
     if PROVIDERS[options.provider] != m["provider"]:

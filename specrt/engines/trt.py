@@ -20,7 +20,7 @@ import importlib.util
 import time
 from pathlib import Path
 
-from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, write_manifest
+from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, verify_files, write_manifest
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
@@ -157,7 +157,7 @@ def build_trt_engine(onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSp
                 "inputs": [_io(network.get_input(i)) for i in range(network.num_inputs)],
                 "outputs": [_io(network.get_output(i)) for i in range(network.num_outputs)],
                 "workspace_mib": spec.workspace_mib,
-                "engine_sha256": file_sha256(tmp / ENGINE_FILE),
+                "files": {ENGINE_FILE: file_sha256(tmp / ENGINE_FILE)},
                 "build_seconds": round(build_s, 2),
                 "versions": package_versions("onnx"),
             },
@@ -192,16 +192,26 @@ def _io(t) -> dict:
     return {"name": t.name, "dtype": str(t.dtype).split(".")[-1].lower(), "shape": list(t.shape)}
 
 
-def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, checkpoint_hash_expected: str | None = None) -> dict:
+HOW_TO_BUILD = "specrt build-engines --model CHECKPOINT --out DIR --tensorrt"
+MANIFEST_FIELDS = {"flavour": str, "tensorrt_version": str, "onnx": dict, "profiles": list, "inputs": list, "outputs": list,
+                   "compute_capabilities": list}
+
+
+def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, checkpoint_hash_expected: str | None = None,
+                      verify: str = "auto") -> dict:
     """The engine's manifest, checked against the ONNX it should come from, the checkpoint, the
-    installed TensorRT and the engine file's hash."""
+    installed TensorRT and the engine file's hash (verify: "auto" reads the engine in full only
+    when it changed since its last check, "full" always)."""
+    from specrt.export.config import config_from_manifest
+
     engine_dir = Path(engine_dir)
-    how = "specrt build-engines --model CHECKPOINT --out DIR --tensorrt"
-    m = read_manifest(engine_dir, TRT_KIND, how)
+    how = HOW_TO_BUILD
+    m = read_manifest(engine_dir, TRT_KIND, how, MANIFEST_FIELDS)
+    config_from_manifest(m, engine_dir, how)
     require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", f"Rebuild it with: {how}")
-    if onnx_files is not None and m["onnx"]["files"] != onnx_files:
+    if onnx_files is not None and m["onnx"].get("files") != onnx_files:
         raise ManifestMismatchError(f"engine {engine_dir} was built from another export of the ONNX step graph; rebuild it with: {how}")
-    flavour = m.get("flavour")
+    flavour = m["flavour"]
     if flavour not in FLAVOURS or flavour not in available_flavours():
         raise ManifestMismatchError(f"engine {engine_dir} was built with {flavour}, which is not installed here; install it or rebuild with: {how}")
     installed = load_tensorrt(flavour)[1].__version__
@@ -210,11 +220,10 @@ def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, ch
             f"engine {engine_dir} was built with {flavour} {m['tensorrt_version']}, but {installed} is installed; "
             f"engines do not move across versions. Rebuild it with: {how}"
         )
-    path = engine_dir / ENGINE_FILE
-    if not path.is_file():
-        raise ArtifactError(f"engine {engine_dir} lacks {ENGINE_FILE}; rebuild it with: {how}")
-    if file_sha256(path) != m["engine_sha256"]:
-        raise ArtifactError(f"{path} does not match the hash in its manifest (corrupt or replaced); rebuild it with: {how}")
+    if set(m["files"]) != {ENGINE_FILE}:
+        raise ArtifactError(f"engine {engine_dir}: its manifest lists {sorted(m['files'])}, not {ENGINE_FILE}; rebuild it with: {how}")
+    if verify != "none":
+        verify_files(engine_dir, m["files"], how, full=verify == "full")
     return m
 
 

@@ -92,11 +92,11 @@ class TrtBackend:
     """A TensorRT / TensorRT-RTX engine as a step backend (see the module docstring)."""
 
     def __init__(self, engine_dir: str | Path, device: str = "cuda", cuda_graphs: bool = False, checkpoint_hash_expected: str | None = None,
-                 onnx_files: dict | None = None, max_graph_q: int = 32, trt_module=None):
+                 onnx_files: dict | None = None, max_graph_q: int = 32, trt_module=None, verify: str = "auto"):
         import torch
 
         self.engine_dir = Path(engine_dir)
-        self.manifest = m = read_trt_manifest(self.engine_dir, onnx_files, checkpoint_hash_expected)
+        self.manifest = m = read_trt_manifest(self.engine_dir, onnx_files, checkpoint_hash_expected, verify)
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if cuda:

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from specrt.errors import CheckpointError, UnsupportedArchitectureError
+from specrt.errors import ArtifactError, CheckpointError, SpecrtError, UnsupportedArchitectureError
 
 # architecture name in config.json -> whether q/k/v projections carry a bias by default
 SUPPORTED_ARCHITECTURES = {
@@ -44,6 +44,25 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
 
     def __post_init__(self):
+        # every reader of a config (config.json, an artifact's manifest) gets here: one place
+        # that refuses sizes a model cannot have, with the field's name
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CheckpointError(f"{f} must be a positive integer, got {v!r}; fix it in the checkpoint's config.json.")
+        for f in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise CheckpointError(f"{f} must be a positive finite number, got {v!r}; fix it in the checkpoint's config.json.")
+        if self.head_dim % 2:
+            raise CheckpointError(f"head_dim must be even (rotary embeddings rotate pairs), got {self.head_dim}; fix the checkpoint's config.json.")
+        for f in ("bos_token_id",):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise CheckpointError(f"{f} must be a token id (an integer >= 0) or null, got {v!r}; fix the checkpoint's config.json.")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_token_id):
+            raise CheckpointError(f"eos_token_id must be token ids (integers >= 0), got {list(self.eos_token_id)!r}; fix the checkpoint's config.json.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedArchitectureError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -72,8 +91,8 @@ class ModelConfig:
                 "add its block to specrt/export/llama.py."
             )
         sliding = d.get("sliding_window") if d.get("use_sliding_window", True) else None
-        max_pos = int(d.get("max_position_embeddings", 2048))
-        if sliding is not None and int(sliding) < max_pos:
+        max_pos = _field(d, "max_position_embeddings", int, 2048)
+        if sliding is not None and _as(int, sliding, "sliding_window") < max_pos:
             raise UnsupportedArchitectureError(
                 f"sliding_window={sliding} is shorter than max_position_embeddings={max_pos}; "
                 "sliding-window attention is not implemented. Set sliding_window to null in "
@@ -83,7 +102,7 @@ class ModelConfig:
             raise UnsupportedArchitectureError("mlp_bias=true is not supported (no Llama-family model uses it).")
         # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
         rope_params = d.get("rope_parameters") or {}
-        rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         scaling = d.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if scaling:
             scaling = dict(scaling)
@@ -92,29 +111,30 @@ class ModelConfig:
             if scaling["rope_type"] == "default":
                 scaling = None
         eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        n_heads = int(d["num_attention_heads"])
-        try:
-            return cls(
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=int(d["hidden_size"]),
-                intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]),
-                num_attention_heads=n_heads,
-                num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
-                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-                rope_theta=rope_theta,
-                rope_scaling=scaling or None,
-                max_position_embeddings=max_pos,
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
-                architecture=arch,
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_id=eos_ids,
-            )
-        except KeyError as e:
-            raise CheckpointError(f"config.json lacks the required key {e.args[0]!r}; re-export the checkpoint config.") from None
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (_as(int, eos, "eos_token_id"),))
+        n_heads = _field(d, "num_attention_heads", int)
+        hidden = _field(d, "hidden_size", int)
+        if n_heads < 1:
+            raise CheckpointError(f"num_attention_heads must be a positive integer, got {n_heads}; fix the checkpoint's config.json.")
+        kv_heads, head_dim = _field(d, "num_key_value_heads", int, None), _field(d, "head_dim", int, None)
+        return cls(
+            vocab_size=_field(d, "vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=_field(d, "intermediate_size", int),
+            num_hidden_layers=_field(d, "num_hidden_layers", int),
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_heads if kv_heads is None else kv_heads,
+            head_dim=hidden // n_heads if head_dim is None else head_dim,
+            rms_norm_eps=_field(d, "rms_norm_eps", float, 1e-5),
+            rope_theta=_as(float, rope_theta, "rope_theta"),
+            rope_scaling=scaling or None,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+            architecture=arch,
+            bos_token_id=_field(d, "bos_token_id", int, None),
+            eos_token_id=eos_ids,
+        )
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
@@ -123,9 +143,16 @@ class ModelConfig:
             raise CheckpointError(f"{path} not found: a checkpoint directory needs config.json next to its safetensors files.")
         try:
             d = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the original checkpoint.") from None
-        return cls.from_hf_dict(d)
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{path} must hold a JSON object, not {type(d).__name__}; restore it from the original checkpoint.")
+        try:
+            return cls.from_hf_dict(d)
+        except UnsupportedArchitectureError:
+            raise
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json transformers reads for the same model (also used by our own loader)."""
@@ -160,9 +187,41 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """The config as `to_dict` wrote it (in an artifact's manifest)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in d]
+        if missing or set(d) - known:
+            raise CheckpointError(f"the model config lacks fields {missing} or has unknown ones {sorted(set(d) - known)}")
         d = dict(d)
-        d["eos_token_id"] = tuple(d.get("eos_token_id") or ())
+        eos = d.get("eos_token_id") or ()
+        d["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         return cls(**d)
+
+
+def config_from_manifest(manifest: dict[str, Any], where, how_to_make: str) -> ModelConfig:
+    """The model config an artifact's manifest records, or an ArtifactError naming the artifact."""
+    try:
+        return ModelConfig.from_dict(manifest["config"])
+    except SpecrtError as e:
+        raise ArtifactError(f"{where}/manifest.json: {e}. Re-create the artifact with: {how_to_make}") from None
+
+
+def _as(kind: type, value: Any, name: str):
+    """value as int or float, or a CheckpointError naming the field (True, "two", 3.5 as int...)."""
+    ok = not isinstance(value, bool) and (isinstance(value, (int, float)) if kind is float else
+                                          isinstance(value, int) or isinstance(value, float) and value.is_integer())
+    if not ok:
+        what = "an integer" if kind is int else "a number"
+        raise CheckpointError(f"{name} must be {what}, got {json.dumps(value)[:40]}; fix the checkpoint's config.json.")
+    return kind(value)
+
+
+def _field(d: dict[str, Any], name: str, kind: type, default: Any = dataclasses.MISSING):
+    if name not in d or d[name] is None:
+        if default is dataclasses.MISSING:
+            raise CheckpointError(f"lacks the required key {name!r}; restore it from the original checkpoint's config.json.")
+        return default
+    return _as(kind, d[name], name)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> list[float]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, write_manifest
+from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, verify_files, write_manifest
 from specrt.errors import ArtifactError
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.config import ModelConfig
@@ -205,15 +205,28 @@ def export_step_graph(
     return out_dir
 
 
-def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | None = None) -> dict:
-    """The step graph's manifest; with a checkpoint hash, refuse an export of another checkpoint."""
-    m = read_manifest(onnx_dir, ONNX_KIND, "specrt export --model CHECKPOINT --out DIR")
-    if m.get("graph_version") != GRAPH_VERSION:
+HOW_TO_EXPORT = "specrt export --model CHECKPOINT --out DIR"
+MANIFEST_FIELDS = {"hidden_layers": list, "inputs": list, "outputs": list}  # and graph_version (version 1 had none)
+
+
+def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | None = None, verify: str = "auto") -> dict:
+    """The step graph's manifest; with a checkpoint hash, refuse an export of another checkpoint.
+    verify: "auto" hashes model.onnx and its data when they changed since their last check,
+    "full" always, "none" never (callers that only compare the recorded hashes)."""
+    from specrt.export.config import config_from_manifest
+
+    m = read_manifest(onnx_dir, ONNX_KIND, HOW_TO_EXPORT, MANIFEST_FIELDS)
+    if m.get("graph_version", 1) != GRAPH_VERSION:
         raise ArtifactError(
             f"{onnx_dir} holds step graph version {m.get('graph_version', 1)}, this specrt runs version {GRAPH_VERSION}; "
             "re-export it with: specrt export (build-engines does this by itself)"
         )
+    config_from_manifest(m, onnx_dir, HOW_TO_EXPORT)
     require_same_checkpoint(m, checkpoint_hash_expected, f"ONNX export {onnx_dir}", f"Re-export with: specrt export --model CHECKPOINT --out {onnx_dir}")
+    if set(m["files"]) != {ONNX_FILE, ONNX_DATA}:
+        raise ArtifactError(f"{onnx_dir}: its manifest lists {sorted(m['files'])}, not {ONNX_FILE} and {ONNX_DATA}; re-create it with: {HOW_TO_EXPORT}")
+    if verify != "none":
+        verify_files(onnx_dir, m["files"], HOW_TO_EXPORT, full=verify == "full")
     return m
 
 
@@ -221,6 +234,6 @@ def source_onnx_files(manifest: dict) -> dict | None:
     """The file hashes of the ONNX export an engine's manifest names, read from that export's own
     manifest while it is still on disk (None once it is gone); a current engine must match them."""
     source = manifest.get("onnx")
-    if not isinstance(source, dict) or not (Path(source.get("path", "")) / "manifest.json").is_file():
+    if not isinstance(source, dict) or not isinstance(source.get("path"), str) or not (Path(source["path"]) / "manifest.json").is_file():
         return None
-    return read_onnx_manifest(source["path"])["files"]
+    return read_onnx_manifest(source["path"], verify="none")["files"]

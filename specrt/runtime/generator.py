@@ -113,23 +113,26 @@ class Generator:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, options=None, **kw) -> "Generator":
+    def from_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, options=None, verify: str = "auto", **kw) -> "Generator":
         """A generator on a built ORT engine. The checkpoint (for the tokenizer) defaults to the one
-        the engine was built from; a checkpoint given explicitly must be the one in the manifest."""
+        the engine was built from; a checkpoint given explicitly must be the one in the manifest.
+        verify: "auto" hashes the engine's files when they changed since their last check, "full"
+        always (see specrt.artifacts)."""
         from specrt.engines.ort import load_ort_session, read_engine_manifest
         from specrt.export.checkpoint import checkpoint_hash
         from specrt.export.config import ModelConfig
         from specrt.runtime.backends import OrtBackend
 
-        manifest = read_engine_manifest(engine_dir)
+        manifest = read_engine_manifest(engine_dir, verify="none")  # for the checkpoint's path; the files are checked below
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
-        session, manifest, provider = load_ort_session(engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint))
+        session, manifest, provider = load_ort_session(engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint), verify=verify)
         backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider)
         backend.batch_invariance = manifest.get("batch_invariance")  # measured at build (ort.batch_invariance)
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod
-    def from_trt_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cuda", cuda_graphs: bool = False, **kw) -> "Generator":
+    def from_trt_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cuda", cuda_graphs: bool = False,
+                        verify: str = "auto", **kw) -> "Generator":
         """A generator on a TensorRT / TensorRT-RTX engine (needs an NVIDIA GPU). The checkpoint (for
         the tokenizer) defaults to the one the engine was built from and must match its manifest;
         so must the ONNX export it was built from, where that is still on disk."""
@@ -143,7 +146,7 @@ class Generator:
         from specrt.export.step_graph import source_onnx_files
 
         backend = TrtBackend(engine_dir, device=device, cuda_graphs=cuda_graphs, checkpoint_hash_expected=checkpoint_hash(checkpoint),
-                             onnx_files=source_onnx_files(manifest))
+                             onnx_files=source_onnx_files(manifest), verify=verify)
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod

@@ -8,6 +8,7 @@ sampling draw from the same distribution. Randomness comes in as a numpy Generat
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -22,12 +23,20 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        # NaN passes any range check written as `x < lo` (every comparison with NaN is False),
+        # and a NaN temperature samples nothing: finiteness is checked first
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise SpecrtError(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise SpecrtError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k < 0:
             raise SpecrtError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise SpecrtError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise SpecrtError(f"seed must be an integer >= 0 (or None for a fresh one), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

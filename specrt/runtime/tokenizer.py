@@ -26,15 +26,17 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise CheckpointError(f"{path} is not a valid tokenizer file ({e}); restore it from the original checkpoint.") from None
         cfg_path = d / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config = _read_tokenizer_config(cfg_path) if cfg_path.is_file() else {}
         template_file = d / "chat_template.jinja"
         self.chat_template = self.config.get("chat_template") or (template_file.read_text() if template_file.is_file() else None)
-        self.eos_token = self.config.get("eos_token")
-        if isinstance(self.eos_token, dict):
-            self.eos_token = self.eos_token.get("content")
-        self.bos_token = self.config.get("bos_token")
-        if isinstance(self.bos_token, dict):
-            self.bos_token = self.bos_token.get("content")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            # transformers also allows a list of named templates; the default one is used
+            named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)} if isinstance(self.chat_template, list) else {}
+            if not isinstance(named.get("default"), str):
+                raise CheckpointError(f"{cfg_path}: chat_template must be a string (or a list with a 'default' template); restore it from the original checkpoint.")
+            self.chat_template = named["default"]
+        self.eos_token = _special_token(self.config, "eos_token", cfg_path)
+        self.bos_token = _special_token(self.config, "bos_token", cfg_path)
 
     @property
     def vocab_size(self) -> int:
@@ -66,6 +68,26 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise SpecrtError(f"the chat template rejected the messages: {e}") from None
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the original checkpoint (or delete it to run without a chat template).") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(config).__name__}; restore it from the original checkpoint.")
+    return config
+
+
+def _special_token(config: dict, name: str, path: Path) -> str | None:
+    """A special token as a string: tokenizer_config.json gives it as a string or {"content": ...}."""
+    token = config.get(name)
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is not None and not isinstance(token, str):
+        raise CheckpointError(f"{path}: {name} must be a string or {{\"content\": string}}, got {json.dumps(token)[:40]}; fix the file.")
+    return token
 
 
 class IncrementalDetokenizer:
