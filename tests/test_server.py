@@ -279,6 +279,23 @@ def test_client_that_disconnects_does_not_hold_the_server(live_server, stream):
     assert service.stats["cancelled"] == 1 and service.stats["completion_tokens"] < 100
 
 
+def test_client_that_leaves_while_queued_is_never_run(live_server):
+    import httpx
+
+    service, port = live_server
+    running = raw_request(port, {"prompt": "w5 w6", "max_tokens": 240, "temperature": 0})
+    assert wait_until(lambda: service.busy)
+    queued = raw_request(port, {"prompt": "w7", "max_tokens": 240, "temperature": 0, "stream": True})
+    assert wait_until(lambda: service.waiting == 1)
+    queued.close()
+    time.sleep(0.3)  # the server reads the disconnect
+    running.close()
+    t0 = time.monotonic()
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "w9", "max_tokens": 3, "temperature": 0}, timeout=30)
+    assert r.status_code == 200 and time.monotonic() - t0 < 3.0
+    assert service.stats["requests"] == 2 and service.stats["cancelled"] == 2  # the queued one never started
+
+
 @pytest.mark.real_model
 def test_default_model_served_with_speculation(real_artifacts):
     """The default model behind the server with the suffix draft answers exactly what plain

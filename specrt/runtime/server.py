@@ -181,6 +181,10 @@ class CompletionService:
     def busy(self) -> bool:
         return self._busy
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
     def close(self) -> None:
         """Stop the engine thread once the queue is empty (tickets still queued are run first)."""
         with self._lock:
@@ -499,7 +503,11 @@ def create_app(service: CompletionService):
         ticket = service.submit(job, asyncio.get_running_loop())
         watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, ticket))
         try:
-            first = await ticket.next_async()  # waits for the engine and prefills; refusals surface here, as a status
+            try:
+                first = await ticket.next_async()  # waits for the engine and prefills; refusals surface here, as a status
+            except StopAsyncIteration:  # cancelled while it waited: the client is gone, nobody reads this
+                return JSONResponse({"error": {"message": "client closed the request", "type": "invalid_request_error",
+                                               "param": None, "code": "client_closed_request"}}, status_code=499)
             if job.stream:
                 watcher.cancel()  # from here on Starlette's streaming response watches the client
                 return TicketStream(ticket, _sse(service.events(job), ticket, first))
@@ -530,7 +538,8 @@ def create_app(service: CompletionService):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": service.model_id, "backend": service.gen.backend.description, "busy": service.busy}
+        return {"status": "ok", "model": service.model_id, "backend": service.gen.backend.description, "busy": service.busy,
+                "waiting": service.waiting}
 
     @app.get("/metrics")
     async def metrics():
