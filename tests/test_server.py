@@ -227,14 +227,20 @@ def test_a_cancelled_ticket_in_the_queue_never_runs(gen):
     service.close()
 
 
-@pytest.fixture
-def live_server(gen):
-    """A real uvicorn server on a free loopback port over the slow tiny engine: (service, port)."""
+@pytest.fixture(params=["plain", "suffix"])
+def live_server(gen, request):
+    """A real uvicorn server on a free loopback port over the slow tiny engine, plain or with
+    speculative decoding (whose generator objects hold reference cycles: before the engine
+    thread, an abandoned one was only closed by the garbage collector): (service, port)."""
     import uvicorn
 
     from specrt.runtime.server import bind_socket
 
-    service = CompletionService(slow_generator(gen), "tiny")
+    if request.param == "plain":
+        runner = slow_generator(gen)
+    else:  # up to 5 tokens a step: a slower step keeps the generation as long
+        runner = SpeculativeDecoder(slow_generator(gen, 0.2), make_proposer("suffix"), make_policy(4))
+    service = CompletionService(runner, "tiny")
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
