@@ -18,13 +18,13 @@ import platform
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import torch
 
 from specrt.artifacts import package_versions
 from specrt.benchmark import write_result_json
 from specrt.engines.ort import OrtOptions
+from specrt.layout import ArtifactLayout
 from specrt.runtime.generator import Generator
 
 PROMPTS = [
@@ -94,7 +94,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    gen = Generator.from_engine(Path(args.artifacts) / "engines" / "ort-cpu", args.model, options=OrtOptions(intra_op_threads=args.threads))
+    gen = Generator.from_engine(ArtifactLayout(args.artifacts).ort_engine(), args.model, options=OrtOptions(intra_op_threads=args.threads))
     gen.eos_ids = frozenset()  # same token count on both sides
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager").eval()
 

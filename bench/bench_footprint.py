@@ -37,7 +37,7 @@ gen = Generator.from_engine(sys.argv[1])
 gc.collect(); loaded = rss() - before
 V = gen.config.vocab_size
 for start in range(0, V, 512):  # every vocabulary id once: all embedding rows touched
-    gen.forward_tokens(gen.new_cache(1, 512), [list(range(start, min(V, start + 512)))], last_only=True)
+    gen.session.forward(gen.session.new_cache(1, 512), [list(range(start, min(V, start + 512)))], last_only=True)
 gc.collect(); print(loaded, rss() - before)
 """
 
@@ -59,17 +59,20 @@ def main():
 
     from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import write_result_json
+    from specrt.layout import ArtifactLayout
     from specrt.runtime.generator import Generator
 
     rows = {}
     gens = {}
     for name, art in zip(names, args.artifacts):
-        engine = art / "engines" / "ort-cpu"
+        layout = ArtifactLayout(art)
+        engine = layout.ort_engine()
         rss = [[float(v) for v in subprocess.run([sys.executable, "-c", RSS_SNIPPET, str(engine)], capture_output=True, text=True, check=True,
                                                  cwd=ROOT).stdout.split()] for _ in range(2)]
-        onnx_manifest = json.loads((art / "onnx" / "manifest.json").read_text())
-        rows[name] = {"artifacts": str(art), "onnx_mib": round(du_mib(art / "onnx"), 1), "ort_engine_mib": round(du_mib(engine), 1),
-                      "trt_rtx_engine_mib": round(du_mib(art / "engines" / "trt-tensorrt-rtx"), 1) if (art / "engines" / "trt-tensorrt-rtx").is_dir() else None,
+        onnx_manifest = json.loads((layout.onnx / "manifest.json").read_text())
+        rtx = layout.trt_engine("tensorrt-rtx")
+        rows[name] = {"artifacts": str(art), "onnx_mib": round(du_mib(layout.onnx), 1), "ort_engine_mib": round(du_mib(engine), 1),
+                      "trt_rtx_engine_mib": round(du_mib(rtx), 1) if rtx.is_dir() else None,
                       "load_rss_mib": round(statistics.median(r[0] for r in rss), 1), "all_rows_rss_mib": round(statistics.median(r[1] for r in rss), 1),
                       "tied_embedding_shared": onnx_manifest.get("tied_embedding_shared", False),
                       "decode_ms": [], "prefill_ms": []}
@@ -80,16 +83,16 @@ def main():
     prompt = rng.integers(3, vocab, 300).tolist()
     for _ in range(args.repeats):
         for name, gen in gens.items():  # alternate, so drift in the machine's speed hits both
-            cache = gen.new_cache(1, 320)
+            cache = gen.session.new_cache(1, 320)
             t = time.perf_counter()
-            gen.prefill(cache, [prompt[:259]])
+            gen.session.prefill(cache, [prompt[:259]])
             rows[name]["prefill_ms"].append((time.perf_counter() - t) * 1e3)
-            gen.forward_tokens(cache, [prompt[259:300]])
+            gen.session.forward(cache, [prompt[259:300]])
             times = []
             for i in range(12):
                 cache.rollback(np.array([300]))
                 t = time.perf_counter()
-                gen.forward_tokens(cache, [[prompt[i]]])
+                gen.session.forward(cache, [[prompt[i]]])
                 times.append((time.perf_counter() - t) * 1e3)
             rows[name]["decode_ms"].append(statistics.median(times[2:]))
     tokens = {name: [r.token_ids for r in gen.generate_ids([prompt[:40], prompt[100:130]], 32)] for name, gen in gens.items()}

@@ -37,11 +37,11 @@ VARIANTS = {"float32": None, "int8 b32": ("int8", 32), "int4 b32": ("int4", 32),
 
 def nll_and_top1(gen, ids: list[int], chunk: int = 256):
     """Per-position negative log-likelihood of ids[1:] and the argmax predictions, teacher-forced."""
-    cache = gen.new_cache(1, len(ids) + 1)
+    cache = gen.session.new_cache(1, len(ids) + 1)
     nll, top1 = [], []
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start : start + chunk]
-        logits = gen.forward_tokens(cache, [piece]).logits[0].astype(np.float64)
+        logits = gen.session.forward(cache, [piece]).logits[0].astype(np.float64)
         targets = ids[start + 1 : start + 1 + len(piece)]
         logits = logits[: len(targets)]
         logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
@@ -62,17 +62,18 @@ def main():
     from specrt.benchmark import load_prompts, write_result_json
     from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
     from specrt.engines.ort import build_ort_engine
+    from specrt.layout import ArtifactLayout
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.generator import Generator
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
     prompts = load_prompts(args.prompts)
     tmp = Path(tempfile.mkdtemp(prefix="specrt-quant-"))
-    engines = {"float32": args.artifacts / "engines" / "ort-cpu"}
+    engines = {"float32": ArtifactLayout(args.artifacts).ort_engine()}
     for name, v in VARIANTS.items():
         if v is None:
             continue
-        qdir = quantize_weight_only(args.artifacts / "onnx", tmp / f"onnx-{v[0]}-{v[1]}", WeightOnlySpec(scheme=v[0], block_size=v[1]), progress=False)
+        qdir = quantize_weight_only(ArtifactLayout(args.artifacts).onnx, tmp / f"onnx-{v[0]}-{v[1]}", WeightOnlySpec(scheme=v[0], block_size=v[1]), progress=False)
         engines[name] = build_ort_engine(qdir, tmp / f"ort-{v[0]}-{v[1]}")
     gens = {name: Generator.from_engine(e) for name, e in engines.items()}
     ref = gens["float32"]
@@ -124,7 +125,7 @@ def main():
             "spec_speedup_code_edit": round(statistics.median(r["spec_speedup"]), 2) if r["spec_speedup"] else None,
             "mean_accepted_code_edit": round(statistics.median(r["mean_accepted"]), 2) if r["mean_accepted"] else None,
             "speculative_equals_plain": f"{r['spec_equals_plain']}/{r['spec_runs']}",
-            "batch_invariance_relative": gens[name].backend.batch_invariance["relative"],
+            "batch_invariance_relative": gens[name].backend.caps.batch_invariance["relative"],
         }
     fp = table["float32"]["decode_tok_s"]
     print(f"\n{'variant':<13}{'ORT MiB':>9}{'ppl':>9}{'top-1 =fp32':>13}{'greedy =fp32':>14}{'1st diff':>10}{'decode tok/s':>14}{'vs fp32':>9}"

@@ -12,6 +12,7 @@ Prints a table and writes JSON to $OUT (or bench/results/).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -65,14 +66,14 @@ def sync(device):
 
 
 def step_ms(gen, q, device, past=512, repeats=20):
-    cache = gen.new_cache(1, 1024)
-    gen.forward_tokens(cache, [list(range(3, 3 + past))])
+    cache = gen.session.new_cache(1, 1024)
+    gen.session.forward(cache, [list(range(3, 3 + past))])
     times = []
     for _ in range(repeats):
         cache.rollback(np.array([past]))
         sync(device)
         t = time.perf_counter()
-        gen.forward_tokens(cache, [list(range(5, 5 + q))])
+        gen.session.forward(cache, [list(range(5, 5 + q))])
         sync(device)
         times.append(time.perf_counter() - t)
     gen.release(cache)
@@ -92,7 +93,7 @@ def check_tensorrt(model, ckpt, device, measure) -> str:
 
     from specrt.engines.profiles import EngineShapes
     from specrt.engines.trt import TrtBuildSpec, build_trt_engine
-    from specrt.engines.trt_runtime import TrtBackend
+    from specrt.runtime.backends import TrtBackend
     from specrt.export.step_graph import export_step_graph
 
     flavour = flavours[0]
@@ -153,7 +154,7 @@ def main():
     for graphs in (False, True) if device == "cuda" else (False,):
         backend = TorchBackend(gpu_model, device=device, cuda_graphs=graphs)
         if device == "cpu":
-            backend.cache_device = "cpu"  # the device-cache path, as on a GPU
+            backend.caps = dataclasses.replace(backend.caps, cache_device="cpu")  # the device-cache path, as on a GPU
         measure(f"torch {device}{'+graphs' if graphs else ''}", backend)
     result["tensorrt"] = check_tensorrt(model, ckpt, device, measure)
 

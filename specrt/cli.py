@@ -128,11 +128,12 @@ def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tenso
     TensorRT / TensorRT-RTX when installed."""
     from specrt.engines.build import BuildSpec, build_all
     from specrt.engines.profiles import EngineShapes
+    from specrt.layout import ArtifactLayout
     from specrt.engines.trt import TrtBuildSpec
 
     shapes = EngineShapes(max_batch=max_batch, max_context=max_context, max_prefill=max_prefill, max_verify=max_verify)
     trt_spec = TrtBuildSpec(shapes=shapes, workspace_mib=workspace_mib, compute_capabilities=compute_capabilities,
-                            timing_cache=out / "engines" / "timing.cache")
+                            timing_cache=ArtifactLayout(out).timing_cache)
     spec = BuildSpec(checkpoint=checkpoint, out=out, provider=provider, force=force, tensorrt=tensorrt, trt=trt_spec, quantize=quantize,
                      quant_block_size=int(quant_block_size))
     for line in build_all(spec):
@@ -143,6 +144,7 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, thr
                  verify_artifacts=False):
     """(generator, runner): the generator on the chosen backend, and the runner (itself, or a
     speculative decoder over it with the chosen draft)."""
+    from specrt.layout import TRT_FLAVOURS, ArtifactLayout
     from specrt.runtime.generator import Generator
 
     verify = "full" if verify_artifacts else "auto"
@@ -157,10 +159,11 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, thr
         if engine is None:
             if artifacts is None:
                 raise click.UsageError("--backend trt needs --artifacts DIR (from build-engines) or --engine DIR")
-            built = [artifacts / "engines" / f"trt-{f}" for f in ("tensorrt", "tensorrt-rtx")]
-            engine = next((d for d in built if d.is_dir()), None)
+            layout = ArtifactLayout(artifacts)
+            engine = layout.built_trt_engine()
             if engine is None:
-                raise SpecrtError(f"{artifacts} has no TensorRT engine ({' or '.join(str(d) for d in built)}); build one with: "
+                built = " or ".join(str(layout.trt_engine(f)) for f in TRT_FLAVOURS)
+                raise SpecrtError(f"{artifacts} has no TensorRT engine ({built}); build one with: "
                                   f"specrt build-engines --model CHECKPOINT --out {artifacts} --tensorrt auto")
         gen = Generator.from_trt_engine(engine, checkpoint, device=device or "cuda", cuda_graphs=cuda_graphs, verify=verify)
     else:
@@ -169,7 +172,7 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, thr
         if engine is None:
             if artifacts is None:
                 raise click.UsageError("give --artifacts DIR (from build-engines) or --engine DIR, or --backend torch --model CHECKPOINT")
-            engine = artifacts / "engines" / (f"ort-{provider}" if quantize == "none" else f"ort-{provider}-{quantize}")
+            engine = ArtifactLayout(artifacts).ort_engine(provider, quantize)
             if quantize != "none" and not engine.is_dir():
                 raise SpecrtError(f"{engine} does not exist; build it with: specrt build-engines --model CHECKPOINT --out {artifacts} --quantize {quantize}")
         gen = Generator.from_engine(engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads), verify=verify)
@@ -240,14 +243,10 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
     gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft,
                                verify_artifacts)
     stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
-    while True:
-        try:
-            piece = next(stream)
-        except StopIteration as stop:
-            result = stop.value
-            break
+    for piece in stream:
         click.echo(piece, nl=False)
         sys.stdout.flush()
+    result = stream.result
     click.echo()
     sys.stdout.flush()
     click.echo(f"[{gen.backend.description}] {result.summary()}", err=True)
@@ -273,8 +272,8 @@ def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, d
         import uvicorn  # noqa: F401
     except ImportError:
         raise SpecrtError("the server needs fastapi and uvicorn: pip install 'specrt[server]' (make setup installs them)") from None
-    from specrt.runtime.server import CompletionService, ServerLimits, bind_socket
-    from specrt.runtime.server import serve as run_server
+    from specrt.server import CompletionService, ServerLimits, bind_socket
+    from specrt.server import serve as run_server
 
     sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once
     try:
@@ -326,7 +325,9 @@ def bench(artifacts, checkpoint, prompts, out, max_new_tokens, repeats, no_trans
     """Benchmark speculative decoding on a prompt set: table, JSON and a speedup-vs-N plot."""
     from specrt.benchmark import SpecBenchConfig, format_table, run_spec_benchmark, write_results
 
-    cfg = SpecBenchConfig(engine_dir=artifacts / "engines" / "ort-cpu", checkpoint=checkpoint, prompts=prompts, out_dir=out,
+    from specrt.layout import ArtifactLayout
+
+    cfg = SpecBenchConfig(engine_dir=ArtifactLayout(artifacts).ort_engine(), checkpoint=checkpoint, prompts=prompts, out_dir=out,
                           max_new_tokens=max_new_tokens, repeats=repeats, transformers=not no_transformers, main_runs=not sweep_only)
     if quick:
         cfg = dataclasses.replace(cfg, repeats=1, max_new_tokens=48, fixed_n=(4,), sweep_n=(2, 4))

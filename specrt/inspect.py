@@ -15,6 +15,7 @@ from pathlib import Path
 
 from specrt.artifacts import MANIFEST
 from specrt.errors import SpecrtError
+from specrt.layout import ArtifactLayout
 
 
 @dataclasses.dataclass
@@ -59,7 +60,7 @@ def _check(manifest: dict, path: Path) -> str | None:
 
 
 def _gpu_check(manifest: dict, path: Path) -> str | None:
-    from specrt.engines.trt_runtime import check_engine_gpu
+    from specrt.engines.trt import check_engine_gpu
 
     try:
         import torch
@@ -138,7 +139,7 @@ def find_artifacts(path: str | Path) -> list[Path]:
         raise SpecrtError(f"{path} is not a directory; give an artifact directory from: specrt build-engines --out DIR")
     if (path / MANIFEST).is_file():
         return [path]
-    found = [p for p in [path / "onnx", *sorted(path.glob("onnx-*")), *sorted((path / "engines").glob("*"))] if (p / MANIFEST).is_file()]
+    found = ArtifactLayout(path).artifact_dirs()
     if not found:
         raise SpecrtError(f"{path} holds no specrt artifacts (no {MANIFEST} in it, in onnx/ or engines/*); create them with: specrt build-engines --out {path}")
     return found

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specrt.engines.profiles import ProfileSpec, Range
+from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
 
 
 class _DataType:
@@ -43,9 +44,8 @@ class FakeEngine:
         self.model, cfg = model.eval(), model.cfg
         self.L, self.Hkv, self.D, self.V = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
         self.profiles = [ProfileSpec(p["name"], *(Range(**p[k]) for k in ("batch", "q_len", "past_len"))) for p in profiles]
-        kv = [f"{{}}.{i}.{t}" for i in range(self.L) for t in ("key", "value")]
-        self.inputs = ["input_ids", "position_ids", "attention_mask", "logits_index", *[n.format("past_key_values") for n in kv]]
-        self.outputs = ["logits", "hidden_states", *[n.format("present") for n in kv]]
+        self.io = StepIO(self.L)
+        self.inputs, self.outputs = self.io.input_names, self.io.output_names
         self.names = [n for n in self.inputs + self.outputs if n not in drop]
         self.executed_profiles: list[int] = []  # which profile ran each step
 
@@ -56,7 +56,7 @@ class FakeEngine:
         return self.names[i]
 
     def get_tensor_dtype(self, name):
-        return {"input_ids": INT64, "position_ids": INT64, "logits_index": INT64, "attention_mask": BOOL}.get(name, FLOAT)
+        return {"int64": INT64, "bool": BOOL, "float32": FLOAT}[self.io.dtype(name)]
 
     def create_execution_context(self, runtime_config=None):
         return FakeContext(self)
@@ -85,11 +85,12 @@ class FakeContext:
         return True
 
     def get_tensor_shape(self, name):
-        B, Q = self.shapes["input_ids"]
-        K = self.shapes["logits_index"][1]
-        if name == "logits":
+        ids, _, _, index = STEP_INPUTS
+        B, Q = self.shapes[ids]
+        K = self.shapes[index][1]
+        if name == LOGITS:
             return (B, K, self.engine.V)
-        if name == "hidden_states":
+        if name == HIDDEN:
             return (B, Q, self.engine.model.cfg.hidden_size)
         return (B, self.engine.Hkv, Q, self.engine.D)
 
@@ -99,13 +100,13 @@ class FakeContext:
 
     def execute_async_v3(self, stream_handle):
         e = self.engine
-        ids, pos, mask, index = (self._read(n) for n in e.inputs[:4])
-        past = [(self._read(f"past_key_values.{i}.key"), self._read(f"past_key_values.{i}.value")) for i in range(e.L)]
+        ids, pos, mask, index = (self._read(n) for n in STEP_INPUTS)
+        past = [tuple(self._read(n) for n in e.io.past(i)) for i in range(e.L)]
         with torch.inference_mode():
             logits, hidden, present = e.model(ids, pos, mask, past, index)
-        outs = {"logits": logits, "hidden_states": hidden}
+        outs = {LOGITS: logits, HIDDEN: hidden}
         for i, (k, v) in enumerate(present):
-            outs[f"present.{i}.key"], outs[f"present.{i}.value"] = k, v
+            outs.update(zip(e.io.present(i), (k, v)))
         for name, t in outs.items():
             _view(self.addresses[name], tuple(self.get_tensor_shape(name)), np.float32)[...] = t.numpy()
         e.executed_profiles.append(self.profile)

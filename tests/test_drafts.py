@@ -4,9 +4,23 @@ import numpy as np
 import pytest
 
 from specrt.errors import SpecrtError
-from specrt.runtime.drafts import DRAFT_METHODS, make_proposer
+from specrt.runtime.drafts import DRAFT_METHODS, DraftInput, make_proposer
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer, SuffixTrie
+from specrt.runtime.sampling import SamplingParams
+
+
+def draft(proposer, contexts, n, rows=None):
+    """One batched proposal (Proposer v2) for `contexts`; returns the trees."""
+    rows = list(range(len(contexts))) if rows is None else rows
+    inp = DraftInput(rows, contexts, n, [100] * len(rows), SamplingParams(), np.random.default_rng(0))
+    trees = proposer.propose(inp)
+    assert len(trees) == len(rows)
+    return trees
+
+
+def one(proposer, context, n, row=0):
+    return draft(proposer, [context], n, [row])[0]
 
 
 @pytest.mark.parametrize(
@@ -21,7 +35,7 @@ from specrt.runtime.drafts.suffix import SuffixProposer, SuffixTrie
     ],
 )
 def test_ngram(context, n_min, n_max, k, expected):
-    assert NgramProposer(n_min, n_max).propose(0, context, k).tokens.tolist() == expected
+    assert one(NgramProposer(n_min, n_max), context, k).tokens.tolist() == expected
 
 
 def test_suffix_trie_counts_substrings():
@@ -39,8 +53,8 @@ def test_suffix_tree_proposal_scores_by_frequency():
     p = SuffixProposer(spec_factor=4.0, min_score=0.05)
     # "a b" is followed by "c" three times and by "d" once
     ctx = [1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3, 9, 1, 2, 4, 6, 1, 2]
-    p.begin(0, ctx)
-    tree = p.propose(0, ctx, 6)
+    p.begin([0], [ctx], None)
+    tree = one(p, ctx, 6)
     assert tree.tokens[0] == 3 and tree.parents[0] == -1
     assert abs(tree.scores[0] - 0.75) < 1e-9
     assert 4 in tree.tokens[tree.parents == -1]  # the less frequent branch is in the tree too
@@ -50,26 +64,38 @@ def test_suffix_tree_proposal_scores_by_frequency():
 def test_suffix_budget_follows_match_length():
     p = SuffixProposer(spec_factor=1.0, min_score=0.0)
     ctx = [5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 5]  # the match "5" has length 1
-    p.begin(0, ctx)
-    assert len(p.propose(0, ctx, 8)) == 1
+    p.begin([0], [ctx], None)
+    assert len(one(p, ctx, 8)) == 1
 
 
 def test_suffix_learns_from_earlier_outputs():
     p = SuffixProposer()
-    p.begin(0, [1, 2])
-    p.end(0, [10, 11, 12, 13, 14, 15])
-    p.begin(0, [40, 41])
+    p.begin([0], [[1, 2]], None)
+    p.end([0], [[10, 11, 12, 13, 14, 15]])
+    p.begin([0], [[40, 41]], None)
     ctx = [40, 41, 10, 11, 12]
-    tree = p.propose(0, ctx, 8)
+    tree = one(p, ctx, 8)
     assert tree.tokens.tolist()[:3] == [13, 14, 15]
 
 
 def test_suffix_request_trie_follows_growing_context():
     p = SuffixProposer()
-    p.begin(0, [1, 2, 3, 4])
-    assert len(p.propose(0, [1, 2, 3, 4], 4)) == 0
-    tree = p.propose(0, [1, 2, 3, 4, 1, 2], 4)  # the two new tokens are fed on the way
+    p.begin([0], [[1, 2, 3, 4]], None)
+    assert len(one(p, [1, 2, 3, 4], 4)) == 0
+    tree = one(p, [1, 2, 3, 4, 1, 2], 4)  # the two new tokens are fed on the way
     assert tree.tokens.tolist()[:2] == [3, 4]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_one_call_drafts_for_every_row_and_keeps_rows_apart(method):
+    """Proposer v2: one propose() for the batch, one tree per row, each from its own context."""
+    p = make_proposer(method)
+    a, b = [1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8]
+    p.begin([0, 1], [a, b], None)
+    trees = draft(p, [a, b], 4)
+    assert trees[0].tokens.tolist()[:2] == [3, 4] and trees[1].tokens.tolist()[:1] == [9]
+    assert [t.tokens.tolist()[:1] for t in draft(p, [b, a], 4, rows=[1, 0])] == [[9], [3]]
+    assert not p.needs_features and not p.cost_per_token
 
 
 def test_registry():

@@ -39,10 +39,10 @@ def run_both(backends, ids, positions, mask_fn, prefix=None, capacity=128):
         gen = Generator(backend)
         cache = new_cache(backend.config, ids.shape[0], capacity)
         if prefix is not None:
-            gen.forward_tokens(cache, [list(p) for p in prefix])
+            gen.session.forward(cache, [list(p) for p in prefix])
         mask = mask_fn(cache)
         index = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
-        outs.append(backend.step(ids, positions, mask, index, cache))
+        outs.append(backend.step(ids, positions, mask, index, cache, hidden_index=index))
     return outs
 
 
@@ -130,21 +130,21 @@ def test_batch_of_two_different_lengths(backends):
     for backend in backends:
         gen = Generator(backend)
         cache = new_cache(backend.config, 2, 32)
-        batch_prefill = gen.forward_tokens(cache, prompts)
-        batch_decode = gen.forward_tokens(cache, nxt)
+        batch_prefill = gen.session.forward(cache, prompts)
+        batch_decode = gen.session.forward(cache, nxt)
         assert cache.lengths.tolist() == [11, 7]
         for b in range(2):
             single = new_cache(backend.config, 1, 32)
-            p = gen.forward_tokens(single, [prompts[b]])
-            d = gen.forward_tokens(single, [nxt[b]])
+            p = gen.session.forward(single, [prompts[b]])
+            d = gen.session.forward(single, [nxt[b]])
             n = len(prompts[b])
             assert np.abs(batch_prefill.logits[b, :n] - p.logits[0]).max() <= ATOL_LOGITS
             assert np.abs(batch_decode.logits[b, 0] - d.logits[0, 0]).max() <= ATOL_LOGITS
             assert np.abs(cache.keys[:, b, :, :11 if b == 0 else 7] - single.keys[:, 0, :, : n + 1]).max() <= ATOL_KV
     ort_gen, torch_gen = Generator(backends[0]), Generator(backends[1])
     caches = [new_cache(backends[0].config, 2, 32) for _ in range(2)]
-    a = ort_gen.forward_tokens(caches[0], prompts)
-    b = torch_gen.forward_tokens(caches[1], prompts)
+    a = ort_gen.session.forward(caches[0], prompts)
+    b = torch_gen.session.forward(caches[1], prompts)
     for row, n in enumerate((10, 6)):
         assert np.abs(a.logits[row, :n] - b.logits[row, :n]).max() <= ATOL_LOGITS
 
@@ -191,7 +191,8 @@ def test_export_with_eagle3_hidden_layers(tiny_checkpoint, tmp_path):
     for i in range(cfg.num_hidden_layers):
         feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"] = cache.past(i)
     hidden = sess.run(["hidden_states"], feeds)[0]
-    expected = TorchBackend(model).step(ids, feeds["position_ids"], feeds["attention_mask"], feeds["logits_index"], cache).hidden_states
+    expected = TorchBackend(model).step(ids, feeds["position_ids"], feeds["attention_mask"], feeds["logits_index"], cache,
+                                        hidden_index=np.arange(4)[None]).hidden_states
     assert hidden.shape == (1, 4, 3 * cfg.hidden_size)
     assert np.abs(hidden - expected).max() <= ATOL_LOGITS
 
@@ -204,12 +205,16 @@ def test_logits_index_selects_positions(backends):
     for backend in backends:
         cache = new_cache(backend.config, 2, 0)
         mask = cache.attention_mask(7)
-        full = backend.step(ids, pos, mask, np.broadcast_to(np.arange(7), (2, 7)).copy(), cache)
-        picked = backend.step(ids, pos, mask, np.array([[6, 2], [4, 4]]), cache)
+        every = np.broadcast_to(np.arange(7), (2, 7)).copy()
+        full = backend.step(ids, pos, mask, every, cache, hidden_index=every)
+        picked = backend.step(ids, pos, mask, np.array([[6, 2], [4, 4]]), cache, hidden_index=np.array([[1], [5]]))
         assert picked.logits.shape == (2, 2, 128)
         assert np.abs(picked.logits[0] - full.logits[0, [6, 2]]).max() <= ATOL_LOGITS
         assert np.abs(picked.logits[1] - full.logits[1, [4, 4]]).max() <= ATOL_LOGITS
-        assert np.abs(picked.hidden_states - full.hidden_states).max() <= ATOL_LOGITS
+        # hidden states: only the positions asked for, and none at all when nobody asks
+        assert picked.hidden_states.shape == (2, 1, backend.config.hidden_size)
+        assert np.abs(picked.hidden_states[:, 0] - full.hidden_states[[0, 1], [1, 5]]).max() <= ATOL_LOGITS
+        assert backend.step(ids, pos, mask, every, cache).hidden_states is None
 
 
 def test_export_of_older_graph_version_is_refused(tiny_artifacts, tmp_path):

@@ -9,6 +9,7 @@ within 1e-4 x the logits' range (measured 7e-6); at the default level 4 (int8 ac
 model's perplexity). Speculative decoding on a quantized engine gives that engine's plain greedy tokens.
 """
 
+import dataclasses
 import numpy as np
 import onnx
 import pytest
@@ -43,7 +44,7 @@ def quantized(tiny_artifacts, tmp_path_factory):
 
 
 def logits(gen, ids=IDS):
-    return gen.forward_tokens(gen.new_cache(1, 32), ids).logits[0]
+    return gen.session.forward(gen.session.new_cache(1, 32), ids).logits[0]
 
 
 def dequantized_weights(onnx_path) -> dict:
@@ -120,21 +121,22 @@ def test_batch_invariance_is_measured_and_warned_about(quantized, tiny_artifacts
     from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 
     fp32 = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
-    assert fp32.backend.batch_invariance["relative"] < 1e-5
+    assert fp32.backend.caps.batch_invariance["relative"] < 1e-5
     for (scheme, level), (_, gen) in quantized.items():
-        assert gen.backend.batch_invariance["positions"] == 6
+        assert gen.backend.caps.batch_invariance["positions"] == 6
         if level == 0:
-            assert gen.backend.batch_invariance["relative"] < 1e-5, scheme
+            assert gen.backend.caps.batch_invariance["relative"] < 1e-5, scheme
     gen = quantized["int4", 0][1]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SpeculativeDecoder(gen, make_proposer("suffix"))  # no warning
-    gen.backend.batch_invariance = {**gen.backend.batch_invariance, "relative": 10 * BATCH_VARIANCE_LIMIT}
+    measured = gen.backend.caps
+    gen.backend.caps = dataclasses.replace(measured, batch_invariance={**measured.batch_invariance, "relative": 10 * BATCH_VARIANCE_LIMIT})
     try:
         with pytest.warns(UserWarning, match="speculative output may differ from plain output"):
             SpeculativeDecoder(gen, make_proposer("suffix"))
     finally:
-        gen.backend.batch_invariance = {**gen.backend.batch_invariance, "relative": 0.0}
+        gen.backend.caps = measured
 
 
 @pytest.mark.real_model
@@ -145,11 +147,11 @@ def test_default_model_int8_activations_are_not_batch_invariant(real_artifacts, 
 
     qdir = quantize_weight_only(real_artifacts / "onnx", tmp_path / "onnx", WeightOnlySpec(scheme="int8-a8"), progress=False)
     gen = Generator.from_engine(build_ort_engine(qdir, tmp_path / "engine"))
-    assert gen.backend.batch_invariance["relative"] > BATCH_VARIANCE_LIMIT
+    assert gen.backend.caps.batch_invariance["relative"] > BATCH_VARIANCE_LIMIT
     with pytest.warns(UserWarning, match="speculative output may differ"):
         SpeculativeDecoder(gen, make_proposer("suffix"))
     exact = quantize_weight_only(real_artifacts / "onnx", tmp_path / "onnx4", WeightOnlySpec(scheme="int4"), progress=False)
-    assert Generator.from_engine(build_ort_engine(exact, tmp_path / "engine4")).backend.batch_invariance["relative"] < BATCH_VARIANCE_LIMIT
+    assert Generator.from_engine(build_ort_engine(exact, tmp_path / "engine4")).backend.caps.batch_invariance["relative"] < BATCH_VARIANCE_LIMIT
 
 
 def test_build_engines_quantize_builds_and_reuses(tiny_checkpoint, tmp_path):

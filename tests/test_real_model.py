@@ -59,8 +59,8 @@ def test_greedy_output_equals_transformers(ort_gen, hf_model):
 
 def test_ort_logits_match_transformers(ort_gen, hf_model):
     ids = ort_gen.encode_prompt(PROMPTS[1])
-    cache = ort_gen.new_cache(1, len(ids))
-    logits = ort_gen.forward_tokens(cache, [ids]).logits[0]
+    cache = ort_gen.session.new_cache(1, len(ids))
+    logits = ort_gen.session.forward(cache, [ids]).logits[0]
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0].numpy()
     scale = np.abs(expected).max()

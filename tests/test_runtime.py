@@ -65,14 +65,14 @@ def test_rollback_leaves_no_trace_in_later_steps(torch_gen):
     """Garbage written after a rollback point is hidden: the next step equals a clean run."""
     rng = np.random.default_rng(0)
     prompt = list(rng.integers(0, 128, 12))
-    clean = torch_gen.new_cache(1, 32)
-    torch_gen.forward_tokens(clean, [prompt])
-    expected = torch_gen.forward_tokens(clean, [[7]]).logits
-    dirty = torch_gen.new_cache(1, 32)
-    torch_gen.forward_tokens(dirty, [prompt])
-    torch_gen.forward_tokens(dirty, [list(rng.integers(0, 128, 6))])  # rejected draft
+    clean = torch_gen.session.new_cache(1, 32)
+    torch_gen.session.forward(clean, [prompt])
+    expected = torch_gen.session.forward(clean, [[7]]).logits
+    dirty = torch_gen.session.new_cache(1, 32)
+    torch_gen.session.forward(dirty, [prompt])
+    torch_gen.session.forward(dirty, [list(rng.integers(0, 128, 6))])  # rejected draft
     dirty.rollback([12])
-    got = torch_gen.forward_tokens(dirty, [[7]]).logits
+    got = torch_gen.session.forward(dirty, [[7]]).logits
     assert np.abs(got - expected).max() < 1e-5
 
 
@@ -169,14 +169,30 @@ def test_empty_prompt_and_bad_ids(torch_gen):
 
 def test_text_generation_and_stream_agree(ort_gen):
     r = ort_gen.generate("w5 w6 w7", max_new_tokens=12)
-    it = ort_gen.stream("w5 w6 w7", max_new_tokens=12)
-    pieces = []
-    while True:
-        try:
-            pieces.append(next(it))
-        except StopIteration as stop:
-            streamed = stop.value
-            break
-    assert streamed.token_ids == r.token_ids
+    stream = ort_gen.stream("w5 w6 w7", max_new_tokens=12)
+    assert stream.result is None
+    pieces = list(stream)
+    streamed = stream.result  # a value once the stream is exhausted, not StopIteration.value
+    assert streamed.token_ids == r.token_ids and streamed.text == r.text
     assert "".join(pieces).strip() == r.text.strip() and r.text
     assert r.prompt_tokens == len(ort_gen.encode_prompt("w5 w6 w7"))
+
+
+def test_a_stream_closed_early_gives_its_cache_back(torch_gen):
+    """Closing a generation's stream, started or not, ends it and releases its cache (pooled
+    caches of graph backends are handed out again only after that)."""
+    import dataclasses
+
+    gen = Generator(torch_gen.backend)
+    gen.backend.caps, caps = dataclasses.replace(gen.backend.caps, reuse_cache=True), gen.backend.caps
+    try:
+        for started in (False, True):
+            stream = gen.iter_generate([[5, 6, 7]], 20)
+            if started:
+                next(stream)
+            assert [c.in_use for c in gen.session.pooled_caches] == [True]
+            stream.close()
+            assert [c.in_use for c in gen.session.pooled_caches] == [False] and stream.result is None
+        assert gen.iter_generate([[5, 6, 7]], 3).run()[0].generated_tokens == 3
+    finally:
+        gen.backend.caps = caps

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from specrt.runtime.drafts import make_proposer  # noqa: E402
 from specrt.runtime.generator import Generator  # noqa: E402
 from specrt.runtime.sampling import SamplingParams  # noqa: E402
-from specrt.runtime.server import CompletionService, ServerLimits, create_app  # noqa: E402
+from specrt.server import CompletionService, ServerLimits, create_app  # noqa: E402
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w5 w6 w7 w5 w6 w7 w5"}]
@@ -210,7 +210,7 @@ def test_closing_the_stream_frees_the_engine(gen):
     job = service.parse(json.dumps({"prompt": "w5 w6", "max_tokens": 5, "temperature": 0}).encode(), chat=False)
     expected = gen.generate_ids([gen.tokenizer.encode("w5 w6")], 5)[0]
     assert service.response(job, service.run(job))["choices"][0]["finish_reason"] == expected.finish_reason
-    assert not any(c.in_use for c in service.gen._cache_pool)
+    assert not any(c.in_use for c in service.gen.session.pooled_caches)
     service.close()
 
 
@@ -234,7 +234,7 @@ def live_server(gen, request):
     thread, an abandoned one was only closed by the garbage collector): (service, port)."""
     import uvicorn
 
-    from specrt.runtime.server import bind_socket
+    from specrt.server import bind_socket
 
     if request.param == "plain":
         runner = slow_generator(gen)
@@ -343,7 +343,7 @@ def test_port_in_use_is_refused_before_serving(tiny_artifacts):
     import sys
 
     from specrt.errors import SpecrtError
-    from specrt.runtime.server import bind_socket
+    from specrt.server import bind_socket
 
     held = bind_socket("127.0.0.1", 0)
     port = held.getsockname()[1]

@@ -4,6 +4,7 @@ The device-cache path is exercised on the CPU by keeping the cache in torch tens
 tests are marked `gpu` and skip (visibly, with -rs) on machines without a CUDA GPU.
 """
 
+import dataclasses
 import pytest
 import torch
 
@@ -38,9 +39,9 @@ def reference():
 def test_torch_tensor_cache_equals_numpy_cache(reference, spec):
     model, expected = reference
     backend = TorchBackend(model)
-    backend.cache_device = "cpu"  # keep the cache in torch tensors, as on a GPU
+    backend.caps = dataclasses.replace(backend.caps, cache_device="cpu")  # keep the cache in torch tensors, as on a GPU
     gen = Generator(backend)
-    cache = gen.new_cache(1, 8)
+    cache = gen.session.new_cache(1, 8)
     assert isinstance(cache.keys, torch.Tensor)
     assert outputs(backend, spec) == expected[spec]
 
@@ -71,11 +72,11 @@ def test_graph_backends_reuse_their_caches(reference):
     stay valid), two generations running at once get different caches, and outputs are unchanged."""
     model, expected = reference
     backend = TorchBackend(model)
-    backend.cache_device, backend.reuse_cache = "cpu", True
+    backend.caps = dataclasses.replace(backend.caps, cache_device="cpu", reuse_cache=True)
     gen = Generator(backend)
     seen = []
-    real_new = gen.new_cache
-    gen.new_cache = lambda b, c: seen.append(real_new(b, c)) or seen[-1]
+    real_new = gen.session.new_cache
+    gen.session.new_cache = lambda b, c: seen.append(real_new(b, c)) or seen[-1]
     for spec in (False, True, False):
         assert outputs(backend, spec) == expected[spec]  # a fresh generator each: its own pool
         got = [r.token_ids for r in (SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)) if spec else gen).generate_ids(PROMPTS, 40)]
@@ -84,9 +85,8 @@ def test_graph_backends_reuse_their_caches(reference):
     a, b = gen.iter_generate(PROMPTS, 40), gen.iter_generate(PROMPTS, 40)
     next(a), next(b)  # both hold a cache now
     assert len({id(c) for c in seen[-2:]}) == 2
-    from specrt.runtime.generator import run_to_end
 
-    assert [r.token_ids for r in run_to_end(b)] == expected[False]
+    assert [r.token_ids for r in b.run()] == expected[False]
     a.close()  # an abandoned generation gives its cache back too
     assert not any(c.in_use for c in seen)
 
@@ -108,19 +108,19 @@ def emulate_graphs(backend):
 
         return replay, out
 
-    backend.cuda_graphs, backend.reuse_cache, backend.cache_device = True, True, "cpu"
+    backend.cuda_graphs = True
+    backend.caps = dataclasses.replace(backend.caps, cache_device="cpu", reuse_cache=True)
     backend._capture = capture
     return captures
 
 
 def interleaved(runner, prompts, n):
     """Two generations of one generator advanced in turn (each holds its own cache)."""
-    from specrt.runtime.generator import run_to_end
 
     a, b = runner.iter_generate(prompts, n), runner.iter_generate(prompts[::-1], n)
     for _ in range(5):
         next(a), next(b)
-    return [r.token_ids for r in run_to_end(a)], [r.token_ids for r in run_to_end(b)]
+    return [r.token_ids for r in a.run()], [r.token_ids for r in b.run()]
 
 
 @pytest.mark.parametrize("spec", [False, True])

@@ -8,6 +8,7 @@ checked directly. On a GPU with TensorRT (marked gpu, skipped here): the real en
 without CUDA graphs, against the PyTorch reference.
 """
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -44,7 +45,7 @@ def small_engine(tiny_artifacts, tmp_path_factory):
 
 def fake_backend(engine_dir, model, **kw):
     from specrt.engines.trt import read_trt_manifest
-    from specrt.engines.trt_runtime import TrtBackend
+    from specrt.runtime.backends import TrtBackend
 
     fake = fake_tensorrt(model, read_trt_manifest(engine_dir)["profiles"], **kw)
     return TrtBackend(engine_dir, device="cpu", trt_module=fake), fake.engine
@@ -63,7 +64,7 @@ def test_engine_steps_equal_the_reference(small_engine, model, spec):
     verification (Q <= 5) run on the verify profile."""
     backend, engine = fake_backend(small_engine, model)
     gen = Generator(backend)
-    assert (gen.max_context, gen.prefill_chunk) == (64, 16)  # limited by the engine's profiles
+    assert (gen.max_context, gen.session.prefill_chunk) == (64, 16)  # limited by the engine's profiles
     for prompt in PROMPTS:
         expected = run(Generator(TorchBackend(model), max_context=64), [prompt], spec)
         engine.executed_profiles.clear()
@@ -79,11 +80,11 @@ def test_pooled_caches_fit_the_engine(small_engine, model):
     """With graphs the generator pools caches rounded up to 256 positions; for an engine the
     rounding stops at the profiles' largest past (context 64 + verify 5)."""
     backend, _ = fake_backend(small_engine, model)
-    backend.reuse_cache = True  # as with cuda_graphs on a GPU
+    backend.caps = dataclasses.replace(backend.caps, reuse_cache=True)  # as with cuda_graphs on a GPU
     gen = Generator(backend)
     expected = run(Generator(TorchBackend(model), max_context=64), PROMPTS[1:], spec=True)
     assert run(gen, PROMPTS[1:], spec=True) == expected and run(gen, PROMPTS[1:], spec=True) == expected
-    assert [c.capacity for c in gen._cache_pool] == [69]
+    assert [c.capacity for c in gen.session.pooled_caches] == [69]
 
 
 @pytest.mark.parametrize("spec", [False, True])
@@ -92,7 +93,6 @@ def test_graph_path_with_emulated_capture(small_engine, model, spec):
     its context had when captured (what a real graph bakes in) and executes; steps of every shape
     (per profile) replay from static buffers, a second generation replays the first one's graphs,
     and two generations alive at once keep their caches apart."""
-    from specrt.runtime.generator import run_to_end
 
     backend, _ = fake_backend(small_engine, model)
     captures = []
@@ -108,7 +108,8 @@ def test_graph_path_with_emulated_capture(small_engine, model, spec):
 
         return replay
 
-    backend.cuda_graphs, backend.reuse_cache, backend._capture = True, True, capture
+    backend.cuda_graphs, backend._capture = True, capture
+    backend.caps = dataclasses.replace(backend.caps, reuse_cache=True)
     gen = Generator(backend)
     reference = Generator(TorchBackend(model), max_context=64)
     counts = []
@@ -121,8 +122,8 @@ def test_graph_path_with_emulated_capture(small_engine, model, spec):
     a, b = runner.iter_generate(PROMPTS[:1], 30), runner.iter_generate(PROMPTS[1:], 30)
     for _ in range(4):
         next(a), next(b)
-    assert [r.token_ids for r in run_to_end(a)] == run(reference, PROMPTS[:1], spec, 30)
-    assert [r.token_ids for r in run_to_end(b)] == run(reference, PROMPTS[1:], spec, 30)
+    assert [r.token_ids for r in a.run()] == run(reference, PROMPTS[:1], spec, 30)
+    assert [r.token_ids for r in b.run()] == run(reference, PROMPTS[1:], spec, 30)
 
 
 def test_prompt_longer_than_the_engine_context(small_engine, model):
@@ -139,7 +140,7 @@ def test_step_no_profile_holds(small_engine, model):
 
 def test_engine_whose_profiles_differ_from_its_manifest(small_engine, model):
     from specrt.engines.trt import read_trt_manifest
-    from specrt.engines.trt_runtime import TrtBackend
+    from specrt.runtime.backends import TrtBackend
 
     profiles = read_trt_manifest(small_engine)["profiles"]
     profiles[0] = {**profiles[0], "q_len": {"min": 1, "opt": 1, "max": 1}}  # the engine serves less than its manifest says
@@ -162,7 +163,7 @@ def test_engine_tensorrt_cannot_load(small_engine, model):
 def test_real_runtime_without_a_gpu(small_engine, tiny_checkpoint):
     """With the installed TensorRT-RTX: on a machine without a GPU the engine is refused with a
     clear error, both when a GPU is asked for and when deserialization is tried anyway."""
-    from specrt.engines.trt_runtime import TrtBackend
+    from specrt.runtime.backends import TrtBackend
 
     with pytest.raises(SpecrtError, match="needs an NVIDIA GPU, and torch sees none"):
         Generator.from_trt_engine(small_engine, tiny_checkpoint)
@@ -185,7 +186,7 @@ def test_engine_from_a_stale_onnx_export_is_refused(small_engine, tiny_checkpoin
 
 
 def test_engine_gpu_checks():
-    from specrt.engines.trt_runtime import check_engine_gpu
+    from specrt.engines.trt import check_engine_gpu
 
     rtx = {"flavour": "tensorrt-rtx", "compute_capabilities": ["library default"]}
     for ok in [(8, 0), (8, 6), (8, 9), (12, 0), (12, 1)]:
@@ -223,7 +224,7 @@ def gpu_engine(tiny_artifacts, tmp_path_factory):
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("spec", [False, True])
 def test_real_engine_on_gpu_equals_reference(gpu_engine, model, graphs, spec):
-    from specrt.engines.trt_runtime import TrtBackend
+    from specrt.runtime.backends import TrtBackend
 
     gen = Generator(TrtBackend(gpu_engine, device="cuda", cuda_graphs=graphs))
     for _ in range(2):  # the second round replays graphs captured in the first (pooled caches)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling
 
 # -- greedy --------------------------------------------------------------------------------------
@@ -151,6 +152,138 @@ def accept_wrong_residual(tree, target_probs, rng):
 
 def test_wrong_rule_fails_the_same_test():
     assert joint_pvalue(DRAFTS["chain with q"], verify=accept_wrong_residual) < P_MIN
+
+
+# -- wider trees, sampling parameters at verification, and the wrong rules they must catch --------
+
+
+def draft_wide(start, draft, rng, point_mass, without_replacement, width=3, depth=2):
+    """`width` siblings at every level below the root (width + width**2 nodes for depth 2): each
+    child of a node is drawn from the node's q (i.i.d., or without replacement: q with the earlier
+    siblings removed), or for point masses the node's `width` most likely tokens."""
+    tokens, parents, qs = [], [], []
+    frontier = [(-1, start)]
+    for _ in range(depth):
+        nxt = []
+        for parent, prev in frontier:
+            q = draft[prev].copy()
+            picked = [int(i) for i in np.argsort(-q)[:width]] if point_mass else []
+            for k in range(width):
+                if not point_mass:
+                    qk = q.copy()
+                    if without_replacement:
+                        qk[picked] = 0.0
+                        if qk.sum() == 0:  # q's support is used up (top-k/top-p drafts)
+                            break
+                        qk /= qk.sum()
+                    picked.append(int(rng.choice(len(q), p=qk)))
+                    qs.append(qk)
+                tokens.append(picked[k])
+                parents.append(parent)
+                nxt.append((len(tokens) - 1, picked[k]))
+        frontier = nxt
+    return DraftTree(np.array(tokens), np.array(parents), None if point_mass else np.array(qs))
+
+
+WIDE = {
+    "3 siblings, with q, with replacement": lambda s, d, r: draft_wide(s, d, r, point_mass=False, without_replacement=False),
+    "3 siblings, with q, without replacement": lambda s, d, r: draft_wide(s, d, r, point_mass=False, without_replacement=True),
+    "3 siblings, point masses": lambda s, d, r: draft_wide(s, d, r, point_mass=True, without_replacement=False),
+    "4 siblings, with q, without replacement": lambda s, d, r: draft_wide(s, d, r, False, True, width=4, depth=1),
+}
+
+
+@pytest.mark.parametrize("name", WIDE)
+def test_wide_trees_follow_target(name):
+    tree = WIDE[name](0, tables()[1], np.random.default_rng(0))
+    assert (tree.children(-1).size >= 3) and (name.startswith("4") or all(tree.children(int(c)).size >= 3 for c in tree.children(-1)))
+    assert joint_pvalue(WIDE[name]) > P_MIN
+
+
+def accept_residual_not_cumulative(tree, target_probs, rng):
+    """Broken: after a rejected sibling the residual is taken from the node's original p, not
+    from the residual the earlier siblings left (each sibling forgets the ones before it)."""
+    return _accept_variant(tree, target_probs, rng, cumulative=False, renormalise=True)
+
+
+def accept_residual_not_renormalised(tree, target_probs, rng):
+    """Broken: the residual (p - q)+ is used without dividing by its mass."""
+    return _accept_variant(tree, target_probs, rng, cumulative=True, renormalise=False)
+
+
+def _accept_variant(tree, target_probs, rng, cumulative, renormalise):
+    accepted, node = [], -1
+    while True:
+        original = target_probs[node + 1].astype(np.float64)
+        p = original.copy()
+        nxt = None
+        for c in tree.children(node):
+            x, q = int(tree.tokens[c]), tree.q[c]
+            if q[x] > 0 and rng.random() < min(1.0, p[x] / q[x]):
+                nxt = int(c)
+                break
+            p = np.maximum((p if cumulative else original) - q, 0.0)
+            if p.sum() <= 0:  # as accept_sampling: only reachable with probability 0
+                p = original.copy()
+            if renormalise:
+                p /= p.sum()
+        if nxt is None:
+            return Verdict(accepted, int(rng.choice(len(p), p=p / p.sum())))
+        accepted.append(nxt)
+        node = nxt
+
+
+@pytest.mark.parametrize("wrong", [accept_residual_not_cumulative, accept_residual_not_renormalised])
+def test_wrong_residuals_fail_the_wide_tree_test(wrong):
+    assert joint_pvalue(WIDE["3 siblings, with q, without replacement"], verify=wrong) < P_MIN
+
+
+# the sampling parameters a request may set, applied to the target and the draft alike
+PARAMS = SamplingParams(temperature=1.2, top_k=3, top_p=0.85)  # each one binds: ignoring it moves the joint by 10-15 %
+
+
+def logit_tables(seed=2):
+    r = np.random.default_rng(seed)
+    V6 = 6
+    target = r.normal(0, 1.5, (V6, V6))
+    draft = 0.5 * r.normal(0, 1.5, (V6, V6)) + 0.5 * target[::-1]
+    return target, draft
+
+
+def params_pvalue(point_mass: bool, verify_params: SamplingParams, seed=3) -> float:
+    """Speculative sampling where target and draft are logits and the request's temperature,
+    top-k and top-p turn them into distributions; `verify_params` is what verification applies
+    to the target (PARAMS when right). Compared with the exact joint under PARAMS."""
+    target_logits, draft_logits = logit_tables()
+    p_req = probs_from_logits(target_logits, PARAMS)
+    p_verify = probs_from_logits(target_logits, verify_params)
+    q = probs_from_logits(draft_logits, PARAMS)  # a draft honours the request's parameters
+    rng = np.random.default_rng(seed)
+    V6 = p_req.shape[0]
+    counts = np.zeros((V6, V6))
+    for _ in range(SAMPLES):
+        a, b = generate_two(p_verify, q, rng, lambda s, d, r: draft_wide(s, d, r, point_mass, not point_mass), accept_sampling)
+        counts[a, b] += 1
+    expected = (p_req[0][:, None] * p_req).ravel() * SAMPLES
+    obs = counts.ravel()
+    if obs[expected == 0].sum():  # a token the request's top-k/top-p excludes was sampled
+        return 0.0
+    keep = expected > 0
+    return chisquare(obs[keep], expected[keep]).pvalue
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_temperature_top_k_top_p_are_applied_at_verification(point_mass):
+    assert params_pvalue(point_mass, PARAMS) > P_MIN
+
+
+@pytest.mark.parametrize("wrong", [
+    SamplingParams(temperature=1.2, top_k=3),  # top-p ignored
+    SamplingParams(temperature=1.2, top_p=0.85),  # top-k ignored
+    SamplingParams(temperature=1.0, top_k=3, top_p=0.85),  # temperature ignored
+], ids=["top-p ignored", "top-k ignored", "temperature ignored"])
+def test_verification_that_ignores_a_sampling_parameter_fails(wrong):
+    assert params_pvalue(False, wrong) < P_MIN
 
 
 def test_all_accepted_when_draft_equals_target():

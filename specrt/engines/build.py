@@ -1,11 +1,7 @@
 """`build-engines`: checkpoint -> ONNX step graph -> engines, reusing what is up to date.
 
-Layout of an artifact directory:
-    <out>/onnx/                 model.onnx, model.onnx.data, manifest.json
-    <out>/engines/ort-<prov>/   model.opt.onnx, model.opt.onnx.data, manifest.json
-    <out>/engines/trt-<flavour>/ model.engine, manifest.json (when tensorrt or tensorrt_rtx is installed)
-    <out>/onnx-<scheme>/        with --quantize int4|int8: the weight-only quantized step graph
-    <out>/engines/ort-<prov>-<scheme>/  its ORT engine
+Where each artifact goes is `specrt.layout.ArtifactLayout`: onnx/, engines/ort-<provider>/,
+engines/trt-<flavour>/ and, with --quantize, onnx-<scheme>/ and engines/ort-<provider>-<scheme>/.
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ from typing import Iterator
 
 from specrt.engines.trt import TrtBuildSpec
 from specrt.errors import SpecrtError
+from specrt.layout import ArtifactLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,22 +27,6 @@ class BuildSpec:
     trt: TrtBuildSpec = TrtBuildSpec()
     quantize: str = "none"  # none or a calibration.weight_only scheme: also build that quantized graph and its ORT engine
     quant_block_size: int = 32
-
-
-def onnx_dir(out: Path) -> Path:
-    return Path(out) / "onnx"
-
-
-def ort_engine_dir(out: Path, provider: str = "cpu", quantize: str = "none") -> Path:
-    return Path(out) / "engines" / (f"ort-{provider}" if quantize == "none" else f"ort-{provider}-{quantize}")
-
-
-def quant_onnx_dir(out: Path, scheme: str) -> Path:
-    return Path(out) / f"onnx-{scheme}"
-
-
-def trt_engine_dir(out: Path, flavour: str) -> Path:
-    return Path(out) / "engines" / f"trt-{flavour}"
 
 
 def _manifest_if_valid(read, *args) -> dict | None:
@@ -74,7 +55,7 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
     from specrt.export.step_graph import export_step_graph, read_onnx_manifest
 
     ckpt_hash = checkpoint_hash(spec.checkpoint)
-    odir = onnx_dir(spec.out)
+    odir = ArtifactLayout(spec.out).onnx
     onnx_manifest = None if spec.force else _manifest_if_valid(read_onnx_manifest, odir, ckpt_hash)
     exported = onnx_manifest is None
     if not exported:
@@ -98,7 +79,7 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
 
     wspec = WeightOnlySpec(scheme=spec.quantize, block_size=spec.quant_block_size)
     wspec.validate()
-    qdir = quant_onnx_dir(spec.out, spec.quantize)
+    qdir = ArtifactLayout(spec.out).quant_onnx(spec.quantize)
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, qdir, ckpt_hash)
     wanted = {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}
     fresh = current is None or current.get("source_onnx", {}).get("files") != onnx_files or {
@@ -118,7 +99,7 @@ def _build_ort(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, st
     `onnx_files` (and the graph was not just re-made: `stale`), else built."""
     from specrt.engines.ort import OrtOptions, build_ort_engine, read_engine_manifest
 
-    edir = ort_engine_dir(spec.out, spec.provider, quantize)
+    edir = ArtifactLayout(spec.out).ort_engine(spec.provider, quantize)
     current = None if spec.force or stale else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
     if current is not None and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
@@ -142,7 +123,7 @@ def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: st
     flavour = wanted[0]
     if flavour not in installed:
         raise SpecrtError(f"--tensorrt {flavour} was asked for, but it is not installed; pip install {flavour}")
-    edir = trt_engine_dir(spec.out, flavour)
+    edir = ArtifactLayout(spec.out).trt_engine(flavour)
     current = None if spec.force or exported else _manifest_if_valid(read_trt_manifest, edir, onnx_files, ckpt_hash)
     if current is not None and current["profiles"] == [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()]:
         yield f"{flavour:<9} {edir}: up to date"

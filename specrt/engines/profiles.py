@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from specrt.errors import SpecrtError
+from specrt.export.step_io import STEP_INPUTS, StepIO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,15 +53,15 @@ class ProfileSpec:
         def triple(*dims):
             return tuple(tuple(getattr(d, k) if isinstance(d, Range) else d for d in dims) for k in ("min", "opt", "max"))
 
+        ids, pos, mask, index = STEP_INPUTS
         out = {
-            "input_ids": triple(b, q),
-            "position_ids": triple(b, q),
-            "attention_mask": triple(b, q, kv),
-            "logits_index": triple(b, Range(1, q.opt, q.max)),  # K in 1..Q: the last position, or all
+            ids: triple(b, q),
+            pos: triple(b, q),
+            mask: triple(b, q, kv),
+            index: triple(b, Range(1, q.opt, q.max)),  # K in 1..Q: the last position, or all
         }
-        for i in range(num_layers):
-            for kind in ("key", "value"):
-                out[f"past_key_values.{i}.{kind}"] = triple(b, kv_heads, p, head_dim)
+        for name in StepIO(num_layers).past_names:
+            out[name] = triple(b, kv_heads, p, head_dim)
         return out
 
 

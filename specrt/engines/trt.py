@@ -235,3 +235,46 @@ def select_profile(manifest: dict, batch: int, q_len: int, past_len: int) -> int
             return i
     raise SpecrtError(f"no profile of this engine holds batch {batch}, Q {q_len}, past {past_len}; rebuild with larger engine shapes.")
 
+
+# GPUs a TensorRT-RTX engine built without explicit compute capabilities runs on (its support matrix:
+# Ampere 8.0/8.6, Ada 8.9, Blackwell 12.0 and later; Turing 7.5 only when targeted explicitly)
+RTX_DEFAULT_SMS = (80, 86, 89)
+RTX_DEFAULT_MIN_SM = 120
+
+
+def sm_name(capability: tuple[int, int]) -> str:
+    return f"SM{capability[0]}{capability[1]}"
+
+
+def check_engine_gpu(manifest: dict, capability: tuple[int, int], gpu_name: str, engine_dir: str | Path = "engine") -> None:
+    """Refuse an engine that was not built for this GPU (clear error instead of a TensorRT failure)."""
+    sm = capability[0] * 10 + capability[1]
+    here = f"this GPU ({gpu_name}) is {sm_name(capability)}"
+    if manifest["flavour"] == "tensorrt":
+        built = manifest.get("build_gpu")
+        if built and built["sm"] != sm_name(capability):
+            raise ManifestMismatchError(
+                f"engine {engine_dir} was built by TensorRT on {built['name']} ({built['sm']}), but {here}; TensorRT engines "
+                f"only run on the GPU architecture they were built on. Rebuild it on this machine: specrt build-engines --tensorrt tensorrt"
+            )
+        return
+    targets = manifest.get("compute_capabilities") or ["library default"]
+    if targets == ["library default"]:
+        ok = sm in RTX_DEFAULT_SMS or sm >= RTX_DEFAULT_MIN_SM
+        built_for = "SM80, SM86, SM89 and SM120+ (the TensorRT-RTX default)"
+    else:
+        ok = sm_name(capability) in targets
+        built_for = ", ".join(targets)
+    if not ok:
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was built by TensorRT-RTX for {built_for}, but {here}. Rebuild it with "
+            f"--compute-capability {sm_name(capability)} if TensorRT-RTX supports that GPU, or use full TensorRT "
+            f"(--tensorrt tensorrt) or the PyTorch-CUDA backend (--backend torch --device cuda) on it."
+        )
+
+
+def engine_max_context(manifest: dict) -> int:
+    """Longest context (prompt + output) the engine's profiles serve: the runtime binds the whole
+    cache, which holds the context plus one verification step."""
+    verify = manifest["profiles"][0]
+    return int(verify["past_len"]["max"] - verify["q_len"]["max"])

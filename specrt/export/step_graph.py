@@ -11,7 +11,6 @@ The directory written holds model.onnx, model.onnx.data (external weights) and m
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from pathlib import Path
@@ -25,6 +24,7 @@ from specrt.errors import ArtifactError
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel, causal_mask
+from specrt.export.step_io import INPUT_DTYPES, StepIO
 
 ONNX_KIND = "onnx-step-graph"
 # the I/O contract of the step graph; exports of another version are refused and rebuilt
@@ -32,43 +32,6 @@ GRAPH_VERSION = 2
 ONNX_FILE = "model.onnx"
 ONNX_DATA = "model.onnx.data"
 DEFAULT_OPSET = 17
-
-
-@dataclasses.dataclass(frozen=True)
-class StepGraphIO:
-    """Names and dynamic axes of the step graph, built from the layer count alone."""
-
-    num_layers: int
-
-    @property
-    def past_names(self) -> list[str]:
-        return [f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
-
-    @property
-    def present_names(self) -> list[str]:
-        return [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
-
-    @property
-    def input_names(self) -> list[str]:
-        return ["input_ids", "position_ids", "attention_mask", "logits_index", *self.past_names]
-
-    @property
-    def output_names(self) -> list[str]:
-        return ["logits", "hidden_states", *self.present_names]
-
-    @property
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        axes = {
-            "input_ids": {0: "batch", 1: "q_len"},
-            "position_ids": {0: "batch", 1: "q_len"},
-            "attention_mask": {0: "batch", 1: "q_len", 2: "kv_len"},
-            "logits_index": {0: "batch", 1: "n_logits"},
-            "logits": {0: "batch", 1: "n_logits"},
-            "hidden_states": {0: "batch", 1: "q_len"},
-        }
-        axes.update({n: {0: "batch", 2: "past_len"} for n in self.past_names})
-        axes.update({n: {0: "batch", 2: "q_len"} for n in self.present_names})
-        return axes
 
 
 class StepGraph(nn.Module):
@@ -145,7 +108,7 @@ def export_step_graph(
     steps.set_postfix_str("load weights")
     model = load_model(checkpoint, hidden_layers=hidden_layers)
     cfg = model.cfg
-    io = StepGraphIO(cfg.num_hidden_layers)
+    io = StepIO(cfg.num_hidden_layers)
     steps.update()
     with atomic_dir(out_dir) as tmp:
         steps.set_postfix_str("trace to ONNX")
@@ -194,7 +157,7 @@ def export_step_graph(
                 "inputs": io.input_names,
                 "outputs": io.output_names,
                 "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
-                "dtypes": {"input_ids": "int64", "position_ids": "int64", "attention_mask": "bool", "logits_index": "int64", "kv": "float32", "logits": "float32"},
+                "dtypes": {**INPUT_DTYPES, "kv": "float32", "logits": "float32"},
                 "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
                 "export_seconds": round(export_s, 2),
                 "versions": package_versions("torch", "onnx", "onnxruntime"),

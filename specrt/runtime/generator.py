@@ -1,13 +1,15 @@
-"""Plain autoregressive generation on a step backend: prefill, then one token per step.
+"""Plain autoregressive generation over a step session: prefill, then one token per step.
 
     gen = Generator.from_engine("artifacts/SmolLM2-135M-Instruct/engines/ort-cpu")
     result = gen.generate("What is speculative decoding?", max_new_tokens=64)
-    for piece in gen.stream("Tell me a joke"): print(piece, end="")
+    stream = gen.stream("Tell me a joke")
+    for piece in stream: print(piece, end="")
+    print(stream.result.summary())
 
-The ladder of verbs: `forward_tokens` (one step over a ragged batch of new tokens, KV appended),
-`prefill` (the prompts, in chunks), `decode_one_token`, `generate_ids`, `generate` / `stream`.
-Batches are ragged: every row keeps its own length in the KV cache and the attention mask hides
-everything else, so rows of different lengths never need padding in the cache.
+Every generation loop (this one and the speculative one) is built from the same pieces here:
+`Generator.start` (check the prompts, take a cache, prefill), `Rows` (emit tokens per row up to
+EOS or the budget, and the results), and `Stream` (per-step new tokens as an iterator, the
+results as a value once it is exhausted; closing it ends the generation and frees its cache).
 """
 
 from __future__ import annotations
@@ -15,19 +17,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Generator as Generator_
+from typing import Callable, Generic, Iterator, TypeVar
 
 import numpy as np
 
 from specrt.errors import PromptError, SpecrtError
-from specrt.runtime.backends import StepBackend
+from specrt.runtime.backends.base import StepBackend
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.sampling import SamplingParams, next_tokens
+from specrt.runtime.session import Prefilled, StepSession
 from specrt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-CACHE_BUCKET = 256  # pooled caches (CUDA-graph backends) have capacities in multiples of this
-CACHE_POOL_SIZE = 4
 
 
 @dataclasses.dataclass
@@ -57,58 +56,139 @@ class GenerationResult:
         )
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Stream(Generic[T, R]):
+    """An iterator over a generation's steps whose outcome is a value, not an exception:
+    iterate it (each item: what the step produced), then read `result`. `close()` ends the
+    generation early (its cache is released) and leaves `result` None."""
+
+    def __init__(self, steps: Iterator[T], cleanup: Callable[[], None] | None = None):
+        self._steps = steps
+        self._cleanup = cleanup  # also run by close() when the steps never started
+        self.result: R | None = None
+        self.done = False
+
+    def __iter__(self) -> "Stream[T, R]":
+        return self
+
+    def __next__(self) -> T:
+        try:
+            return next(self._steps)
+        except StopIteration as stop:
+            self.result, self.done = stop.value, True
+            raise StopIteration from None
+
+    def run(self) -> R:
+        """Run to the end and return the result."""
+        for _ in self:
+            pass
+        return self.result
+
+    def close(self) -> None:
+        self._steps.close()
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup = None
+
+    def __enter__(self) -> "Stream[T, R]":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def text_stream(gen: "Generator", steps: Stream) -> Stream[str, GenerationResult]:
+    """Text pieces of row 0 of a token stream; its result is row 0's GenerationResult with text."""
+
+    def pieces():
+        detok = IncrementalDetokenizer(gen.tokenizer)
+        try:
+            for new in steps:
+                text = "".join(detok.push(t) for t in new[0] if t not in gen.eos_ids)
+                if text:
+                    yield text
+        finally:
+            steps.close()
+        result = steps.result[0]
+        result.text = gen.decode(result.token_ids)
+        return result
+
+    return Stream(pieces(), steps.close)
+
+
+@dataclasses.dataclass
+class Rows:
+    """The rows of one generation: what each has produced, whether it is still running and why it
+    stopped. `emit` is the one place tokens are appended (up to EOS or the row's budget)."""
+
+    prompt_lens: np.ndarray
+    budget: np.ndarray  # tokens each row may produce
+    eos_ids: frozenset
+    out: list[list[int]] = dataclasses.field(default_factory=list)
+    reason: list[str] = dataclasses.field(default_factory=list)
+    active: np.ndarray = None
+
+    def __post_init__(self):
+        B = len(self.prompt_lens)
+        self.out = [[] for _ in range(B)]
+        self.reason = ["length"] * B
+        self.active = np.ones(B, dtype=bool)
+
+    def emit(self, b: int, tokens) -> list[int]:
+        """Append tokens to row b up to EOS or its budget; returns what was appended."""
+        taken = []
+        for t in tokens:
+            t = int(t)
+            self.out[b].append(t)
+            taken.append(t)
+            if t in self.eos_ids:
+                self.active[b], self.reason[b] = False, "stop"
+                break
+            if len(self.out[b]) >= self.budget[b]:
+                self.active[b] = False
+                break
+        return taken
+
+    def results(self, prefill_s: float, step_times: list[float], metrics=None) -> list[GenerationResult]:
+        decode_s = float(sum(step_times))
+        return [GenerationResult(int(self.prompt_lens[b]), self.out[b], self.reason[b], prefill_s, decode_s, step_times, metrics=metrics)
+                for b in range(len(self.out))]
+
+
 @dataclasses.dataclass
 class Started:
-    """What every generation loop begins with: budgets, a fresh cache, the prefill's first tokens."""
+    """What every generation loop begins with: the rows, a fresh cache, the prefill and its first tokens."""
 
-    lens: np.ndarray  # prompt lengths
-    budget: np.ndarray  # tokens each row may produce
+    prompts: list[list[int]]
+    rows: Rows
     cache: KVCache
     rng: np.random.Generator
+    prefilled: Prefilled
     first: np.ndarray  # (B,) first generated token of each row
     prefill_seconds: float
-
-
-def run_to_end(steps):
-    """Drain a step iterator (iter_generate) and return its results."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
-
-
-def stream_text(gen: "Generator", steps) -> Generator_[str, None, "GenerationResult"]:
-    """Text pieces of row 0 from a step iterator yielding new tokens per row; returns its result."""
-    detok = IncrementalDetokenizer(gen.tokenizer)
-    while True:
-        try:
-            new = next(steps)
-        except StopIteration as stop:
-            result = stop.value[0]
-            break
-        text = "".join(detok.push(t) for t in new[0] if t not in gen.eos_ids)
-        if text:
-            yield text
-    result.text = gen.decode(result.token_ids)
-    return result
 
 
 class Generator:
     def __init__(self, backend: StepBackend, tokenizer: Tokenizer | None = None, max_context: int | None = None, prefill_chunk: int = 512,
                  checkpoint: Path | None = None):
+        self.session = StepSession(backend, max_context, prefill_chunk)
         self.backend = backend
         self.checkpoint = checkpoint  # where the weights and tokenizer came from, when known
         self.config = backend.config
         self.tokenizer = tokenizer
-        # the smallest of: what was asked, what an engine was built for, what the model supports
-        self.max_context = min(v for v in (max_context, getattr(backend, "max_context", None), self.config.max_position_embeddings) if v)
-        self.prefill_chunk = min(prefill_chunk, getattr(backend, "max_step_q", None) or prefill_chunk)  # an engine's largest profile
+        self.max_context = self.session.max_context
         eos = set(self.config.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
             eos.add(tokenizer.token_id(tokenizer.eos_token))
         self.eos_ids = frozenset(eos)
-        self._cache_pool: list[KVCache] = []
+
+    @property
+    def gen(self) -> "Generator":
+        """The generator a runner decodes with (itself; a SpeculativeDecoder has one too)."""
+        return self
 
     # -- construction -------------------------------------------------------------------------
 
@@ -126,8 +206,8 @@ class Generator:
         manifest = read_engine_manifest(engine_dir, verify="none")  # for the checkpoint's path; the files are checked below
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
         session, manifest, provider = load_ort_session(engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint), verify=verify)
-        backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider)
-        backend.batch_invariance = manifest.get("batch_invariance")  # measured at build (ort.batch_invariance)
+        backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider,
+                             batch_invariance=manifest.get("batch_invariance"))  # measured at build (engines.ort.batch_invariance)
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod
@@ -138,7 +218,7 @@ class Generator:
         so must the ONNX export it was built from, where that is still on disk."""
         from specrt.artifacts import read_manifest
         from specrt.engines.trt import TRT_KIND
-        from specrt.engines.trt_runtime import TrtBackend
+        from specrt.runtime.backends import TrtBackend
         from specrt.export.checkpoint import checkpoint_hash
 
         manifest = read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")
@@ -160,82 +240,9 @@ class Generator:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
-        """A KV cache of at least `capacity` positions for `batch` rows.
-
-        Backends that capture CUDA graphs (`reuse_cache = True`) get caches from a small pool, with
-        the capacity rounded up to a multiple of CACHE_BUCKET (but not past the backend's
-        `max_cache`): a graph is bound to its cache's buffers, so reusing them across generations
-        lets each step shape be captured once, not once per generation. A pooled cache is handed
-        out again only after `release` (generation loops release theirs when they end)."""
-        c = self.config
-        device = getattr(self.backend, "cache_device", None)  # backends that keep the KV on a device
-        if not getattr(self.backend, "reuse_cache", False):
-            return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=device)
-        limit = getattr(self.backend, "max_cache", None) or capacity + CACHE_BUCKET
-        capacity = max(capacity, min(-(-capacity // CACHE_BUCKET) * CACHE_BUCKET, limit))
-        for cache in self._cache_pool:
-            if not cache.in_use and cache.batch == batch and cache.capacity == capacity:
-                cache.reset()
-                cache.in_use = True
-                return cache
-        cache = KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=device)
-        cache.in_use = True
-        idle = [k for k in self._cache_pool if not k.in_use]
-        if len(self._cache_pool) >= CACHE_POOL_SIZE and idle:
-            self._cache_pool.remove(idle[0])  # the oldest idle one makes room
-        if len(self._cache_pool) < CACHE_POOL_SIZE:
-            self._cache_pool.append(cache)
-        return cache
-
-    def release(self, cache: KVCache) -> None:
-        """The generation that used `cache` is over: a pooled cache may be handed out again."""
-        cache.in_use = False
-
-    def forward_tokens(self, cache: KVCache, tokens: list[list[int]], trees: list[tuple[np.ndarray, np.ndarray]] | None = None, last_only: bool = False):
-        """One step over new tokens per row (rows may differ in count, even be empty); their KV is
-        appended to the cache. Returns the StepOutput (B, Q = longest row, ...): logits at every
-        position, or with last_only=True at each row's last token only (B, 1, V).
-
-        trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
-        sequence: position = committed length + depth, and each token sees what its mask allows."""
-        counts = np.array([len(t) for t in tokens], dtype=np.int64)
-        Q = int(counts.max())
-        ids = np.zeros((cache.batch, Q), dtype=np.int64)
-        offsets = np.broadcast_to(np.arange(Q, dtype=np.int64), (cache.batch, Q)).copy()
-        new_mask = np.broadcast_to(np.tril(np.ones((Q, Q), dtype=bool)), (cache.batch, Q, Q)).copy()
-        for b, t in enumerate(tokens):
-            ids[b, : len(t)] = t
-            if trees is not None and trees[b] is not None:
-                depths, mask = trees[b]
-                n = len(t)
-                offsets[b, :n] = depths
-                new_mask[b, :n, :n] = mask
-        positions = cache.lengths[:, None] + offsets
-        if last_only:
-            index = np.maximum(counts - 1, 0)[:, None]
-        else:
-            index = np.broadcast_to(np.arange(Q, dtype=np.int64), (cache.batch, Q)).copy()
-        out = self.backend.step(ids, positions, cache.attention_mask(Q, new_mask), index, cache)
-        cache.append(out.present, counts)
-        return out
-
-    def prefill(self, cache: KVCache, prompts: list[list[int]]) -> np.ndarray:
-        """Run the prompts through the model in chunks; returns each row's last logits (B, V)."""
-        last = np.zeros((cache.batch, self.config.vocab_size), dtype=np.float32)
-        start = 0
-        while start < max(len(p) for p in prompts):
-            chunk = [p[start : start + self.prefill_chunk] for p in prompts]
-            out = self.forward_tokens(cache, chunk, last_only=True)
-            for b, c in enumerate(chunk):
-                if c:
-                    last[b] = out.logits[b, 0]
-            start += self.prefill_chunk
-        return last
-
     def decode_one_token(self, cache: KVCache, tokens: np.ndarray, active: np.ndarray) -> np.ndarray:
         """Feed one token per active row; returns logits (B, V)."""
-        out = self.forward_tokens(cache, [[int(t)] if a else [] for t, a in zip(tokens, active)])
+        out = self.session.forward(cache, [[int(t)] if a else [] for t, a in zip(tokens, active)])
         return out.logits[:, 0]
 
     # -- generation -----------------------------------------------------------------------------
@@ -253,60 +260,49 @@ class Generator:
             if bad:
                 raise PromptError(f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
 
-    def start(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams, headroom: int = 0) -> Started:
-        """Check the prompts, allocate the cache (output plus `headroom` positions) and prefill."""
+    def start(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams, headroom: int = 0,
+              hidden: bool = False) -> Started:
+        """Check the prompts, take a cache (output plus `headroom` positions) and prefill; with
+        hidden=True the prefill also returns every prompt position's features."""
         if max_new_tokens < 1:
             raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.check_prompts(prompts)
         lens = np.array([len(p) for p in prompts])
-        budget = np.minimum(max_new_tokens, self.max_context - lens)
-        cache = self.new_cache(len(prompts), int((lens + budget).max()) + headroom)
-        rng = np.random.default_rng(sampling.seed)
-        t0 = time.perf_counter()
-        first = next_tokens(self.prefill(cache, prompts), sampling, rng)
-        return Started(lens, budget, cache, rng, first, time.perf_counter() - t0)
-
-    def iter_generate(
-        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
-    ) -> Generator_[list[list[int]], None, list[GenerationResult]]:
-        """Generate for a batch of token-id prompts, step by step.
-
-        Yields, after every step, the new tokens of each row (one, or none for a finished row).
-        Returns (StopIteration.value) one GenerationResult per row."""
-        st = self.start(prompts, max_new_tokens, sampling)
+        rows = Rows(lens, np.minimum(max_new_tokens, self.max_context - lens), self.eos_ids)
+        cache = self.session.new_cache(len(prompts), int((lens + rows.budget).max()) + headroom)
         try:
-            return (yield from self._steps(st, prompts, sampling))
-        finally:
-            self.release(st.cache)
+            rng = np.random.default_rng(sampling.seed)
+            t0 = time.perf_counter()
+            prefilled = self.session.prefill(cache, prompts, hidden=hidden)
+            first = next_tokens(prefilled.logits, sampling, rng)
+        except BaseException:
+            self.session.release(cache)
+            raise
+        return Started(prompts, rows, cache, rng, prefilled, first, time.perf_counter() - t0)
 
-    def _steps(self, st: Started, prompts, sampling):
-        B = len(prompts)
-        out: list[list[int]] = [[] for _ in range(B)]
-        reason = ["length"] * B
-        active = np.ones(B, dtype=bool)
-        steps: list[float] = []
+    def iter_generate(self, prompts: list[list[int]], max_new_tokens: int = 128,
+                      sampling: SamplingParams = SamplingParams()) -> Stream[list[list[int]], list[GenerationResult]]:
+        """Generate for a batch of token-id prompts, step by step: iterating yields, after every
+        step, the new tokens of each row (one, or none for a finished row); `result` is then one
+        GenerationResult per row."""
+        return generation(self, prompts, max_new_tokens, sampling, self._decode)
+
+    def _decode(self, st: Started, sampling: SamplingParams):
+        """The plain loop: one token per active row per step."""
+        rows, steps = st.rows, []
         tokens = st.first
-        while True:
-            new: list[list[int]] = [[] for _ in range(B)]
-            for b in np.flatnonzero(active):
-                out[b].append(int(tokens[b]))
-                new[b] = [int(tokens[b])]
-                if int(tokens[b]) in self.eos_ids:
-                    active[b], reason[b] = False, "stop"
-                elif len(out[b]) >= st.budget[b]:
-                    active[b] = False
-            yield new
-            if not active.any():
-                break
+        yield [rows.emit(b, [tokens[b]]) for b in range(len(st.prompts))]
+        while rows.active.any():
             ts = time.perf_counter()
+            active = rows.active.copy()
             logits = self.decode_one_token(st.cache, tokens, active)
             tokens = np.where(active, next_tokens(logits, sampling, st.rng), tokens)
             steps.append(time.perf_counter() - ts)
-        decode_s = float(sum(steps))
-        return [GenerationResult(int(st.lens[b]), out[b], reason[b], st.prefill_seconds, decode_s, steps) for b in range(B)]
+            yield [rows.emit(b, [tokens[b]]) if active[b] else [] for b in range(len(st.prompts))]
+        return rows.results(st.prefill_seconds, steps)
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()) -> list[GenerationResult]:
-        return run_to_end(self.iter_generate(prompts, max_new_tokens, sampling))
+        return self.iter_generate(prompts, max_new_tokens, sampling).run()
 
     def encode_prompt(self, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
         if self.tokenizer is None:
@@ -318,11 +314,10 @@ class Generator:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def stream(
-        self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True, system: str | None = None
-    ) -> Generator_[str, None, GenerationResult]:
-        """Yield text pieces as tokens are produced; returns (StopIteration.value) the GenerationResult."""
-        return stream_text(self, self.iter_generate([self.encode_prompt(prompt, chat, system)], max_new_tokens, sampling))
+    def stream(self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True,
+               system: str | None = None) -> Stream[str, GenerationResult]:
+        """Text pieces as tokens are produced; `result` is then the GenerationResult."""
+        return text_stream(self, self.iter_generate([self.encode_prompt(prompt, chat, system)], max_new_tokens, sampling))
 
     def generate(self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True, system: str | None = None) -> GenerationResult:
         ids = self.encode_prompt(prompt, chat, system)
@@ -332,3 +327,21 @@ class Generator:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in token_ids if t not in self.eos_ids])
+
+
+def generation(gen: Generator, prompts, max_new_tokens: int, sampling: SamplingParams, loop: Callable, headroom: int = 0,
+               hidden: bool = False) -> Stream:
+    """Start a generation (prompts checked, cache taken, prefill run) and return the stream of
+    `loop(started, sampling)`; the cache goes back however the stream ends."""
+    st = gen.start(prompts, max_new_tokens, sampling, headroom, hidden)
+
+    def release():
+        gen.session.release(st.cache)
+
+    def steps():
+        try:
+            return (yield from loop(st, sampling))
+        finally:
+            release()
+
+    return Stream(steps(), release)

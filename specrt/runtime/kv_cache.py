@@ -86,6 +86,13 @@ class KVCache:
             raise ValueError(f"keep: row {row} has {self.lengths[row]} positions, asked to keep up to {new_len}")
         self.lengths[row] = new_len
 
+    def keep_path(self, row: int, root: int, accepted: list[int]) -> None:
+        """After a verification step whose root went to slot `root` and whose draft nodes followed
+        it (node i at slot root + 1 + i): keep the root and the accepted nodes, in path order,
+        and forget the rest of the step (for a chain that is a length change; for a tree the
+        path is compacted behind the root)."""
+        self.keep(row, root + 1, [root + 1 + i for i in accepted])
+
     def attention_mask(self, q_len: int, new_mask: np.ndarray | None = None) -> np.ndarray:
         """(B, Q, C + Q) bool mask for a step of Q new positions.
 

@@ -1,27 +1,33 @@
 """Speculation length: a fixed N, or `auto`, which picks N each step from the cost model
 
-    speedup(N) = E[tokens per step | N] / (T_draft/T_decode + 1 + beta_B + alpha_B * N)
+    speedup(N) = E[tokens per step | N] / (1 + beta_B + alpha_B * N + T_draft(N) / T_decode)
 
 with everything measured online:
     E[tokens | N] = 1 + sum_{i<=N} prod_{j<=i} a_j, a_j the acceptance rate at depth j given
                     depth j-1 was accepted (exponentially decayed counts; the prior of depth j is
                     two pseudo-observations at the rate of depth j-1, so depths not yet drafted
                     are expected to behave like the deepest one seen, and N can grow into them);
-    T_decode      median time of recent plain steps (no draft) at this batch size B;
-    alpha, beta   a line t(P) = c0 + c1 * P fitted to recent steps that verified drafts
-                    (P = positions in the step over the whole batch): alpha_B = c1 * B / T_decode
-                    is the cost of one more draft position per row, beta_B = t(B) / T_decode - 1
-                    the fixed extra cost of any verification step. beta is the refinement of
-                    the textbook model: on a CPU a step of Q = 2 costs ~12 % more than Q = 1
-                    (matrix-vector vs matrix-matrix kernels), then ~4 % per position, and a
-                    line through Q = 1 gets both the small and the large drafts wrong. A larger
-                    batch makes alpha_B larger, so speculation turns itself down;
-    T_draft       decayed mean of the proposer's time per step.
+    T_decode      time of a plain step (no draft) at this batch size B;
+    alpha, beta   a line t(P) = c0 + c1 * P through the verification steps (P = positions in the
+                    step over the whole batch): alpha_B = c1 * B / T_decode is the cost of one
+                    more draft position per row, beta_B = t(B) / T_decode - 1 the fixed extra
+                    cost of any verification step. beta is the refinement of the textbook model:
+                    on a CPU a step of Q = 2 costs ~12 % more than Q = 1 (matrix-vector vs
+                    matrix-matrix kernels), then ~4 % per position. A larger batch makes alpha_B
+                    larger, so speculation turns itself down;
+    T_draft(N)    the proposer's time per step, d0 + d1 * N: a line through the drafts' times
+                    when the proposer pays per drafted token (`cost_per_token`: a model runs once
+                    per token), a constant for lookups.
 N = 0 (plain decoding, speedup 1) is always a candidate, so speculation that does not pay is
 switched off; while off, every `probe_every`-th step drafts a little to keep the estimates current.
-With a single verification size seen, its measured cost is split between alpha and beta in the
-ratio of the priors; before any verification step (or plain step) the priors alpha = 0.05 and
-beta = 0.1 stand in.
+
+Robust to a noisy machine: contention only ever makes a step slower, and one slow step early in
+a request (another process took the core) must not switch speculation off for the rest of it.
+So each size's time is its median once it has `TRUST` observations, its fastest before; a size
+seen fewer times whose time is over `SPIKE` times what the priors predict is left out until it
+is confirmed; the line is fitted through the sizes' values weighted by their counts. Before any
+verification step the priors alpha = 0.05 and beta = 0.1 stand in; with one size seen, its
+measured cost is split between alpha and beta in the ratio of the priors.
 """
 
 from __future__ import annotations
@@ -31,32 +37,48 @@ import dataclasses
 
 import numpy as np
 
+TRUST = 3  # observations of a size before its median is believed
+SPIKE = 3.0  # a less-observed size this many times dearer than the priors predict is a spike
+
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     decode: float  # T_decode (seconds) at this batch size
     alpha: float  # per extra draft position per row, relative to T_decode
     beta: float  # fixed extra cost of a verification step, relative to T_decode
-    draft_ratio: float  # T_draft / T_decode
+    draft0: float  # T_draft's fixed part, relative to T_decode
+    draft1: float = 0.0  # T_draft per drafted token, relative to T_decode
+
+    def draft_ratio(self, n) -> np.ndarray:
+        """T_draft(n) / T_decode."""
+        n = np.asarray(n, dtype=np.float64)
+        return np.where(n > 0, self.draft0 + self.draft1 * n, 0.0)
 
     def relative(self, n: np.ndarray) -> np.ndarray:
         """Cost of a step with n draft tokens per row, in plain decode steps."""
         n = np.asarray(n, dtype=np.float64)
-        return 1.0 + np.where(n > 0, self.beta + self.draft_ratio + self.alpha * n, 0.0)
+        return 1.0 + np.where(n > 0, self.beta + self.alpha * n, 0.0) + self.draft_ratio(n)
+
+
+def _robust(times: list[float]) -> float:
+    """A size's time: the median once trusted, the fastest before (noise only slows steps)."""
+    return float(np.median(times)) if len(times) >= TRUST else float(min(times))
 
 
 class CostModel:
-    """Online estimates of T_decode, alpha, beta, T_draft and per-depth acceptance."""
+    """Online estimates of T_decode, alpha, beta, T_draft(N) and per-depth acceptance."""
 
-    def __init__(self, max_draft: int, decay: float = 0.98, window: int = 96, alpha_prior: float = 0.05, beta_prior: float = 0.1):
+    def __init__(self, max_draft: int, decay: float = 0.98, window: int = 96, alpha_prior: float = 0.05, beta_prior: float = 0.1,
+                 draft_per_token: bool = False):
         self.max_draft = max_draft
         self.decay = decay
         self.tried = np.zeros(max_draft)  # decayed counts: depth j was drafted and j-1 accepted
         self.hit = np.zeros(max_draft)  # ... and depth j was accepted
         self.plain_steps: collections.deque = collections.deque(maxlen=window)  # (batch, seconds)
         self.spec_steps: collections.deque = collections.deque(maxlen=window)  # (positions, seconds)
-        self.draft_s: float | None = None
+        self.drafts: collections.deque = collections.deque(maxlen=window)  # (draft tokens per row, seconds)
         self.alpha_prior, self.beta_prior = alpha_prior, beta_prior
+        self.draft_per_token = draft_per_token
         self._fits: dict[int, StepCost | None] = {}  # per batch size, cleared by each new step
 
     def observe_acceptance(self, drafted_depth: int, accepted: int) -> None:
@@ -66,33 +88,55 @@ class CostModel:
         self.tried[:tested] += 1
         self.hit[: min(accepted, self.max_draft)] += 1
 
-    def observe_step(self, positions: int, batch: int, seconds: float, draft_seconds: float) -> None:
+    def observe_step(self, positions: int, batch: int, seconds: float) -> None:
         """One target step over `positions` positions for `batch` rows (positions == batch: no draft)."""
-        if positions == batch:
-            self.plain_steps.append((batch, seconds))
-        else:
-            self.spec_steps.append((positions, seconds))
-            self.draft_s = draft_seconds if self.draft_s is None else 0.9 * self.draft_s + 0.1 * draft_seconds
+        (self.plain_steps if positions == batch else self.spec_steps).append((positions, seconds))
         self._fits.clear()
+
+    def observe_draft(self, tokens_per_row: float, seconds: float) -> None:
+        """One proposer call that drafted `tokens_per_row` tokens per row on average."""
+        if tokens_per_row > 0:
+            self.drafts.append((tokens_per_row, seconds))
+            self._fits.clear()
 
     def cost(self, batch: int) -> StepCost | None:
         if batch not in self._fits:
             self._fits[batch] = self._fit(batch)
         return self._fits[batch]
 
+    def _prior(self, positions: float, batch: int) -> float:
+        """Relative cost of a verification step of `positions` positions by the priors."""
+        return 1 + self.beta_prior + self.alpha_prior * (positions / batch - 1)
+
+    def _sizes(self, decode: float | None, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sizes, robust time per size, count per size) of the verification steps, spikes left out."""
+        groups: dict[float, list[float]] = collections.defaultdict(list)
+        for positions, t in self.spec_steps:
+            groups[positions].append(t)
+        sizes, times, counts = [], [], []
+        for size, ts in sorted(groups.items()):
+            value = _robust(ts)
+            if len(ts) < TRUST and decode is not None and value > SPIKE * decode * self._prior(size, batch):
+                continue  # not confirmed yet: more likely a slow moment than this size's cost
+            sizes.append(size)
+            times.append(value)
+            counts.append(len(ts))
+        return np.array(sizes, np.float64), np.array(times, np.float64), np.array(counts, np.float64)
+
     def _fit(self, batch: int) -> StepCost | None:
         plain = [t for b, t in self.plain_steps if b == batch]
-        spec = np.array(self.spec_steps, dtype=np.float64).reshape(-1, 2)
-        if plain:
-            decode = float(np.median(plain))
-        elif len(spec):  # no plain step yet: back out T_decode from the verification steps with the priors
-            rel = 1 + self.beta_prior + self.alpha_prior * (spec[:, 0] / batch - 1)
-            decode = float(np.median(spec[:, 1] / rel))
-        else:
-            return None
-        sizes = np.unique(spec[:, 0])
+        decode = _robust(plain) if plain else None
+        # without a plain step, judge spikes against the fastest verification step (scaled by the
+        # priors): noise only ever makes a step slower
+        guess = decode or min((t / self._prior(z, batch) for z, t in self.spec_steps), default=None)
+        sizes, times, counts = self._sizes(guess, batch)
+        if decode is None:
+            if not len(sizes):
+                return None
+            # no plain step yet: back out T_decode from the verification steps with the priors
+            decode = float(np.median(times / np.array([self._prior(z, batch) for z in sizes])))
         if len(sizes) >= 2:  # a line through the verification steps
-            c1, c0 = np.polyfit(spec[:, 0], spec[:, 1], 1)
+            c1, c0 = np.polyfit(sizes, times, 1, w=np.sqrt(counts))
             c1 = max(float(c1), 0.0)
             alpha = c1 * batch / decode
             beta = max((c0 + c1 * batch) / decode - 1.0, 0.0)
@@ -100,13 +144,29 @@ class CostModel:
             # one verification size seen: its measured extra cost r, split between beta and alpha
             # in the proportion of the priors (exact for that size, which is all a fixed N uses)
             n = sizes[0] / batch - 1  # draft tokens per row
-            r = max(float(np.median(spec[:, 1])) / decode - 1.0, 0.0)
+            r = max(float(times[0]) / decode - 1.0, 0.0)
             beta = r * self.beta_prior / (self.beta_prior + self.alpha_prior * n)
             alpha = (r - beta) / n
         else:
             alpha, beta = self.alpha_prior, self.beta_prior
-        ratio = (self.draft_s or 0.0) / decode
-        return StepCost(decode, alpha, beta, ratio)
+        d0, d1 = self._draft_line()
+        return StepCost(decode, alpha, beta, d0 / decode, d1 / decode)
+
+    def _draft_line(self) -> tuple[float, float]:
+        """T_draft(n) = d0 + d1 * n in seconds."""
+        if not self.drafts:
+            return 0.0, 0.0
+        groups: dict[float, list[float]] = collections.defaultdict(list)
+        for n, t in self.drafts:
+            groups[n].append(t)
+        ns = np.array(sorted(groups), np.float64)
+        ts = np.array([_robust(groups[n]) for n in sorted(groups)], np.float64)
+        if not self.draft_per_token:
+            return float(np.median(ts)), 0.0
+        if len(ns) >= 2:
+            d1, d0 = np.polyfit(ns, ts, 1, w=np.sqrt([len(groups[n]) for n in sorted(groups)]))
+            return max(float(d0), 0.0), max(float(d1), 0.0)
+        return 0.0, float(ts[0] / ns[0])  # one length seen: all of it per token
 
     def acceptance(self) -> np.ndarray:
         rates = np.empty(self.max_draft)

@@ -1,41 +1,43 @@
-"""Speculative decoding: prefill, then repeat { propose → verify in one target step → accept →
-commit KV }.
+"""Speculative decoding: prefill, then repeat { propose → verify → accept → commit }.
 
-    spec = SpeculativeDecoder(Generator.from_engine(...), make_proposer("suffix"), AutoPolicy())
+    spec = SpeculativeDecoder(Generator.from_engine(...), make_proposer("suffix"), make_policy("auto"))
     result = spec.generate("Rewrite this code ...", max_new_tokens=256)
     print(result.text, result.metrics.summary())
 
-One target step verifies the draft of every row of a static batch: row b feeds [root, draft
-nodes...] at positions length_b + depth with the tree's ancestor mask; rows accept different
-numbers of tokens. Commit: the KV of the root and the accepted path is kept (for a chain that is
-a length change; for a tree the path's slots are compacted behind the root), the rest is rolled
-back. Greedy output equals plain greedy decoding, sampled output follows the target exactly
-(see verification.py).
+One step of `SpeculativeDecoder.step`, for the active rows of a static batch:
+    propose  the policy picks N from the cost model; the proposer drafts a tree per row
+    verify   one target step over [root, draft nodes...] per row, at positions length + depth
+             with the tree's ancestor mask (rows may draft different amounts)
+    accept   greedy: the path matching the target's argmax; sampling: recursive rejection
+             (verification.py): the output follows the target exactly
+    commit   the cache keeps the root and the accepted path (`KVCache.keep_path`), the rows emit
+             their tokens, and the proposer hears the verdicts (so a draft with state rolls back)
+and `observe` feeds what the step cost and accepted to the metrics and the cost model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
-from typing import Generator as Generator_
 
 import numpy as np
 
+from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
-from specrt.runtime.generator import GenerationResult, Generator, run_to_end, stream_text
+from specrt.runtime.backends.base import StepOutput
+from specrt.runtime.drafts.base import DraftInput, Proposer
+from specrt.runtime.generator import GenerationResult, Generator, Started, Stream, generation, text_stream
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
-from specrt.runtime.verification import DraftTree, accept_greedy, accept_sampling
+from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling
 
-
-def batch_variance_warning(backend) -> str | None:
+def batch_variance_warning(caps) -> str | None:
     """A warning when the backend's logits for a position depend on how many positions a step
     computes (measured when its engine was built): then verification can disagree with plain
     decoding on near ties, and speculative output is not guaranteed to equal plain output."""
-    from specrt.engines.ort import BATCH_VARIANCE_LIMIT
-
-    measured = getattr(backend, "batch_invariance", None)
+    measured = caps.batch_invariance
     if not measured or measured["relative"] <= BATCH_VARIANCE_LIMIT:
         return None
     return (
@@ -58,12 +60,48 @@ def make_policy(num_draft: int | str, max_draft: int = 16):
     return FixedPolicy(n)
 
 
+@dataclasses.dataclass
+class SpecState:
+    """One generation's speculative bookkeeping, beside `Started` (rows, cache, rng)."""
+
+    st: Started
+    sampling: SamplingParams
+    cost: CostModel
+    metrics: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)
+    # per row: the target's features at the positions committed since the proposer last saw the
+    # row (the prompt's at first); None unless the proposer needs features
+    pending: list[list[np.ndarray]] | None = None
+    roots: np.ndarray | None = None  # cache slot of each row's root in the current step
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    drafted_per_step: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one speculative step did, for `observe`."""
+
+    rows: list[int]
+    trees: dict[int, DraftTree]
+    verdicts: dict[int, Verdict]
+    positions: int  # fed to the target step, over the batch
+    draft_seconds: float
+    verify_seconds: float
+    new_tokens: list[list[int]]
+
+
 class SpeculativeDecoder:
-    def __init__(self, generator: Generator, proposer, policy=None):
+    def __init__(self, generator: Generator, proposer: Proposer, policy=None):
         self.gen = generator
         self.proposer = proposer
         self.policy = policy if policy is not None else AutoPolicy()
-        self.exactness_warning = batch_variance_warning(generator.backend)
+        limit = generator.session.caps.max_verify
+        if limit is not None and self.policy.max_draft + 1 > limit:
+            raise SpecrtError(
+                f"this engine verifies at most {limit} positions in one step ({limit - 1} draft tokens and the root), but up to "
+                f"{self.policy.max_draft} draft tokens were asked for; use --max-draft/--num-draft {limit - 1} or less, or rebuild "
+                f"the engine with --max-verify {self.policy.max_draft + 1}"
+            )
+        self.exactness_warning = batch_variance_warning(generator.session.caps)
         if self.exactness_warning:
             warnings.warn(self.exactness_warning, stacklevel=2)
 
@@ -71,110 +109,139 @@ class SpeculativeDecoder:
     def eos_ids(self):
         return self.gen.eos_ids
 
-    def iter_generate(
-        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
-    ) -> Generator_[list[list[int]], None, list[GenerationResult]]:
-        """Yields, after every step, the new tokens of each row (possibly none); returns one
-        GenerationResult per row, each carrying the batch's SpecMetrics."""
+    # -- the generation --------------------------------------------------------------------------
+
+    def iter_generate(self, prompts: list[list[int]], max_new_tokens: int = 128,
+                      sampling: SamplingParams = SamplingParams()) -> Stream[list[list[int]], list[GenerationResult]]:
+        """Iterating yields, after every step, the new tokens of each row (possibly none); `result`
+        is then one GenerationResult per row, each carrying the batch's SpecMetrics."""
         # room for the longest output plus one unverified draft
-        st = self.gen.start(prompts, max_new_tokens, sampling, headroom=self.policy.max_draft + 1)
+        return generation(self.gen, prompts, max_new_tokens, sampling, self._loop, headroom=self.policy.max_draft + 1,
+                          hidden=self.proposer.needs_features)
+
+    def _loop(self, st: Started, sampling: SamplingParams):
+        rows = list(range(len(st.prompts)))
+        state = SpecState(st, sampling, CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token))
+        if st.prefilled.hidden is not None:
+            state.pending = [[h] for h in st.prefilled.hidden]
+        self.proposer.begin(rows, st.prompts, st.prefilled)
         try:
-            return (yield from self._steps(st, prompts, sampling))
+            yield [st.rows.emit(b, [st.first[b]]) for b in rows]
+            while st.rows.active.any():
+                yield self.step(state).new_tokens
         finally:
-            self.gen.release(st.cache)
+            self.proposer.end(rows, st.rows.out)
+        return st.rows.results(st.prefill_seconds, state.step_times, self.finish(state))
 
-    def _steps(self, st, prompts, sampling):
-        gen = self.gen
-        B = len(prompts)
-        max_draft = self.policy.max_draft
-        cache, rng, budget = st.cache, st.rng, st.budget
-        cost = CostModel(max(max_draft, 1))
-        metrics = SpecMetrics()
-        for b, p in enumerate(prompts):
-            self.proposer.begin(b, p)
+    def step(self, state: SpecState) -> StepRecord:
+        """One speculative step over the active rows: propose → verify → accept → commit."""
+        rows = [int(b) for b in np.flatnonzero(state.st.rows.active)]
+        t0 = time.perf_counter()
+        trees = self.propose(state, rows)
+        t1 = time.perf_counter()
+        out = self.verify(state, rows, trees)
+        verdicts = self.accept(state, rows, trees, out)
+        new_tokens = self.commit(state, rows, trees, verdicts, out)
+        record = StepRecord(rows, trees, verdicts, sum(len(trees[b]) + 1 for b in rows), t1 - t0, time.perf_counter() - t1, new_tokens)
+        self.observe(state, record)
+        return record
 
-        out: list[list[int]] = [[] for _ in range(B)]
-        reason = ["length"] * B
-        active = np.ones(B, dtype=bool)
-        step_times: list[float] = []
-        drafted_per_step: list[float] = []
+    # -- the verbs -------------------------------------------------------------------------------
 
-        def emit(b: int, tokens: list[int]) -> list[int]:
-            """Append tokens to row b up to EOS or its budget; returns what was appended."""
-            taken = []
-            for t in tokens:
-                out[b].append(t)
-                taken.append(t)
-                if t in self.eos_ids:
-                    active[b], reason[b] = False, "stop"
-                    break
-                if len(out[b]) >= budget[b]:
-                    active[b] = False
-                    break
-            return taken
-
-        yield [emit(b, [int(st.first[b])]) for b in range(B)]
-        while active.any():
-            rows = np.flatnonzero(active)
-            td = time.perf_counter()
-            n_draft = self.policy.num_draft(cost, len(rows))
-            trees: dict[int, DraftTree] = {}
-            depths: dict[int, np.ndarray] = {}
+    def propose(self, state: SpecState, rows: list[int]) -> dict[int, DraftTree]:
+        """A draft tree per row, at most N nodes, N chosen by the policy from the cost model."""
+        n = self.policy.num_draft(state.cost, len(rows))
+        if n <= 0:
+            return {b: DraftTree.empty() for b in rows}
+        st = state.st
+        features = None
+        if state.pending is not None:  # handed over once: the proposer keeps what it needs
+            features = [np.concatenate(state.pending[b]) for b in rows]
             for b in rows:
-                tree = self.proposer.propose(int(b), prompts[b] + out[b], n_draft) if n_draft > 0 else DraftTree.empty()
-                trees[b] = tree.truncate(n_draft)
-                depths[b] = trees[b].depths()
-            draft_s = time.perf_counter() - td
+                state.pending[b] = []
+        inp = DraftInput(rows, [st.prompts[b] + st.rows.out[b] for b in rows], n,
+                         [int(st.rows.budget[b]) - len(st.rows.out[b]) for b in rows], state.sampling, st.rng, features)
+        trees = self.proposer.propose(inp)
+        if len(trees) != len(rows):
+            raise SpecrtError(f"draft method {self.proposer.name!r} returned {len(trees)} trees for {len(rows)} rows")
+        return {b: tree.truncate(n) for b, tree in zip(rows, trees)}
 
-            ts = time.perf_counter()
-            start = cache.lengths.copy()  # the root of row b goes to slot start[b]
-            feed = [[out[b][-1], *trees[b].tokens.tolist()] if active[b] else [] for b in range(B)]
-            shapes = [(np.concatenate([[0], depths[b]]), trees[b].ancestor_mask()) if active[b] else None for b in range(B)]
-            step = gen.forward_tokens(cache, feed, shapes)
-            new_tokens: list[list[int]] = [[] for _ in range(B)]
-            for b in rows:
-                tree = trees[b]
-                logits = step.logits[b, : len(tree) + 1]
-                if sampling.greedy:
-                    verdict = accept_greedy(tree, logits.argmax(axis=-1))
-                else:
-                    verdict = accept_sampling(tree, probs_from_logits(logits, sampling), rng)
-                cache.keep(int(b), int(start[b]) + 1, [int(start[b]) + 1 + i for i in verdict.accepted])
-                depth = int(depths[b].max()) if len(tree) else 0
-                metrics.observe_draft(len(tree), len(verdict.accepted), depth)
-                if len(tree):
-                    cost.observe_acceptance(depth, len(verdict.accepted))
-                new_tokens[b] = emit(int(b), verdict.tokens(tree))
-            step_s = time.perf_counter() - ts
-            cost.observe_step(sum(len(f) for f in feed), len(rows), step_s, draft_s)
-            drafted_per_step.append(sum(len(trees[b]) for b in rows) / len(rows))
-            metrics.step_seconds += step_s
-            metrics.draft_seconds += draft_s
-            step_times.append(step_s + draft_s)
-            yield new_tokens
+    def verify(self, state: SpecState, rows: list[int], trees: dict[int, DraftTree]) -> StepOutput:
+        """One target step over [root, draft nodes...] of every active row."""
+        st = state.st
+        B = len(st.prompts)
+        feed: list[list[int]] = [[] for _ in range(B)]
+        shapes: list = [None] * B
+        for b in rows:
+            feed[b] = [st.rows.out[b][-1], *trees[b].tokens.tolist()]
+            shapes[b] = (np.concatenate([[0], trees[b].depths()]), trees[b].ancestor_mask())
+        state.roots = st.cache.lengths.copy()  # where each row's root lands
+        return self.gen.session.forward(st.cache, feed, shapes, hidden=self.proposer.needs_features)
 
-        for b in range(B):
-            self.proposer.end(b, out[b])
-        fitted = cost.cost(B)
+    def accept(self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput) -> dict[int, Verdict]:
+        verdicts = {}
+        for b in rows:
+            logits = out.logits[b, : len(trees[b]) + 1]
+            if state.sampling.greedy:
+                verdicts[b] = accept_greedy(trees[b], logits.argmax(axis=-1))
+            else:
+                verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, state.sampling), state.st.rng)
+        return verdicts
+
+    def commit(self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], verdicts: dict[int, Verdict],
+               out: StepOutput) -> list[list[int]]:
+        """Keep the root and the accepted path in the cache, emit the tokens, tell the proposer;
+        returns each row's new tokens."""
+        st = state.st
+        new_tokens: list[list[int]] = [[] for _ in range(len(st.prompts))]
+        for b in rows:
+            st.cache.keep_path(b, int(state.roots[b]), verdicts[b].accepted)
+            new_tokens[b] = st.rows.emit(b, verdicts[b].tokens(trees[b]))
+            if state.pending is not None:  # the root's and the accepted nodes' features
+                state.pending[b].append(out.hidden_states[b, [0, *(1 + i for i in verdicts[b].accepted)]])
+        self.proposer.commit(rows, [trees[b] for b in rows], [verdicts[b] for b in rows], out)
+        return new_tokens
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def observe(self, state: SpecState, r: StepRecord) -> None:
+        """The step's cost and acceptance, into the metrics and the cost model."""
+        cost, metrics = state.cost, state.metrics
+        for b in r.rows:
+            tree, verdict = r.trees[b], r.verdicts[b]
+            depth = int(tree.depths().max()) if len(tree) else 0
+            metrics.observe_draft(len(tree), len(verdict.accepted), depth)
+            if len(tree):
+                cost.observe_acceptance(depth, len(verdict.accepted))
+        drafted = sum(len(r.trees[b]) for b in r.rows) / len(r.rows)
+        cost.observe_step(r.positions, len(r.rows), r.verify_seconds)
+        cost.observe_draft(drafted, r.draft_seconds)
+        state.drafted_per_step.append(drafted)
+        metrics.step_seconds += r.verify_seconds
+        metrics.draft_seconds += r.draft_seconds
+        state.step_times.append(r.verify_seconds + r.draft_seconds)
+
+    def finish(self, state: SpecState) -> SpecMetrics:
+        """The metrics, with the cost model's fitted numbers and its predicted speedup."""
+        metrics = state.metrics
+        fitted = state.cost.cost(len(state.st.prompts))
         if fitted is not None and metrics.steps:
-            metrics.alpha, metrics.beta, metrics.draft_ratio = fitted.alpha, fitted.beta, fitted.draft_ratio
+            drafted = np.array(state.drafted_per_step)
+            metrics.alpha, metrics.beta = fitted.alpha, fitted.beta
+            metrics.draft_ratio = float(fitted.draft_ratio(drafted).mean())
             metrics.decode_step_seconds = fitted.decode
             # the cost model's speedup for the drafts this run made: tokens per step / mean step cost
-            metrics.predicted_speedup = metrics.mean_accepted_length / float(fitted.relative(np.array(drafted_per_step)).mean())
-        decode_s = float(sum(step_times))
-        results = []
-        for b in range(B):
-            r = GenerationResult(int(st.lens[b]), out[b], reason[b], st.prefill_seconds, decode_s, step_times)
-            r.metrics = metrics
-            results.append(r)
-        return results
+            metrics.predicted_speedup = metrics.mean_accepted_length / float(fitted.relative(drafted).mean())
+        return metrics
+
+    # -- conveniences ----------------------------------------------------------------------------
 
     def generate_ids(self, prompts, max_new_tokens=128, sampling=SamplingParams()) -> list[GenerationResult]:
-        return run_to_end(self.iter_generate(prompts, max_new_tokens, sampling))
+        return self.iter_generate(prompts, max_new_tokens, sampling).run()
 
-    def stream(self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None):
-        """Yield text pieces; returns (StopIteration.value) the GenerationResult with metrics."""
-        return stream_text(self.gen, self.iter_generate([self.gen.encode_prompt(prompt, chat, system)], max_new_tokens, sampling))
+    def stream(self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None) -> Stream[str, GenerationResult]:
+        """Text pieces; `result` is then the GenerationResult with metrics."""
+        return text_stream(self.gen, self.iter_generate([self.gen.encode_prompt(prompt, chat, system)], max_new_tokens, sampling))
 
     def generate(self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None) -> GenerationResult:
         ids = self.gen.encode_prompt(prompt, chat, system)

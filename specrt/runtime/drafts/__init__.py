@@ -1,39 +1,21 @@
-"""Draft methods: small objects that propose draft tokens for the target to verify.
-
-Every method has the same shape (no base class):
-
-    begin(row, prompt)               a request starts in batch row `row`
-    propose(row, context, max_tokens) -> DraftTree   (may be empty; at most max_tokens nodes)
-    end(row, output)                 the request finished; methods that learn across requests
-                                     (suffix) keep its output
+"""Draft methods: objects that propose draft tokens for the target to verify (contract: base.py).
 
 Methods are looked up by name in DRAFT_METHODS; `make_proposer("ngram", n_max=3)` builds one.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
-
 from specrt.errors import SpecrtError
+from specrt.runtime.drafts.base import DraftInput, Proposer
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
-from specrt.runtime.verification import DraftTree
-
-
-class Proposer(Protocol):
-    name: str
-
-    def begin(self, row: int, prompt: Sequence[int]) -> None: ...
-
-    def propose(self, row: int, context: Sequence[int], max_tokens: int) -> DraftTree: ...
-
-    def end(self, row: int, output: Sequence[int]) -> None: ...
-
 
 DRAFT_METHODS = {
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
 }
+
+__all__ = ["DRAFT_METHODS", "DraftInput", "Proposer", "make_proposer"]
 
 
 def make_proposer(name: str, **options) -> Proposer:

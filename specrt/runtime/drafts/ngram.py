@@ -15,19 +15,28 @@ from specrt.runtime.verification import DraftTree
 
 class NgramProposer:
     name = "ngram"
+    needs_features = False
+    cost_per_token = False  # a lookup costs about the same for any draft length
 
     def __init__(self, n_min: int = 2, n_max: int = 4):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
         self.n_min, self.n_max = n_min, n_max
 
-    def begin(self, row, prompt):
+    def begin(self, rows, prompts, prefilled):
         pass
 
-    def end(self, row, output):
+    def commit(self, rows, trees, verdicts, step):
         pass
 
-    def propose(self, row, context, max_tokens: int) -> DraftTree:
+    def end(self, rows, outputs):
+        pass
+
+    def propose(self, inp) -> list[DraftTree]:
+        return [self.lookup(ctx, inp.max_tokens) for ctx in inp.contexts]
+
+    def lookup(self, context, max_tokens: int) -> DraftTree:
+        """The chain that followed the longest recent match of the context's last n tokens."""
         ctx = np.asarray(context, dtype=np.int64)
         L = len(ctx)
         if max_tokens <= 0:

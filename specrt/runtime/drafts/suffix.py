@@ -102,6 +102,8 @@ class SuffixTrie:
 
 class SuffixProposer:
     name = "suffix"
+    needs_features = False
+    cost_per_token = False  # growing a tree from a trie costs about the same for any size here
 
     def __init__(self, max_depth: int = 48, max_match: int = 32, spec_factor: float = 2.0, min_score: float = 0.1, max_outputs: int = 4096):
         self.max_depth, self.max_match = max_depth, max_match
@@ -111,26 +113,33 @@ class SuffixProposer:
         self._outputs = 0
         self._requests: dict[int, SuffixTrie] = {}
 
-    def begin(self, row, prompt):
-        trie = SuffixTrie(self.max_depth)
-        trie.extend(prompt)
-        self._requests[row] = trie
+    def begin(self, rows, prompts, prefilled):
+        for row, prompt in zip(rows, prompts):
+            trie = SuffixTrie(self.max_depth)
+            trie.extend(prompt)
+            self._requests[row] = trie
 
-    def end(self, row, output):
-        self._requests.pop(row, None)
-        if self._outputs >= self.max_outputs:  # bound memory: start a fresh global trie
-            self.global_trie, self._outputs = SuffixTrie(self.max_depth), 0
-        self.global_trie.extend(output)
-        self.global_trie.end_sequence()
-        self._outputs += 1
+    def commit(self, rows, trees, verdicts, step):
+        pass  # the request trie catches up from the context at the next proposal
 
-    def propose(self, row, context, max_tokens: int) -> DraftTree:
+    def end(self, rows, outputs):
+        for row, output in zip(rows, outputs):
+            self._requests.pop(row, None)
+            if self._outputs >= self.max_outputs:  # bound memory: start a fresh global trie
+                self.global_trie, self._outputs = SuffixTrie(self.max_depth), 0
+            self.global_trie.extend(output)
+            self.global_trie.end_sequence()
+            self._outputs += 1
+
+    def propose(self, inp) -> list[DraftTree]:
+        return [self.draft(row, ctx, inp.max_tokens) for row, ctx in zip(inp.rows, inp.contexts)]
+
+    def draft(self, row: int, context, max_tokens: int) -> DraftTree:
         if max_tokens <= 0:
             return DraftTree.empty()
         trie = self._requests.get(row)
         if trie is None:
-            self.begin(row, [])
-            trie = self._requests[row]
+            trie = self._requests[row] = SuffixTrie(self.max_depth)
         trie.extend(context[trie.fed :])  # context only grows: feed what is new
         best = DraftTree.empty()
         for t in (trie, self.global_trie):

@@ -1,63 +1,14 @@
-"""Step backends: one forward step of the target model, behind one small interface.
-
-A backend runs the step graph contract of DESIGN.md on numpy arrays:
-    step(input_ids (B, Q), position_ids (B, Q), attention_mask (B, Q, C+Q), logits_index (B, K), cache) -> StepOutput
-reading past KV straight from the cache's preallocated buffers (no copy) and returning the KV
-of the Q new positions, which the caller commits with `cache.append`.
-
-- OrtBackend: an ONNX Runtime session on a built engine (the deployment path).
-- TorchBackend: our PyTorch model (the reference, and the path for GPUs without an engine).
-"""
+"""Our PyTorch model as a step backend: the reference on CPU, and the PyTorch-CUDA path."""
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Protocol
 
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.export.config import ModelConfig
-from specrt.runtime.kv_cache import KVCache
+from specrt.runtime.backends.base import MAX_GRAPHS, Capabilities, StepBackend, StepOutput, gather_rows
 
 
-MAX_GRAPHS = 128  # captured step graphs kept per backend before they are dropped and captured again
-
-
-@dataclasses.dataclass
-class StepOutput:
-    logits: np.ndarray  # (B, K, V) float32, at the positions logits_index asked for
-    hidden_states: np.ndarray  # (B, Q, C * len(hidden_layers)) float32
-    present: list[tuple[np.ndarray, np.ndarray]]  # per layer (key, value), each (B, Hkv, Q, D)
-
-
-class StepBackend(Protocol):
-    config: ModelConfig
-    description: str  # what runs, e.g. "onnxruntime 1.32.0 CPUExecutionProvider"
-
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, logits_index: np.ndarray, cache: KVCache) -> StepOutput: ...
-
-
-class OrtBackend:
-    def __init__(self, session, config: ModelConfig, provider: str):
-        import onnxruntime
-
-        self.session = session
-        self.config = config
-        self.description = f"onnxruntime {onnxruntime.__version__} {provider}"
-        L = config.num_hidden_layers
-        self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
-        self._output_names = [o.name for o in session.get_outputs()]
-
-    def step(self, input_ids, position_ids, attention_mask, logits_index, cache):
-        feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask, "logits_index": logits_index}
-        for i, (kname, vname) in enumerate(self._past_names):
-            feeds[kname], feeds[vname] = cache.past(i)
-        out = self.session.run(self._output_names, feeds)
-        return StepOutput(out[0], out[1], list(zip(out[2::2], out[3::2])))
-
-
-class TorchBackend:
+class TorchBackend(StepBackend):
     """Our PyTorch model as a step backend.
 
     device="cpu" (default) is the reference: the KV cache stays in numpy and is shared without a
@@ -78,10 +29,10 @@ class TorchBackend:
         self.device = torch.device(device)
         self.model = model.eval().to(self.device)
         self.config = model.cfg
-        self.cache_device = None if self.device.type == "cpu" else str(self.device)
         self.cuda_graphs, self.max_graph_q = cuda_graphs, max_graph_q
         self._graphs: dict = {}  # (cache address, capacity, (B, Q), (B, K)) -> (graph, static inputs, static outputs)
-        self.reuse_cache = cuda_graphs  # pooled caches, so graphs outlive one generation (Generator.new_cache)
+        # a graph is bound to its cache: pooled caches (reuse_cache) let graphs outlive one generation
+        self.caps = Capabilities(cache_device=None if self.device.type == "cpu" else str(self.device), reuse_cache=cuda_graphs)
         kind = "reference, cpu" if self.device.type == "cpu" else f"{self.device}{', CUDA graphs' if cuda_graphs else ''}"
         self.description = f"torch {torch.__version__} ({kind})"
 
@@ -96,7 +47,7 @@ class TorchBackend:
         logits, hidden, present = self.model(ids, pos, mask, past, index)
         return [logits, hidden, *[t for kv in present for t in kv]]
 
-    def step(self, input_ids, position_ids, attention_mask, logits_index, cache):
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None):
         import torch
 
         arrays = (input_ids, position_ids, attention_mask, logits_index)
@@ -110,7 +61,8 @@ class TorchBackend:
         present = list(zip(flat[0::2], flat[1::2]))
         if cache.device is None:
             present = [(k.numpy(), v.numpy()) for k, v in present]
-        return StepOutput(logits.float().cpu().numpy(), hidden.float().cpu().numpy(), present)
+        hidden = None if hidden_index is None else gather_rows(hidden, hidden_index).float().cpu().numpy()
+        return StepOutput(logits.float().cpu().numpy(), hidden, present)
 
     def _replay(self, inputs, cache):
         """Run the step through a CUDA graph captured for this (batch, Q, cache)."""

@@ -1,4 +1,4 @@
-"""TensorRT runtime backend: a built engine (trt.py) as a step backend on an NVIDIA GPU.
+"""TensorRT runtime backend: a built engine (engines/trt.py) as a step backend on an NVIDIA GPU.
 
     backend = TrtBackend("artifacts/SmolLM2-135M-Instruct/engines/trt-tensorrt", cuda_graphs=True)
     gen = Generator(backend, Tokenizer(checkpoint))      # or Generator.from_trt_engine(...)
@@ -29,56 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.trt import ENGINE_FILE, load_tensorrt, read_trt_manifest, select_profile
+from specrt.engines.trt import ENGINE_FILE, check_engine_gpu, engine_max_context, load_tensorrt, read_trt_manifest, select_profile
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.config import ModelConfig
-from specrt.runtime.backends import MAX_GRAPHS, StepOutput
+from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
+from specrt.runtime.backends.base import MAX_GRAPHS, Capabilities, StepBackend, StepOutput, gather_rows
 
-STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index")
 # TensorRT DataType member name -> torch dtype name
 _TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32", "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
-# GPUs a TensorRT-RTX engine built without explicit compute capabilities runs on (its support matrix:
-# Ampere 8.0/8.6, Ada 8.9, Blackwell 12.0 and later; Turing 7.5 only when targeted explicitly)
-RTX_DEFAULT_SMS = (80, 86, 89)
-RTX_DEFAULT_MIN_SM = 120
-
-
-def sm_name(capability: tuple[int, int]) -> str:
-    return f"SM{capability[0]}{capability[1]}"
-
-
-def check_engine_gpu(manifest: dict, capability: tuple[int, int], gpu_name: str, engine_dir: str | Path = "engine") -> None:
-    """Refuse an engine that was not built for this GPU (clear error instead of a TensorRT failure)."""
-    sm = capability[0] * 10 + capability[1]
-    here = f"this GPU ({gpu_name}) is {sm_name(capability)}"
-    if manifest["flavour"] == "tensorrt":
-        built = manifest.get("build_gpu")
-        if built and built["sm"] != sm_name(capability):
-            raise ManifestMismatchError(
-                f"engine {engine_dir} was built by TensorRT on {built['name']} ({built['sm']}), but {here}; TensorRT engines "
-                f"only run on the GPU architecture they were built on. Rebuild it on this machine: specrt build-engines --tensorrt tensorrt"
-            )
-        return
-    targets = manifest.get("compute_capabilities") or ["library default"]
-    if targets == ["library default"]:
-        ok = sm in RTX_DEFAULT_SMS or sm >= RTX_DEFAULT_MIN_SM
-        built_for = "SM80, SM86, SM89 and SM120+ (the TensorRT-RTX default)"
-    else:
-        ok = sm_name(capability) in targets
-        built_for = ", ".join(targets)
-    if not ok:
-        raise ManifestMismatchError(
-            f"engine {engine_dir} was built by TensorRT-RTX for {built_for}, but {here}. Rebuild it with "
-            f"--compute-capability {sm_name(capability)} if TensorRT-RTX supports that GPU, or use full TensorRT "
-            f"(--tensorrt tensorrt) or the PyTorch-CUDA backend (--backend torch --device cuda) on it."
-        )
-
-
-def engine_max_context(manifest: dict) -> int:
-    """Longest context (prompt + output) the engine's profiles serve: the runtime binds the whole
-    cache, which holds the context plus one verification step."""
-    verify = manifest["profiles"][0]
-    return int(verify["past_len"]["max"] - verify["q_len"]["max"])
 
 
 def _dtype_name(trt_dtype) -> str:
@@ -88,7 +46,7 @@ def _dtype_name(trt_dtype) -> str:
     return _TORCH_DTYPES[name]
 
 
-class TrtBackend:
+class TrtBackend(StepBackend):
     """A TensorRT / TensorRT-RTX engine as a step backend (see the module docstring)."""
 
     def __init__(self, engine_dir: str | Path, device: str = "cuda", cuda_graphs: bool = False, checkpoint_hash_expected: str | None = None,
@@ -121,9 +79,6 @@ class TrtBackend:
         self._engine = engine
         self.config = ModelConfig.from_dict(m["config"])
         self._io_dtypes = self._check_io(engine)
-        self.max_context = engine_max_context(m)
-        self.max_step_q = max(p["q_len"]["max"] for p in m["profiles"])
-        self.cache_device = str(self.device)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._handle = self._stream.cuda_stream if cuda else 0
         rtx_graphs = cuda_graphs and m["flavour"] == "tensorrt-rtx"
@@ -143,18 +98,23 @@ class TrtBackend:
         self.cuda_graphs = cuda_graphs and not rtx_graphs  # our own capture (full TensorRT)
         self.max_graph_q = max_graph_q
         self._graphs: dict = {}  # (cache address, capacity, profile, B, Q, K) -> (graph, static inputs, outputs) or None
-        self.reuse_cache = cuda_graphs  # pooled caches, so graphs (ours or TensorRT-RTX's) outlive one generation
-        self.max_cache = int(m["profiles"][0]["past_len"]["max"])  # pooled caches must still fit the profiles
+        self.caps = Capabilities(
+            max_context=engine_max_context(m),
+            max_step=max(p["q_len"]["max"] for p in m["profiles"]),
+            max_verify=int(m["profiles"][0]["q_len"]["max"]),  # the verify profile: root + draft nodes
+            max_cache=int(m["profiles"][0]["past_len"]["max"]),  # pooled caches must still fit the profiles
+            cache_device=str(self.device),
+            reuse_cache=cuda_graphs,  # pooled caches, so graphs (ours or TensorRT-RTX's) outlive one generation
+        )
         graphs = ", CUDA graphs (TensorRT-RTX built-in)" if rtx_graphs else ", CUDA graphs" if cuda_graphs else ""
         self.description = f"{m['flavour']} {m['tensorrt_version']} ({self.device}{graphs})"
 
     def _check_io(self, engine) -> dict[str, str]:
         """{tensor name: torch dtype name}; refuses an engine whose I/O is not the step graph's."""
-        c = self.config
-        past = [f"past_key_values.{i}.{kv}" for i in range(c.num_hidden_layers) for kv in ("key", "value")]
-        present = [f"present.{i}.{kv}" for i in range(c.num_hidden_layers) for kv in ("key", "value")]
+        io = StepIO(self.config.num_hidden_layers)
+        past, present = io.past_names, io.present_names
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-        expected = {*STEP_INPUTS, *past, "logits", "hidden_states", *present}
+        expected = {*io.input_names, *io.output_names}
         if set(names) != expected:
             missing, extra = sorted(expected - set(names)), sorted(set(names) - expected)
             raise ManifestMismatchError(
@@ -169,7 +129,7 @@ class TrtBackend:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def step(self, input_ids, position_ids, attention_mask, logits_index, cache):
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None):
         import torch
 
         B, Q = input_ids.shape
@@ -184,12 +144,12 @@ class TrtBackend:
                 out = self._replay(profile, arrays, cache)
             else:
                 out = self._run(profile, self._inputs(arrays), cache)
-            logits = out["logits"].float().cpu().numpy()  # waits for the step on this stream
-            hidden = out["hidden_states"].float().cpu().numpy()
+            logits = out[LOGITS].float().cpu().numpy()  # waits for the step on this stream
+            hidden = None if hidden_index is None else gather_rows(out[HIDDEN], hidden_index).float().cpu().numpy()
         if caller is not None:
             caller.wait_stream(self._stream)  # the caller's appends of `present` wait for the step
-        L = self.config.num_hidden_layers
-        present = [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(L)]
+        io = StepIO(self.config.num_hidden_layers)
+        present = [tuple(out[n] for n in io.present(i)) for i in range(self.config.num_hidden_layers)]
         return StepOutput(logits, hidden, present)
 
     def _inputs(self, arrays: dict) -> dict:
@@ -203,8 +163,9 @@ class TrtBackend:
 
         ctx = self._contexts[profile]
         bound = dict(inputs)
+        io = StepIO(cache.num_layers)
         for i in range(cache.num_layers):
-            bound[f"past_key_values.{i}.key"], bound[f"past_key_values.{i}.value"] = cache.past(i)
+            bound.update(zip(io.past(i), cache.past(i)))
         for name, t in bound.items():
             if not ctx.set_input_shape(name, tuple(t.shape)):
                 raise SpecrtError(f"TensorRT refused shape {tuple(t.shape)} for {name} in profile {profile} of {self.engine_dir}; its manifest does not describe the engine, rebuild it.")
@@ -234,7 +195,8 @@ class TrtBackend:
         import torch
 
         # a graph is bound to the cache buffers' address and shape; pooled caches (reuse_cache) keep both
-        key = (cache.keys.data_ptr(), cache.capacity, profile, *arrays["input_ids"].shape, arrays["logits_index"].shape[1])
+        ids, _, _, index = STEP_INPUTS
+        key = (cache.keys.data_ptr(), cache.capacity, profile, *arrays[ids].shape, arrays[index].shape[1])
         if key not in self._graphs:
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.clear()

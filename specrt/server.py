@@ -165,7 +165,7 @@ class CompletionService:
     def __init__(self, runner, model_id: str, limits: ServerLimits = ServerLimits()):
         """runner: a Generator or a SpeculativeDecoder over one."""
         self.runner = runner
-        self.gen: Generator = getattr(runner, "gen", runner)
+        self.gen: Generator = runner.gen  # a Generator is its own
         if self.gen.tokenizer is None:
             raise SpecrtError("the server needs a generator with a tokenizer")
         self.model_id = model_id
@@ -340,17 +340,7 @@ class CompletionService:
         hold = max((len(s) for s in job.stop), default=1) - 1  # text that may start a stop sequence is held back
         result, finish = None, "length"
         try:
-            while True:
-                if cancelled():
-                    self.stats["cancelled"] += 1
-                    finish = "cancelled"
-                    break
-                try:
-                    new = next(steps)
-                except StopIteration as stop:
-                    result = stop.value[0]
-                    finish = result.finish_reason
-                    break
+            for new in steps:
                 for t in new[0]:
                     count += 1
                     if t not in gen.eos_ids:
@@ -363,6 +353,13 @@ class CompletionService:
                 if safe > sent:
                     yield Piece(text[sent:safe])
                     sent = safe
+                if cancelled():  # checked before every model step
+                    self.stats["cancelled"] += 1
+                    finish = "cancelled"
+                    break
+            else:
+                result = steps.result[0]
+                finish = result.finish_reason
         finally:
             steps.close()  # a stop sequence or a gone client: end the generation, free its cache
         self.stats["prompt_tokens"] += len(job.prompt_ids)

@@ -1,0 +1,63 @@
+"""Where each artifact lives in an artifact directory: the one definition of the layout.
+
+    <root>/onnx/                          the step graph (model.onnx, model.onnx.data, manifest.json)
+    <root>/onnx-<scheme>/                 a quantized step graph (build-engines --quantize)
+    <root>/engines/ort-<provider>/        an ONNX Runtime engine of onnx/
+    <root>/engines/ort-<provider>-<scheme>/  ... of onnx-<scheme>/
+    <root>/engines/trt-<flavour>/         a TensorRT / TensorRT-RTX engine
+    <root>/engines/timing.cache           TensorRT's timing cache, reused across builds
+
+build-engines writes here; generate, serve, bench, inspect and the benchmark scripts read from
+here through `ArtifactLayout`, so a new artifact kind (a draft head, say) is added in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from specrt.artifacts import MANIFEST
+
+TRT_FLAVOURS = ("tensorrt", "tensorrt-rtx")  # in the order a reader prefers them
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactLayout:
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def onnx(self) -> Path:
+        return self.root / "onnx"
+
+    def quant_onnx(self, scheme: str) -> Path:
+        return self.root / f"onnx-{scheme}"
+
+    def source_onnx(self, scheme: str = "none") -> Path:
+        """The step graph an engine of this scheme is built from."""
+        return self.onnx if scheme == "none" else self.quant_onnx(scheme)
+
+    @property
+    def engines(self) -> Path:
+        return self.root / "engines"
+
+    def ort_engine(self, provider: str = "cpu", scheme: str = "none") -> Path:
+        return self.engines / (f"ort-{provider}" if scheme == "none" else f"ort-{provider}-{scheme}")
+
+    def trt_engine(self, flavour: str) -> Path:
+        return self.engines / f"trt-{flavour}"
+
+    @property
+    def timing_cache(self) -> Path:
+        return self.engines / "timing.cache"
+
+    def built_trt_engine(self) -> Path | None:
+        """The TensorRT engine present here (full TensorRT preferred), or None."""
+        return next((d for d in map(self.trt_engine, TRT_FLAVOURS) if d.is_dir()), None)
+
+    def artifact_dirs(self) -> list[Path]:
+        """Every artifact directory present (those holding a manifest), graphs before engines."""
+        candidates = [self.onnx, *sorted(self.root.glob("onnx-*")), *sorted(self.engines.glob("*"))]
+        return [p for p in candidates if (p / MANIFEST).is_file()]

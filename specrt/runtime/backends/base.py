@@ -1,0 +1,56 @@
+"""The backend contract: what a step returns, and what the runtime may rely on."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import numpy as np
+
+from specrt.export.config import ModelConfig
+from specrt.runtime.kv_cache import KVCache
+
+MAX_GRAPHS = 128  # captured step graphs kept per backend before they are dropped and captured again
+
+
+@dataclasses.dataclass
+class StepOutput:
+    logits: np.ndarray  # (B, K, V) float32, at the positions logits_index asked for
+    hidden_states: np.ndarray | None  # (B, Kh, H*) float32 at the positions hidden_index asked for; None if not asked
+    present: list[tuple[np.ndarray, np.ndarray]]  # per layer (key, value), each (B, Hkv, Q, D)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """Everything about a backend the runtime uses besides `step`; defaults are an unlimited host backend."""
+
+    max_context: int | None = None  # longest context (prompt + output) it was built for; None: the model's
+    max_step: int | None = None  # most new positions one step may have (prefill chunks are cut to it)
+    max_verify: int | None = None  # most positions of a verification step (root + draft nodes)
+    max_cache: int | None = None  # largest KV cache capacity it accepts
+    cache_device: str | None = None  # where KV caches live; None: host numpy arrays
+    reuse_cache: bool = False  # it binds cache buffers (CUDA graphs): the session pools caches across generations
+    batch_invariance: dict | None = None  # measured at build: how logits move between 1- and multi-position steps
+
+
+class StepBackend(abc.ABC):
+    """A target model that runs the step graph. Subclasses set `config`, `description` and `caps`."""
+
+    config: ModelConfig
+    description: str  # what runs, e.g. "onnxruntime 1.32.0 CPUExecutionProvider"
+    caps: Capabilities
+
+    @abc.abstractmethod
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, logits_index: np.ndarray,
+             cache: KVCache, hidden_index: np.ndarray | None = None) -> StepOutput:
+        """One step over Q new positions per row; hidden states only at `hidden_index` (B, Kh)."""
+
+
+def gather_rows(x, index: np.ndarray):
+    """x (B, Q, ...) at per-row positions index (B, K) -> (B, K, ...); numpy or torch."""
+    rows = np.arange(index.shape[0])[:, None]
+    if isinstance(x, np.ndarray):
+        return x[rows, index]
+    import torch
+
+    return x[torch.as_tensor(rows, device=x.device), torch.as_tensor(index, device=x.device)]

@@ -1,0 +1,33 @@
+"""An ONNX Runtime session on a built engine as a step backend."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.export.config import ModelConfig
+from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
+from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput, gather_rows
+
+
+class OrtBackend(StepBackend):
+    def __init__(self, session, config: ModelConfig, provider: str, batch_invariance: dict | None = None):
+        import onnxruntime
+
+        self.session = session
+        self.config = config
+        self.description = f"onnxruntime {onnxruntime.__version__} {provider}"
+        self.caps = Capabilities(batch_invariance=batch_invariance)
+        self._io = StepIO(config.num_hidden_layers)
+        # fetching hidden_states only when asked saves its host copy on every other step
+        self._fetch = [LOGITS, *self._io.present_names]
+        self._fetch_hidden = [LOGITS, *self._io.present_names, HIDDEN]
+
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None):
+        feeds = dict(zip(STEP_INPUTS, (input_ids, position_ids, attention_mask, logits_index)))
+        for i in range(cache.num_layers):
+            feeds.update(zip(self._io.past(i), cache.past(i)))
+        out = self.session.run(self._fetch if hidden_index is None else self._fetch_hidden, feeds)
+        L = self.config.num_hidden_layers
+        present = list(zip(out[1 : 2 * L + 1 : 2], out[2 : 2 * L + 1 : 2]))
+        hidden = None if hidden_index is None else np.ascontiguousarray(gather_rows(out[-1], hidden_index))
+        return StepOutput(out[0], hidden, present)

@@ -1,0 +1,134 @@
+"""The step session: a backend, its KV caches, and the two kinds of step the runtime takes.
+
+    session = StepSession(backend)
+    cache = session.new_cache(batch=2, capacity=512)
+    first = session.prefill(cache, prompts, hidden=True)      # last logits (+ every prompt position's features)
+    out = session.forward(cache, [[t0, d1, d2], [t1]], trees) # a multi-position step, KV appended
+    session.release(cache)
+
+Everything above this module (plain generation, speculative decoding, drafts that run a model of
+their own) steps a model through a session. Batches are ragged: every row keeps its own length in
+the cache and the attention mask hides everything else, so rows never need padding in the cache.
+Hidden states (the features learned drafts read) are computed by every step but copied to the
+host only for the positions asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specrt.export.config import ModelConfig
+from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput
+from specrt.runtime.kv_cache import KVCache
+
+CACHE_BUCKET = 256  # pooled caches (CUDA-graph backends) have capacities in multiples of this
+CACHE_POOL_SIZE = 4
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """What prefill returns: per row the logits after the prompt and, when asked, the features of
+    every prompt position."""
+
+    logits: np.ndarray  # (B, V) at each row's last prompt position
+    hidden: list[np.ndarray] | None  # per row (prompt length, H*) float32; None when not asked
+
+
+class StepSession:
+    def __init__(self, backend: StepBackend, max_context: int | None = None, prefill_chunk: int = 512):
+        self.backend = backend
+        self.config: ModelConfig = backend.config
+        # the smallest of: what was asked, what an engine was built for, what the model supports
+        self.max_context = min(v for v in (max_context, self.caps.max_context, self.config.max_position_embeddings) if v)
+        self.prefill_chunk = min(prefill_chunk, self.caps.max_step or prefill_chunk)  # an engine's largest profile
+        self._pool: list[KVCache] = []
+
+    @property
+    def caps(self) -> Capabilities:
+        return self.backend.caps
+
+    # -- caches ---------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """A KV cache of at least `capacity` positions for `batch` rows.
+
+        Backends that bind cache buffers (`caps.reuse_cache`: CUDA graphs) get caches from a small
+        pool, with the capacity rounded up to a multiple of CACHE_BUCKET (but not past
+        `caps.max_cache`): a graph is bound to its cache's buffers, so reusing them across
+        generations lets each step shape be captured once, not once per generation. A pooled cache
+        is handed out again only after `release`."""
+        c, caps = self.config, self.caps
+        if not caps.reuse_cache:
+            return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device)
+        limit = caps.max_cache or capacity + CACHE_BUCKET
+        capacity = max(capacity, min(-(-capacity // CACHE_BUCKET) * CACHE_BUCKET, limit))
+        for cache in self._pool:
+            if not cache.in_use and cache.batch == batch and cache.capacity == capacity:
+                cache.reset()
+                cache.in_use = True
+                return cache
+        cache = KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device)
+        cache.in_use = True
+        idle = [k for k in self._pool if not k.in_use]
+        if len(self._pool) >= CACHE_POOL_SIZE and idle:
+            self._pool.remove(idle[0])  # the oldest idle one makes room
+        if len(self._pool) < CACHE_POOL_SIZE:
+            self._pool.append(cache)
+        return cache
+
+    def release(self, cache: KVCache) -> None:
+        """The generation that used `cache` is over: a pooled cache may be handed out again."""
+        cache.in_use = False
+
+    @property
+    def pooled_caches(self) -> list[KVCache]:
+        return list(self._pool)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def forward(self, cache: KVCache, tokens: list[list[int]], trees: list[tuple[np.ndarray, np.ndarray] | None] | None = None,
+                last_only: bool = False, hidden: bool = False) -> StepOutput:
+        """One step over new tokens per row (rows may differ in count, even be empty); their KV is
+        appended to the cache. Returns the StepOutput (B, Q = longest row, ...): logits at every
+        position, or with last_only=True at each row's last token only (B, 1, V); with
+        hidden=True also the hidden states of every position (B, Q, H*).
+
+        trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
+        sequence: position = committed length + depth, and each token sees what its mask allows."""
+        counts = np.array([len(t) for t in tokens], dtype=np.int64)
+        Q = int(counts.max())
+        B = cache.batch
+        ids = np.zeros((B, Q), dtype=np.int64)
+        offsets = np.broadcast_to(np.arange(Q, dtype=np.int64), (B, Q)).copy()
+        new_mask = np.broadcast_to(np.tril(np.ones((Q, Q), dtype=bool)), (B, Q, Q)).copy()
+        for b, t in enumerate(tokens):
+            ids[b, : len(t)] = t
+            if trees is not None and trees[b] is not None:
+                depths, mask = trees[b]
+                n = len(t)
+                offsets[b, :n] = depths
+                new_mask[b, :n, :n] = mask
+        positions = cache.lengths[:, None] + offsets
+        every = np.broadcast_to(np.arange(Q, dtype=np.int64), (B, Q)).copy()
+        index = np.maximum(counts - 1, 0)[:, None] if last_only else every
+        out = self.backend.step(ids, positions, cache.attention_mask(Q, new_mask), index, cache, every if hidden else None)
+        cache.append(out.present, counts)
+        return out
+
+    def prefill(self, cache: KVCache, prompts: list[list[int]], hidden: bool = False) -> Prefilled:
+        """Run the prompts through the model in chunks of `prefill_chunk`."""
+        last = np.zeros((cache.batch, self.config.vocab_size), dtype=np.float32)
+        feats: list[list[np.ndarray]] = [[] for _ in prompts]
+        start = 0
+        while start < max(len(p) for p in prompts):
+            chunk = [p[start : start + self.prefill_chunk] for p in prompts]
+            out = self.forward(cache, chunk, last_only=True, hidden=hidden)
+            for b, c in enumerate(chunk):
+                if c:
+                    last[b] = out.logits[b, 0]
+                    if hidden:
+                        feats[b].append(out.hidden_states[b, : len(c)])
+            start += self.prefill_chunk
+        return Prefilled(last, [np.concatenate(f) for f in feats] if hidden else None)

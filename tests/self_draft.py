@@ -1,0 +1,114 @@
+"""A proposer with weights, written against the Proposer v2 contract: the target drafts for
+itself through a second step session with its own KV cache.
+
+It is what every learned draft (EAGLE, Medusa, a draft model) will look like to the loop: a
+batched forward per draft token for all rows at once, sampling with the request's parameters
+and randomness (q is the distribution each token was really drawn from), its own cache rolled
+back in `commit` to what the target accepted, and the target's features read and checked.
+
+- temperature_scale: the draft samples at the request's temperature times this (1.0: q = p, so
+  every draft is accepted; other values make q differ from p, and rejections happen).
+- check_features: ask for the target's features and check each handed-over row against the
+  draft's own hidden states at the same positions (same model: they must agree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specrt.runtime.sampling import probs_from_logits, sample_from_probs
+from specrt.runtime.session import StepSession
+from specrt.runtime.verification import DraftTree
+
+
+class SelfDraftProposer:
+    name = "self"
+    cost_per_token = True  # one batched forward per drafted token
+
+    def __init__(self, backend, temperature_scale: float = 1.0, check_features: bool = False):
+        self.session = StepSession(backend)
+        self.temperature_scale = temperature_scale
+        self.needs_features = check_features
+        self.cache = None
+        self.proposals = 0  # propose() calls (the loop skips them on steps without a draft)
+        self.features_checked = 0  # proposals whose handed-over features were compared
+        self.rolled_back = 0  # drafted positions dropped from the own cache after verification
+        self._hidden: dict[int, list[np.ndarray]] = {}  # row -> own hidden states of every cached position
+
+    def begin(self, rows, prompts, prefilled):
+        # the context and one draft beyond it (drafts are at most a few dozen tokens)
+        self.cache = self.session.new_cache(len(rows), self.session.max_context + 64)
+        pre = self.session.prefill(self.cache, [list(p) for p in prompts], hidden=self.needs_features)
+        if self.needs_features:
+            for b, h in zip(rows, pre.hidden):
+                self._hidden[b] = list(h)
+            assert prefilled.hidden is not None and all(np.allclose(a, b, atol=1e-4) for a, b in zip(prefilled.hidden, pre.hidden))
+
+    def propose(self, inp):
+        B = self.cache.batch
+        feed = [[] for _ in range(B)]
+        for b, ctx in zip(inp.rows, inp.contexts):
+            feed[b] = list(ctx[int(self.cache.lengths[b]):])  # what the target committed since: at least the root
+        self.proposals += 1
+        if self.needs_features:
+            self._check(inp, feed)
+        drafting = self._draft_params(inp.sampling)
+        tokens = {b: [] for b in inp.rows}
+        qs = {b: [] for b in inp.rows}
+        for k in range(inp.max_tokens):
+            out = self.session.forward(self.cache, feed, last_only=True, hidden=self.needs_features)
+            if self.needs_features:
+                for b in inp.rows:
+                    self._hidden[b].extend(out.hidden_states[b, : len(feed[b])])
+            logits = out.logits[:, 0]
+            feed = [[] for _ in range(B)]
+            for b in inp.rows:
+                if drafting is None:
+                    t = int(logits[b].argmax())
+                else:
+                    q = probs_from_logits(logits[b], drafting)
+                    t = int(sample_from_probs(q, inp.rng))
+                    qs[b].append(q)
+                tokens[b].append(t)
+                if k + 1 < inp.max_tokens:
+                    feed[b] = [t]
+        return [DraftTree.chain(tokens[b], np.stack(qs[b]) if qs[b] else None) for b in inp.rows]
+
+    def commit(self, rows, trees, verdicts, step):
+        """Keep the root and the accepted drafts in the own cache; forget the rest."""
+        lengths = self.cache.lengths.copy()
+        for b, tree, verdict in zip(rows, trees, verdicts):
+            fed_drafts = max(len(tree) - 1, 0)  # the last draft token was never fed
+            keep = int(lengths[b]) - fed_drafts + min(len(verdict.accepted), fed_drafts)
+            self.rolled_back += int(lengths[b]) - keep
+            lengths[b] = keep
+            if self.needs_features:
+                del self._hidden[b][keep:]
+        self.cache.rollback(lengths)
+
+    def end(self, rows, outputs):
+        if self.cache is not None:
+            self.session.release(self.cache)
+            self.cache = None
+
+    def _draft_params(self, sampling):
+        if sampling.greedy:
+            return None
+        return dataclasses.replace(sampling, temperature=sampling.temperature * self.temperature_scale)
+
+    def _check(self, inp, feed):
+        """The features the loop handed over are the target's hidden states at the positions
+        committed since the last proposal (the newest committed ones): where the own cache holds
+        the same positions, the draft computed them itself and they must agree."""
+        compared = False
+        for b, ctx, feats in zip(inp.rows, inp.contexts, inp.features):
+            committed = len(ctx) - 1  # the root is not committed yet
+            first = committed - len(feats)  # position of the first handed-over feature
+            end = min(committed, len(self._hidden[b]))
+            if end > first:
+                mine = np.stack(self._hidden[b][first:end])
+                assert np.allclose(feats[: end - first], mine, atol=1e-4), "features are not the target's at the committed positions"
+                compared = True
+        self.features_checked += compared
