@@ -76,7 +76,7 @@ def step_ms(gen, q, device, past=512, repeats=20):
         gen.session.forward(cache, [list(range(5, 5 + q))])
         sync(device)
         times.append(time.perf_counter() - t)
-    gen.release(cache)
+    gen.session.release(cache)
     return statistics.median(times[3:]) * 1e3
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 
 import numpy as np
 
@@ -61,8 +62,9 @@ class StepCost:
 
 
 def _robust(times: list[float]) -> float:
-    """A size's time: the median once trusted, the fastest before (noise only slows steps)."""
-    return float(np.median(times)) if len(times) >= TRUST else float(min(times))
+    """A size's time: the median once trusted, the fastest before (noise only slows steps).
+    (statistics.median: on these few values it is ~20x faster than numpy's, and this runs every step)"""
+    return statistics.median(times) if len(times) >= TRUST else min(times)
 
 
 class CostModel:
@@ -134,7 +136,7 @@ class CostModel:
             if not len(sizes):
                 return None
             # no plain step yet: back out T_decode from the verification steps with the priors
-            decode = float(np.median(times / np.array([self._prior(z, batch) for z in sizes])))
+            decode = statistics.median(t / self._prior(z, batch) for z, t in zip(sizes, times))
         if len(sizes) >= 2:  # a line through the verification steps
             c1, c0 = np.polyfit(sizes, times, 1, w=np.sqrt(counts))
             c1 = max(float(c1), 0.0)
@@ -162,7 +164,7 @@ class CostModel:
         ns = np.array(sorted(groups), np.float64)
         ts = np.array([_robust(groups[n]) for n in sorted(groups)], np.float64)
         if not self.draft_per_token:
-            return float(np.median(ts)), 0.0
+            return statistics.median(ts), 0.0
         if len(ns) >= 2:
             d1, d0 = np.polyfit(ns, ts, 1, w=np.sqrt([len(groups[n]) for n in sorted(groups)]))
             return max(float(d0), 0.0), max(float(d1), 0.0)

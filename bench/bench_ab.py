@@ -1,0 +1,126 @@
+"""Two versions of specrt side by side: is a refactoring slower? Alternating runs, medians.
+
+    git worktree add /tmp/before <commit>
+    python bench/bench_ab.py --before /tmp/before --after . [--artifacts artifacts/SmolLM2-135M-Instruct]
+
+Each version runs in its own subprocess (PYTHONPATH points at its tree), in alternating order,
+`--rounds` times, on two workloads:
+    default   the default model's ORT engine, one prompt per class of bench/prompts.jsonl,
+              128 greedy tokens: plain, ngram N=8, suffix N=auto (tokens/s, end to end)
+    tiny      a tiny random model (built here), a repetitive ragged batch of 2, 200 tokens: the
+              target step takes ~0.3 ms, so the runtime's own per-step overhead dominates
+              (ms per step); what it changes is the part a refactoring can change
+Prints a table (medians, after/before) and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKLOAD = r'''
+import json, statistics, sys, time
+from specrt.runtime.drafts import make_proposer
+from specrt.runtime.generator import Generator
+from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+engine, prompts_file, kind = sys.argv[1:4]
+gen = Generator.from_engine(engine)
+variants = [("plain", None), ("ngram 8", ("ngram", 8)), ("suffix auto", ("suffix", "auto"))]
+
+def run(prompts, n, make):
+    t = time.perf_counter()
+    if make is None:
+        r = gen.generate_ids(prompts, n)
+    else:
+        r = SpeculativeDecoder(gen, make_proposer(make[0]), make_policy(make[1])).generate_ids(prompts, n)
+    return r, time.perf_counter() - t
+
+out = {}
+if kind == "default":
+    seen = {}
+    for line in open(prompts_file):
+        p = json.loads(line)
+        seen.setdefault(p["class"], p["prompt"])
+    run([gen.encode_prompt("warm up")], 8, None)
+    for cls, text in seen.items():
+        ids = gen.encode_prompt(text)
+        for name, make in variants:
+            r, s = run([ids], 128, make)
+            out[f"{cls} / {name} (tok/s)"] = len(r[0].token_ids) / s
+else:
+    ids = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41, 42] * 3
+    for name, make in variants:
+        per_step = []
+        for _ in range(5):
+            r, s = run([ids, ids[:20]], 200, make)
+            per_step.append(s / (r[0].metrics.steps if r[0].metrics else len(r[0].token_ids)) * 1e3)
+        out[f"tiny / {name} (ms/step)"] = statistics.median(per_step)
+print(json.dumps(out))
+'''
+
+
+def tiny_engine(tmp: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import TINY_HF, random_model, save_checkpoint
+
+    from specrt.engines.build import BuildSpec, build_all
+    from specrt.layout import ArtifactLayout
+
+    ckpt = save_checkpoint(random_model(TINY_HF), TINY_HF, tmp / "ckpt")
+    list(build_all(BuildSpec(checkpoint=ckpt, out=tmp / "art", tensorrt="off")))
+    return ArtifactLayout(tmp / "art").ort_engine()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", type=Path, required=True, help="source tree of the old version (a git worktree)")
+    ap.add_argument("--after", type=Path, default=ROOT)
+    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args()
+
+    from specrt.artifacts import cpu_model, package_versions
+    from specrt.benchmark import write_result_json
+    from specrt.layout import ArtifactLayout
+
+    tmp = Path(tempfile.mkdtemp())
+    script = tmp / "workload.py"
+    script.write_text(WORKLOAD)
+    workloads = {"default": ArtifactLayout(args.artifacts).ort_engine(), "tiny": tiny_engine(tmp)}
+    versions = {"before": args.before.resolve(), "after": args.after.resolve()}
+    runs = {v: [] for v in versions}
+    for i in range(args.rounds):
+        for v in list(versions)[:: 1 if i % 2 == 0 else -1]:  # alternate who goes first
+            merged = {}
+            for kind, engine in workloads.items():
+                r = subprocess.run([sys.executable, str(script), str(engine), str(ROOT / "bench" / "prompts.jsonl"), kind],
+                                   env=dict(os.environ, PYTHONPATH=str(versions[v])), capture_output=True, text=True, cwd=tmp)
+                if r.returncode:
+                    raise SystemExit(f"{v} failed:\n{r.stderr[-3000:]}")
+                merged.update(json.loads(r.stdout.strip().splitlines()[-1]))
+            runs[v].append(merged)
+            print(f"round {i + 1}/{args.rounds}: {v} done", file=sys.stderr, flush=True)
+    rows = {}
+    print(f"{'workload / variant':<40}{'before':>9}{'after':>9}{'after/before':>14}")
+    for key in runs["before"][0]:
+        b, a = (statistics.median(r[key] for r in runs[v]) for v in ("before", "after"))
+        rows[key] = {"before": round(b, 3), "after": round(a, 3), "ratio": round(a / b, 3)}
+        print(f"{key:<40}{b:>9.2f}{a:>9.2f}{a / b:>14.3f}")
+    result = {"benchmark": "ab", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()}, "versions": package_versions("onnxruntime", "numpy"),
+              "before": str(versions["before"]), "after": str(versions["after"]), "rounds": args.rounds, "rows": rows, "runs": runs}
+    print(f"wrote {write_result_json(result, args.out, 'ab')}")
+
+
+if __name__ == "__main__":
+    main()
