@@ -68,6 +68,17 @@ def file_sha256(path: str | Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def read_json_object(path: str | Path, error: type[Exception], fix: str) -> dict:
+    """A JSON file that must hold an object, or `error` naming the file, what is wrong and `fix`."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise error(f"{path} is not valid JSON ({e}); {fix}.") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} must hold a JSON object, not {type(value).__name__}; {fix}.")
+    return value
+
+
 def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 

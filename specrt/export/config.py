@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from specrt.artifacts import read_json_object
 from specrt.errors import ArtifactError, CheckpointError, SpecrtError, UnsupportedArchitectureError
 
 # architecture name in config.json -> whether q/k/v projections carry a bias by default
@@ -141,12 +142,7 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise CheckpointError(f"{path} not found: a checkpoint directory needs config.json next to its safetensors files.")
-        try:
-            d = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the original checkpoint.") from None
-        if not isinstance(d, dict):
-            raise CheckpointError(f"{path} must hold a JSON object, not {type(d).__name__}; restore it from the original checkpoint.")
+        d = read_json_object(path, CheckpointError, "restore it from the original checkpoint")
         try:
             return cls.from_hf_dict(d)
         except UnsupportedArchitectureError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specrt.artifacts import read_json_object
 from specrt.errors import CheckpointError, SpecrtError
 
 
@@ -26,7 +27,8 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise CheckpointError(f"{path} is not a valid tokenizer file ({e}); restore it from the original checkpoint.") from None
         cfg_path = d / "tokenizer_config.json"
-        self.config = _read_tokenizer_config(cfg_path) if cfg_path.is_file() else {}
+        fix = "restore it from the original checkpoint (or delete it to run without a chat template)"
+        self.config = read_json_object(cfg_path, CheckpointError, fix) if cfg_path.is_file() else {}
         template_file = d / "chat_template.jinja"
         self.chat_template = self.config.get("chat_template") or (template_file.read_text() if template_file.is_file() else None)
         if self.chat_template is not None and not isinstance(self.chat_template, str):
@@ -68,16 +70,6 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise SpecrtError(f"the chat template rejected the messages: {e}") from None
-
-
-def _read_tokenizer_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the original checkpoint (or delete it to run without a chat template).") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, not {type(config).__name__}; restore it from the original checkpoint.")
-    return config
 
 
 def _special_token(config: dict, name: str, path: Path) -> str | None:
