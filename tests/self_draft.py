@@ -10,6 +10,9 @@ back in `commit` to what the target accepted, and the target's features read and
   every draft is accepted; other values make q differ from p, and rejections happen).
 - check_features: ask for the target's features and check each handed-over row against the
   draft's own hidden states at the same positions (same model: they must agree).
+- tree=(top_k, depth): draft EAGLE-2 dynamic trees (runtime/drafts/dynamic_tree.py) instead of
+  chains: each depth re-evaluates the candidate tree in one tree-masked step of the own session
+  (then rolled back), and a TreeBuilder per row picks what to expand and what to keep.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import dataclasses
 
 import numpy as np
 
-from specrt.runtime.sampling import probs_from_logits, sample_from_probs
+from specrt.runtime.drafts.dynamic_tree import TreeBuilder
+from specrt.runtime.sampling import SamplingParams, probs_from_logits, sample_from_probs
 from specrt.runtime.session import StepSession
 from specrt.runtime.verification import DraftTree
 
@@ -27,8 +31,11 @@ class SelfDraftProposer:
     name = "self"
     cost_per_token = True  # one batched forward per drafted token
 
-    def __init__(self, backend, temperature_scale: float = 1.0, check_features: bool = False):
+    def __init__(self, backend, temperature_scale: float = 1.0, check_features: bool = False, tree: tuple[int, int] | None = None):
         self.session = StepSession(backend)
+        self.tree_shape = tree
+        self._fed: dict[int, int] = {}  # row -> draft tokens left in the own cache by the last proposal
+        self.widest = 0  # most children of a tree's root seen (tree mode)
         self.temperature_scale = temperature_scale
         self.needs_features = check_features
         self.cache = None
@@ -55,6 +62,8 @@ class SelfDraftProposer:
         if self.needs_features:
             self._check(inp, feed)
         drafting = self._draft_params(inp.sampling)
+        if self.tree_shape is not None:
+            return self._propose_trees(inp, feed, drafting)
         tokens = {b: [] for b in inp.rows}
         qs = {b: [] for b in inp.rows}
         for k in range(inp.max_tokens):
@@ -74,13 +83,46 @@ class SelfDraftProposer:
                 tokens[b].append(t)
                 if k + 1 < inp.max_tokens:
                     feed[b] = [t]
+        for b in inp.rows:
+            self._fed[b] = max(inp.max_tokens - 1, 0)  # the last draft token was never fed
         return [DraftTree.chain(tokens[b], np.stack(qs[b]) if qs[b] else None) for b in inp.rows]
+
+    def _propose_trees(self, inp, feed, drafting):
+        top_k, depth = self.tree_shape
+        confidence = drafting or SamplingParams(temperature=1.0)  # greedy requests: the draft's softmax
+        out = self.session.forward(self.cache, feed, last_only=True, hidden=self.needs_features)
+        if self.needs_features:
+            for b in inp.rows:
+                self._hidden[b].extend(out.hidden_states[b, : len(feed[b])])
+        builders = {b: TreeBuilder(probs_from_logits(out.logits[b, 0], confidence), top_k, inp.max_tokens) for b in inp.rows}
+        for _ in range(depth - 1):
+            frontier = {b: builders[b].frontier() for b in inp.rows}
+            if not any(frontier.values()):
+                break
+            # every candidate so far, as a tree after the root, in one tree-masked step; then forgotten
+            start = self.cache.lengths.copy()
+            B = self.cache.batch
+            tokens, shapes = [[] for _ in range(B)], [None] * B
+            for b in inp.rows:
+                cands = builders[b].candidates
+                t = DraftTree(np.array([c.token for c in cands]), np.array([c.parent for c in cands]))
+                tokens[b] = t.tokens.tolist()
+                shapes[b] = (t.depths() - 1, t.ancestor_mask()[1:, 1:])
+            step = self.session.forward(self.cache, tokens, shapes)
+            self.cache.rollback(start)
+            for b in inp.rows:
+                builders[b].expand({n: probs_from_logits(step.logits[b, n], confidence) for n in frontier[b]})
+        for b in inp.rows:
+            self._fed[b] = 0  # the own cache ends at the root
+        trees = [builders[b].tree() for b in inp.rows]
+        self.widest = max([self.widest, *(len(t.children(-1)) for t in trees)])
+        return trees
 
     def commit(self, rows, trees, verdicts, step):
         """Keep the root and the accepted drafts in the own cache; forget the rest."""
         lengths = self.cache.lengths.copy()
         for b, tree, verdict in zip(rows, trees, verdicts):
-            fed_drafts = max(len(tree) - 1, 0)  # the last draft token was never fed
+            fed_drafts = self._fed.pop(b, 0) if len(tree) else 0
             keep = int(lengths[b]) - fed_drafts + min(len(verdict.accepted), fed_drafts)
             self.rolled_back += int(lengths[b]) - keep
             lengths[b] = keep
