@@ -147,27 +147,29 @@ def test_sampled_speculative_output_follows_the_model(method):
     joint distribution (chi-square)."""
     gen = Generator(TorchBackend(random_model(SMALL, seed=4, scale=0.15)))
     gen.eos_ids = frozenset()  # every token counts, EOS included
-    params = SamplingParams(temperature=1.0, top_p=0.95, seed=0)
+    assert two_token_pvalue(gen, SpeculativeDecoder(gen, make_draft(method, gen), make_policy(3)), rounds=15) > 1e-3
+
+
+def two_token_pvalue(gen, spec, rounds: int, batch: int = 400) -> float:
+    """Sample the first two tokens `batch * rounds` times through `spec` (temperature 1, top-p
+    0.95) and return the chi-square p-value against the target's exact joint (rare cells pooled)."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
     expected = exact_two_token_joint(gen, params)
     counts = np.zeros((8, 8))
-    batch, rounds = 400, 15
-    spec = SpeculativeDecoder(gen, make_draft(method, gen), make_policy(3))
     accepted = 0
     for r in range(rounds):
         res = spec.generate_ids([SAMPLING_PROMPT] * batch, 2, SamplingParams(temperature=1.0, top_p=0.95, seed=r))
         for x in res:
             counts[x.token_ids[0], x.token_ids[1]] += 1
         accepted += res[0].metrics.accepted_tokens
-    assert accepted > 0
-    n = batch * rounds
-    exp, obs = n * expected.ravel(), counts.ravel()
+    assert accepted > 0, "no draft was ever accepted: the test exercised nothing"
+    exp, obs = batch * rounds * expected.ravel(), counts.ravel()
     assert obs[exp == 0].sum() == 0, "sampled a token that top-p excludes"
     keep, rare = exp >= 5, (exp > 0) & (exp < 5)  # pool the rare cells
-    obs = np.append(obs[keep], obs[rare].sum())
-    exp = np.append(exp[keep], exp[rare].sum())
+    obs, exp = np.append(obs[keep], obs[rare].sum()), np.append(exp[keep], exp[rare].sum())
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    return chisquare(obs, exp).pvalue
 
 
 # -- cost model and policy -----------------------------------------------------------------------
