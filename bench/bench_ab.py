@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WORKLOAD = r'''
+WORKLOAD = r"""
 import json, statistics, sys, time
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
@@ -65,15 +65,15 @@ else:
             per_step.append(s / (r[0].metrics.steps if r[0].metrics else len(r[0].token_ids)) * 1e3)
         out[f"tiny / {name} (ms/step)"] = statistics.median(per_step)
 print(json.dumps(out))
-'''
+"""
 
 
 def tiny_engine(tmp: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import TINY_HF, random_model, save_checkpoint
-
     from specrt.engines.build import BuildSpec, build_all
     from specrt.layout import ArtifactLayout
+
+    from conftest import TINY_HF, random_model, save_checkpoint
 
     ckpt = save_checkpoint(random_model(TINY_HF), TINY_HF, tmp / "ckpt")
     list(build_all(BuildSpec(checkpoint=ckpt, out=tmp / "art", tensorrt="off")))
@@ -103,8 +103,13 @@ def main():
         for v in list(versions)[:: 1 if i % 2 == 0 else -1]:  # alternate who goes first
             merged = {}
             for kind, engine in workloads.items():
-                r = subprocess.run([sys.executable, str(script), str(engine), str(ROOT / "bench" / "prompts.jsonl"), kind],
-                                   env=dict(os.environ, PYTHONPATH=str(versions[v])), capture_output=True, text=True, cwd=tmp)
+                r = subprocess.run(
+                    [sys.executable, str(script), str(engine), str(ROOT / "bench" / "prompts.jsonl"), kind],
+                    env=dict(os.environ, PYTHONPATH=str(versions[v])),
+                    capture_output=True,
+                    text=True,
+                    cwd=tmp,
+                )
                 if r.returncode:
                     raise SystemExit(f"{v} failed:\n{r.stderr[-3000:]}")
                 merged.update(json.loads(r.stdout.strip().splitlines()[-1]))
@@ -116,9 +121,17 @@ def main():
         b, a = (statistics.median(r[key] for r in runs[v]) for v in ("before", "after"))
         rows[key] = {"before": round(b, 3), "after": round(a, 3), "ratio": round(a / b, 3)}
         print(f"{key:<40}{b:>9.2f}{a:>9.2f}{a / b:>14.3f}")
-    result = {"benchmark": "ab", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()}, "versions": package_versions("onnxruntime", "numpy"),
-              "before": str(versions["before"]), "after": str(versions["after"]), "rounds": args.rounds, "rows": rows, "runs": runs}
+    result = {
+        "benchmark": "ab",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()},
+        "versions": package_versions("onnxruntime", "numpy"),
+        "before": str(versions["before"]),
+        "after": str(versions["after"]),
+        "rounds": args.rounds,
+        "rows": rows,
+        "runs": runs,
+    }
     print(f"wrote {write_result_json(result, args.out, 'ab')}")
 
 

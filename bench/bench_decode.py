@@ -59,7 +59,7 @@ def read_bandwidth_gbs(threads: int, size_mb: int = 1024, repeats: int = 7) -> f
 def decode_weight_bytes(cfg) -> int:
     """Bytes of weights a decode step reads: every matrix and norm, the lm_head (the embedding when
     tied) in full; the embedding lookup reads one row, counted as nothing."""
-    C, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    C, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size  # noqa: E741 (the paper's names)
     attn = C * cfg.num_attention_heads * cfg.head_dim * 2 + C * cfg.num_key_value_heads * cfg.head_dim * 2
     per_layer = attn + 3 * C * I + 2 * C
     return 4 * (L * per_layer + C + V * C)
@@ -94,7 +94,9 @@ def main():
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    gen = Generator.from_engine(ArtifactLayout(args.artifacts).ort_engine(), args.model, options=OrtOptions(intra_op_threads=args.threads))
+    gen = Generator.from_engine(
+        ArtifactLayout(args.artifacts).ort_engine(), args.model, options=OrtOptions(intra_op_threads=args.threads)
+    )
     gen.eos_ids = frozenset()  # same token count on both sides
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager").eval()
 
@@ -109,12 +111,19 @@ def main():
             hf_tokens, hf_steps = hf_greedy(hf, ids, args.new_tokens)
             c2, w2 = time.process_time(), time.perf_counter()
             match.append(hf_tokens == res.token_ids)
-            for name, steps, cpu, wall in (("specrt-ort", res.step_seconds, c1 - c0, w1 - w0), ("transformers-eager", hf_steps, c2 - c1, w2 - w1)):
+            for name, steps, cpu, wall in (
+                ("specrt-ort", res.step_seconds, c1 - c0, w1 - w0),
+                ("transformers-eager", hf_steps, c2 - c1, w2 - w1),
+            ):
                 rows[name]["step_ms"].append(statistics.median(steps) * 1e3)
                 rows[name]["tok_s"].append(len(steps) / sum(steps))
                 rows[name]["cpu_per_wall"].append(cpu / wall)
-            print(f"repeat {r + 1}/{args.repeats} prompt {PROMPTS.index(p) + 1}: specrt {rows['specrt-ort']['tok_s'][-1]:.1f} tok/s, "
-                  f"transformers {rows['transformers-eager']['tok_s'][-1]:.1f} tok/s, same tokens: {match[-1]}", flush=True)
+            print(
+                f"repeat {r + 1}/{args.repeats} prompt {PROMPTS.index(p) + 1}: specrt "
+                f"{rows['specrt-ort']['tok_s'][-1]:.1f} tok/s, "
+                f"transformers {rows['transformers-eager']['tok_s'][-1]:.1f} tok/s, same tokens: {match[-1]}",
+                flush=True,
+            )
 
     bw = read_bandwidth_gbs(args.threads)
     wbytes = decode_weight_bytes(gen.config)
@@ -125,7 +134,9 @@ def main():
     print()
     print(f"{'backend':<22}{'step ms (median)':>18}{'decode tok/s':>15}{'of bound':>10}{'cpu/wall':>10}")
     for name, s in summary.items():
-        print(f"{name:<22}{s['step_ms']:>18.1f}{s['tok_s']:>15.1f}{s['tok_s'] / bound:>10.0%}{s['cpu_per_wall']:>10.2f}")
+        print(
+            f"{name:<22}{s['step_ms']:>18.1f}{s['tok_s']:>15.1f}{s['tok_s'] / bound:>10.0%}{s['cpu_per_wall']:>10.2f}"
+        )
     print(f"{'bandwidth bound':<22}{1e3 / bound:>18.1f}{bound:>15.1f}{'':>10}")
     print(f"\nspecrt / transformers eager: {speedup:.2f}x; greedy tokens identical in {sum(match)}/{len(match)} runs")
     print(f"weights read per step {wbytes / 2**20:.0f} MiB, read bandwidth {bw:.1f} GB/s ({args.threads} threads)")
@@ -133,7 +144,12 @@ def main():
     result = {
         "benchmark": "decode-batch1-greedy",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_description(), "cpus": os.cpu_count(), "threads": args.threads, "platform": platform.platform()},
+        "machine": {
+            "cpu": cpu_description(),
+            "cpus": os.cpu_count(),
+            "threads": args.threads,
+            "platform": platform.platform(),
+        },
         "versions": package_versions("torch", "onnxruntime", "transformers", "numpy"),
         "model": args.model,
         "backend": gen.backend.description,

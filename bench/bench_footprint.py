@@ -67,15 +67,32 @@ def main():
     for name, art in zip(names, args.artifacts):
         layout = ArtifactLayout(art)
         engine = layout.ort_engine()
-        rss = [[float(v) for v in subprocess.run([sys.executable, "-c", RSS_SNIPPET, str(engine)], capture_output=True, text=True, check=True,
-                                                 cwd=ROOT).stdout.split()] for _ in range(2)]
+        rss = [
+            [
+                float(v)
+                for v in subprocess.run(
+                    [sys.executable, "-c", RSS_SNIPPET, str(engine)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=ROOT,
+                ).stdout.split()
+            ]
+            for _ in range(2)
+        ]
         onnx_manifest = json.loads((layout.onnx / "manifest.json").read_text())
         rtx = layout.trt_engine("tensorrt-rtx")
-        rows[name] = {"artifacts": str(art), "onnx_mib": round(du_mib(layout.onnx), 1), "ort_engine_mib": round(du_mib(engine), 1),
-                      "trt_rtx_engine_mib": round(du_mib(rtx), 1) if rtx.is_dir() else None,
-                      "load_rss_mib": round(statistics.median(r[0] for r in rss), 1), "all_rows_rss_mib": round(statistics.median(r[1] for r in rss), 1),
-                      "tied_embedding_shared": onnx_manifest.get("tied_embedding_shared", False),
-                      "decode_ms": [], "prefill_ms": []}
+        rows[name] = {
+            "artifacts": str(art),
+            "onnx_mib": round(du_mib(layout.onnx), 1),
+            "ort_engine_mib": round(du_mib(engine), 1),
+            "trt_rtx_engine_mib": round(du_mib(rtx), 1) if rtx.is_dir() else None,
+            "load_rss_mib": round(statistics.median(r[0] for r in rss), 1),
+            "all_rows_rss_mib": round(statistics.median(r[1] for r in rss), 1),
+            "tied_embedding_shared": onnx_manifest.get("tied_embedding_shared", False),
+            "decode_ms": [],
+            "prefill_ms": [],
+        }
         gens[name] = Generator.from_engine(engine)
 
     rng = np.random.default_rng(0)
@@ -95,19 +112,31 @@ def main():
                 gen.session.forward(cache, [[prompt[i]]])
                 times.append((time.perf_counter() - t) * 1e3)
             rows[name]["decode_ms"].append(statistics.median(times[2:]))
-    tokens = {name: [r.token_ids for r in gen.generate_ids([prompt[:40], prompt[100:130]], 32)] for name, gen in gens.items()}
+    tokens = {
+        name: [r.token_ids for r in gen.generate_ids([prompt[:40], prompt[100:130]], 32)] for name, gen in gens.items()
+    }
     same = len({json.dumps(t) for t in tokens.values()}) == 1
     for row in rows.values():
         row["decode_ms"] = round(statistics.median(row["decode_ms"]), 2)
         row["prefill_ms"] = round(statistics.median(row["prefill_ms"]), 1)
 
-    print(f"{'engine':<12}{'onnx MiB':>10}{'ort MiB':>9}{'trt-rtx MiB':>13}{'RSS loaded':>12}{'RSS all rows':>14}{'decode ms':>11}{'prefill 259 ms':>16}  tied shared")
+    print(
+        f"{'engine':<12}{'onnx MiB':>10}{'ort MiB':>9}{'trt-rtx MiB':>13}{'RSS loaded':>12}{'RSS all rows':>14}{'decode ms':>11}{'prefill 259 ms':>16}  tied shared"  # noqa: E501 (a table row)
+    )
     for name, r in rows.items():
-        print(f"{name:<12}{r['onnx_mib']:>10}{r['ort_engine_mib']:>9}{str(r['trt_rtx_engine_mib']):>13}{r['load_rss_mib']:>12}{r['all_rows_rss_mib']:>14}"
-              f"{r['decode_ms']:>11}{r['prefill_ms']:>16}  {r['tied_embedding_shared']}")
+        print(
+            f"{name:<12}{r['onnx_mib']:>10}{r['ort_engine_mib']:>9}{str(r['trt_rtx_engine_mib']):>13}{r['load_rss_mib']:>12}{r['all_rows_rss_mib']:>14}"  # noqa: E501 (a table row)
+            f"{r['decode_ms']:>11}{r['prefill_ms']:>16}  {r['tied_embedding_shared']}"
+        )
     print(f"greedy tokens equal: {same}")
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": {"cpu": cpu_model()},
-              "versions": package_versions("onnxruntime", "onnx", "torch", "numpy"), "repeats": args.repeats, "rows": rows, "greedy_equal": same}
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model()},
+        "versions": package_versions("onnxruntime", "onnx", "torch", "numpy"),
+        "repeats": args.repeats,
+        "rows": rows,
+        "greedy_equal": same,
+    }
     print(f"wrote {write_result_json(result, args.out, 'footprint')}")
     return 0 if same else 1
 

@@ -31,8 +31,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {"float32": None, "int8 b32": ("int8", 32), "int4 b32": ("int4", 32), "int4 b128": ("int4", 128),
-            "int8-a8 b32": ("int8-a8", 32), "int4-a8 b32": ("int4-a8", 32)}
+VARIANTS = {
+    "float32": None,
+    "int8 b32": ("int8", 32),
+    "int4 b32": ("int4", 32),
+    "int4 b128": ("int4", 128),
+    "int8-a8 b32": ("int8-a8", 32),
+    "int4-a8 b32": ("int4-a8", 32),
+}
 
 
 def nll_and_top1(gen, ids: list[int], chunk: int = 256):
@@ -73,15 +79,31 @@ def main():
     for name, v in VARIANTS.items():
         if v is None:
             continue
-        qdir = quantize_weight_only(ArtifactLayout(args.artifacts).onnx, tmp / f"onnx-{v[0]}-{v[1]}", WeightOnlySpec(scheme=v[0], block_size=v[1]), progress=False)
+        qdir = quantize_weight_only(
+            ArtifactLayout(args.artifacts).onnx,
+            tmp / f"onnx-{v[0]}-{v[1]}",
+            WeightOnlySpec(scheme=v[0], block_size=v[1]),
+            progress=False,
+        )
         engines[name] = build_ort_engine(qdir, tmp / f"ort-{v[0]}-{v[1]}")
     gens = {name: Generator.from_engine(e) for name, e in engines.items()}
     ref = gens["float32"]
 
-    rows = {name: {"engine_mib": round(sum(p.stat().st_size for p in Path(e).rglob("*") if p.is_file()) / 2**20, 1),
-                   "nll": [], "top1_agree": [], "same_greedy": 0, "first_diff": [], "decode_tok_s": [], "spec_speedup": [], "mean_accepted": [],
-                   "spec_equals_plain": 0, "spec_runs": 0}
-            for name, e in engines.items()}
+    rows = {
+        name: {
+            "engine_mib": round(sum(p.stat().st_size for p in Path(e).rglob("*") if p.is_file()) / 2**20, 1),
+            "nll": [],
+            "top1_agree": [],
+            "same_greedy": 0,
+            "first_diff": [],
+            "decode_tok_s": [],
+            "spec_speedup": [],
+            "mean_accepted": [],
+            "spec_equals_plain": 0,
+            "spec_runs": 0,
+        }
+        for name, e in engines.items()
+    }
     for i, p in enumerate(prompts):
         text_ids = ref.tokenizer.encode(p["prompt"])
         fp_top1 = None
@@ -99,7 +121,12 @@ def main():
             same = plain.token_ids == fp_tokens
             rows[name]["same_greedy"] += same
             if not same:
-                rows[name]["first_diff"].append(next((j for j, (a, b) in enumerate(zip(plain.token_ids, fp_tokens)) if a != b), min(len(plain.token_ids), len(fp_tokens))))
+                rows[name]["first_diff"].append(
+                    next(
+                        (j for j, (a, b) in enumerate(zip(plain.token_ids, fp_tokens)) if a != b),
+                        min(len(plain.token_ids), len(fp_tokens)),
+                    )
+                )
             if p["class"] == "code_edit":
                 t0 = time.perf_counter()
                 gen.generate_ids([ids], args.tokens)
@@ -128,16 +155,27 @@ def main():
             "batch_invariance_relative": gens[name].backend.caps.batch_invariance["relative"],
         }
     fp = table["float32"]["decode_tok_s"]
-    print(f"\n{'variant':<13}{'ORT MiB':>9}{'ppl':>9}{'top-1 =fp32':>13}{'greedy =fp32':>14}{'1st diff':>10}{'decode tok/s':>14}{'vs fp32':>9}"
-          f"{'spec (code)':>13}{'L':>6}{'spec=plain':>12}{'Q-variance':>12}")
+    print(
+        f"\n{'variant':<13}{'ORT MiB':>9}{'ppl':>9}{'top-1 =fp32':>13}{'greedy =fp32':>14}{'1st diff':>10}{'decode tok/s':>14}{'vs fp32':>9}"  # noqa: E501 (a table row)
+        f"{'spec (code)':>13}{'L':>6}{'spec=plain':>12}{'Q-variance':>12}"
+    )
     for name, t in table.items():
-        print(f"{name:<13}{t['engine_mib']:>9}{t['perplexity']:>9}{t['top1_agreement']:>13.3f}{t['greedy_identical']:>14}{str(t['mean_first_difference']):>10}"
-              f"{t['decode_tok_s']:>14}{t['decode_tok_s'] / fp:>8.2f}x{str(t['spec_speedup_code_edit']) + 'x':>13}{str(t['mean_accepted_code_edit']):>6}"
-              f"{t['speculative_equals_plain']:>12}{t['batch_invariance_relative']:>12.1e}")
-    result = {"benchmark": "weight-only-quantization", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"cpu": cpu_model()}, "versions": package_versions("onnxruntime", "onnx", "numpy"),
-              "artifacts": str(args.artifacts), "prompts": str(args.prompts), "max_new_tokens": args.tokens,
-              "corpus_tokens": len(rows["float32"]["nll"]), "variants": table}
+        print(
+            f"{name:<13}{t['engine_mib']:>9}{t['perplexity']:>9}{t['top1_agreement']:>13.3f}{t['greedy_identical']:>14}{str(t['mean_first_difference']):>10}"  # noqa: E501 (a table row)
+            f"{t['decode_tok_s']:>14}{t['decode_tok_s'] / fp:>8.2f}x{str(t['spec_speedup_code_edit']) + 'x':>13}{str(t['mean_accepted_code_edit']):>6}"  # noqa: E501 (a table row)
+            f"{t['speculative_equals_plain']:>12}{t['batch_invariance_relative']:>12.1e}"
+        )
+    result = {
+        "benchmark": "weight-only-quantization",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model()},
+        "versions": package_versions("onnxruntime", "onnx", "numpy"),
+        "artifacts": str(args.artifacts),
+        "prompts": str(args.prompts),
+        "max_new_tokens": args.tokens,
+        "corpus_tokens": len(rows["float32"]["nll"]),
+        "variants": table,
+    }
     print(f"wrote {write_result_json(result, args.out, 'quant')}")
 
 

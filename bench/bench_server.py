@@ -33,7 +33,18 @@ def free_port() -> int:
 
 
 def start(artifacts: Path, draft: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specrt.cli", "serve", "--artifacts", str(artifacts), "--port", str(port), "--draft", draft]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specrt.cli",
+        "serve",
+        "--artifacts",
+        str(artifacts),
+        "--port",
+        str(port),
+        "--draft",
+        draft,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     import httpx
 
@@ -74,12 +85,18 @@ def main():
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             try:
                 for i, p in enumerate(prompts):
-                    req = {"messages": [{"role": "user", "content": p["prompt"]}], "max_tokens": args.tokens, "temperature": 0}
+                    req = {
+                        "messages": [{"role": "user", "content": p["prompt"]}],
+                        "max_tokens": args.tokens,
+                        "temperature": 0,
+                    }
                     t0 = time.perf_counter()
                     body = httpx.post(url, json=req, timeout=600).json()
                     wall = time.perf_counter() - t0
                     n = body["usage"]["completion_tokens"]
-                    engine_s = body["specrt"]["prefill_ms"] / 1e3 + ((n - 1) / body["specrt"]["decode_tokens_per_second"] if n > 1 else 0.0)
+                    engine_s = body["specrt"]["prefill_ms"] / 1e3 + (
+                        (n - 1) / body["specrt"]["decode_tokens_per_second"] if n > 1 else 0.0
+                    )
                     r["tok_s"].append(n / wall)
                     r["by_class"].setdefault(p["class"], []).append(n / wall)
                     r["overhead"].append(max(0.0, wall - engine_s) / wall)
@@ -96,20 +113,32 @@ def main():
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
-        rows[draft] = {"ttft_ms": round(statistics.median(r["ttft_ms"]), 1), "tokens_per_second": round(statistics.median(r["tok_s"]), 1),
-                       "outside_engine_share": round(statistics.median(r["overhead"]), 4),
-                       "tokens_per_second_by_class": {c: round(statistics.median(v), 1) for c, v in r["by_class"].items()}}
+        rows[draft] = {
+            "ttft_ms": round(statistics.median(r["ttft_ms"]), 1),
+            "tokens_per_second": round(statistics.median(r["tok_s"]), 1),
+            "outside_engine_share": round(statistics.median(r["overhead"]), 4),
+            "tokens_per_second_by_class": {c: round(statistics.median(v), 1) for c, v in r["by_class"].items()},
+        }
         print(f"{draft}: done", file=sys.stderr, flush=True)
     same = sum(texts["none"][i] == texts["suffix"][i] for i in texts["none"])
     classes = list(rows["none"]["tokens_per_second_by_class"])
     print(f"\n{'server':<16}{'TTFT ms':>9}{'tok/s':>8}{'outside engine':>16}" + "".join(f"{c:>15}" for c in classes))
     for draft, row in rows.items():
-        print(f"{'plain' if draft == 'none' else 'suffix draft':<16}{row['ttft_ms']:>9}{row['tokens_per_second']:>8}{row['outside_engine_share']:>15.1%}"
-              + "".join(f"{row['tokens_per_second_by_class'][c]:>15}" for c in classes))
+        print(
+            f"{'plain' if draft == 'none' else 'suffix draft':<16}{row['ttft_ms']:>9}{row['tokens_per_second']:>8}{row['outside_engine_share']:>15.1%}"  # noqa: E501 (a table row)
+            + "".join(f"{row['tokens_per_second_by_class'][c]:>15}" for c in classes)
+        )
     print(f"speculative answers equal to plain: {same}/{len(texts['none'])}")
-    result = {"benchmark": "server", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": {"cpu": cpu_model()},
-              "versions": package_versions("onnxruntime", "fastapi", "uvicorn", "httpx"), "max_tokens": args.tokens, "repeats": args.repeats,
-              "servers": rows, "speculative_equals_plain": f"{same}/{len(texts['none'])}"}
+    result = {
+        "benchmark": "server",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model()},
+        "versions": package_versions("onnxruntime", "fastapi", "uvicorn", "httpx"),
+        "max_tokens": args.tokens,
+        "repeats": args.repeats,
+        "servers": rows,
+        "speculative_equals_plain": f"{same}/{len(texts['none'])}",
+    }
     print(f"wrote {write_result_json(result, args.out, 'server')}")
 
 

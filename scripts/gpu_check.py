@@ -35,9 +35,22 @@ from specrt.runtime.drafts import make_proposer  # noqa: E402
 from specrt.runtime.generator import Generator  # noqa: E402
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy  # noqa: E402
 
-SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-           "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
-           "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def load():
@@ -93,8 +106,8 @@ def check_tensorrt(model, ckpt, device, measure) -> str:
 
     from specrt.engines.profiles import EngineShapes
     from specrt.engines.trt import TrtBuildSpec, build_trt_engine
-    from specrt.runtime.backends import TrtBackend
     from specrt.export.step_graph import export_step_graph
+    from specrt.runtime.backends import TrtBackend
 
     flavour = flavours[0]
     tmp = Path(tempfile.mkdtemp(prefix="specrt-gpu-check-"))
@@ -110,13 +123,19 @@ def check_tensorrt(model, ckpt, device, measure) -> str:
     try:
         export_step_graph(ckpt, tmp / "onnx")
         caps = ("CURRENT",) if flavour == "tensorrt-rtx" else ()
-        build_trt_engine(tmp / "onnx", tmp / "engine", TrtBuildSpec(flavour=flavour, shapes=EngineShapes(max_context=1024), compute_capabilities=caps))
+        build_trt_engine(
+            tmp / "onnx",
+            tmp / "engine",
+            TrtBuildSpec(flavour=flavour, shapes=EngineShapes(max_context=1024), compute_capabilities=caps),
+        )
     except Exception as e:  # report and go on: the torch results above still stand
         return f"{flavour}: export or build failed: {type(e).__name__}: {e}"
     built = f"{flavour}: exported and built in {time.perf_counter() - t0:.0f} s"
     for graphs in (False, True):
         try:
-            measure(f"{flavour}{'+graphs' if graphs else ''}", TrtBackend(tmp / "engine", device="cuda", cuda_graphs=graphs))
+            measure(
+                f"{flavour}{'+graphs' if graphs else ''}", TrtBackend(tmp / "engine", device="cuda", cuda_graphs=graphs)
+            )
         except Exception as e:  # report and go on: the torch results above still stand
             return f"{built}; running it failed: {type(e).__name__}: {e}"
     return built
@@ -130,9 +149,15 @@ def main():
         return 2
     model, what, ckpt = load()
     cpu_model = model
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "none (cpu smoke run)",
-              "model": what, "versions": package_versions("torch", "numpy"), "checks": {}, "step_ms": {}, "decode_tok_s": {}}
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "none (cpu smoke run)",
+        "model": what,
+        "versions": package_versions("torch", "numpy"),
+        "checks": {},
+        "step_ms": {},
+        "decode_tok_s": {},
+    }
     ps = prompts(model.cfg.vocab_size)
     ref = Generator(TorchBackend(cpu_model))
     ref.eos_ids = frozenset()
@@ -144,7 +169,10 @@ def main():
         gen = Generator(backend)
         gen.eos_ids = frozenset()
         plain = [r.token_ids for r in gen.generate_ids(ps, 96)]
-        spec = [r.token_ids for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto")).generate_ids(ps, 96)]
+        spec = [
+            r.token_ids
+            for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto")).generate_ids(ps, 96)
+        ]
         result["checks"][f"{name}: greedy speculative == plain"] = spec == plain
         result["checks"][f"{name}: first 32 tokens == CPU reference"] = [p[:32] for p in plain[:1]] == expected
         result["step_ms"][name] = {q: round(step_ms(gen, q, device), 3) for q in (1, 2, 4, 8, 12, 16)}

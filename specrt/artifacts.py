@@ -148,7 +148,9 @@ def exclusive_lock(directory: str | Path, what: str) -> Iterator[None]:
         except BlockingIOError:
             fh.seek(0)
             holder = fh.read().strip() or "another process"
-            raise ArtifactError(f"{directory} is being written by {holder} ({what}); wait for it to finish or use another --out") from None
+            raise ArtifactError(
+                f"{directory} is being written by {holder} ({what}); wait for it to finish or use another --out"
+            ) from None
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()}")
@@ -162,7 +164,13 @@ def exclusive_lock(directory: str | Path, what: str) -> Iterator[None]:
 
 def _stat_record(path: Path, digest: str) -> dict:
     st = path.stat()
-    return {"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
+    return {
+        "sha256": digest,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "ino": st.st_ino,
+    }
 
 
 def _read_stamp(directory: Path) -> dict:
@@ -194,8 +202,10 @@ def verify_files(directory: str | Path, files: dict[str, str], how_to_make: str,
         if not full and stamp.get(name) == _stat_record(path, digest):
             continue
         if file_sha256(path) != digest:
-            raise ArtifactError(f"{path} does not match the sha256 in its manifest (corrupt, or replaced by another file); "
-                                f"re-create it with: {how_to_make}")
+            raise ArtifactError(
+                f"{path} does not match the sha256 in its manifest (corrupt, or replaced by another file); "
+                f"re-create it with: {how_to_make}"
+            )
         stamp[name] = _stat_record(path, digest)
         changed = True
     if changed:
@@ -215,7 +225,9 @@ def write_manifest(directory: str | Path, kind: str, body: dict[str, Any]) -> di
     return manifest
 
 
-def read_manifest(directory: str | Path, kind: str, how_to_make: str, required: dict[str, type] | None = None) -> dict[str, Any]:
+def read_manifest(
+    directory: str | Path, kind: str, how_to_make: str, required: dict[str, type] | None = None
+) -> dict[str, Any]:
     """The manifest of an artifact directory, checked to be of `kind` and to hold each `required`
     field with its type ({name: type}).
 
@@ -226,30 +238,47 @@ def read_manifest(directory: str | Path, kind: str, how_to_make: str, required: 
     if not directory.is_dir():
         raise ArtifactError(f"{directory} does not exist. Create it with: {how_to_make}")
     if not path.is_file():
-        raise ArtifactError(f"{directory} has no {MANIFEST}, so it is not a specrt {kind} artifact. Re-create it with: {how_to_make}")
+        raise ArtifactError(
+            f"{directory} has no {MANIFEST}, so it is not a specrt {kind} artifact. Re-create it with: {how_to_make}"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ArtifactError(f"{path} is corrupt ({e}). Re-create the artifact with: {how_to_make}") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != kind:
         got = manifest.get("kind") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ArtifactError(f"{directory} holds a {got!r} artifact, not {kind!r}. Point to the right directory or run: {how_to_make}")
+        raise ArtifactError(
+            f"{directory} holds a {got!r} artifact, not {kind!r}. Point to the right directory or run: {how_to_make}"
+        )
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(
-            f"{path} has schema version {manifest.get('schema_version')}, this specrt reads {SCHEMA_VERSION}. Re-create it with: {how_to_make}"
+            f"{path} has schema version {manifest.get('schema_version')}, this specrt reads {SCHEMA_VERSION}. "
+            f"Re-create it with: {how_to_make}"
         )
     for name, typ in {**COMMON_FIELDS, **(required or {})}.items():
         if name not in manifest:
-            raise ArtifactError(f"{path} lacks the field {name!r} (an incomplete or hand-edited manifest, or one written by an older specrt). "
-                                f"Re-create the artifact with: {how_to_make}")
+            raise ArtifactError(
+                f"{path} lacks the field {name!r} (an incomplete or hand-edited manifest, or one written by an older "
+                "specrt). "
+                f"Re-create the artifact with: {how_to_make}"
+            )
         if not isinstance(manifest[name], typ) or isinstance(manifest[name], bool) and typ is not bool:
-            raise ArtifactError(f"{path}: field {name!r} should be {_type_name(typ)}, got {json.dumps(manifest[name])[:40]}. "
-                                f"Re-create the artifact with: {how_to_make}")
+            raise ArtifactError(
+                f"{path}: field {name!r} should be {_type_name(typ)}, got {json.dumps(manifest[name])[:40]}. "
+                f"Re-create the artifact with: {how_to_make}"
+            )
     ckpt = manifest["checkpoint"]
     if not (isinstance(ckpt.get("path"), str) and isinstance(ckpt.get("hash"), str)):
-        raise ArtifactError(f"{path}: field 'checkpoint' needs 'path' and 'hash' strings. Re-create the artifact with: {how_to_make}")
-    if not all(isinstance(k, str) and isinstance(v, str) and v.startswith("sha256:") for k, v in manifest["files"].items()):
-        raise ArtifactError(f"{path}: field 'files' should map file names to 'sha256:...' hashes. Re-create the artifact with: {how_to_make}")
+        raise ArtifactError(
+            f"{path}: field 'checkpoint' needs 'path' and 'hash' strings. Re-create the artifact with: {how_to_make}"
+        )
+    if not all(
+        isinstance(k, str) and isinstance(v, str) and v.startswith("sha256:") for k, v in manifest["files"].items()
+    ):
+        raise ArtifactError(
+            f"{path}: field 'files' should map file names to 'sha256:...' hashes. Re-create the artifact with: "
+            f"{how_to_make}"
+        )
     return manifest
 
 
@@ -258,7 +287,9 @@ COMMON_FIELDS = {"checkpoint": dict, "config": dict, "files": dict}
 
 
 def _type_name(typ) -> str:
-    return {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number"}.get(typ, typ.__name__)
+    return {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number"}.get(
+        typ, typ.__name__
+    )
 
 
 def require_same_checkpoint(manifest: dict[str, Any], expected_hash: str | None, what: str, fix: str) -> None:

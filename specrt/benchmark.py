@@ -57,7 +57,9 @@ def load_prompts(path: Path) -> list[dict]:
             p = json.loads(line)
             prompts.append({"class": str(p["class"]), "prompt": str(p["prompt"])})
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SpecrtError(f"{path}:{i + 1}: each line must be a JSON object with 'class' and 'prompt' ({e})") from None
+            raise SpecrtError(
+                f"{path}:{i + 1}: each line must be a JSON object with 'class' and 'prompt' ({e})"
+            ) from None
     return prompts
 
 
@@ -73,7 +75,9 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
         import torch
         from transformers import AutoModelForCausalLM
 
-        checkpoint = cfg.checkpoint or json.loads((Path(cfg.engine_dir) / "manifest.json").read_text())["checkpoint"]["path"]
+        checkpoint = (
+            cfg.checkpoint or json.loads((Path(cfg.engine_dir) / "manifest.json").read_text())["checkpoint"]["path"]
+        )
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
         torch.set_num_threads(os.cpu_count() or 1)
 
@@ -87,9 +91,16 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
 
         kw = {"prompt_lookup_num_tokens": cfg.hf_lookup_tokens} if lookup else {}
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=cfg.max_new_tokens,
-                              do_sample=False, eos_token_id=sorted(gen.eos_ids), pad_token_id=sorted(gen.eos_ids)[0], **kw)
-        return out[0, len(ids):].tolist()
+            out = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=cfg.max_new_tokens,
+                do_sample=False,
+                eos_token_id=sorted(gen.eos_ids),
+                pad_token_id=sorted(gen.eos_ids)[0],
+                **kw,
+            )
+        return out[0, len(ids) :].tolist()
 
     variants = [(m, n) for m in cfg.methods for n in (*cfg.fixed_n, "auto")]
     runs = []  # one dict per (repeat, prompt, variant)
@@ -98,34 +109,68 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
             ids = gen.encode_prompt(p["prompt"])
             plain, t_plain = timed(lambda: gen.generate_ids([ids], cfg.max_new_tokens)[0])
             base = {"repeat": r, "prompt": pi, "class": p["class"]}
-            runs.append({**base, "variant": "plain", "tokens": len(plain.token_ids), "seconds": t_plain, "same_as_plain": True,
-                         "decode_seconds": plain.decode_seconds})
+            runs.append(
+                {
+                    **base,
+                    "variant": "plain",
+                    "tokens": len(plain.token_ids),
+                    "seconds": t_plain,
+                    "same_as_plain": True,
+                    "decode_seconds": plain.decode_seconds,
+                }
+            )
             line = [f"r{r + 1} #{pi + 1} {p['class']:<13} plain {len(plain.token_ids) / t_plain:5.1f} tok/s"]
             for method, n in variants:
                 spec = SpeculativeDecoder(gen, make_proposer(method), make_policy(n))  # fresh: no cross-prompt memory
                 res, t = timed(lambda: spec.generate_ids([ids], cfg.max_new_tokens)[0])
                 m = res.metrics
-                runs.append({**base, "variant": f"{method} N={n}", "tokens": len(res.token_ids), "seconds": t, "decode_seconds": res.decode_seconds,
-                             "same_as_plain": res.token_ids == plain.token_ids, "mean_accepted_length": m.mean_accepted_length,
-                             "acceptance_rate": m.acceptance_rate, "alpha": m.alpha})
+                runs.append(
+                    {
+                        **base,
+                        "variant": f"{method} N={n}",
+                        "tokens": len(res.token_ids),
+                        "seconds": t,
+                        "decode_seconds": res.decode_seconds,
+                        "same_as_plain": res.token_ids == plain.token_ids,
+                        "mean_accepted_length": m.mean_accepted_length,
+                        "acceptance_rate": m.acceptance_rate,
+                        "alpha": m.alpha,
+                    }
+                )
                 line.append(f"{method}/{n} {t_plain / t:4.2f}x")
             if hf is not None:
                 for name, lookup in (("transformers prompt lookup", True), ("transformers plain", False)):
                     toks, t = timed(lambda: hf_generate(ids, lookup))
-                    runs.append({**base, "variant": name, "tokens": len(toks), "seconds": t, "same_as_plain": toks == plain.token_ids})
+                    runs.append(
+                        {
+                            **base,
+                            "variant": name,
+                            "tokens": len(toks),
+                            "seconds": t,
+                            "same_as_plain": toks == plain.token_ids,
+                        }
+                    )
                 line.append(f"hf-pld {runs[-2]['tokens'] / runs[-2]['seconds']:5.1f} tok/s")
             log("  ".join(line))
 
     # sweep: measured and predicted speedup vs N on one class
     sweep_prompts = [i for i, p in enumerate(prompts) if p["class"] == cfg.sweep_class]
-    sweep = {"method": cfg.sweep_method, "class": cfg.sweep_class, "n": list(cfg.sweep_n), "measured": [], "predicted": []}
+    sweep = {
+        "method": cfg.sweep_method,
+        "class": cfg.sweep_class,
+        "n": list(cfg.sweep_n),
+        "measured": [],
+        "predicted": [],
+    }
     per_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
     pred_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
     for pi in sweep_prompts:
         ids = gen.encode_prompt(prompts[pi]["prompt"])
         plain = gen.generate_ids([ids], cfg.max_new_tokens)[0]
         for n in cfg.sweep_n:
-            res = SpeculativeDecoder(gen, make_proposer(cfg.sweep_method), make_policy(n)).generate_ids([ids], cfg.max_new_tokens)[0]
+            res = SpeculativeDecoder(gen, make_proposer(cfg.sweep_method), make_policy(n)).generate_ids(
+                [ids], cfg.max_new_tokens
+            )[0]
             # decode only (prefill excluded), as the cost model describes the decode loop
             per_n[n].append(res.decode_tokens_per_second / plain.decode_tokens_per_second)
             pred_n[n].append(res.metrics.predicted_speedup or float("nan"))
@@ -170,7 +215,10 @@ def summarize(runs: list[dict]) -> dict:
             sel = [r for r in runs if r["class"] == c and r["variant"] == v]
             if not sel:
                 continue
-            entry = {"tokens_per_s": statistics.median(tps), "same_as_plain": f"{sum(r['same_as_plain'] for r in sel)}/{len(sel)}"}
+            entry = {
+                "tokens_per_s": statistics.median(tps),
+                "same_as_plain": f"{sum(r['same_as_plain'] for r in sel)}/{len(sel)}",
+            }
             if dps:
                 entry["decode_tokens_per_s"] = statistics.median(dps)
             if "mean_accepted_length" in sel[0]:
@@ -203,7 +251,9 @@ def format_table(result: dict) -> str:
             mal = f"L{e['mean_accepted_length']:.1f}" if "mean_accepted_length" in e else ""
             cells.append(f"{e['tokens_per_s']:6.1f} {e['speedup_vs_plain']:4.2f}x {dec:>5} {mal:>5}".rjust(28))
         lines.append(f"{v:<28}" + "".join(cells))
-    lines.append("cells: end-to-end tokens/s and its speedup over specrt plain (prefill included), decode-only speedup,")
+    lines.append(
+        "cells: end-to-end tokens/s and its speedup over specrt plain (prefill included), decode-only speedup,"
+    )
     lines.append("       L = mean accepted length (bonus token included)")
     return "\n".join(lines)
 
@@ -220,7 +270,12 @@ def plot_sweep(result: dict, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     ax.plot(sweep["n"], sweep["measured"], "o-", label="measured")
     if sweep["predicted"]:
-        ax.plot(sweep["n"], sweep["predicted"], "s--", label="cost model with the run's acceptance: L / (T_draft/T_decode + 1 + β + αN)")
+        ax.plot(
+            sweep["n"],
+            sweep["predicted"],
+            "s--",
+            label="cost model with the run's acceptance: L / (T_draft/T_decode + 1 + β + αN)",
+        )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("draft tokens per step N")
     ax.set_ylabel("speedup over plain decoding")

@@ -73,7 +73,12 @@ def main():
 
 @main.command()
 @click.argument("gguf_file", type=click.Path(path_type=Path))
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Checkpoint directory to write (config.json, model.safetensors, tokenizer).")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Checkpoint directory to write (config.json, model.safetensors, tokenizer).",
+)
 @_friendly_errors
 def convert(gguf_file: Path, out: Path):
     """Convert a GGUF file to a float32 Hugging Face checkpoint directory."""
@@ -91,10 +96,26 @@ def _parse_layers(value: str) -> tuple[int, ...]:
 
 
 @main.command()
-@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="Checkpoint directory (config.json + safetensors) or .gguf file.")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for model.onnx, its weights and manifest.json.")
+@click.option(
+    "--model",
+    "checkpoint",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Checkpoint directory (config.json + safetensors) or .gguf file.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Directory for model.onnx, its weights and manifest.json.",
+)
 @click.option("--opset", default=17, show_default=True, help="ONNX opset.")
-@click.option("--hidden-layers", default="-1", show_default=True, help="Layers whose output `hidden_states` carries (-1: final normed state; e.g. 2,15,27 for EAGLE-3).")
+@click.option(
+    "--hidden-layers",
+    default="-1",
+    show_default=True,
+    help="Layers whose output `hidden_states` carries (-1: final normed state; e.g. 2,15,27 for EAGLE-3).",
+)
 @_friendly_errors
 def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     """Export the target step graph (prefill, decode and verification in one graph) to ONNX."""
@@ -105,43 +126,144 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
 
 
 @main.command("build-engines")
-@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="Checkpoint directory or .gguf file.")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory: onnx/ and engines/ are written under it.")
-@click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider to optimize for.")
+@click.option(
+    "--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="Checkpoint directory or .gguf file."
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Artifact directory: onnx/ and engines/ are written under it.",
+)
+@click.option(
+    "--provider",
+    default="cpu",
+    show_default=True,
+    type=click.Choice(["cpu", "cuda", "tensorrt"]),
+    help="ONNX Runtime execution provider to optimize for.",
+)
 @click.option("--force", is_flag=True, help="Rebuild even when up-to-date artifacts exist.")
-@click.option("--tensorrt", "tensorrt", default="auto", show_default=True, type=click.Choice(["auto", "off", "tensorrt", "tensorrt-rtx"]),
-              help="TensorRT engine: auto builds one when tensorrt or tensorrt_rtx is installed.")
-@click.option("--max-context", default=2048, show_default=True, type=click.IntRange(min=2), help="TensorRT profiles: longest context (prompt + output).")
-@click.option("--max-prefill", default=512, show_default=True, type=click.IntRange(min=1), help="TensorRT prefill profile: longest prompt chunk.")
-@click.option("--max-verify", default=17, show_default=True, type=click.IntRange(min=1), help="TensorRT verify profile: max draft tokens (or tree size) + 1.")
-@click.option("--max-batch", default=1, show_default=True, type=click.IntRange(min=1), help="TensorRT profiles: largest batch.")
-@click.option("--compute-capability", "compute_capabilities", multiple=True, help="TensorRT-RTX target GPU, e.g. SM89, or CURRENT (this machine's GPU); repeatable; default: the library's (SM80, 86, 89, 120+).")
-@click.option("--workspace-mib", default=4096, show_default=True, type=click.IntRange(min=16), help="TensorRT builder workspace limit.")
-@click.option("--quantize", default="none", show_default=True, type=click.Choice(["none", "int4", "int8-a8", "int4-a8"]),
-              help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): int4 weights, or "
-                   "int8/int4 weights with int8 activations (-a8: faster, but speculative output may then differ from plain).")
-@click.option("--quant-block-size", default=32, show_default=True, type=click.Choice(["16", "32", "64", "128", "256"]), help="Weights per quantization scale.")
+@click.option(
+    "--tensorrt",
+    "tensorrt",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "off", "tensorrt", "tensorrt-rtx"]),
+    help="TensorRT engine: auto builds one when tensorrt or tensorrt_rtx is installed.",
+)
+@click.option(
+    "--max-context",
+    default=2048,
+    show_default=True,
+    type=click.IntRange(min=2),
+    help="TensorRT profiles: longest context (prompt + output).",
+)
+@click.option(
+    "--max-prefill",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="TensorRT prefill profile: longest prompt chunk.",
+)
+@click.option(
+    "--max-verify",
+    default=17,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="TensorRT verify profile: max draft tokens (or tree size) + 1.",
+)
+@click.option(
+    "--max-batch", default=1, show_default=True, type=click.IntRange(min=1), help="TensorRT profiles: largest batch."
+)
+@click.option(
+    "--compute-capability",
+    "compute_capabilities",
+    multiple=True,
+    help="TensorRT-RTX target GPU, e.g. SM89, or CURRENT (this machine's GPU); repeatable; default: the library's "
+    "(SM80, 86, 89, 120+).",
+)
+@click.option(
+    "--workspace-mib",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(min=16),
+    help="TensorRT builder workspace limit.",
+)
+@click.option(
+    "--quantize",
+    default="none",
+    show_default=True,
+    type=click.Choice(["none", "int4", "int8-a8", "int4-a8"]),
+    help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): int4 "
+    "weights, or "
+    "int8/int4 weights with int8 activations (-a8: faster, but speculative output may then differ from plain).",
+)
+@click.option(
+    "--quant-block-size",
+    default=32,
+    show_default=True,
+    type=click.Choice(["16", "32", "64", "128", "256"]),
+    help="Weights per quantization scale.",
+)
 @_friendly_errors
-def build_engines(checkpoint: Path, out: Path, provider: str, force: bool, tensorrt: str, max_context: int, max_prefill: int, max_verify: int,
-                  max_batch: int, compute_capabilities: tuple[str, ...], workspace_mib: int, quantize: str, quant_block_size: str):
+def build_engines(
+    checkpoint: Path,
+    out: Path,
+    provider: str,
+    force: bool,
+    tensorrt: str,
+    max_context: int,
+    max_prefill: int,
+    max_verify: int,
+    max_batch: int,
+    compute_capabilities: tuple[str, ...],
+    workspace_mib: int,
+    quantize: str,
+    quant_block_size: str,
+):
     """Export the ONNX step graph (if needed) and build engines from it: ONNX Runtime always,
     TensorRT / TensorRT-RTX when installed."""
     from specrt.engines.build import BuildSpec, build_all
     from specrt.engines.profiles import EngineShapes
-    from specrt.layout import ArtifactLayout
     from specrt.engines.trt import TrtBuildSpec
+    from specrt.layout import ArtifactLayout
 
     shapes = EngineShapes(max_batch=max_batch, max_context=max_context, max_prefill=max_prefill, max_verify=max_verify)
-    trt_spec = TrtBuildSpec(shapes=shapes, workspace_mib=workspace_mib, compute_capabilities=compute_capabilities,
-                            timing_cache=ArtifactLayout(out).timing_cache)
-    spec = BuildSpec(checkpoint=checkpoint, out=out, provider=provider, force=force, tensorrt=tensorrt, trt=trt_spec, quantize=quantize,
-                     quant_block_size=int(quant_block_size))
+    trt_spec = TrtBuildSpec(
+        shapes=shapes,
+        workspace_mib=workspace_mib,
+        compute_capabilities=compute_capabilities,
+        timing_cache=ArtifactLayout(out).timing_cache,
+    )
+    spec = BuildSpec(
+        checkpoint=checkpoint,
+        out=out,
+        provider=provider,
+        force=force,
+        tensorrt=tensorrt,
+        trt=trt_spec,
+        quantize=quantize,
+        quant_block_size=int(quant_block_size),
+    )
     for line in build_all(spec):
         click.echo(line)
 
 
-def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft,
-                 verify_artifacts=False):
+def _make_runner(
+    artifacts,
+    engine,
+    checkpoint,
+    backend,
+    provider,
+    quantize,
+    threads,
+    device,
+    cuda_graphs,
+    draft,
+    num_draft,
+    max_draft,
+    verify_artifacts=False,
+):
     """(generator, runner): the generator on the chosen backend, and the runner (itself, or a
     speculative decoder over it with the chosen draft)."""
     from specrt.layout import TRT_FLAVOURS, ArtifactLayout
@@ -163,25 +285,36 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, thr
             engine = layout.built_trt_engine()
             if engine is None:
                 built = " or ".join(str(layout.trt_engine(f)) for f in TRT_FLAVOURS)
-                raise SpecrtError(f"{artifacts} has no TensorRT engine ({built}); build one with: "
-                                  f"specrt build-engines --model CHECKPOINT --out {artifacts} --tensorrt auto")
-        gen = Generator.from_trt_engine(engine, checkpoint, device=device or "cuda", cuda_graphs=cuda_graphs, verify=verify)
+                raise SpecrtError(
+                    f"{artifacts} has no TensorRT engine ({built}); build one with: "
+                    f"specrt build-engines --model CHECKPOINT --out {artifacts} --tensorrt auto"
+                )
+        gen = Generator.from_trt_engine(
+            engine, checkpoint, device=device or "cuda", cuda_graphs=cuda_graphs, verify=verify
+        )
     else:
         from specrt.engines.ort import OrtOptions
 
         if engine is None:
             if artifacts is None:
-                raise click.UsageError("give --artifacts DIR (from build-engines) or --engine DIR, or --backend torch --model CHECKPOINT")
+                raise click.UsageError(
+                    "give --artifacts DIR (from build-engines) or --engine DIR, or --backend torch --model CHECKPOINT"
+                )
             engine = ArtifactLayout(artifacts).ort_engine(provider, quantize)
             if quantize != "none" and not engine.is_dir():
-                raise SpecrtError(f"{engine} does not exist; build it with: specrt build-engines --model CHECKPOINT --out {artifacts} --quantize {quantize}")
-        gen = Generator.from_engine(engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads), verify=verify)
+                raise SpecrtError(
+                    f"{engine} does not exist; build it with: specrt build-engines --model CHECKPOINT --out "
+                    f"{artifacts} --quantize {quantize}"
+                )
+        gen = Generator.from_engine(
+            engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads), verify=verify
+        )
     runner = gen
     if draft != "none":
+        import warnings
+
         from specrt.runtime.drafts import make_proposer
         from specrt.runtime.speculative import SpeculativeDecoder, make_policy
-
-        import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # said once, plainly, below
@@ -194,22 +327,79 @@ def _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, thr
 def _engine_options(fn):
     """The options that choose the engine, backend and draft (shared by generate and serve)."""
     options = [
-        click.option("--artifacts", type=click.Path(path_type=Path), help="Artifact directory from build-engines (uses its engines/ort-<provider>)."),
+        click.option(
+            "--artifacts",
+            type=click.Path(path_type=Path),
+            help="Artifact directory from build-engines (uses its engines/ort-<provider>).",
+        ),
         click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (overrides --artifacts)."),
-        click.option("--model", "checkpoint", type=click.Path(path_type=Path), help="Checkpoint directory; checked against the engine's manifest. Alone, runs the PyTorch reference."),
-        click.option("--backend", default="ort", show_default=True, type=click.Choice(["ort", "trt", "torch"]),
-                     help="ort: the ONNX Runtime engine; trt: the TensorRT engine (NVIDIA GPU); torch: the PyTorch model."),
-        click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "tensorrt"]), help="ONNX Runtime execution provider."),
-        click.option("--quantize", default="none", show_default=True, type=click.Choice(["none", "int4", "int8-a8", "int4-a8"]),
-                     help="--artifacts: run the weight-only quantized ORT engine (build-engines --quantize)."),
-        click.option("--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core)."),
-        click.option("--device", default=None, help="--backend torch: cpu (the reference, default) or cuda (PyTorch-CUDA backend); --backend trt: the GPU (default cuda)."),
-        click.option("--cuda-graphs", is_flag=True, help="--backend trt, or torch --device cuda: capture fixed-shape steps as CUDA graphs."),
-        click.option("--draft", default="none", show_default=True, type=click.Choice(["none", "ngram", "suffix"]), help="Draft method for speculative decoding."),
-        click.option("--num-draft", default="auto", show_default=True, help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model)."),
-        click.option("--max-draft", default=16, show_default=True, type=click.IntRange(min=1), help="Upper bound for --num-draft auto."),
-        click.option("--verify-artifacts", is_flag=True,
-                     help="Hash the engine's files in full before loading (by default only files changed since their last check are hashed)."),
+        click.option(
+            "--model",
+            "checkpoint",
+            type=click.Path(path_type=Path),
+            help="Checkpoint directory; checked against the engine's manifest. Alone, runs the PyTorch reference.",
+        ),
+        click.option(
+            "--backend",
+            default="ort",
+            show_default=True,
+            type=click.Choice(["ort", "trt", "torch"]),
+            help="ort: the ONNX Runtime engine; trt: the TensorRT engine (NVIDIA GPU); torch: the PyTorch model.",
+        ),
+        click.option(
+            "--provider",
+            default="cpu",
+            show_default=True,
+            type=click.Choice(["cpu", "cuda", "tensorrt"]),
+            help="ONNX Runtime execution provider.",
+        ),
+        click.option(
+            "--quantize",
+            default="none",
+            show_default=True,
+            type=click.Choice(["none", "int4", "int8-a8", "int4-a8"]),
+            help="--artifacts: run the weight-only quantized ORT engine (build-engines --quantize).",
+        ),
+        click.option(
+            "--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core)."
+        ),
+        click.option(
+            "--device",
+            default=None,
+            help="--backend torch: cpu (the reference, default) or cuda (PyTorch-CUDA backend); --backend trt: the "
+            "GPU (default cuda).",
+        ),
+        click.option(
+            "--cuda-graphs",
+            is_flag=True,
+            help="--backend trt, or torch --device cuda: capture fixed-shape steps as CUDA graphs.",
+        ),
+        click.option(
+            "--draft",
+            default="none",
+            show_default=True,
+            type=click.Choice(["none", "ngram", "suffix"]),
+            help="Draft method for speculative decoding.",
+        ),
+        click.option(
+            "--num-draft",
+            default="auto",
+            show_default=True,
+            help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model).",
+        ),
+        click.option(
+            "--max-draft",
+            default=16,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Upper bound for --num-draft auto.",
+        ),
+        click.option(
+            "--verify-artifacts",
+            is_flag=True,
+            help="Hash the engine's files in full before loading (by default only files changed since their last "
+            "check are hashed).",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -225,11 +415,35 @@ def _engine_options(fn):
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables.")
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, lo_open=True), help="1 disables.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (an integer >= 0).")
-@click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt.")
+@click.option(
+    "--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt."
+)
 @click.option("--system", default=None, help="System message (chat mode).")
 @_friendly_errors
-def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provider, quantize, max_new_tokens, temperature, top_k, top_p, seed, chat, system, threads,
-             device, cuda_graphs, draft, num_draft, max_draft, verify_artifacts):
+def generate(
+    prompt,
+    prompt_opt,
+    artifacts,
+    engine,
+    checkpoint,
+    backend,
+    provider,
+    quantize,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    chat,
+    system,
+    threads,
+    device,
+    cuda_graphs,
+    draft,
+    num_draft,
+    max_draft,
+    verify_artifacts,
+):
     """Generate text, streaming it as it is produced; ends with token counts and tokens/s
     (and, with --draft, the speculative decoding metrics)."""
     from specrt.runtime.sampling import SamplingParams
@@ -240,8 +454,21 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
     if text == "-":
         text = sys.stdin.read()
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft,
-                               verify_artifacts)
+    gen, runner = _make_runner(
+        artifacts,
+        engine,
+        checkpoint,
+        backend,
+        provider,
+        quantize,
+        threads,
+        device,
+        cuda_graphs,
+        draft,
+        num_draft,
+        max_draft,
+        verify_artifacts,
+    )
     stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
     for piece in stream:
         click.echo(piece, nl=False)
@@ -258,27 +485,82 @@ def generate(prompt, prompt_opt, artifacts, engine, checkpoint, backend, provide
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--served-model-name", default=None, help="Model id clients send (default: the checkpoint directory's name).")
-@click.option("--max-tokens", "max_tokens_limit", default=1024, show_default=True, type=click.IntRange(min=1), help="Largest max_tokens a request may ask for (and the default).")
-@click.option("--max-body-kb", default=1024, show_default=True, type=click.IntRange(min=1), help="Largest request body; larger ones get 413.")
-@click.option("--max-queue", default=8, show_default=True, type=click.IntRange(min=0), help="Requests that may wait while the engine is busy; more get 503.")
+@click.option(
+    "--served-model-name", default=None, help="Model id clients send (default: the checkpoint directory's name)."
+)
+@click.option(
+    "--max-tokens",
+    "max_tokens_limit",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Largest max_tokens a request may ask for (and the default).",
+)
+@click.option(
+    "--max-body-kb",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Largest request body; larger ones get 413.",
+)
+@click.option(
+    "--max-queue",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Requests that may wait while the engine is busy; more get 503.",
+)
 @_friendly_errors
-def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft, max_draft, verify_artifacts, host, port,
-          served_model_name, max_tokens_limit, max_body_kb, max_queue):
+def serve(
+    artifacts,
+    engine,
+    checkpoint,
+    backend,
+    provider,
+    quantize,
+    threads,
+    device,
+    cuda_graphs,
+    draft,
+    num_draft,
+    max_draft,
+    verify_artifacts,
+    host,
+    port,
+    served_model_name,
+    max_tokens_limit,
+    max_body_kb,
+    max_queue,
+):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, streaming included), optionally with speculative decoding (--draft)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise SpecrtError("the server needs fastapi and uvicorn: pip install 'specrt[server]' (make setup installs them)") from None
+        raise SpecrtError(
+            "the server needs fastapi and uvicorn: pip install 'specrt[server]' (make setup installs them)"
+        ) from None
     from specrt.server import CompletionService, ServerLimits, bind_socket
     from specrt.server import serve as run_server
 
     sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once
     try:
-        gen, runner = _make_runner(artifacts, engine, checkpoint, backend, provider, quantize, threads, device, cuda_graphs, draft, num_draft,
-                                   max_draft, verify_artifacts)
+        gen, runner = _make_runner(
+            artifacts,
+            engine,
+            checkpoint,
+            backend,
+            provider,
+            quantize,
+            threads,
+            device,
+            cuda_graphs,
+            draft,
+            num_draft,
+            max_draft,
+            verify_artifacts,
+        )
         name = served_model_name or Path(gen.checkpoint or checkpoint or artifacts or engine).name
         limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
         service = CompletionService(runner, name, limits)
@@ -286,7 +568,11 @@ def serve(artifacts, engine, checkpoint, backend, provider, quantize, threads, d
         sock.close()
         raise
     url_host = f"[{host}]" if ":" in host else host
-    click.echo(f"serving {name!r} on http://{url_host}:{port} [{gen.backend.description}{', ' + draft + ' draft' if draft != 'none' else ''}]", err=True)
+    click.echo(
+        f"serving {name!r} on http://{url_host}:{port} "
+        f"[{gen.backend.description}{', ' + draft + ' draft' if draft != 'none' else ''}]",
+        err=True,
+    )
     run_server(service, sock)
 
 
@@ -311,10 +597,34 @@ def inspect(path: Path):
 
 
 @main.command()
-@click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts/SmolLM2-135M-Instruct"), show_default=True, help="Artifact directory from build-engines.")
-@click.option("--model", "checkpoint", type=click.Path(path_type=Path), default=None, help="Checkpoint (default: the one the engine was built from).")
-@click.option("--prompts", type=click.Path(path_type=Path), default=Path("bench/prompts.jsonl"), show_default=True, help="JSON lines with 'class' and 'prompt'.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("bench/results"), show_default=True, help="Where the JSON and the PNG go.")
+@click.option(
+    "--artifacts",
+    type=click.Path(path_type=Path),
+    default=Path("artifacts/SmolLM2-135M-Instruct"),
+    show_default=True,
+    help="Artifact directory from build-engines.",
+)
+@click.option(
+    "--model",
+    "checkpoint",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Checkpoint (default: the one the engine was built from).",
+)
+@click.option(
+    "--prompts",
+    type=click.Path(path_type=Path),
+    default=Path("bench/prompts.jsonl"),
+    show_default=True,
+    help="JSON lines with 'class' and 'prompt'.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("bench/results"),
+    show_default=True,
+    help="Where the JSON and the PNG go.",
+)
 @click.option("--max-new-tokens", default=192, show_default=True, type=click.IntRange(min=1))
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers baselines.")
@@ -324,19 +634,33 @@ def inspect(path: Path):
 def bench(artifacts, checkpoint, prompts, out, max_new_tokens, repeats, no_transformers, quick, sweep_only):
     """Benchmark speculative decoding on a prompt set: table, JSON and a speedup-vs-N plot."""
     from specrt.benchmark import SpecBenchConfig, format_table, run_spec_benchmark, write_results
-
     from specrt.layout import ArtifactLayout
 
-    cfg = SpecBenchConfig(engine_dir=ArtifactLayout(artifacts).ort_engine(), checkpoint=checkpoint, prompts=prompts, out_dir=out,
-                          max_new_tokens=max_new_tokens, repeats=repeats, transformers=not no_transformers, main_runs=not sweep_only)
+    cfg = SpecBenchConfig(
+        engine_dir=ArtifactLayout(artifacts).ort_engine(),
+        checkpoint=checkpoint,
+        prompts=prompts,
+        out_dir=out,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        transformers=not no_transformers,
+        main_runs=not sweep_only,
+    )
     if quick:
         cfg = dataclasses.replace(cfg, repeats=1, max_new_tokens=48, fixed_n=(4,), sweep_n=(2, 4))
     result = run_spec_benchmark(cfg, log=lambda line: click.echo(line, err=True))
     click.echo(format_table(result))
     sweep = result["sweep"]
     if sweep["measured"]:
-        click.echo(f"\nsweep ({sweep['method']}, {sweep['class']}): " + "  ".join(
-            f"N={n}: {m:.2f}x (model {p:.2f}x)" for n, m, p in zip(sweep["n"], sweep["measured"], sweep["predicted"] or [float("nan")] * len(sweep["n"]))))
+        click.echo(
+            f"\nsweep ({sweep['method']}, {sweep['class']}): "
+            + "  ".join(
+                f"N={n}: {m:.2f}x (model {p:.2f}x)"
+                for n, m, p in zip(
+                    sweep["n"], sweep["measured"], sweep["predicted"] or [float("nan")] * len(sweep["n"])
+                )
+            )
+        )
     json_path, png = write_results(result, out)
     click.echo(f"wrote {json_path}" + (f" and {png}" if png else ""))
 

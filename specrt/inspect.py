@@ -67,7 +67,10 @@ def _gpu_check(manifest: dict, path: Path) -> str | None:
     except ImportError:
         return "its checks pass, but running it needs PyTorch with CUDA and an NVIDIA GPU"
     if not torch.cuda.is_available():
-        return "its checks pass, but running it needs an NVIDIA GPU and there is none here (torch.cuda.is_available() is False)"
+        return (
+            "its checks pass, but running it needs an NVIDIA GPU and there is none here "
+            "(torch.cuda.is_available() is False)"
+        )
     check_engine_gpu(manifest, torch.cuda.get_device_capability(), torch.cuda.get_device_name(), path)
     return None
 
@@ -92,39 +95,67 @@ def inspect_artifact(path: str | Path) -> Inspection:
         lines = _describe(manifest, kind, path)
     except (KeyError, TypeError, AttributeError, ValueError):  # the verdict names the missing field
         lines = [f"  size        {_size(path)}", "  (the manifest is incomplete: details not shown)"]
-    return Inspection(path, str(kind), lines, refusal is None, "usable here" if refusal is None else f"refused here: {refusal}")
+    return Inspection(
+        path, str(kind), lines, refusal is None, "usable here" if refusal is None else f"refused here: {refusal}"
+    )
 
 
 def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
     cfg = manifest.get("config", {})
     lines = [f"  created     {manifest.get('created', '?')}"]
     if cfg:
-        lines.append(f"  model       {cfg.get('architecture')}: {cfg.get('num_hidden_layers')} layers, hidden {cfg.get('hidden_size')}, "
-                     f"vocab {cfg.get('vocab_size')}, {cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} heads")
+        lines.append(
+            f"  model       {cfg.get('architecture')}: {cfg.get('num_hidden_layers')} layers, hidden "
+            f"{cfg.get('hidden_size')}, "
+            f"vocab {cfg.get('vocab_size')}, {cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} heads"
+        )
     ckpt = manifest.get("checkpoint") or {}
     if ckpt:
         lines.append(f"  checkpoint  {ckpt.get('path')} ({str(ckpt.get('hash', ''))[:19]}…)")
     lines.append(f"  size        {_size(path)}")
     if kind == "onnx-step-graph":
-        lines.append(f"  graph       version {manifest.get('graph_version')}, opset {manifest.get('opset')}, hidden layers {manifest.get('hidden_layers')}, "
-                     f"tied embedding stored once: {manifest.get('tied_embedding_shared', False)}")
+        lines.append(
+            f"  graph       version {manifest.get('graph_version')}, opset {manifest.get('opset')}, hidden layers "
+            f"{manifest.get('hidden_layers')}, "
+            f"tied embedding stored once: {manifest.get('tied_embedding_shared', False)}"
+        )
         q = manifest.get("quantization")
         if q:
-            lines.append(f"  quantized   {q['scheme']}: {q['bits']}-bit weights in blocks of {q['block_size']}, "
-                         f"{'int8' if q.get('accuracy_level') == 4 else 'float32'} activations, {q.get('quantized_matmuls')} MatMuls")
+            lines.append(
+                f"  quantized   {q['scheme']}: {q['bits']}-bit weights in blocks of {q['block_size']}, "
+                f"{'int8' if q.get('accuracy_level') == 4 else 'float32'} activations, {q.get('quantized_matmuls')} "
+                "MatMuls"
+            )
     elif kind == "ort-engine":
-        lines.append(f"  runtime     onnxruntime {manifest.get('versions', {}).get('onnxruntime')} {manifest.get('provider')}, optimized on {manifest.get('host_cpu')!r}")
+        lines.append(
+            f"  runtime     onnxruntime {manifest.get('versions', {}).get('onnxruntime')} "
+            f"{manifest.get('provider')}, optimized on {manifest.get('host_cpu')!r}"
+        )
         inv = manifest.get("batch_invariance")
         if inv:
-            lines.append(f"  positions   logits move by {inv['relative']:.1e} of their range between 1- and {inv['positions']}-position steps "
-                         f"({'exact speculative decoding' if inv['relative'] <= 1e-4 else 'speculative output may differ from plain'})")
+            lines.append(
+                f"  positions   logits move by {inv['relative']:.1e} of their range between 1- and "
+                f"{inv['positions']}-position steps "
+                + (
+                    "(exact speculative decoding)"
+                    if inv["relative"] <= 1e-4
+                    else "(speculative output may differ from plain)"
+                )
+            )
     elif kind == "trt-engine":
         gpu = manifest.get("build_gpu")
         targets = manifest.get("compute_capabilities", [])
-        targets = "SM80, SM86, SM89, SM120+ (the library default)" if targets == ["library default"] else ", ".join(targets)
-        lines.append(f"  runtime     {manifest.get('flavour')} {manifest.get('tensorrt_version')}, targets {targets}"
-                     + (f", built on {gpu['name']} ({gpu['sm']})" if gpu else ""))
-        lines.append(f"  inputs      {len(manifest.get('inputs', []))}, outputs {len(manifest.get('outputs', []))}, workspace {manifest.get('workspace_mib')} MiB")
+        targets = (
+            "SM80, SM86, SM89, SM120+ (the library default)" if targets == ["library default"] else ", ".join(targets)
+        )
+        lines.append(
+            f"  runtime     {manifest.get('flavour')} {manifest.get('tensorrt_version')}, targets {targets}"
+            + (f", built on {gpu['name']} ({gpu['sm']})" if gpu else "")
+        )
+        lines.append(
+            f"  inputs      {len(manifest.get('inputs', []))}, outputs {len(manifest.get('outputs', []))}, workspace "
+            f"{manifest.get('workspace_mib')} MiB"
+        )
         lines += _profiles(manifest)
     files = manifest.get("files")
     if isinstance(files, dict):
@@ -141,5 +172,8 @@ def find_artifacts(path: str | Path) -> list[Path]:
         return [path]
     found = ArtifactLayout(path).artifact_dirs()
     if not found:
-        raise SpecrtError(f"{path} holds no specrt artifacts (no {MANIFEST} in it, in onnx/ or engines/*); create them with: specrt build-engines --out {path}")
+        raise SpecrtError(
+            f"{path} holds no specrt artifacts (no {MANIFEST} in it, in onnx/ or engines/*); create them with: "
+            f"specrt build-engines --out {path}"
+        )
     return found

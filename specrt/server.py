@@ -21,7 +21,6 @@ collector to close an abandoned generator, and no lock is held across an HTTP wr
 fastapi / uvicorn are imported only by `create_app` / `serve` (the `server` extra).
 """
 
-
 import asyncio
 import dataclasses
 import json
@@ -41,8 +40,15 @@ from specrt.runtime.tokenizer import IncrementalDetokenizer
 class RequestError(SpecrtError):
     """A request the server refuses; carries the HTTP status and OpenAI's error fields."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
         self.headers = headers or {}
@@ -87,7 +93,9 @@ def _number(body: dict, name: str, lo: float, hi: float, default, integer: bool 
         return default
     kind = int if integer else (int, float)
     if isinstance(v, bool) or not isinstance(v, kind):
-        raise RequestError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}", param=name)
+        raise RequestError(
+            f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}", param=name
+        )
     if not math.isfinite(v):  # Python's JSON reader takes NaN and Infinity; every comparison with NaN is False
         raise RequestError(f"'{name}' must be a finite number, got {v}", param=name)
     if v < lo or v > hi or (lo_open and v == lo):
@@ -175,7 +183,14 @@ class CompletionService:
         self._waiting = 0  # tickets in the queue, not yet started
         self._busy = False  # the engine thread is running a ticket
         self._worker: threading.Thread | None = None
-        self.stats = {"requests": 0, "refused": 0, "cancelled": 0, "prompt_tokens": 0, "completion_tokens": 0, "busy_seconds": 0.0}
+        self.stats = {
+            "requests": 0,
+            "refused": 0,
+            "cancelled": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "busy_seconds": 0.0,
+        }
 
     @property
     def busy(self) -> bool:
@@ -197,7 +212,11 @@ class CompletionService:
 
     def parse(self, raw: bytes, chat: bool) -> Job:
         if len(raw) > self.limits.max_body_bytes:
-            raise RequestError(f"request body is {len(raw)} bytes; this server takes at most {self.limits.max_body_bytes}", status=413, code="request_too_large")
+            raise RequestError(
+                f"request body is {len(raw)} bytes; this server takes at most {self.limits.max_body_bytes}",
+                status=413,
+                code="request_too_large",
+            )
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -208,7 +227,12 @@ class CompletionService:
             raise RequestError("request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model_id:
-            raise RequestError(f"model {model!r} is not served here; this server serves {self.model_id!r} (GET /v1/models)", status=404, param="model", code="model_not_found")
+            raise RequestError(
+                f"model {model!r} is not served here; this server serves {self.model_id!r} (GET /v1/models)",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
         if body.get("n", 1) != 1:
             raise RequestError("only n = 1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -224,7 +248,8 @@ class CompletionService:
         if room < 1:
             raise RequestError(
                 f"the prompt has {len(prompt_ids)} tokens and the context holds {self.gen.max_context}; shorten it",
-                param="messages" if chat else "prompt", code="context_length_exceeded",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
             )
         try:
             sampling = SamplingParams(
@@ -239,15 +264,24 @@ class CompletionService:
             raise RequestError(str(e)) from None
         stop = body.get("stop")
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > self.limits.max_stop:
-            raise RequestError(f"'stop' must be a non-empty string or a list of up to {self.limits.max_stop} non-empty strings", param="stop")
+        if (
+            not isinstance(stop, list)
+            or not all(isinstance(s, str) and s for s in stop)
+            or len(stop) > self.limits.max_stop
+        ):
+            raise RequestError(
+                f"'stop' must be a non-empty string or a list of up to {self.limits.max_stop} non-empty strings",
+                param="stop",
+            )
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be true or false", param="stream")
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             raise RequestError("'stream_options' must be an object", param="stream_options")
-        return Job(chat, prompt_ids, min(max_tokens, room), sampling, stop, stream, bool(opts.get("include_usage", False)))
+        return Job(
+            chat, prompt_ids, min(max_tokens, room), sampling, stop, stream, bool(opts.get("include_usage", False))
+        )
 
     def _chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
@@ -256,11 +290,17 @@ class CompletionService:
         clean = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                raise RequestError(f"messages[{i}] must be an object with role 'system', 'user' or 'assistant'", param=f"messages[{i}]")
+                raise RequestError(
+                    f"messages[{i}] must be an object with role 'system', 'user' or 'assistant'", param=f"messages[{i}]"
+                )
             content = m.get("content")
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                    raise RequestError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+                if not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+                ):
+                    raise RequestError(
+                        f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
+                    )
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise RequestError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
@@ -287,8 +327,13 @@ class CompletionService:
         with self._lock:
             if (self._busy or self._waiting) and self._waiting >= self.limits.max_queue:
                 self.stats["refused"] += 1
-                raise RequestError(f"the server is busy ({self._waiting} requests waiting); retry later", status=503, code="server_busy",
-                                   kind="server_error", headers={"Retry-After": "1"})
+                raise RequestError(
+                    f"the server is busy ({self._waiting} requests waiting); retry later",
+                    status=503,
+                    code="server_busy",
+                    kind="server_error",
+                    headers={"Retry-After": "1"},
+                )
             self._waiting += 1
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="specrt-engine", daemon=True)
@@ -376,8 +421,14 @@ class CompletionService:
         rid, created = self._id(job), int(time.time())
         choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if job.chat else {"text": text})
-        out = {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": created, "model": self.model_id,
-               "choices": [choice], "usage": self._usage(last)}
+        out = {
+            "id": rid,
+            "object": "chat.completion" if job.chat else "text_completion",
+            "created": created,
+            "model": self.model_id,
+            "choices": [choice],
+            "usage": self._usage(last),
+        }
         if last.result is not None:
             out["specrt"] = self._extras(last.result)
         return out
@@ -392,18 +443,35 @@ class CompletionService:
 
     @staticmethod
     def _usage(last: Piece) -> dict:
-        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens, "total_tokens": last.prompt_tokens + last.completion_tokens}
+        return {
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens,
+        }
 
     def _extras(self, result: GenerationResult) -> dict:
-        extra = {"backend": self.gen.backend.description, "prefill_ms": round(result.prefill_seconds * 1e3, 1),
-                 "decode_tokens_per_second": round(result.decode_tokens_per_second, 2) if result.generated_tokens > 1 else None}
+        extra = {
+            "backend": self.gen.backend.description,
+            "prefill_ms": round(result.prefill_seconds * 1e3, 1),
+            "decode_tokens_per_second": round(result.decode_tokens_per_second, 2)
+            if result.generated_tokens > 1
+            else None,
+        }
         m = result.metrics
         if m is not None:
-            extra.update({"mean_accepted_length": round(m.mean_accepted_length, 3), "acceptance_rate": round(m.acceptance_rate, 3)})
+            extra.update(
+                {
+                    "mean_accepted_length": round(m.mean_accepted_length, 3),
+                    "acceptance_rate": round(m.acceptance_rate, 3),
+                }
+            )
         return extra
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "specrt"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "specrt"}],
+        }
 
 
 class SseWriter:
@@ -416,12 +484,21 @@ class SseWriter:
         self.last: Piece | None = None
 
     def _event(self, choices: list, **extra) -> str:
-        body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_id, "choices": choices, **extra}
+        body = {
+            "id": self.rid,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.model_id,
+            "choices": choices,
+            **extra,
+        }
         return "data: " + json.dumps(body) + "\n\n"
 
     def _chunk(self, delta_text: str | None, finish: str | None, role: bool = False) -> str:
         if self.job.chat:
-            delta = ({"role": "assistant"} if role else {}) | ({"content": delta_text} if delta_text is not None else {})
+            delta = ({"role": "assistant"} if role else {}) | (
+                {"content": delta_text} if delta_text is not None else {}
+            )
             return self._event([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
         return self._event([{"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}])
 
@@ -440,7 +517,11 @@ class SseWriter:
 
     def error(self, exc: Exception) -> list[str]:
         """A failure after the stream began: OpenAI's error object as the last event."""
-        err = exc if isinstance(exc, RequestError) else RequestError(f"generation failed: {exc}", status=500, kind="server_error")
+        err = (
+            exc
+            if isinstance(exc, RequestError)
+            else RequestError(f"generation failed: {exc}", status=500, kind="server_error")
+        )
         return ["data: " + json.dumps(err.body()) + "\n\n", "data: [DONE]\n\n"]
 
 
@@ -487,12 +568,18 @@ def create_app(service: CompletionService):
     async def read(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > service.limits.max_body_bytes:
-            raise RequestError(f"request body is {declared} bytes; this server takes at most {service.limits.max_body_bytes}", status=413, code="request_too_large")
+            raise RequestError(
+                f"request body is {declared} bytes; this server takes at most {service.limits.max_body_bytes}",
+                status=413,
+                code="request_too_large",
+            )
         raw = b""
         async for part in request.stream():
             raw += part
             if len(raw) > service.limits.max_body_bytes:
-                raise RequestError(f"request body is over {service.limits.max_body_bytes} bytes", status=413, code="request_too_large")
+                raise RequestError(
+                    f"request body is over {service.limits.max_body_bytes} bytes", status=413, code="request_too_large"
+                )
         return raw
 
     async def respond(request: Request, chat: bool):
@@ -501,10 +588,21 @@ def create_app(service: CompletionService):
         watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, ticket))
         try:
             try:
-                first = await ticket.next_async()  # waits for the engine and prefills; refusals surface here, as a status
+                first = (
+                    await ticket.next_async()
+                )  # waits for the engine and prefills; refusals surface here, as a status
             except StopAsyncIteration:  # cancelled while it waited: the client is gone, nobody reads this
-                return JSONResponse({"error": {"message": "client closed the request", "type": "invalid_request_error",
-                                               "param": None, "code": "client_closed_request"}}, status_code=499)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "client closed the request",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": "client_closed_request",
+                        }
+                    },
+                    status_code=499,
+                )
             if job.stream:
                 watcher.cancel()  # from here on Starlette's streaming response watches the client
                 return TicketStream(ticket, _sse(service.events(job), ticket, first))
@@ -535,8 +633,13 @@ def create_app(service: CompletionService):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": service.model_id, "backend": service.gen.backend.description, "busy": service.busy,
-                "waiting": service.waiting}
+        return {
+            "status": "ok",
+            "model": service.model_id,
+            "backend": service.gen.backend.description,
+            "busy": service.busy,
+            "waiting": service.waiting,
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -579,10 +682,14 @@ def bind_socket(host: str, port: int):
         sock.close()
         if e.errno == errno.EADDRINUSE:
             holder = _port_holder(port)
-            raise SpecrtError(f"port {port} on {host} is already in use{f' by {holder}' if holder else ''}; stop that process "
-                              f"or choose another port with --port") from None
+            raise SpecrtError(
+                f"port {port} on {host} is already in use{f' by {holder}' if holder else ''}; stop that process "
+                f"or choose another port with --port"
+            ) from None
         if e.errno == errno.EADDRNOTAVAIL or isinstance(e, socket.gaierror):
-            raise SpecrtError(f"cannot listen on {host}: no such address on this machine; use --host 127.0.0.1 or 0.0.0.0") from None
+            raise SpecrtError(
+                f"cannot listen on {host}: no such address on this machine; use --host 127.0.0.1 or 0.0.0.0"
+            ) from None
         raise SpecrtError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --host or --port") from None
     sock.listen(128)
     sock.setblocking(False)

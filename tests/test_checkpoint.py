@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_model, tiny_hf_config
 from specrt.errors import CheckpointError, UnsupportedArchitectureError
 from specrt.export.checkpoint import checkpoint_hash, load_config, load_model
 from specrt.export.config import ModelConfig
+
+from conftest import random_model, tiny_hf_config
 
 
 def clone(src, dst):
@@ -87,7 +88,9 @@ def test_config_does_not_match_weights(tiny_checkpoint, tmp_path):
 
 def test_incomplete_sharded_checkpoint(tiny_checkpoint, tmp_path):
     d = clone(tiny_checkpoint, tmp_path / "c")
-    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(CheckpointError, match="incomplete: shards model-00002-of-00002.safetensors"):
         load_model(d)
 
@@ -152,9 +155,17 @@ def write_gguf(model, hf, path):
     w.add_vocab_size(hf["vocab_size"])
     w.add_eos_token_id(2)
     w.add_bos_token_id(1)
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for k, v in model.state_dict().items():
         a = v.numpy().astype(np.float32)
         if k.startswith("layers."):
@@ -166,7 +177,11 @@ def write_gguf(model, hf, path):
                 a = _permute(a, hf["num_key_value_heads"])
             name = f"blk.{i}.{names[mod]}.{leaf}"
         else:
-            name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[k]
+            name = {
+                "embed_tokens.weight": "token_embd.weight",
+                "norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[k]
         w.add_tensor(name, np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -235,12 +250,15 @@ def test_config_with_impossible_values_is_one_line(tiny_checkpoint, tmp_path, ov
     assert not (tmp_path / "onnx").exists()
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{corrupt", "tokenizer_config.json is not valid JSON"),
-    ("[1, 2]", "tokenizer_config.json must hold a JSON object, not list"),
-    ('{"eos_token": 5}', "eos_token must be a string"),
-    ('{"chat_template": 7}', "chat_template must be a string"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{corrupt", "tokenizer_config.json is not valid JSON"),
+        ("[1, 2]", "tokenizer_config.json must hold a JSON object, not list"),
+        ('{"eos_token": 5}', "eos_token must be a string"),
+        ('{"chat_template": 7}', "chat_template must be a string"),
+    ],
+)
 def test_corrupt_tokenizer_config_is_one_line(tiny_checkpoint, tmp_path, content, message):
     from click.testing import CliRunner
 
@@ -248,5 +266,11 @@ def test_corrupt_tokenizer_config_is_one_line(tiny_checkpoint, tmp_path, content
 
     d = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
     (d / "tokenizer_config.json").write_text(content)
-    r = CliRunner().invoke(main, ["generate", "--backend", "torch", "--model", str(d), "--prompt", "w5", "--max-new-tokens", "2"])
-    assert r.exit_code == 1 and message in r.output and not isinstance(r.exception, (ValueError, TypeError, AttributeError)), r.output
+    r = CliRunner().invoke(
+        main, ["generate", "--backend", "torch", "--model", str(d), "--prompt", "w5", "--max-new-tokens", "2"]
+    )
+    assert (
+        r.exit_code == 1
+        and message in r.output
+        and not isinstance(r.exception, (ValueError, TypeError, AttributeError))
+    ), r.output

@@ -14,31 +14,55 @@ def test_import_and_help_do_not_load_heavy_modules():
         "import sys, importlib, pkgutil, specrt\n"
         "from click.testing import CliRunner\n"
         "from specrt.cli import main\n"
-        "for cmd in [[], ['convert'], ['export'], ['build-engines'], ['generate'], ['serve'], ['inspect'], ['bench']]:\n"
+        "for cmd in [[], ['convert'], ['export'], ['build-engines'], ['generate'], ['serve'], ['inspect'], "
+        "['bench']]:\n"
         "    r = CliRunner().invoke(main, cmd + ['--help'])\n"
         "    assert r.exit_code == 0, (cmd, r.output)\n"
         "for m in pkgutil.walk_packages(specrt.__path__, 'specrt.'):\n"
         "    importlib.import_module(m.name)\n"
-        "heavy = [m for m in ('torch', 'onnxruntime', 'onnx', 'tensorrt', 'tensorrt_rtx', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'onnxruntime', 'onnx', 'tensorrt', 'tensorrt_rtx', 'transformers', 'fastapi', "
+        "'uvicorn') if m in sys.modules]\n"
         "print(heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     # every module imports; importing them pulls in torch (the model definition) but never a
     # GPU library or transformers; help alone pulls in nothing heavy (checked below)
     assert "tensorrt" not in out and "transformers" not in out and "fastapi" not in out
-    code_help = "import sys\nfrom specrt.cli import main\nprint([m for m in ('torch','onnxruntime','onnx') if m in sys.modules])"
-    assert subprocess.run([sys.executable, "-c", code_help], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    heavy = "('torch', 'onnxruntime', 'onnx')"
+    code_help = f"import sys\nfrom specrt.cli import main\nprint([m for m in {heavy} if m in sys.modules])"
+    assert (
+        subprocess.run([sys.executable, "-c", code_help], capture_output=True, text=True, check=True).stdout.strip()
+        == "[]"
+    )
 
 
 def test_generate_streams_and_reports(tiny_artifacts):
-    r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w5 w6", "--max-new-tokens", "8"])
+    r = CliRunner().invoke(
+        main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w5 w6", "--max-new-tokens", "8"]
+    )
     assert r.exit_code == 0, r.output
     assert "generated 8" in r.output or "(stop)" in r.output
     assert "tokens/s" in r.output and "CPUExecutionProvider" in r.output
 
 
 def test_generate_sampling_options(tiny_artifacts):
-    args = ["generate", "--artifacts", str(tiny_artifacts), "w5", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "4", "--max-new-tokens", "6", "--no-chat"]
+    args = [
+        "generate",
+        "--artifacts",
+        str(tiny_artifacts),
+        "w5",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--no-chat",
+    ]
     a = CliRunner().invoke(main, args)
     b = CliRunner().invoke(main, args)
     assert a.exit_code == 0, a.output
@@ -49,17 +73,25 @@ def test_generate_with_wrong_checkpoint_is_refused(tiny_artifacts, tmp_path):
     from conftest import random_model, save_checkpoint, tiny_hf_config
 
     other = save_checkpoint(random_model(tiny_hf_config(), seed=11), tiny_hf_config(), tmp_path / "other")
-    r = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--model", str(other), "--prompt", "w5"])
+    r = CliRunner().invoke(
+        main, ["generate", "--artifacts", str(tiny_artifacts), "--model", str(other), "--prompt", "w5"]
+    )
     assert r.exit_code == 1 and "Error: engine" in r.output and "Rebuild it" in r.output
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["generate", "--artifacts", "/nonexistent", "--prompt", "hi"], "does not exist. Create it with: specrt build-engines"),
+        (
+            ["generate", "--artifacts", "/nonexistent", "--prompt", "hi"],
+            "does not exist. Create it with: specrt build-engines",
+        ),
         (["generate", "--prompt", "hi"], "give --artifacts DIR"),
         (["export", "--model", "/nonexistent", "--out", "/tmp/x"], "checkpoint directory /nonexistent does not exist"),
-        (["export", "--model", "/nonexistent", "--out", "/tmp/x", "--hidden-layers", "a,b"], "comma-separated layer indices"),
+        (
+            ["export", "--model", "/nonexistent", "--out", "/tmp/x", "--hidden-layers", "a,b"],
+            "comma-separated layer indices",
+        ),
     ],
 )
 def test_cli_errors_are_one_clear_line(args, message):
@@ -91,10 +123,12 @@ def test_sampling_params_refuse_nan_and_negative_seeds():
     from specrt.errors import SpecrtError
     from specrt.runtime.sampling import SamplingParams
 
-    for kw, message in [({"temperature": float("nan")}, "temperature must be a finite number"),
-                        ({"top_p": float("nan")}, "top_p must be a finite number"),
-                        ({"temperature": float("inf")}, "temperature must be a finite number"),
-                        ({"seed": -3}, "seed must be an integer >= 0")]:
+    for kw, message in [
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"top_p": float("nan")}, "top_p must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"seed": -3}, "seed must be an integer >= 0"),
+    ]:
         with pytest.raises(SpecrtError, match=message):
             SamplingParams(**kw)
 
@@ -108,15 +142,39 @@ def test_generate_empty_and_too_long_prompt(tiny_artifacts):
 
 
 def test_generate_torch_backend_matches_engine(tiny_checkpoint, tiny_artifacts):
-    a = CliRunner().invoke(main, ["generate", "--backend", "torch", "--model", str(tiny_checkpoint), "--prompt", "w9 w10", "--max-new-tokens", "10"])
-    b = CliRunner().invoke(main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w9 w10", "--max-new-tokens", "10"])
+    a = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "--backend",
+            "torch",
+            "--model",
+            str(tiny_checkpoint),
+            "--prompt",
+            "w9 w10",
+            "--max-new-tokens",
+            "10",
+        ],
+    )
+    b = CliRunner().invoke(
+        main, ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w9 w10", "--max-new-tokens", "10"]
+    )
     assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
     assert a.output.splitlines()[0] == b.output.splitlines()[0]
     assert "torch" in a.output
 
 
 def test_generate_with_draft_prints_metrics(tiny_artifacts):
-    args = ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w5 w6 w5 w6 w5", "--no-chat", "--max-new-tokens", "12"]
+    args = [
+        "generate",
+        "--artifacts",
+        str(tiny_artifacts),
+        "--prompt",
+        "w5 w6 w5 w6 w5",
+        "--no-chat",
+        "--max-new-tokens",
+        "12",
+    ]
     plain = CliRunner().invoke(main, args)
     for draft, n in (("ngram", "3"), ("suffix", "auto")):
         r = CliRunner().invoke(main, args + ["--draft", draft, "--num-draft", n])
@@ -177,9 +235,24 @@ def test_inspect_artifacts(tiny_artifacts, tmp_path):
 
 def test_generate_with_quantized_engine(tiny_checkpoint, tmp_path):
     art = tmp_path / "art"
-    r = CliRunner().invoke(main, ["build-engines", "--model", str(tiny_checkpoint), "--out", str(art), "--tensorrt", "off", "--quantize", "int4"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "build-engines",
+            "--model",
+            str(tiny_checkpoint),
+            "--out",
+            str(art),
+            "--tensorrt",
+            "off",
+            "--quantize",
+            "int4",
+        ],
+    )
     assert r.exit_code == 0 and "onnx-int4: quantized" in r.output, r.output
-    r = CliRunner().invoke(main, ["generate", "--artifacts", str(art), "--quantize", "int4", "--prompt", "w5 w6", "--max-new-tokens", "6"])
+    r = CliRunner().invoke(
+        main, ["generate", "--artifacts", str(art), "--quantize", "int4", "--prompt", "w5 w6", "--max-new-tokens", "6"]
+    )
     assert r.exit_code == 0 and "generated 6" in r.output, r.output
     r = CliRunner().invoke(main, ["generate", "--artifacts", str(art), "--quantize", "int8-a8", "--prompt", "w5"])
     assert r.exit_code == 1 and "ort-cpu-int8-a8 does not exist" in r.output and "--quantize int8-a8" in r.output
@@ -196,8 +269,12 @@ def test_error_during_a_progress_bar_gets_its_own_line(tiny_checkpoint, tmp_path
     d = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
-    r = subprocess.run([sys.executable, "-m", "specrt.cli", "export", "--model", str(d), "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "specrt.cli", "export", "--model", str(d), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1
     lines = r.stderr.replace("\r", "\n").strip().splitlines()
     assert "export:" in r.stderr  # the bar was drawn

@@ -5,10 +5,11 @@ speculative loop: greedy output equals plain, sampled output follows the target.
 import numpy as np
 import pytest
 
-from self_draft import SelfDraftProposer
 from specrt.runtime.drafts.dynamic_tree import TreeBuilder, grow_tree
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+from self_draft import SelfDraftProposer
 
 
 def markov_step(table):
@@ -48,7 +49,7 @@ def test_invariants_on_random_drafts(seed, top_k, depth, budget):
     d = tree.depths()
     assert (np.diff(d) >= 0).all() and d.max() <= depth
     kept = sorted(tree.scores, reverse=True)
-    dropped = sorted((c.value for c in cands), reverse=True)[len(tree):]
+    dropped = sorted((c.value for c in cands), reverse=True)[len(tree) :]
     assert not dropped or min(kept) >= max(dropped)  # the best nodes, nothing else
     for node in range(len(tree)):  # a node's value is its parent's times its draft probability
         parent = tree.parents[node]
@@ -92,8 +93,9 @@ def test_greedy_dynamic_trees_equal_plain(ort_gen, shape):
 def test_sampled_dynamic_trees_follow_the_target():
     """Dynamic trees verified as point masses under sampling (temperature 1, top-p 0.95): the
     first two tokens follow the target's exact joint (chi-square), like every other draft."""
-    from conftest import random_model
     from specrt.runtime.backends import TorchBackend
+
+    from conftest import random_model
     from test_speculative import SMALL, two_token_pvalue
 
     gen = Generator(TorchBackend(random_model(SMALL, seed=4, scale=0.15)))

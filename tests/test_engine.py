@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import random_model, save_checkpoint, tiny_hf_config
 from specrt.engines.build import BuildSpec, build_all
 from specrt.engines.ort import OrtOptions, build_ort_engine, load_ort_session
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.checkpoint import checkpoint_hash
 from specrt.runtime.generator import Generator
+
+from conftest import random_model, save_checkpoint, tiny_hf_config
 
 
 def copy_artifacts(src, dst):
@@ -43,7 +44,9 @@ def test_build_all_rebuilds_when_checkpoint_changes(tiny_checkpoint, tiny_artifa
     other = save_checkpoint(random_model(tiny_hf_config(), seed=7), tiny_hf_config(), tmp_path / "other")
     lines = list(build_all(BuildSpec(checkpoint=other, out=out)))
     assert "exported" in lines[0] and "built" in lines[1]
-    assert json.loads((out / "engines/ort-cpu/manifest.json").read_text())["checkpoint"]["hash"] == checkpoint_hash(other)
+    assert json.loads((out / "engines/ort-cpu/manifest.json").read_text())["checkpoint"]["hash"] == checkpoint_hash(
+        other
+    )
 
 
 def test_engine_from_other_checkpoint_is_refused(tiny_artifacts, tmp_path):
@@ -79,7 +82,10 @@ def test_engine_optimized_on_other_cpu_is_refused(tiny_artifacts, tmp_path):
 def test_corrupt_engine_file_is_refused(tiny_artifacts, tmp_path):
     art = copy_artifacts(tiny_artifacts, tmp_path / "art")
     (art / "engines/ort-cpu/model.opt.onnx").write_bytes(b"\x00garbage" * 100)
-    with pytest.raises(ArtifactError, match="model.opt.onnx does not match the sha256 in its manifest .* re-create it with: specrt build-engines"):
+    with pytest.raises(
+        ArtifactError,
+        match="model.opt.onnx does not match the sha256 in its manifest .* re-create it with: specrt build-engines",
+    ):
         load_ort_session(art / "engines/ort-cpu")
     # unchecked (verify="none"), ONNX Runtime's own refusal is still one clear error
     with pytest.raises(ArtifactError, match="could not load engine .* rebuild it"):

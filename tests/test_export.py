@@ -12,10 +12,10 @@ import torch
 
 from specrt.engines.ort import load_ort_session
 from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.export.config import ModelConfig
 from specrt.runtime.backends import OrtBackend, TorchBackend
 from specrt.runtime.generator import Generator
 from specrt.runtime.kv_cache import KVCache
-from specrt.export.config import ModelConfig
 
 ATOL_LOGITS = 1e-4
 ATOL_KV = 1e-5
@@ -88,7 +88,9 @@ def test_decode_one_token_at_past_64(backends):
 def test_verify_5_positions_at_past_64(backends):
     rng = np.random.default_rng(2)
     prefix = rng.integers(0, 128, (1, 64))
-    a, b = run_both(backends, rng.integers(0, 128, (1, 5)), np.arange(64, 69)[None], lambda c: c.attention_mask(5), prefix)
+    a, b = run_both(
+        backends, rng.integers(0, 128, (1, 5)), np.arange(64, 69)[None], lambda c: c.attention_mask(5), prefix
+    )
     assert_close(a, b)
 
 
@@ -117,7 +119,9 @@ def test_tree_mask_two_branches_matches_chains(backends):
     tree_out = run_both(backends, tree_ids, tree_pos, lambda c: c.attention_mask(5, tree), prefix)
     assert_close(*tree_out)
     for chain, rows in (([r, a1, a2], [0, 1, 2]), ([r, b1, b2], [0, 3, 4])):
-        chain_out = run_both(backends, np.array([chain]), np.arange(20, 23)[None], lambda c: c.attention_mask(3), prefix)
+        chain_out = run_both(
+            backends, np.array([chain]), np.arange(20, 23)[None], lambda c: c.attention_mask(3), prefix
+        )
         for t, c in zip(tree_out, chain_out):
             assert np.abs(t.logits[0, rows] - c.logits[0]).max() <= ATOL_LOGITS
 
@@ -140,7 +144,7 @@ def test_batch_of_two_different_lengths(backends):
             n = len(prompts[b])
             assert np.abs(batch_prefill.logits[b, :n] - p.logits[0]).max() <= ATOL_LOGITS
             assert np.abs(batch_decode.logits[b, 0] - d.logits[0, 0]).max() <= ATOL_LOGITS
-            assert np.abs(cache.keys[:, b, :, :11 if b == 0 else 7] - single.keys[:, 0, :, : n + 1]).max() <= ATOL_KV
+            assert np.abs(cache.keys[:, b, :, : 11 if b == 0 else 7] - single.keys[:, 0, :, : n + 1]).max() <= ATOL_KV
     ort_gen, torch_gen = Generator(backends[0]), Generator(backends[1])
     caches = [new_cache(backends[0].config, 2, 32) for _ in range(2)]
     a = ort_gen.session.forward(caches[0], prompts)
@@ -187,12 +191,27 @@ def test_export_with_eagle3_hidden_layers(tiny_checkpoint, tmp_path):
     cfg = model.cfg
     cache = new_cache(cfg, 1, 0)
     ids = np.array([[3, 4, 5, 6]])
-    feeds = {"input_ids": ids, "position_ids": np.arange(4)[None], "attention_mask": cache.attention_mask(4), "logits_index": np.array([[3]])}
+    feeds = {
+        "input_ids": ids,
+        "position_ids": np.arange(4)[None],
+        "attention_mask": cache.attention_mask(4),
+        "logits_index": np.array([[3]]),
+    }
     for i in range(cfg.num_hidden_layers):
         feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"] = cache.past(i)
     hidden = sess.run(["hidden_states"], feeds)[0]
-    expected = TorchBackend(model).step(ids, feeds["position_ids"], feeds["attention_mask"], feeds["logits_index"], cache,
-                                        hidden_index=np.arange(4)[None]).hidden_states
+    expected = (
+        TorchBackend(model)
+        .step(
+            ids,
+            feeds["position_ids"],
+            feeds["attention_mask"],
+            feeds["logits_index"],
+            cache,
+            hidden_index=np.arange(4)[None],
+        )
+        .hidden_states
+    )
     assert hidden.shape == (1, 4, 3 * cfg.hidden_size)
     assert np.abs(hidden - expected).max() <= ATOL_LOGITS
 
@@ -242,7 +261,9 @@ def polygraphy_lint(onnx_path, tmp_path) -> dict:
     pytest.importorskip("polygraphy", reason="polygraphy is not installed (the test extra installs it)")
     exe = shutil.which("polygraphy") or str(__import__("pathlib").Path(sys.executable).parent / "polygraphy")
     report = tmp_path / "lint.json"
-    r = subprocess.run([exe, "check", "lint", str(onnx_path), "-o", str(report)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [exe, "check", "lint", str(onnx_path), "-o", str(report)], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return json.loads(report.read_text())
 
@@ -264,8 +285,9 @@ def test_tied_embedding_is_stored_once(tmp_path, tiny_checkpoint):
     gathers along axis 1) and still matches PyTorch on prefill and decode; untied models keep both."""
     import onnxruntime as ort
 
-    from conftest import random_model, save_checkpoint, tiny_hf_config
     from specrt.export.step_graph import export_step_graph, read_onnx_manifest
+
+    from conftest import random_model, save_checkpoint, tiny_hf_config
 
     hf = tiny_hf_config(tie_word_embeddings=True)
     ckpt = save_checkpoint(random_model(hf, seed=5), hf, tmp_path / "tied")
@@ -274,8 +296,14 @@ def test_tied_embedding_is_stored_once(tmp_path, tiny_checkpoint):
     proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
     big = [i.name for i in proto.graph.initializer if np.prod(i.dims) == hf["vocab_size"] * hf["hidden_size"]]
     assert len(big) == 1 and big[0] != "model.embed_tokens.weight"
-    backends = [OrtBackend(ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]), load_model(ckpt).cfg, "cpu"),
-                TorchBackend(load_model(ckpt))]
+    backends = [
+        OrtBackend(
+            ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]),
+            load_model(ckpt).cfg,
+            "cpu",
+        ),
+        TorchBackend(load_model(ckpt)),
+    ]
     ids = np.array([[3, 9, 27, 81 % 128, 100, 127, 0, 5]])
     a, b = run_both(backends, ids, np.arange(8)[None], lambda c: c.attention_mask(8))
     assert_close(a, b)

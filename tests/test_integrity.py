@@ -16,13 +16,14 @@ import pytest
 from click.testing import CliRunner
 
 import specrt.artifacts as artifacts
-from conftest import random_model, save_checkpoint, tiny_hf_config
 from specrt.cli import main
 from specrt.engines.build import BuildSpec, build_all
 from specrt.engines.ort import load_ort_session
 from specrt.errors import ArtifactError
 from specrt.inspect import inspect_artifact
 from specrt.runtime.generator import Generator
+
+from conftest import random_model, save_checkpoint, tiny_hf_config
 
 ENGINE = "engines/ort-cpu"
 
@@ -54,7 +55,9 @@ def flip_byte(path, keep_mtime=False):
 
 
 def generate(art, *extra):
-    return CliRunner().invoke(main, ["generate", "--artifacts", str(art), "--prompt", "w5 w6", "--max-new-tokens", "6", *extra])
+    return CliRunner().invoke(
+        main, ["generate", "--artifacts", str(art), "--prompt", "w5 w6", "--max-new-tokens", "6", *extra]
+    )
 
 
 @pytest.fixture
@@ -79,8 +82,10 @@ def test_flipped_byte_is_refused_by_generate_and_inspect(art, name, keep_mtime):
     r = generate(art)
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert r.output.strip().splitlines()[-1] == (
-        f"Error: {art / ENGINE / name} does not match the sha256 in its manifest (corrupt, or replaced by another file); "
-        "re-create it with: specrt build-engines --model CHECKPOINT --out DIR")
+        f"Error: {art / ENGINE / name} does not match the sha256 in its manifest (corrupt, or replaced by another "
+        "file); "
+        "re-create it with: specrt build-engines --model CHECKPOINT --out DIR"
+    )
     i = inspect_artifact(art / ENGINE)
     assert not i.usable and f"{name} does not match the sha256" in i.verdict
 
@@ -89,7 +94,9 @@ def test_swapped_graph_is_refused_before_onnxruntime_sees_it(art, other_art):
     for f in ("model.opt.onnx", "model.opt.onnx.data"):
         shutil.copy(other_art / ENGINE / f, art / ENGINE / f)
     r = generate(art)
-    assert r.exit_code == 1 and "model.opt.onnx does not match the sha256" in r.output and "input" not in r.output.lower()
+    assert (
+        r.exit_code == 1 and "model.opt.onnx does not match the sha256" in r.output and "input" not in r.output.lower()
+    )
     r = CliRunner().invoke(main, ["inspect", str(art)])
     assert r.exit_code == 1 and "refused here" in r.output and "does not match the sha256" in r.output
     assert "usable here" in r.output  # the intact onnx/ export beside it still is
@@ -138,7 +145,9 @@ def test_engine_without_file_hashes_is_rebuilt(art, tiny_checkpoint):
     m = json.loads(mpath.read_text())
     del m["files"]
     mpath.write_text(json.dumps(m))
-    with pytest.raises(ArtifactError, match="lacks the field 'files' .* Re-create the artifact with: specrt build-engines"):
+    with pytest.raises(
+        ArtifactError, match="lacks the field 'files' .* Re-create the artifact with: specrt build-engines"
+    ):
         Generator.from_engine(art / ENGINE)
     lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=art, tensorrt="off")))
     assert "up to date" in lines[0] and "built" in lines[1]
@@ -146,8 +155,15 @@ def test_engine_without_file_hashes_is_rebuilt(art, tiny_checkpoint):
 
 
 MISSING = [
-    (ENGINE, "provider"), (ENGINE, "versions"), (ENGINE, "config"), (ENGINE, "checkpoint"), (ENGINE, "onnx"), (ENGINE, "host_cpu"),
-    ("onnx", "config"), ("onnx", "files"), ("onnx", "inputs"),
+    (ENGINE, "provider"),
+    (ENGINE, "versions"),
+    (ENGINE, "config"),
+    (ENGINE, "checkpoint"),
+    (ENGINE, "onnx"),
+    (ENGINE, "host_cpu"),
+    ("onnx", "config"),
+    ("onnx", "files"),
+    ("onnx", "inputs"),
 ]
 
 
@@ -166,19 +182,24 @@ def test_manifest_without_a_field_is_one_line(art, where, field):
         assert f"lacks the field '{field}'" in r.output.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("config", {"vocab_size": 128}, "lacks fields"),
-    ("files", {"model.opt.onnx": 5}, "'files' should map file names"),
-    ("provider", 3, "field 'provider' should be a string"),
-    ("checkpoint", {"path": "x"}, "'checkpoint' needs 'path' and 'hash'"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("config", {"vocab_size": 128}, "lacks fields"),
+        ("files", {"model.opt.onnx": 5}, "'files' should map file names"),
+        ("provider", 3, "field 'provider' should be a string"),
+        ("checkpoint", {"path": "x"}, "'checkpoint' needs 'path' and 'hash'"),
+    ],
+)
 def test_manifest_with_a_wrong_field_is_one_line(art, field, value, message):
     mpath = art / ENGINE / "manifest.json"
     m = json.loads(mpath.read_text())
     m[field] = value
     mpath.write_text(json.dumps(m))
     r = generate(art)
-    assert r.exit_code == 1 and message in r.output and not isinstance(r.exception, (KeyError, TypeError, AttributeError)), r.output
+    assert (
+        r.exit_code == 1 and message in r.output and not isinstance(r.exception, (KeyError, TypeError, AttributeError))
+    ), r.output
 
 
 def test_killed_build_leaves_nothing_a_rerun_keeps(art, tiny_checkpoint):

@@ -6,9 +6,10 @@ Tolerance: max |ours - transformers| <= 1e-4 * max(1, max |logit|) on the logits
 import pytest
 import torch
 
-from conftest import random_model, tiny_hf_config
 from specrt.export.config import ModelConfig, rope_inv_freq
 from specrt.export.llama import causal_mask
+
+from conftest import random_model, tiny_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +20,13 @@ VARIANTS = {
     "llama3-rope": tiny_hf_config(
         rope_theta=500000.0,
         max_position_embeddings=512,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "linear-rope": tiny_hf_config(rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "qwen2-bias": tiny_hf_config(architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True),

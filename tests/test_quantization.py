@@ -10,6 +10,7 @@ model's perplexity). Speculative decoding on a quantized engine gives that engin
 """
 
 import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -61,7 +62,11 @@ def dequantized_weights(onnx_path) -> dict:
         packed, scales = inits[node.input[1]], inits[node.input[2]].reshape(N, -1).astype(np.float64)
         codes = np.stack([packed & 0x0F, packed >> 4], -1).reshape(N, -1) if bits == 4 else packed.reshape(N, -1)
         w = (codes[:, :K].astype(np.float64) - 2 ** (bits - 1)) * np.repeat(scales, block, axis=1)[:, :K]
-        name = "lm_head.weight" if "lm_head" in node.name else node.name.strip("/").removeprefix("model/").rsplit("/", 1)[0].replace("/", ".") + ".weight"
+        name = (
+            "lm_head.weight"
+            if "lm_head" in node.name
+            else node.name.strip("/").removeprefix("model/").rsplit("/", 1)[0].replace("/", ".") + ".weight"
+        )
         out[name] = (w, np.repeat(np.abs(scales), block, axis=1)[:, :K])
     return out
 
@@ -91,7 +96,11 @@ def test_engine_computes_with_the_stored_weights(quantized, tiny_checkpoint, sch
 def test_manifest_and_refusals(quantized, tiny_artifacts, tmp_path):
     qdir = quantized["int4", 0][0]
     m = read_onnx_manifest(qdir)
-    assert m["quantization"]["scheme"] == "int4" and m["quantization"]["bits"] == 4 and m["quantization"]["quantized_matmuls"] == 2 * 7 + 1
+    assert (
+        m["quantization"]["scheme"] == "int4"
+        and m["quantization"]["bits"] == 4
+        and m["quantization"]["quantized_matmuls"] == 2 * 7 + 1
+    )
     assert m["source_onnx"]["files"] == read_onnx_manifest(tiny_artifacts / "onnx")["files"]
     with pytest.raises(SpecrtError, match="already quantized"):
         quantize_weight_only(qdir, tmp_path / "twice", progress=False)
@@ -107,7 +116,10 @@ def test_speculative_on_quantized_engine_equals_its_plain_greedy(quantized, sche
     gen = quantized[scheme, 0][1]
     prompts = [IDS[0], [20, 21, 22, 20, 21, 22, 20]]
     plain = [r.token_ids for r in gen.generate_ids(prompts, 40)]
-    spec = [r.token_ids for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto")).generate_ids(prompts, 40)]
+    spec = [
+        r.token_ids
+        for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto")).generate_ids(prompts, 40)
+    ]
     assert spec == plain
 
 
@@ -131,7 +143,9 @@ def test_batch_invariance_is_measured_and_warned_about(quantized, tiny_artifacts
         warnings.simplefilter("error")
         SpeculativeDecoder(gen, make_proposer("suffix"))  # no warning
     measured = gen.backend.caps
-    gen.backend.caps = dataclasses.replace(measured, batch_invariance={**measured.batch_invariance, "relative": 10 * BATCH_VARIANCE_LIMIT})
+    gen.backend.caps = dataclasses.replace(
+        measured, batch_invariance={**measured.batch_invariance, "relative": 10 * BATCH_VARIANCE_LIMIT}
+    )
     try:
         with pytest.warns(UserWarning, match="speculative output may differ from plain output"):
             SpeculativeDecoder(gen, make_proposer("suffix"))
@@ -145,21 +159,33 @@ def test_default_model_int8_activations_are_not_batch_invariant(real_artifacts, 
     differ (measured ~2 % of the logits' range): the build measures it and the decoder warns."""
     from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 
-    qdir = quantize_weight_only(real_artifacts / "onnx", tmp_path / "onnx", WeightOnlySpec(scheme="int8-a8"), progress=False)
+    qdir = quantize_weight_only(
+        real_artifacts / "onnx", tmp_path / "onnx", WeightOnlySpec(scheme="int8-a8"), progress=False
+    )
     gen = Generator.from_engine(build_ort_engine(qdir, tmp_path / "engine"))
     assert gen.backend.caps.batch_invariance["relative"] > BATCH_VARIANCE_LIMIT
     with pytest.warns(UserWarning, match="speculative output may differ"):
         SpeculativeDecoder(gen, make_proposer("suffix"))
-    exact = quantize_weight_only(real_artifacts / "onnx", tmp_path / "onnx4", WeightOnlySpec(scheme="int4"), progress=False)
-    assert Generator.from_engine(build_ort_engine(exact, tmp_path / "engine4")).backend.caps.batch_invariance["relative"] < BATCH_VARIANCE_LIMIT
+    exact = quantize_weight_only(
+        real_artifacts / "onnx", tmp_path / "onnx4", WeightOnlySpec(scheme="int4"), progress=False
+    )
+    assert (
+        Generator.from_engine(build_ort_engine(exact, tmp_path / "engine4")).backend.caps.batch_invariance["relative"]
+        < BATCH_VARIANCE_LIMIT
+    )
 
 
 def test_build_engines_quantize_builds_and_reuses(tiny_checkpoint, tmp_path):
     out = tmp_path / "art"
     lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out, tensorrt="off", quantize="int4")))
-    assert any("onnx-int4: quantized" in line for line in lines) and (out / "engines" / "ort-cpu-int4" / "manifest.json").is_file()
+    assert (
+        any("onnx-int4: quantized" in line for line in lines)
+        and (out / "engines" / "ort-cpu-int4" / "manifest.json").is_file()
+    )
     again = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out, tensorrt="off", quantize="int4")))
     assert sum("up to date" in line for line in again) == 4
-    other = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out, tensorrt="off", quantize="int4", quant_block_size=64)))
+    other = list(
+        build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out, tensorrt="off", quantize="int4", quant_block_size=64))
+    )
     assert any("onnx-int4: quantized" in line for line in other)  # another block size is another graph
     assert read_onnx_manifest(out / "onnx-int4")["quantization"]["block_size"] == 64

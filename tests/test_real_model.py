@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REAL_GGUF
 from specrt.runtime.generator import Generator
 from specrt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+from conftest import REAL_GGUF
 
 pytestmark = pytest.mark.real_model
 transformers = pytest.importorskip("transformers")
@@ -52,8 +53,14 @@ def test_greedy_output_equals_transformers(ort_gen, hf_model):
         ids = ort_gen.encode_prompt(p)
         ours = ort_gen.generate_ids([ids], max_new_tokens=NEW_TOKENS)[0].token_ids
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=sorted(ort_gen.eos_ids), pad_token_id=2)
-        expected = out[0, len(ids):].tolist()
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=sorted(ort_gen.eos_ids),
+                pad_token_id=2,
+            )
+        expected = out[0, len(ids) :].tolist()
         assert ours == expected, p
 
 
@@ -75,7 +82,9 @@ def test_gguf_read_matches_transformers_gguf_loader(real_model_dir):
     from specrt.export.llama import causal_mask
 
     ours = load_model(REAL_GGUF)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(REAL_GGUF.parent), gguf_file=REAL_GGUF.name, dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(REAL_GGUF.parent), gguf_file=REAL_GGUF.name, dtype=torch.float32
+    ).eval()
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198]])
     with torch.no_grad():
         a = ours(ids, torch.arange(11)[None], causal_mask(1, 11, 0), ours.empty_past(1))[0]

@@ -26,7 +26,7 @@ def torch_gen(tiny_checkpoint):
 
 def test_kv_append_writes_only_new_positions_per_row():
     c = KVCache(num_layers=2, batch=2, kv_heads=1, capacity=8, head_dim=2)
-    present = [(np.full((2, 1, 3, 2), 1.0 + l), np.full((2, 1, 3, 2), -1.0 - l)) for l in range(2)]
+    present = [(np.full((2, 1, 3, 2), 1.0 + i), np.full((2, 1, 3, 2), -1.0 - i)) for i in range(2)]
     c.append(present, [3, 1])
     assert c.lengths.tolist() == [3, 1]
     assert (c.keys[1, 0, 0, :3] == 2.0).all() and (c.keys[:, 0, :, 3:] == 0).all()

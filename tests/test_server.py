@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from specrt.runtime.drafts import make_proposer  # noqa: E402
 from specrt.runtime.generator import Generator  # noqa: E402
 from specrt.runtime.sampling import SamplingParams  # noqa: E402
-from specrt.server import CompletionService, ServerLimits, create_app  # noqa: E402
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy  # noqa: E402
+from specrt.server import CompletionService, ServerLimits, create_app  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w5 w6 w7 w5 w6 w7 w5"}]
 
@@ -42,7 +42,7 @@ def expected_chat(gen, n):
 
 
 def sse(response) -> list:
-    events = [line[len("data: "):] for line in response.text.split("\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in response.text.split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -58,8 +58,15 @@ def test_chat_completion_equals_the_generator(gen, speculative):
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["choices"][0]["message"] == {"role": "assistant", "content": gen.decode(ref.token_ids)}
     assert body["choices"][0]["finish_reason"] == ref.finish_reason
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref.token_ids), "total_tokens": len(ids) + len(ref.token_ids)}
-    assert body["specrt"]["backend"].startswith("onnxruntime") and ("mean_accepted_length" in body["specrt"]) == speculative
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(ref.token_ids),
+        "total_tokens": len(ids) + len(ref.token_ids),
+    }
+    assert (
+        body["specrt"]["backend"].startswith("onnxruntime")
+        and ("mean_accepted_length" in body["specrt"]) == speculative
+    )
 
 
 def test_streaming_gives_the_same_text(gen):
@@ -74,7 +81,9 @@ def test_streaming_gives_the_same_text(gen):
     assert text == whole["choices"][0]["message"]["content"]
     assert chunks[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
-    assert len([ch for ch in chunks if ch["choices"] and ch["choices"][0]["delta"].get("content")]) > 1  # really streamed
+    assert (
+        len([ch for ch in chunks if ch["choices"] and ch["choices"][0]["delta"].get("content")]) > 1
+    )  # really streamed
 
 
 def test_text_completion_and_stop_sequence(gen):
@@ -91,7 +100,10 @@ def test_text_completion_and_stop_sequence(gen):
         r = c.post("/v1/completions", json=req)
         if stream:
             chunks = sse(r)
-            assert "".join(ch["choices"][0]["text"] for ch in chunks) == cut and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+            assert (
+                "".join(ch["choices"][0]["text"] for ch in chunks) == cut
+                and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+            )
         else:
             assert r.json()["choices"][0] == {"index": 0, "text": cut, "finish_reason": "stop", "logprobs": None}
 
@@ -118,9 +130,19 @@ def test_models_health_metrics(gen):
         (b"{not json", 400, None, "not valid JSON"),
         (b"[1, 2]", 400, None, "must be a JSON object"),
         ({"messages": []}, 400, "messages", "non-empty list"),
-        ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]", "role 'system', 'user' or 'assistant'"),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            400,
+            "messages[0]",
+            "role 'system', 'user' or 'assistant'",
+        ),
         ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "must be a string"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content", "only text parts"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "messages[0].content",
+            "only text parts",
+        ),
         ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens", "must be in [1, 1024]"),
         ({"messages": MESSAGES, "max_tokens": 5000}, 400, "max_tokens", "must be in [1, 1024]"),
         ({"messages": MESSAGES, "max_tokens": "many"}, 400, "max_tokens", "must be an integer"),
@@ -142,7 +164,11 @@ def test_models_health_metrics(gen):
 )
 def test_bad_requests_get_openai_errors(gen, body, status, param, message):
     c = client(gen)
-    r = c.post("/v1/chat/completions", content=body if isinstance(body, bytes) else json.dumps(body), headers={"content-type": "application/json"})
+    r = c.post(
+        "/v1/chat/completions",
+        content=body if isinstance(body, bytes) else json.dumps(body),
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
@@ -183,7 +209,9 @@ def test_body_too_large_and_busy(gen):
     service = CompletionService(slow_generator(gen), "tiny", ServerLimits(max_queue=0))
     c = TestClient(create_app(service))
     assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200  # idle: served
-    long = service.run(service.parse(json.dumps({"prompt": "w5", "max_tokens": 200, "temperature": 0}).encode(), chat=False))
+    long = service.run(
+        service.parse(json.dumps({"prompt": "w5", "max_tokens": 200, "temperature": 0}).encode(), chat=False)
+    )
     next(long)  # the engine is busy with it
     r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
     long.close()
@@ -197,7 +225,9 @@ def test_closing_the_stream_frees_the_engine(gen):
     """A consumer that stops reading ends its generation within a step (no garbage collector
     involved): the engine thread takes the next request and the cache comes back."""
     service = CompletionService(slow_generator(gen), "tiny")
-    job = service.parse(json.dumps({"prompt": "w5 w6", "max_tokens": 200, "stream": True, "temperature": 0}).encode(), chat=False)
+    job = service.parse(
+        json.dumps({"prompt": "w5 w6", "max_tokens": 200, "stream": True, "temperature": 0}).encode(), chat=False
+    )
     pieces = service.run(job)
     next(pieces)
     assert service.busy
@@ -216,7 +246,10 @@ def test_closing_the_stream_frees_the_engine(gen):
 
 def test_a_cancelled_ticket_in_the_queue_never_runs(gen):
     service = CompletionService(slow_generator(gen), "tiny")
-    parse = lambda n: service.parse(json.dumps({"prompt": "w5", "max_tokens": n, "temperature": 0}).encode(), chat=False)  # noqa: E731
+
+    def parse(n):
+        return service.parse(json.dumps({"prompt": "w5", "max_tokens": n, "temperature": 0}).encode(), chat=False)
+
     first = service.run(parse(200))
     next(first)
     queued = service.submit(parse(200))
@@ -256,8 +289,10 @@ def raw_request(port: int, body: dict) -> socket.socket:
     """Send a POST /v1/completions by hand, so the test decides when the connection closes."""
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
     return s
 
 
@@ -278,7 +313,9 @@ def test_client_that_disconnects_does_not_hold_the_server(live_server, stream):
         time.sleep(0.3)
     s.close()
     t0 = time.monotonic()
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "w9", "max_tokens": 3, "temperature": 0}, timeout=30)
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "w9", "max_tokens": 3, "temperature": 0}, timeout=30
+    )
     elapsed = time.monotonic() - t0
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert elapsed < 3.0, f"the next request waited {elapsed:.1f} s behind an abandoned generation"
@@ -297,7 +334,9 @@ def test_client_that_leaves_while_queued_is_never_run(live_server):
     time.sleep(0.3)  # the server reads the disconnect
     running.close()
     t0 = time.monotonic()
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "w9", "max_tokens": 3, "temperature": 0}, timeout=30)
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "w9", "max_tokens": 3, "temperature": 0}, timeout=30
+    )
     assert r.status_code == 200 and time.monotonic() - t0 < 3.0
     assert service.stats["requests"] == 2 and service.stats["cancelled"] == 2  # the queued one never started
 
@@ -327,11 +366,16 @@ def test_concurrent_requests_are_served_in_turn(gen):
     expected = [gen.decode(gen.generate_ids([gen.tokenizer.encode(p)], 16)[0].token_ids) for p in prompts]
 
     def ask(p):
-        return c.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0, "stream": p.startswith("w9")})
+        return c.post(
+            "/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0, "stream": p.startswith("w9")}
+        )
 
     with ThreadPoolExecutor(3) as pool:
         responses = list(pool.map(ask, prompts))
-    texts = ["".join(ch["choices"][0]["text"] for ch in sse(r)) if p.startswith("w9") else r.json()["choices"][0]["text"] for p, r in zip(prompts, responses)]
+    texts = [
+        "".join(ch["choices"][0]["text"] for ch in sse(r)) if p.startswith("w9") else r.json()["choices"][0]["text"]
+        for p, r in zip(prompts, responses)
+    ]
     assert texts == expected
 
 
@@ -347,10 +391,16 @@ def test_port_in_use_is_refused_before_serving(tiny_artifacts):
 
     held = bind_socket("127.0.0.1", 0)
     port = held.getsockname()[1]
-    with pytest.raises(SpecrtError, match=rf"port {port} on 127.0.0.1 is already in use by process .*\(pid {os.getpid()}\); .*--port"):
+    with pytest.raises(
+        SpecrtError, match=rf"port {port} on 127.0.0.1 is already in use by process .*\(pid {os.getpid()}\); .*--port"
+    ):
         bind_socket("127.0.0.1", port)
-    r = subprocess.run([sys.executable, "-m", "specrt.cli", "serve", "--artifacts", str(tiny_artifacts), "--port", str(port)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "specrt.cli", "serve", "--artifacts", str(tiny_artifacts), "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     held.close()
     assert r.returncode == 1 and "serving" not in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"Error: port {port} on 127.0.0.1 is already in use")

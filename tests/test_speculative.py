@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from conftest import random_model, tiny_hf_config
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
@@ -15,6 +14,8 @@ from specrt.runtime.policy import AutoPolicy, CostModel
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 from specrt.runtime.verification import DraftTree
+
+from conftest import random_model, tiny_hf_config
 from self_draft import SelfDraftProposer
 
 LOOPY = tiny_hf_config(vocab_size=32)  # a small vocabulary makes greedy text repeat, so drafts hit
@@ -77,7 +78,9 @@ def test_self_draft_rolls_back_its_cache_when_drafts_are_rejected(ort_gen):
     (its features check and cache positions would fail otherwise)."""
     prompts = [[40, 41, 42], [5, 9, 13, 5, 9]]
     draft = SelfDraftProposer(ort_gen.backend, temperature_scale=2.0, check_features=True)
-    out = SpeculativeDecoder(ort_gen, draft, make_policy(4)).generate_ids(prompts, 40, SamplingParams(temperature=1.0, seed=3))
+    out = SpeculativeDecoder(ort_gen, draft, make_policy(4)).generate_ids(
+        prompts, 40, SamplingParams(temperature=1.0, seed=3)
+    )
     m = out[0].metrics
     assert 0 < m.acceptance_rate < 1 and draft.rolled_back > 0 and draft.features_checked > 0
 
@@ -101,7 +104,9 @@ def test_tree_acceptance_compacts_kv_like_a_chain(loopy_gen):
     cache = gen.session.new_cache(1, 16)
     gen.session.forward(cache, [prefix])
     root = 3
-    gen.session.forward(cache, [[root, *tree.tokens.tolist()]], [(np.concatenate([[0], tree.depths()]), tree.ancestor_mask())])
+    gen.session.forward(
+        cache, [[root, *tree.tokens.tolist()]], [(np.concatenate([[0], tree.depths()]), tree.ancestor_mask())]
+    )
     cache.keep(0, 6, [6 + 2, 6 + 3])  # accept nodes 2 and 3 (tokens 13, 14)
     chain = gen.session.new_cache(1, 16)
     gen.session.forward(chain, [prefix + [root, 13, 14]])

@@ -5,15 +5,17 @@ tests are marked `gpu` and skip (visibly, with -rs) on machines without a CUDA G
 """
 
 import dataclasses
+
 import pytest
 import torch
 
-from conftest import random_model, tiny_hf_config
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+from conftest import random_model, tiny_hf_config
 
 HF = tiny_hf_config(vocab_size=32)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 3, 4, 9, 10]]
@@ -24,7 +26,10 @@ gpu = pytest.mark.skipif(not has_cuda, reason="needs an NVIDIA GPU with CUDA (to
 def outputs(backend, spec: bool):
     gen = Generator(backend)
     if spec:
-        return [r.token_ids for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)).generate_ids(PROMPTS, 40)]
+        return [
+            r.token_ids
+            for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)).generate_ids(PROMPTS, 40)
+        ]
     return [r.token_ids for r in gen.generate_ids(PROMPTS, 40)]
 
 
@@ -79,7 +84,12 @@ def test_graph_backends_reuse_their_caches(reference):
     gen.session.new_cache = lambda b, c: seen.append(real_new(b, c)) or seen[-1]
     for spec in (False, True, False):
         assert outputs(backend, spec) == expected[spec]  # a fresh generator each: its own pool
-        got = [r.token_ids for r in (SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)) if spec else gen).generate_ids(PROMPTS, 40)]
+        got = [
+            r.token_ids
+            for r in (SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)) if spec else gen).generate_ids(
+                PROMPTS, 40
+            )
+        ]
         assert got == expected[spec]
     assert len({id(c) for c in seen}) == 1 and seen[0].capacity == 256 and not seen[0].in_use
     a, b = gen.iter_generate(PROMPTS, 40), gen.iter_generate(PROMPTS, 40)

@@ -43,7 +43,9 @@ def test_invalid_engine_shapes(shapes, match):
 
 
 def test_invalid_range():
-    with pytest.raises(SpecrtError, match=r"verify.q_len = \(min 5, opt 3, max 8\) must satisfy 1 <= min <= opt <= max"):
+    with pytest.raises(
+        SpecrtError, match=r"verify.q_len = \(min 5, opt 3, max 8\) must satisfy 1 <= min <= opt <= max"
+    ):
         ProfileSpec("verify", Range(1, 1, 1), Range(5, 3, 8), Range(0, 0, 10)).validate()
 
 
@@ -77,17 +79,28 @@ def test_tiny_engine_built_with_both_profiles(tiny_engine, tiny_checkpoint):
 def test_build_for_chosen_compute_capability(tiny_artifacts, tmp_path):
     from specrt.engines.trt import TrtBuildSpec, build_trt_engine, read_trt_manifest
 
-    spec = TrtBuildSpec(flavour="tensorrt-rtx", shapes=EngineShapes(max_context=128, max_prefill=32, max_verify=5), compute_capabilities=("SM89",))
+    spec = TrtBuildSpec(
+        flavour="tensorrt-rtx",
+        shapes=EngineShapes(max_context=128, max_prefill=32, max_verify=5),
+        compute_capabilities=("SM89",),
+    )
     out = build_trt_engine(tiny_artifacts / "onnx", tmp_path / "sm89", spec, progress=False)
     assert read_trt_manifest(out)["compute_capabilities"] == ["SM89"]
     with pytest.raises(SpecrtError, match="unknown compute capability 'SM1'"):
-        build_trt_engine(tiny_artifacts / "onnx", tmp_path / "bad", TrtBuildSpec(compute_capabilities=("SM1",)), progress=False)
+        build_trt_engine(
+            tiny_artifacts / "onnx", tmp_path / "bad", TrtBuildSpec(compute_capabilities=("SM1",)), progress=False
+        )
     assert not (tmp_path / "bad").exists()
     import torch
 
     if not torch.cuda.is_available():
         with pytest.raises(SpecrtError, match="CURRENT means the GPU of this machine, and none is visible"):
-            build_trt_engine(tiny_artifacts / "onnx", tmp_path / "cur", TrtBuildSpec(compute_capabilities=("CURRENT",)), progress=False)
+            build_trt_engine(
+                tiny_artifacts / "onnx",
+                tmp_path / "cur",
+                TrtBuildSpec(compute_capabilities=("CURRENT",)),
+                progress=False,
+            )
         assert not (tmp_path / "cur").exists()
 
 
@@ -95,7 +108,12 @@ def test_invalid_shapes_fail_before_building(tiny_artifacts, tmp_path):
     from specrt.engines.trt import TrtBuildSpec, build_trt_engine
 
     with pytest.raises(SpecrtError, match="must not exceed max_context"):
-        build_trt_engine(tiny_artifacts / "onnx", tmp_path / "e", TrtBuildSpec(shapes=EngineShapes(max_context=8, max_prefill=64)), progress=False)
+        build_trt_engine(
+            tiny_artifacts / "onnx",
+            tmp_path / "e",
+            TrtBuildSpec(shapes=EngineShapes(max_context=8, max_prefill=64)),
+            progress=False,
+        )
     assert not (tmp_path / "e").exists()
 
 
@@ -110,10 +128,13 @@ def test_corrupt_engine_is_refused(tiny_engine, tmp_path):
         read_trt_manifest(e)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("tensorrt_version", "1.0.0", "was built with tensorrt-rtx 1.0.0, but .* is installed"),
-    ("flavour", "tensorrt", "was built with tensorrt, which is not installed"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("tensorrt_version", "1.0.0", "was built with tensorrt-rtx 1.0.0, but .* is installed"),
+        ("flavour", "tensorrt", "was built with tensorrt, which is not installed"),
+    ],
+)
 def test_engine_from_other_tensorrt_is_refused(tiny_engine, tmp_path, field, value, match):
     from specrt.engines.trt import read_trt_manifest
 

@@ -14,13 +14,14 @@ import importlib.util
 import pytest
 import torch
 
-from fake_tensorrt import fake_tensorrt
 from specrt.engines.profiles import EngineShapes
 from specrt.errors import ArtifactError, ManifestMismatchError, PromptError, SpecrtError
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+from fake_tensorrt import fake_tensorrt
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7, 8, 9], [40, 41, 42, 43, 40, 41, 42]]
 has_cuda = torch.cuda.is_available()
@@ -53,7 +54,10 @@ def fake_backend(engine_dir, model, **kw):
 
 def run(gen, prompts, spec: bool, n=40):
     if spec:
-        return [r.token_ids for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4, 4)).generate_ids(prompts, n)]
+        return [
+            r.token_ids
+            for r in SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4, 4)).generate_ids(prompts, n)
+        ]
     return [r.token_ids for r in gen.generate_ids(prompts, n)]
 
 
@@ -143,14 +147,19 @@ def test_engine_whose_profiles_differ_from_its_manifest(small_engine, model):
     from specrt.runtime.backends import TrtBackend
 
     profiles = read_trt_manifest(small_engine)["profiles"]
-    profiles[0] = {**profiles[0], "q_len": {"min": 1, "opt": 1, "max": 1}}  # the engine serves less than its manifest says
+    profiles[0] = {
+        **profiles[0],
+        "q_len": {"min": 1, "opt": 1, "max": 1},
+    }  # the engine serves less than its manifest says
     backend = TrtBackend(small_engine, device="cpu", trt_module=fake_tensorrt(model, profiles))
     with pytest.raises(SpecrtError, match="TensorRT refused shape .* for input_ids in profile 0"):
         run(Generator(backend), PROMPTS[1:], spec=True)
 
 
 def test_engine_with_foreign_io_is_refused(small_engine, model):
-    with pytest.raises(ManifestMismatchError, match=r"does not have the step graph's I/O \(missing \['hidden_states'\]"):
+    with pytest.raises(
+        ManifestMismatchError, match=r"does not have the step graph's I/O \(missing \['hidden_states'\]"
+    ):
         fake_backend(small_engine, model, drop=("hidden_states",))
 
 
@@ -192,20 +201,27 @@ def test_engine_gpu_checks():
     for ok in [(8, 0), (8, 6), (8, 9), (12, 0), (12, 1)]:
         check_engine_gpu(rtx, ok, "gpu")
     for bad, name in [((9, 0), "NVIDIA H200"), ((7, 5), "RTX 2080 Ti")]:
-        with pytest.raises(ManifestMismatchError, match=f"this GPU \\({name}\\) is SM{bad[0]}{bad[1]}.*--compute-capability SM{bad[0]}{bad[1]}"):
+        with pytest.raises(
+            ManifestMismatchError,
+            match=f"this GPU \\({name}\\) is SM{bad[0]}{bad[1]}.*--compute-capability SM{bad[0]}{bad[1]}",
+        ):
             check_engine_gpu(rtx, bad, name)
     check_engine_gpu({**rtx, "compute_capabilities": ["SM75"]}, (7, 5), "RTX 2080 Ti")
     with pytest.raises(ManifestMismatchError, match="built by TensorRT-RTX for SM75"):
         check_engine_gpu({**rtx, "compute_capabilities": ["SM75"]}, (8, 9), "RTX 4090")
     full = {"flavour": "tensorrt", "build_gpu": {"name": "NVIDIA H200", "sm": "SM90"}}
     check_engine_gpu(full, (9, 0), "NVIDIA H100")
-    with pytest.raises(ManifestMismatchError, match=r"built by TensorRT on NVIDIA H200 \(SM90\), but this GPU \(NVIDIA A100\) is SM80"):
+    with pytest.raises(
+        ManifestMismatchError, match=r"built by TensorRT on NVIDIA H200 \(SM90\), but this GPU \(NVIDIA A100\) is SM80"
+    ):
         check_engine_gpu(full, (8, 0), "NVIDIA A100")
 
 
 # -- real engines on a GPU (skipped without one) ---------------------------------------------------
 
-runnable_flavours = [f for f, mod in (("tensorrt", "tensorrt"), ("tensorrt-rtx", "tensorrt_rtx")) if importlib.util.find_spec(mod)]
+runnable_flavours = [
+    f for f, mod in (("tensorrt", "tensorrt"), ("tensorrt-rtx", "tensorrt_rtx")) if importlib.util.find_spec(mod)
+]
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +230,12 @@ def gpu_engine(tiny_artifacts, tmp_path_factory):
 
     flavour = runnable_flavours[0]
     caps = () if flavour == "tensorrt" else ("CURRENT",)
-    spec = TrtBuildSpec(flavour=flavour, shapes=EngineShapes(max_context=64, max_prefill=16, max_verify=5), compute_capabilities=caps)
-    return build_trt_engine(tiny_artifacts / "onnx", tmp_path_factory.mktemp("gpu-engine") / flavour, spec, progress=False)
+    spec = TrtBuildSpec(
+        flavour=flavour, shapes=EngineShapes(max_context=64, max_prefill=16, max_verify=5), compute_capabilities=caps
+    )
+    return build_trt_engine(
+        tiny_artifacts / "onnx", tmp_path_factory.mktemp("gpu-engine") / flavour, spec, progress=False
+    )
 
 
 @pytest.mark.gpu

@@ -186,8 +186,12 @@ def draft_wide(start, draft, rng, point_mass, without_replacement, width=3, dept
 
 
 WIDE = {
-    "3 siblings, with q, with replacement": lambda s, d, r: draft_wide(s, d, r, point_mass=False, without_replacement=False),
-    "3 siblings, with q, without replacement": lambda s, d, r: draft_wide(s, d, r, point_mass=False, without_replacement=True),
+    "3 siblings, with q, with replacement": lambda s, d, r: draft_wide(
+        s, d, r, point_mass=False, without_replacement=False
+    ),
+    "3 siblings, with q, without replacement": lambda s, d, r: draft_wide(
+        s, d, r, point_mass=False, without_replacement=True
+    ),
     "3 siblings, point masses": lambda s, d, r: draft_wide(s, d, r, point_mass=True, without_replacement=False),
     "4 siblings, with q, without replacement": lambda s, d, r: draft_wide(s, d, r, False, True, width=4, depth=1),
 }
@@ -196,7 +200,9 @@ WIDE = {
 @pytest.mark.parametrize("name", WIDE)
 def test_wide_trees_follow_target(name):
     tree = WIDE[name](0, tables()[1], np.random.default_rng(0))
-    assert (tree.children(-1).size >= 3) and (name.startswith("4") or all(tree.children(int(c)).size >= 3 for c in tree.children(-1)))
+    assert (tree.children(-1).size >= 3) and (
+        name.startswith("4") or all(tree.children(int(c)).size >= 3 for c in tree.children(-1))
+    )
     assert joint_pvalue(WIDE[name]) > P_MIN
 
 
@@ -262,7 +268,9 @@ def params_pvalue(point_mass: bool, verify_params: SamplingParams, seed=3) -> fl
     V6 = p_req.shape[0]
     counts = np.zeros((V6, V6))
     for _ in range(SAMPLES):
-        a, b = generate_two(p_verify, q, rng, lambda s, d, r: draft_wide(s, d, r, point_mass, not point_mass), accept_sampling)
+        a, b = generate_two(
+            p_verify, q, rng, lambda s, d, r: draft_wide(s, d, r, point_mass, not point_mass), accept_sampling
+        )
         counts[a, b] += 1
     expected = (p_req[0][:, None] * p_req).ravel() * SAMPLES
     obs = counts.ravel()
@@ -277,11 +285,15 @@ def test_temperature_top_k_top_p_are_applied_at_verification(point_mass):
     assert params_pvalue(point_mass, PARAMS) > P_MIN
 
 
-@pytest.mark.parametrize("wrong", [
-    SamplingParams(temperature=1.2, top_k=3),  # top-p ignored
-    SamplingParams(temperature=1.2, top_p=0.85),  # top-k ignored
-    SamplingParams(temperature=1.0, top_k=3, top_p=0.85),  # temperature ignored
-], ids=["top-p ignored", "top-k ignored", "temperature ignored"])
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        SamplingParams(temperature=1.2, top_k=3),  # top-p ignored
+        SamplingParams(temperature=1.2, top_p=0.85),  # top-k ignored
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.85),  # temperature ignored
+    ],
+    ids=["top-p ignored", "top-k ignored", "temperature ignored"],
+)
 def test_verification_that_ignores_a_sampling_parameter_fails(wrong):
     assert params_pvalue(False, wrong) < P_MIN
 

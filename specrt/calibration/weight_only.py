@@ -35,7 +35,12 @@ from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_ma
 from specrt.errors import SpecrtError
 from specrt.export.step_graph import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest
 
-SCHEMES = {"int4": (4, 0), "int8": (8, 0), "int4-a8": (4, 4), "int8-a8": (8, 4)}  # scheme -> (weight bits, ORT accuracy level)
+SCHEMES = {
+    "int4": (4, 0),
+    "int8": (8, 0),
+    "int4-a8": (4, 4),
+    "int8-a8": (8, 4),
+}  # scheme -> (weight bits, ORT accuracy level)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +63,9 @@ class WeightOnlySpec:
         return SCHEMES[self.scheme][1]
 
 
-def quantize_weight_only(onnx_dir: str | Path, out_dir: str | Path, spec: WeightOnlySpec = WeightOnlySpec(), progress: bool = True) -> Path:
+def quantize_weight_only(
+    onnx_dir: str | Path, out_dir: str | Path, spec: WeightOnlySpec = WeightOnlySpec(), progress: bool = True
+) -> Path:
     """Quantize the exported step graph in `onnx_dir` into `out_dir` (written atomically)."""
     import logging
 
@@ -70,7 +77,10 @@ def quantize_weight_only(onnx_dir: str | Path, out_dir: str | Path, spec: Weight
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     source = read_onnx_manifest(onnx_dir)
     if source.get("quantization"):
-        raise SpecrtError(f"{onnx_dir} is already quantized ({source['quantization']['scheme']}); quantize the float32 export instead.")
+        raise SpecrtError(
+            f"{onnx_dir} is already quantized ({source['quantization']['scheme']}); quantize the float32 export "
+            "instead."
+        )
     bits = spec.bits
     steps = tqdm(total=3, desc=f"quantize {spec.scheme}", unit="step", disable=not progress)
     steps.set_postfix_str("load")
@@ -78,8 +88,17 @@ def quantize_weight_only(onnx_dir: str | Path, out_dir: str | Path, spec: Weight
     model = onnx.load(str(onnx_dir / ONNX_FILE))
     steps.update()
     steps.set_postfix_str("MatMul -> MatMulNBits")
-    config = DefaultWeightOnlyQuantConfig(block_size=spec.block_size, is_symmetric=True, accuracy_level=spec.accuracy_level, bits=bits)
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=spec.block_size, is_symmetric=True, accuracy_level=spec.accuracy_level, algo_config=config)
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=spec.block_size, is_symmetric=True, accuracy_level=spec.accuracy_level, bits=bits
+    )
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=bits,
+        block_size=spec.block_size,
+        is_symmetric=True,
+        accuracy_level=spec.accuracy_level,
+        algo_config=config,
+    )
     log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = log.level
     log.setLevel(logging.WARNING)  # it logs two lines per MatMul at INFO
@@ -90,16 +109,34 @@ def quantize_weight_only(onnx_dir: str | Path, out_dir: str | Path, spec: Weight
     quantized = quantizer.model.model
     count = sum(1 for n in quantized.graph.node if n.op_type == "MatMulNBits")
     if count == 0:
-        raise SpecrtError(f"no MatMul with a constant weight was found in {onnx_dir / ONNX_FILE}; is it a specrt step graph?")
+        raise SpecrtError(
+            f"no MatMul with a constant weight was found in {onnx_dir / ONNX_FILE}; is it a specrt step graph?"
+        )
     steps.update()
     steps.set_postfix_str("save")
     with atomic_dir(out_dir) as tmp:
-        onnx.save_model(quantized, str(tmp / ONNX_FILE), save_as_external_data=True, all_tensors_to_one_file=True, location=ONNX_DATA, size_threshold=1024)
-        manifest = {k: v for k, v in source.items() if k not in ("kind", "schema_version", "created", "files", "versions")}
+        onnx.save_model(
+            quantized,
+            str(tmp / ONNX_FILE),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=ONNX_DATA,
+            size_threshold=1024,
+        )
+        manifest = {
+            k: v for k, v in source.items() if k not in ("kind", "schema_version", "created", "files", "versions")
+        }
         manifest.update(
             {
-                "quantization": {**dataclasses.asdict(spec), "bits": bits, "accuracy_level": spec.accuracy_level, "symmetric": True, "method": "round to nearest, per block (data-free)",
-                                 "quantized_matmuls": count, "seconds": round(time.perf_counter() - t0, 2)},
+                "quantization": {
+                    **dataclasses.asdict(spec),
+                    "bits": bits,
+                    "accuracy_level": spec.accuracy_level,
+                    "symmetric": True,
+                    "method": "round to nearest, per block (data-free)",
+                    "quantized_matmuls": count,
+                    "seconds": round(time.perf_counter() - t0, 2),
+                },
                 "source_onnx": {"path": str(onnx_dir.resolve()), "files": source["files"]},
                 "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
                 "versions": package_versions("onnx", "onnxruntime"),

@@ -25,7 +25,9 @@ class BuildSpec:
     opset: int = 17
     tensorrt: str = "auto"  # auto: build when a TensorRT flavour is installed; "off"; or a flavour
     trt: TrtBuildSpec = TrtBuildSpec()
-    quantize: str = "none"  # none or a calibration.weight_only scheme: also build that quantized graph and its ORT engine
+    quantize: str = (
+        "none"  # none or a calibration.weight_only scheme: also build that quantized graph and its ORT engine
+    )
     quant_block_size: int = 32
 
 
@@ -82,19 +84,31 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
     qdir = ArtifactLayout(spec.out).quant_onnx(spec.quantize)
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, qdir, ckpt_hash)
     wanted = {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}
-    fresh = current is None or current.get("source_onnx", {}).get("files") != onnx_files or {
-        k: current["quantization"].get(k) for k in wanted} != wanted
+    fresh = (
+        current is None
+        or current.get("source_onnx", {}).get("files") != onnx_files
+        or {k: current["quantization"].get(k) for k in wanted} != wanted
+    )
     if fresh:
         t0 = time.perf_counter()
         quantize_weight_only(odir, qdir, wspec)
         yield f"{spec.quantize:<9} {qdir}: quantized in {time.perf_counter() - t0:.1f} s"
     else:
         yield f"{spec.quantize:<9} {qdir}: up to date"
-    yield from _build_ort(spec, qdir, read_onnx_manifest(qdir)["files"], ckpt_hash, stale=fresh, quantize=spec.quantize,
-                          note=f" (TensorRT takes no MatMulNBits graph: none built for {spec.quantize})")
+    yield from _build_ort(
+        spec,
+        qdir,
+        read_onnx_manifest(qdir)["files"],
+        ckpt_hash,
+        stale=fresh,
+        quantize=spec.quantize,
+        note=f" (TensorRT takes no MatMulNBits graph: none built for {spec.quantize})",
+    )
 
 
-def _build_ort(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, stale: bool, quantize: str = "none", note: str = "") -> Iterator[str]:
+def _build_ort(
+    spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, stale: bool, quantize: str = "none", note: str = ""
+) -> Iterator[str]:
     """The ORT engine of the graph in `odir`: reused when its manifest is valid and built from
     `onnx_files` (and the graph was not just re-made: `stale`), else built."""
     from specrt.engines.ort import OrtOptions, build_ort_engine, read_engine_manifest
@@ -106,7 +120,8 @@ def _build_ort(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, st
     else:
         t0 = time.perf_counter()
         build_ort_engine(odir, edir, OrtOptions(provider=spec.provider))
-        yield f"ort       {edir}: built for {read_engine_manifest(edir)['provider']} in {time.perf_counter() - t0:.1f} s{note}"
+        provider = read_engine_manifest(edir)["provider"]
+        yield f"ort       {edir}: built for {provider} in {time.perf_counter() - t0:.1f} s{note}"
 
 
 def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool) -> Iterator[str]:
@@ -118,7 +133,8 @@ def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: st
     installed = available_flavours()
     wanted = installed[:1] if spec.tensorrt == "auto" else [spec.tensorrt]
     if not wanted:
-        yield f"tensorrt  skipped: neither {' nor '.join(FLAVOURS)} is installed (pip install tensorrt-rtx, or tensorrt on an NVIDIA host)"
+        names = " nor ".join(FLAVOURS)
+        yield f"tensorrt  skipped: neither {names} is installed (pip install tensorrt-rtx; tensorrt on an NVIDIA host)"
         return
     flavour = wanted[0]
     if flavour not in installed:
@@ -131,4 +147,5 @@ def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: st
     t0 = time.perf_counter()
     build_trt_engine(odir, edir, dataclasses.replace(spec.trt, flavour=flavour))
     size = (edir / "model.engine").stat().st_size / 2**20
-    yield f"{flavour:<9} {edir}: built in {time.perf_counter() - t0:.1f} s ({size:.0f} MiB; running it needs an NVIDIA GPU)"
+    took = time.perf_counter() - t0
+    yield f"{flavour:<9} {edir}: built in {took:.1f} s ({size:.0f} MiB; running it needs an NVIDIA GPU)"

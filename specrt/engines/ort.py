@@ -125,8 +125,17 @@ def batch_invariance(session, config: dict, provider: str, prefix: int = 12, ste
         mask = np.zeros((1, Q, capacity + Q), dtype=bool)
         mask[0, :, :P] = True
         mask[0, :, capacity:] = np.tril(np.ones((Q, Q), dtype=bool))
-        feeds = dict(zip(STEP_INPUTS, (np.array([tokens], np.int64), np.arange(P, P + Q, dtype=np.int64)[None], mask,
-                                       np.arange(Q, dtype=np.int64)[None])))
+        feeds = dict(
+            zip(
+                STEP_INPUTS,
+                (
+                    np.array([tokens], np.int64),
+                    np.arange(P, P + Q, dtype=np.int64)[None],
+                    mask,
+                    np.arange(Q, dtype=np.int64)[None],
+                ),
+            )
+        )
         for i, kv in enumerate(past):
             feeds.update(zip(io.past(i), kv))
         out = session.run([LOGITS, *io.present_names], feeds)
@@ -142,8 +151,12 @@ def batch_invariance(session, config: dict, provider: str, prefix: int = 12, ste
     single = np.stack([run([t], one)[0] for t in ids[prefix:]])
     multi = run(ids[prefix:], many)
     diff = float(np.abs(single - multi).max())
-    return {"max_abs_diff": diff, "relative": diff / max(float(np.ptp(multi)), 1e-12),
-            "argmax_agreement": float((single.argmax(-1) == multi.argmax(-1)).mean()), "positions": steps}
+    return {
+        "max_abs_diff": diff,
+        "relative": diff / max(float(np.ptp(multi)), 1e-12),
+        "argmax_agreement": float((single.argmax(-1) == multi.argmax(-1)).mean()),
+        "positions": steps,
+    }
 
 
 BATCH_VARIANCE_LIMIT = 1e-4  # relative; float32 engines measure ~1e-6
@@ -167,7 +180,9 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
         try:
             session = ort.InferenceSession(str(onnx_dir / ONNX_FILE), so, providers=providers)
         except Exception as e:  # ORT raises its own Fail/InvalidGraph types
-            raise ArtifactError(f"ONNX Runtime could not load {onnx_dir / ONNX_FILE} ({e}); re-export it with `specrt export`.") from None
+            raise ArtifactError(
+                f"ONNX Runtime could not load {onnx_dir / ONNX_FILE} ({e}); re-export it with `specrt export`."
+            ) from None
         active = _check_provider_loaded(session, options.provider)
         invariance = batch_invariance(session, onnx_manifest["config"], active)
         del session
@@ -195,7 +210,9 @@ HOW_TO_BUILD = "specrt build-engines --model CHECKPOINT --out DIR"
 MANIFEST_FIELDS = {"onnx": dict, "provider": str, "host_cpu": str, "versions": dict}
 
 
-def read_engine_manifest(engine_dir: str | Path, checkpoint_hash_expected: str | None = None, verify: str = "auto") -> dict:
+def read_engine_manifest(
+    engine_dir: str | Path, checkpoint_hash_expected: str | None = None, verify: str = "auto"
+) -> dict:
     """The engine's manifest, checked against the checkpoint, the installed onnxruntime, this CPU
     and its own files (verify: "auto" reads a file in full only when it changed since its last
     check, "full" always, "none" never: for callers that only read the manifest)."""
@@ -212,20 +229,31 @@ def read_engine_manifest(engine_dir: str | Path, checkpoint_hash_expected: str |
             "optimized graphs are not portable across versions. Rebuild it with: specrt build-engines"
         )
     if m["provider"] not in PROVIDERS.values():
-        raise ArtifactError(f"engine {engine_dir} names an unknown provider {m['provider']!r}; rebuild it with: {HOW_TO_BUILD}")
+        raise ArtifactError(
+            f"engine {engine_dir} names an unknown provider {m['provider']!r}; rebuild it with: {HOW_TO_BUILD}"
+        )
     if m["provider"] == PROVIDERS["cpu"] and m.get("host_cpu") != cpu_model():
         raise ManifestMismatchError(
             f"engine {engine_dir} was optimized on a {m.get('host_cpu')!r} CPU, this is {cpu_model()!r}; "
-            "ORT's optimized CPU graphs may use kernels of the CPU they were built on. Rebuild it here with: specrt build-engines"
+            "ORT's optimized CPU graphs may use kernels of the CPU they were built on. Rebuild it here with: specrt "
+            "build-engines"
         )
     if set(m["files"]) != {OPT_FILE, OPT_DATA}:
-        raise ArtifactError(f"engine {engine_dir}: its manifest lists {sorted(m['files'])}, not {OPT_FILE} and {OPT_DATA}; rebuild it with: {HOW_TO_BUILD}")
+        raise ArtifactError(
+            f"engine {engine_dir}: its manifest lists {sorted(m['files'])}, not {OPT_FILE} and {OPT_DATA}; rebuild "
+            f"it with: {HOW_TO_BUILD}"
+        )
     if verify != "none":
         verify_files(engine_dir, m["files"], HOW_TO_BUILD, full=verify == "full")
     return m
 
 
-def load_ort_session(engine_dir: str | Path, options: OrtOptions | None = None, checkpoint_hash_expected: str | None = None, verify: str = "auto"):
+def load_ort_session(
+    engine_dir: str | Path,
+    options: OrtOptions | None = None,
+    checkpoint_hash_expected: str | None = None,
+    verify: str = "auto",
+):
     """(session, manifest, active provider) for a built engine, after checking its manifest and
     files (`verify`, as in read_engine_manifest)."""
     ort = _ort()
@@ -243,6 +271,7 @@ def load_ort_session(engine_dir: str | Path, options: OrtOptions | None = None, 
     try:
         session = ort.InferenceSession(str(engine_dir / OPT_FILE), so, providers=_provider_list(options.provider))
     except Exception as e:
-        raise ArtifactError(f"ONNX Runtime could not load engine {engine_dir / OPT_FILE} ({e}); rebuild it with: specrt build-engines") from None
+        raise ArtifactError(
+            f"ONNX Runtime could not load engine {engine_dir / OPT_FILE} ({e}); rebuild it with: specrt build-engines"
+        ) from None
     return session, m, _check_provider_loaded(session, options.provider)
-

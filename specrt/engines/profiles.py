@@ -23,7 +23,10 @@ class Range:
 
     def check(self, what: str, lowest: int = 0) -> None:
         if not lowest <= self.min <= self.opt <= self.max:
-            raise SpecrtError(f"profile range {what} = (min {self.min}, opt {self.opt}, max {self.max}) must satisfy {lowest} <= min <= opt <= max.")
+            raise SpecrtError(
+                f"profile range {what} = (min {self.min}, opt {self.opt}, max {self.max}) must satisfy {lowest} <= "
+                "min <= opt <= max."
+            )
 
     def __add__(self, other: "Range") -> "Range":
         return Range(self.min + other.min, self.opt + other.opt, self.max + other.max)
@@ -42,16 +45,24 @@ class ProfileSpec:
         self.past_len.check(f"{self.name}.past_len", lowest=0)
 
     def holds(self, batch: int, q_len: int, past_len: int) -> bool:
-        return self.batch.min <= batch <= self.batch.max and self.q_len.min <= q_len <= self.q_len.max and self.past_len.min <= past_len <= self.past_len.max
+        return (
+            self.batch.min <= batch <= self.batch.max
+            and self.q_len.min <= q_len <= self.q_len.max
+            and self.past_len.min <= past_len <= self.past_len.max
+        )
 
-    def shapes(self, num_layers: int, kv_heads: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    def shapes(
+        self, num_layers: int, kv_heads: int, head_dim: int
+    ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
         """{input name: (min shape, opt shape, max shape)} for the step graph's inputs."""
         self.validate()
         b, q, p = self.batch, self.q_len, self.past_len
         kv = q + p
 
         def triple(*dims):
-            return tuple(tuple(getattr(d, k) if isinstance(d, Range) else d for d in dims) for k in ("min", "opt", "max"))
+            return tuple(
+                tuple(getattr(d, k) if isinstance(d, Range) else d for d in dims) for k in ("min", "opt", "max")
+            )
 
         ids, pos, mask, index = STEP_INPUTS
         out = {
@@ -78,7 +89,10 @@ class EngineShapes:
         if self.max_verify < 1 or self.max_prefill < 1 or self.max_context < 2 or self.max_batch < 1:
             raise SpecrtError(f"engine shapes must be positive: {self}")
         if self.max_prefill > self.max_context or self.max_verify > self.max_context:
-            raise SpecrtError(f"max_prefill ({self.max_prefill}) and max_verify ({self.max_verify}) must not exceed max_context ({self.max_context}).")
+            raise SpecrtError(
+                f"max_prefill ({self.max_prefill}) and max_verify ({self.max_verify}) must not exceed max_context "
+                f"({self.max_context})."
+            )
         batch = Range(1, 1, self.max_batch)
         # the runtime feeds its whole preallocated cache: the context plus room for one draft
         past = Range(0, self.max_context // 2, self.max_context + self.max_verify)

@@ -20,7 +20,15 @@ import importlib.util
 import time
 from pathlib import Path
 
-from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, verify_files, write_manifest
+from specrt.artifacts import (
+    atomic_dir,
+    file_sha256,
+    package_versions,
+    read_manifest,
+    require_same_checkpoint,
+    verify_files,
+    write_manifest,
+)
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
@@ -39,7 +47,10 @@ def load_tensorrt(flavour: str = "auto"):
     if flavour == "auto":
         found = available_flavours()
         if not found:
-            raise SpecrtError("neither tensorrt nor tensorrt_rtx is installed; `pip install tensorrt-rtx` (builds on any machine) or tensorrt (needs an NVIDIA host).")
+            raise SpecrtError(
+                "neither tensorrt nor tensorrt_rtx is installed; `pip install tensorrt-rtx` (builds on any machine) "
+                "or tensorrt (needs an NVIDIA host)."
+            )
         flavour = found[0]
     if flavour not in FLAVOURS:
         raise SpecrtError(f"unknown TensorRT flavour {flavour!r}; choose one of {', '.join(FLAVOURS)} or auto.")
@@ -97,7 +108,9 @@ def _parse_onnx(trt, builder, logger, onnx_path: Path):
     return network, parser
 
 
-def build_trt_engine(onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSpec = TrtBuildSpec(), progress: bool = True) -> Path:
+def build_trt_engine(
+    onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSpec = TrtBuildSpec(), progress: bool = True
+) -> Path:
     """Build a TensorRT engine with the verify and prefill profiles; returns out_dir."""
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     onnx_manifest = read_onnx_manifest(onnx_dir)
@@ -112,7 +125,10 @@ def build_trt_engine(onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSp
     targets = []
     if spec.compute_capabilities:
         if flavour != "tensorrt-rtx":
-            raise SpecrtError("compute capabilities are chosen per build only with TensorRT-RTX; full TensorRT builds for the GPU it runs on.")
+            raise SpecrtError(
+                "compute capabilities are chosen per build only with TensorRT-RTX; full TensorRT builds for the GPU "
+                "it runs on."
+            )
         config.num_compute_capabilities = len(spec.compute_capabilities)
         for i, cc in enumerate(spec.compute_capabilities):
             if not hasattr(trt.ComputeCapability, cc):
@@ -130,7 +146,9 @@ def build_trt_engine(onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSp
         config.progress_monitor = monitor
     for p in profiles:
         prof = builder.create_optimization_profile()
-        for name, (mn, opt, mx) in p.shapes(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]).items():
+        for name, (mn, opt, mx) in p.shapes(
+            cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+        ).items():
             prof.set_shape(name, mn, opt, mx)
         if config.add_optimization_profile(prof) < 0:
             raise SpecrtError(f"TensorRT rejected the {p.name} profile {p}; check the engine shapes.")
@@ -184,7 +202,10 @@ def _build_gpu() -> dict | None:
 def _current_sm() -> str:
     gpu = _build_gpu()
     if gpu is None:
-        raise SpecrtError("compute capability CURRENT means the GPU of this machine, and none is visible; name one instead, e.g. SM89.")
+        raise SpecrtError(
+            "compute capability CURRENT means the GPU of this machine, and none is visible; name one instead, e.g. "
+            "SM89."
+        )
     return gpu["sm"]
 
 
@@ -193,12 +214,23 @@ def _io(t) -> dict:
 
 
 HOW_TO_BUILD = "specrt build-engines --model CHECKPOINT --out DIR --tensorrt"
-MANIFEST_FIELDS = {"flavour": str, "tensorrt_version": str, "onnx": dict, "profiles": list, "inputs": list, "outputs": list,
-                   "compute_capabilities": list}
+MANIFEST_FIELDS = {
+    "flavour": str,
+    "tensorrt_version": str,
+    "onnx": dict,
+    "profiles": list,
+    "inputs": list,
+    "outputs": list,
+    "compute_capabilities": list,
+}
 
 
-def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, checkpoint_hash_expected: str | None = None,
-                      verify: str = "auto") -> dict:
+def read_trt_manifest(
+    engine_dir: str | Path,
+    onnx_files: dict | None = None,
+    checkpoint_hash_expected: str | None = None,
+    verify: str = "auto",
+) -> dict:
     """The engine's manifest, checked against the ONNX it should come from, the checkpoint, the
     installed TensorRT and the engine file's hash (verify: "auto" reads the engine in full only
     when it changed since its last check, "full" always)."""
@@ -210,10 +242,15 @@ def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, ch
     config_from_manifest(m, engine_dir, how)
     require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", f"Rebuild it with: {how}")
     if onnx_files is not None and m["onnx"].get("files") != onnx_files:
-        raise ManifestMismatchError(f"engine {engine_dir} was built from another export of the ONNX step graph; rebuild it with: {how}")
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was built from another export of the ONNX step graph; rebuild it with: {how}"
+        )
     flavour = m["flavour"]
     if flavour not in FLAVOURS or flavour not in available_flavours():
-        raise ManifestMismatchError(f"engine {engine_dir} was built with {flavour}, which is not installed here; install it or rebuild with: {how}")
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was built with {flavour}, which is not installed here; install it or rebuild with: "
+            f"{how}"
+        )
     installed = load_tensorrt(flavour)[1].__version__
     if installed != m["tensorrt_version"]:
         raise ManifestMismatchError(
@@ -221,7 +258,9 @@ def read_trt_manifest(engine_dir: str | Path, onnx_files: dict | None = None, ch
             f"engines do not move across versions. Rebuild it with: {how}"
         )
     if set(m["files"]) != {ENGINE_FILE}:
-        raise ArtifactError(f"engine {engine_dir}: its manifest lists {sorted(m['files'])}, not {ENGINE_FILE}; rebuild it with: {how}")
+        raise ArtifactError(
+            f"engine {engine_dir}: its manifest lists {sorted(m['files'])}, not {ENGINE_FILE}; rebuild it with: {how}"
+        )
     if verify != "none":
         verify_files(engine_dir, m["files"], how, full=verify == "full")
     return m
@@ -233,7 +272,9 @@ def select_profile(manifest: dict, batch: int, q_len: int, past_len: int) -> int
         spec = ProfileSpec(p["name"], *(Range(**p[k]) for k in ("batch", "q_len", "past_len")))
         if spec.holds(batch, q_len, past_len):
             return i
-    raise SpecrtError(f"no profile of this engine holds batch {batch}, Q {q_len}, past {past_len}; rebuild with larger engine shapes.")
+    raise SpecrtError(
+        f"no profile of this engine holds batch {batch}, Q {q_len}, past {past_len}; rebuild with larger engine shapes."
+    )
 
 
 # GPUs a TensorRT-RTX engine built without explicit compute capabilities runs on (its support matrix:
@@ -246,7 +287,9 @@ def sm_name(capability: tuple[int, int]) -> str:
     return f"SM{capability[0]}{capability[1]}"
 
 
-def check_engine_gpu(manifest: dict, capability: tuple[int, int], gpu_name: str, engine_dir: str | Path = "engine") -> None:
+def check_engine_gpu(
+    manifest: dict, capability: tuple[int, int], gpu_name: str, engine_dir: str | Path = "engine"
+) -> None:
     """Refuse an engine that was not built for this GPU (clear error instead of a TensorRT failure)."""
     sm = capability[0] * 10 + capability[1]
     here = f"this GPU ({gpu_name}) is {sm_name(capability)}"
@@ -254,8 +297,10 @@ def check_engine_gpu(manifest: dict, capability: tuple[int, int], gpu_name: str,
         built = manifest.get("build_gpu")
         if built and built["sm"] != sm_name(capability):
             raise ManifestMismatchError(
-                f"engine {engine_dir} was built by TensorRT on {built['name']} ({built['sm']}), but {here}; TensorRT engines "
-                f"only run on the GPU architecture they were built on. Rebuild it on this machine: specrt build-engines --tensorrt tensorrt"
+                f"engine {engine_dir} was built by TensorRT on {built['name']} ({built['sm']}), but {here}; TensorRT "
+                "engines "
+                "only run on the GPU architecture they were built on. Rebuild it on this machine: specrt "
+                "build-engines --tensorrt tensorrt"
             )
         return
     targets = manifest.get("compute_capabilities") or ["library default"]

@@ -35,7 +35,11 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in ckpt_dir.glob("*.bin")) + sorted(p.name for p in ckpt_dir.glob("*.pt"))
-        hint = f" It has pickle weights ({', '.join(pickles)}), which specrt does not load; re-save them as safetensors." if pickles else ""
+        hint = (
+            f" It has pickle weights ({', '.join(pickles)}), which specrt does not load; re-save them as safetensors."
+            if pickles
+            else ""
+        )
         raise CheckpointError(f"no *.safetensors files in {ckpt_dir}.{hint}")
     index = ckpt_dir / "model.safetensors.index.json"
     if index.exists():
@@ -45,12 +49,16 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
             raise CheckpointError(f"{index} is corrupt ({e}); restore it from the original checkpoint.") from None
         missing = sorted(needed - {f.name for f in files})
         if missing:
-            raise CheckpointError(f"{ckpt_dir} is incomplete: shards {', '.join(missing)} named in {index.name} are missing.")
+            raise CheckpointError(
+                f"{ckpt_dir} is incomplete: shards {', '.join(missing)} named in {index.name} are missing."
+            )
     return files
 
 
 def _hash_cache_path() -> Path:
-    root = os.environ.get("SPECRT_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "specrt")
+    root = os.environ.get("SPECRT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "specrt"
+    )
     return Path(root) / "checkpoint-hashes.json"
 
 
@@ -67,7 +75,9 @@ def checkpoint_hash(path: str | Path) -> str:
     else:
         files = weight_files(path)
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path} has no config.json; a checkpoint directory needs it next to its safetensors files.")
+            raise CheckpointError(
+                f"{path} has no config.json; a checkpoint directory needs it next to its safetensors files."
+            )
         files = [path / "config.json", *files]
     stats = [os.stat(f) for f in files]
     key = "|".join(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}" for f, st in zip(files, stats))
@@ -116,7 +126,9 @@ def read_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f} is not a readable safetensors file ({e}); re-download or re-convert it.") from None
+            raise CheckpointError(
+                f"{f} is not a readable safetensors file ({e}); re-download or re-convert it."
+            ) from None
     return state
 
 

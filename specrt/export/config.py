@@ -47,23 +47,43 @@ class ModelConfig:
     def __post_init__(self):
         # every reader of a config (config.json, an artifact's manifest) gets here: one place
         # that refuses sizes a model cannot have, with the field's name
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CheckpointError(f"{f} must be a positive integer, got {v!r}; fix it in the checkpoint's config.json.")
+                raise CheckpointError(
+                    f"{f} must be a positive integer, got {v!r}; fix it in the checkpoint's config.json."
+                )
         for f in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise CheckpointError(f"{f} must be a positive finite number, got {v!r}; fix it in the checkpoint's config.json.")
+                raise CheckpointError(
+                    f"{f} must be a positive finite number, got {v!r}; fix it in the checkpoint's config.json."
+                )
         if self.head_dim % 2:
-            raise CheckpointError(f"head_dim must be even (rotary embeddings rotate pairs), got {self.head_dim}; fix the checkpoint's config.json.")
+            raise CheckpointError(
+                f"head_dim must be even (rotary embeddings rotate pairs), got {self.head_dim}; fix the checkpoint's "
+                "config.json."
+            )
         for f in ("bos_token_id",):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise CheckpointError(f"{f} must be a token id (an integer >= 0) or null, got {v!r}; fix the checkpoint's config.json.")
+                raise CheckpointError(
+                    f"{f} must be a token id (an integer >= 0) or null, got {v!r}; fix the checkpoint's config.json."
+                )
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_token_id):
-            raise CheckpointError(f"eos_token_id must be token ids (integers >= 0), got {list(self.eos_token_id)!r}; fix the checkpoint's config.json.")
+            raise CheckpointError(
+                f"eos_token_id must be token ids (integers >= 0), got {list(self.eos_token_id)!r}; fix the "
+                "checkpoint's config.json."
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedArchitectureError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -116,7 +136,9 @@ class ModelConfig:
         n_heads = _field(d, "num_attention_heads", int)
         hidden = _field(d, "hidden_size", int)
         if n_heads < 1:
-            raise CheckpointError(f"num_attention_heads must be a positive integer, got {n_heads}; fix the checkpoint's config.json.")
+            raise CheckpointError(
+                f"num_attention_heads must be a positive integer, got {n_heads}; fix the checkpoint's config.json."
+            )
         kv_heads, head_dim = _field(d, "num_key_value_heads", int, None), _field(d, "head_dim", int, None)
         return cls(
             vocab_size=_field(d, "vocab_size", int),
@@ -141,7 +163,9 @@ class ModelConfig:
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         if not path.is_file():
-            raise CheckpointError(f"{path} not found: a checkpoint directory needs config.json next to its safetensors files.")
+            raise CheckpointError(
+                f"{path} not found: a checkpoint directory needs config.json next to its safetensors files."
+            )
         d = read_json_object(path, CheckpointError, "restore it from the original checkpoint")
         try:
             return cls.from_hf_dict(d)
@@ -187,7 +211,9 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in d]
         if missing or set(d) - known:
-            raise CheckpointError(f"the model config lacks fields {missing} or has unknown ones {sorted(set(d) - known)}")
+            raise CheckpointError(
+                f"the model config lacks fields {missing} or has unknown ones {sorted(set(d) - known)}"
+            )
         d = dict(d)
         eos = d.get("eos_token_id") or ()
         d["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
@@ -204,8 +230,11 @@ def config_from_manifest(manifest: dict[str, Any], where, how_to_make: str) -> M
 
 def _as(kind: type, value: Any, name: str):
     """value as int or float, or a CheckpointError naming the field (True, "two", 3.5 as int...)."""
-    ok = not isinstance(value, bool) and (isinstance(value, (int, float)) if kind is float else
-                                          isinstance(value, int) or isinstance(value, float) and value.is_integer())
+    ok = not isinstance(value, bool) and (
+        isinstance(value, (int, float))
+        if kind is float
+        else isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    )
     if not ok:
         what = "an integer" if kind is int else "a number"
         raise CheckpointError(f"{name} must be {what}, got {json.dumps(value)[:40]}; fix the checkpoint's config.json.")
@@ -215,7 +244,9 @@ def _as(kind: type, value: Any, name: str):
 def _field(d: dict[str, Any], name: str, kind: type, default: Any = dataclasses.MISSING):
     if name not in d or d[name] is None:
         if default is dataclasses.MISSING:
-            raise CheckpointError(f"lacks the required key {name!r}; restore it from the original checkpoint's config.json.")
+            raise CheckpointError(
+                f"lacks the required key {name!r}; restore it from the original checkpoint's config.json."
+            )
         return default
     return _as(kind, d[name], name)
 

@@ -41,7 +41,9 @@ def _open(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/struct.error/IndexError on garbage
-        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it.") from None
+        raise CheckpointError(
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it."
+        ) from None
 
 
 def _field(reader, key, default=None):
@@ -94,7 +96,9 @@ def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, di
         }
     )
     if _field(reader, p + "rope.scaling.type") not in (None, "none"):
-        raise UnsupportedArchitectureError(f"{path}: GGUF rope scaling is not supported; convert from the HF checkpoint instead.")
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF rope scaling is not supported; convert from the HF checkpoint instead."
+        )
     state = {}
     for t in tqdm(reader.tensors, desc="dequantize GGUF", unit="tensor", disable=not progress):
         parts = t.name.split(".")

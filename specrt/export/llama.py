@@ -134,7 +134,11 @@ class LlamaModel(nn.Module):
             taps[i] = x
         normed = self.norm(x)
         taps[-1] = normed
-        hidden = torch.cat([taps[i] for i in self.hidden_layers], dim=-1) if len(self.hidden_layers) > 1 else taps[self.hidden_layers[0]]
+        hidden = (
+            torch.cat([taps[i] for i in self.hidden_layers], dim=-1)
+            if len(self.hidden_layers) > 1
+            else taps[self.hidden_layers[0]]
+        )
         if logits_index is not None:
             B, K = logits_index.shape
             normed = torch.gather(normed, 1, logits_index.unsqueeze(-1).expand(B, K, normed.shape[-1]))  # (B, K, C)
@@ -144,7 +148,9 @@ class LlamaModel(nn.Module):
     def empty_past(self, batch: int, dtype=torch.float32):
         cfg = self.cfg
         shape = (batch, cfg.num_key_value_heads, 0, cfg.head_dim)
-        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_hidden_layers)]
+        return [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_hidden_layers)
+        ]
 
 
 def causal_mask(batch: int, q: int, past: int) -> torch.Tensor:

@@ -19,7 +19,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from specrt.artifacts import atomic_dir, file_sha256, package_versions, read_manifest, require_same_checkpoint, verify_files, write_manifest
+from specrt.artifacts import (
+    atomic_dir,
+    file_sha256,
+    package_versions,
+    read_manifest,
+    require_same_checkpoint,
+    verify_files,
+    write_manifest,
+)
 from specrt.errors import ArtifactError
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.config import ModelConfig
@@ -82,7 +90,9 @@ def share_tied_embedding(proto, embed_name: str = "model.embed_tokens.weight") -
     del gather.attribute[:]
     gather.attribute.append(onnx.helper.make_attribute("axis", 1))
     gather.output[0] = out + "/hidden_first"
-    transpose = onnx.helper.make_node("Transpose", [gather.output[0]], [out], name=gather.name + "/to_bqc", perm=[1, 2, 0])
+    transpose = onnx.helper.make_node(
+        "Transpose", [gather.output[0]], [out], name=gather.name + "/to_bqc", perm=[1, 2, 0]
+    )
     position = list(graph.node).index(gather) + 1
     graph.node.insert(position, transpose)
     graph.initializer.remove(inits[embed_name])
@@ -136,7 +146,14 @@ def export_step_graph(
         shared = cfg.tie_word_embeddings and share_tied_embedding(proto)
         for p in tmp.iterdir():
             p.unlink()
-        onnx.save_model(proto, str(tmp / ONNX_FILE), save_as_external_data=True, all_tensors_to_one_file=True, location=ONNX_DATA, size_threshold=1024)
+        onnx.save_model(
+            proto,
+            str(tmp / ONNX_FILE),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=ONNX_DATA,
+            size_threshold=1024,
+        )
         del proto
         steps.update()
         steps.set_postfix_str("onnx.checker full check")
@@ -181,13 +198,22 @@ def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | Non
     m = read_manifest(onnx_dir, ONNX_KIND, HOW_TO_EXPORT, MANIFEST_FIELDS)
     if m.get("graph_version", 1) != GRAPH_VERSION:
         raise ArtifactError(
-            f"{onnx_dir} holds step graph version {m.get('graph_version', 1)}, this specrt runs version {GRAPH_VERSION}; "
+            f"{onnx_dir} holds step graph version {m.get('graph_version', 1)}, this specrt runs version "
+            f"{GRAPH_VERSION}; "
             "re-export it with: specrt export (build-engines does this by itself)"
         )
     config_from_manifest(m, onnx_dir, HOW_TO_EXPORT)
-    require_same_checkpoint(m, checkpoint_hash_expected, f"ONNX export {onnx_dir}", f"Re-export with: specrt export --model CHECKPOINT --out {onnx_dir}")
+    require_same_checkpoint(
+        m,
+        checkpoint_hash_expected,
+        f"ONNX export {onnx_dir}",
+        f"Re-export with: specrt export --model CHECKPOINT --out {onnx_dir}",
+    )
     if set(m["files"]) != {ONNX_FILE, ONNX_DATA}:
-        raise ArtifactError(f"{onnx_dir}: its manifest lists {sorted(m['files'])}, not {ONNX_FILE} and {ONNX_DATA}; re-create it with: {HOW_TO_EXPORT}")
+        raise ArtifactError(
+            f"{onnx_dir}: its manifest lists {sorted(m['files'])}, not {ONNX_FILE} and {ONNX_DATA}; re-create it "
+            f"with: {HOW_TO_EXPORT}"
+        )
     if verify != "none":
         verify_files(onnx_dir, m["files"], HOW_TO_EXPORT, full=verify == "full")
     return m
@@ -197,6 +223,10 @@ def source_onnx_files(manifest: dict) -> dict | None:
     """The file hashes of the ONNX export an engine's manifest names, read from that export's own
     manifest while it is still on disk (None once it is gone); a current engine must match them."""
     source = manifest.get("onnx")
-    if not isinstance(source, dict) or not isinstance(source.get("path"), str) or not (Path(source["path"]) / "manifest.json").is_file():
+    if (
+        not isinstance(source, dict)
+        or not isinstance(source.get("path"), str)
+        or not (Path(source["path"]) / "manifest.json").is_file()
+    ):
         return None
     return read_onnx_manifest(source["path"], verify="none")["files"]

@@ -154,8 +154,12 @@ class Rows:
 
     def results(self, prefill_s: float, step_times: list[float], metrics=None) -> list[GenerationResult]:
         decode_s = float(sum(step_times))
-        return [GenerationResult(int(self.prompt_lens[b]), self.out[b], self.reason[b], prefill_s, decode_s, step_times, metrics=metrics)
-                for b in range(len(self.out))]
+        return [
+            GenerationResult(
+                int(self.prompt_lens[b]), self.out[b], self.reason[b], prefill_s, decode_s, step_times, metrics=metrics
+            )
+            for b in range(len(self.out))
+        ]
 
 
 @dataclasses.dataclass
@@ -172,8 +176,14 @@ class Started:
 
 
 class Generator:
-    def __init__(self, backend: StepBackend, tokenizer: Tokenizer | None = None, max_context: int | None = None, prefill_chunk: int = 512,
-                 checkpoint: Path | None = None):
+    def __init__(
+        self,
+        backend: StepBackend,
+        tokenizer: Tokenizer | None = None,
+        max_context: int | None = None,
+        prefill_chunk: int = 512,
+        checkpoint: Path | None = None,
+    ):
         self.session = StepSession(backend, max_context, prefill_chunk)
         self.backend = backend
         self.checkpoint = checkpoint  # where the weights and tokenizer came from, when known
@@ -193,7 +203,9 @@ class Generator:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, options=None, verify: str = "auto", **kw) -> "Generator":
+    def from_engine(
+        cls, engine_dir: str | Path, checkpoint: str | Path | None = None, options=None, verify: str = "auto", **kw
+    ) -> "Generator":
         """A generator on a built ORT engine. The checkpoint (for the tokenizer) defaults to the one
         the engine was built from; a checkpoint given explicitly must be the one in the manifest.
         verify: "auto" hashes the engine's files when they changed since their last check, "full"
@@ -203,40 +215,68 @@ class Generator:
         from specrt.export.config import ModelConfig
         from specrt.runtime.backends import OrtBackend
 
-        manifest = read_engine_manifest(engine_dir, verify="none")  # for the checkpoint's path; the files are checked below
+        manifest = read_engine_manifest(
+            engine_dir, verify="none"
+        )  # for the checkpoint's path; the files are checked below
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
-        session, manifest, provider = load_ort_session(engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint), verify=verify)
-        backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider,
-                             batch_invariance=manifest.get("batch_invariance"))  # measured at build (engines.ort.batch_invariance)
+        session, manifest, provider = load_ort_session(
+            engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint), verify=verify
+        )
+        backend = OrtBackend(
+            session,
+            ModelConfig.from_dict(manifest["config"]),
+            provider,
+            batch_invariance=manifest.get("batch_invariance"),
+        )  # measured at build (engines.ort.batch_invariance)
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod
-    def from_trt_engine(cls, engine_dir: str | Path, checkpoint: str | Path | None = None, device: str = "cuda", cuda_graphs: bool = False,
-                        verify: str = "auto", **kw) -> "Generator":
+    def from_trt_engine(
+        cls,
+        engine_dir: str | Path,
+        checkpoint: str | Path | None = None,
+        device: str = "cuda",
+        cuda_graphs: bool = False,
+        verify: str = "auto",
+        **kw,
+    ) -> "Generator":
         """A generator on a TensorRT / TensorRT-RTX engine (needs an NVIDIA GPU). The checkpoint (for
         the tokenizer) defaults to the one the engine was built from and must match its manifest;
         so must the ONNX export it was built from, where that is still on disk."""
         from specrt.artifacts import read_manifest
         from specrt.engines.trt import TRT_KIND
-        from specrt.runtime.backends import TrtBackend
         from specrt.export.checkpoint import checkpoint_hash
+        from specrt.runtime.backends import TrtBackend
 
         manifest = read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
         from specrt.export.step_graph import source_onnx_files
 
-        backend = TrtBackend(engine_dir, device=device, cuda_graphs=cuda_graphs, checkpoint_hash_expected=checkpoint_hash(checkpoint),
-                             onnx_files=source_onnx_files(manifest), verify=verify)
+        backend = TrtBackend(
+            engine_dir,
+            device=device,
+            cuda_graphs=cuda_graphs,
+            checkpoint_hash_expected=checkpoint_hash(checkpoint),
+            onnx_files=source_onnx_files(manifest),
+            verify=verify,
+        )
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path, device: str = "cpu", cuda_graphs: bool = False, **kw) -> "Generator":
+    def from_checkpoint(
+        cls, checkpoint: str | Path, device: str = "cpu", cuda_graphs: bool = False, **kw
+    ) -> "Generator":
         """A generator on the PyTorch model (no export needed): the reference on CPU, the
         PyTorch-CUDA backend with `device="cuda"` (and CUDA graphs with `cuda_graphs=True`)."""
         from specrt.export.checkpoint import load_model
         from specrt.runtime.backends import TorchBackend
 
-        return cls(TorchBackend(load_model(checkpoint), device=device, cuda_graphs=cuda_graphs), Tokenizer(checkpoint), checkpoint=Path(checkpoint), **kw)
+        return cls(
+            TorchBackend(load_model(checkpoint), device=device, cuda_graphs=cuda_graphs),
+            Tokenizer(checkpoint),
+            checkpoint=Path(checkpoint),
+            **kw,
+        )
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -258,10 +298,18 @@ class Generator:
                 )
             bad = [t for t in p if not 0 <= t < self.config.vocab_size]
             if bad:
-                raise PromptError(f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
+                raise PromptError(
+                    f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
+                )
 
-    def start(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams, headroom: int = 0,
-              hidden: bool = False) -> Started:
+    def start(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        headroom: int = 0,
+        hidden: bool = False,
+    ) -> Started:
         """Check the prompts, take a cache (output plus `headroom` positions) and prefill; with
         hidden=True the prefill also returns every prompt position's features."""
         if max_new_tokens < 1:
@@ -280,8 +328,9 @@ class Generator:
             raise
         return Started(prompts, rows, cache, rng, prefilled, first, time.perf_counter() - t0)
 
-    def iter_generate(self, prompts: list[list[int]], max_new_tokens: int = 128,
-                      sampling: SamplingParams = SamplingParams()) -> Stream[list[list[int]], list[GenerationResult]]:
+    def iter_generate(
+        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+    ) -> Stream[list[list[int]], list[GenerationResult]]:
         """Generate for a batch of token-id prompts, step by step: iterating yields, after every
         step, the new tokens of each row (one, or none for a finished row); `result` is then one
         GenerationResult per row."""
@@ -301,7 +350,9 @@ class Generator:
             yield [rows.emit(b, [tokens[b]]) if active[b] else [] for b in range(len(st.prompts))]
         return rows.results(st.prefill_seconds, steps)
 
-    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()) -> list[GenerationResult]:
+    def generate_ids(
+        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+    ) -> list[GenerationResult]:
         return self.iter_generate(prompts, max_new_tokens, sampling).run()
 
     def encode_prompt(self, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
@@ -314,12 +365,27 @@ class Generator:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def stream(self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True,
-               system: str | None = None) -> Stream[str, GenerationResult]:
+    def stream(
+        self,
+        prompt: str,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        chat: bool = True,
+        system: str | None = None,
+    ) -> Stream[str, GenerationResult]:
         """Text pieces as tokens are produced; `result` is then the GenerationResult."""
-        return text_stream(self, self.iter_generate([self.encode_prompt(prompt, chat, system)], max_new_tokens, sampling))
+        return text_stream(
+            self, self.iter_generate([self.encode_prompt(prompt, chat, system)], max_new_tokens, sampling)
+        )
 
-    def generate(self, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), chat: bool = True, system: str | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        chat: bool = True,
+        system: str | None = None,
+    ) -> GenerationResult:
         ids = self.encode_prompt(prompt, chat, system)
         result = self.generate_ids([ids], max_new_tokens, sampling)[0]
         result.text = self.decode(result.token_ids)
@@ -329,8 +395,15 @@ class Generator:
         return self.tokenizer.decode([t for t in token_ids if t not in self.eos_ids])
 
 
-def generation(gen: Generator, prompts, max_new_tokens: int, sampling: SamplingParams, loop: Callable, headroom: int = 0,
-               hidden: bool = False) -> Stream:
+def generation(
+    gen: Generator,
+    prompts,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    loop: Callable,
+    headroom: int = 0,
+    hidden: bool = False,
+) -> Stream:
     """Start a generation (prompts checked, cache taken, prefill run) and return the stream of
     `loop(started, sampling)`; the cache goes back however the stream ends."""
     st = gen.start(prompts, max_new_tokens, sampling, headroom, hidden)

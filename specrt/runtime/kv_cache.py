@@ -16,7 +16,16 @@ import numpy as np
 
 
 class KVCache:
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32, device: str | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype=np.float32,
+        device: str | None = None,
+    ):
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
         if device is None:
             self.keys = np.zeros(shape, dtype=dtype)

@@ -70,8 +70,15 @@ def _robust(times: list[float]) -> float:
 class CostModel:
     """Online estimates of T_decode, alpha, beta, T_draft(N) and per-depth acceptance."""
 
-    def __init__(self, max_draft: int, decay: float = 0.98, window: int = 96, alpha_prior: float = 0.05, beta_prior: float = 0.1,
-                 draft_per_token: bool = False):
+    def __init__(
+        self,
+        max_draft: int,
+        decay: float = 0.98,
+        window: int = 96,
+        alpha_prior: float = 0.05,
+        beta_prior: float = 0.1,
+        draft_per_token: bool = False,
+    ):
         self.max_draft = max_draft
         self.decay = decay
         self.tried = np.zeros(max_draft)  # decayed counts: depth j was drafted and j-1 accepted

@@ -41,7 +41,9 @@ class StepSession:
         self.backend = backend
         self.config: ModelConfig = backend.config
         # the smallest of: what was asked, what an engine was built for, what the model supports
-        self.max_context = min(v for v in (max_context, self.caps.max_context, self.config.max_position_embeddings) if v)
+        self.max_context = min(
+            v for v in (max_context, self.caps.max_context, self.config.max_position_embeddings) if v
+        )
         self.prefill_chunk = min(prefill_chunk, self.caps.max_step or prefill_chunk)  # an engine's largest profile
         self._pool: list[KVCache] = []
 
@@ -61,7 +63,9 @@ class StepSession:
         is handed out again only after `release`."""
         c, caps = self.config, self.caps
         if not caps.reuse_cache:
-            return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device)
+            return KVCache(
+                c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device
+            )
         limit = caps.max_cache or capacity + CACHE_BUCKET
         capacity = max(capacity, min(-(-capacity // CACHE_BUCKET) * CACHE_BUCKET, limit))
         for cache in self._pool:
@@ -69,7 +73,9 @@ class StepSession:
                 cache.reset()
                 cache.in_use = True
                 return cache
-        cache = KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device)
+        cache = KVCache(
+            c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device
+        )
         cache.in_use = True
         idle = [k for k in self._pool if not k.in_use]
         if len(self._pool) >= CACHE_POOL_SIZE and idle:
@@ -88,8 +94,14 @@ class StepSession:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def forward(self, cache: KVCache, tokens: list[list[int]], trees: list[tuple[np.ndarray, np.ndarray] | None] | None = None,
-                last_only: bool = False, hidden: bool = False) -> StepOutput:
+    def forward(
+        self,
+        cache: KVCache,
+        tokens: list[list[int]],
+        trees: list[tuple[np.ndarray, np.ndarray] | None] | None = None,
+        last_only: bool = False,
+        hidden: bool = False,
+    ) -> StepOutput:
         """One step over new tokens per row (rows may differ in count, even be empty); their KV is
         appended to the cache. Returns the StepOutput (B, Q = longest row, ...): logits at every
         position, or with last_only=True at each row's last token only (B, 1, V); with
@@ -113,7 +125,9 @@ class StepSession:
         positions = cache.lengths[:, None] + offsets
         every = np.broadcast_to(np.arange(Q, dtype=np.int64), (B, Q)).copy()
         index = np.maximum(counts - 1, 0)[:, None] if last_only else every
-        out = self.backend.step(ids, positions, cache.attention_mask(Q, new_mask), index, cache, every if hidden else None)
+        out = self.backend.step(
+            ids, positions, cache.attention_mask(Q, new_mask), index, cache, every if hidden else None
+        )
         cache.append(out.present, counts)
         return out
 

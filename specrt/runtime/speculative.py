@@ -33,6 +33,7 @@ from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling
 
+
 def batch_variance_warning(caps) -> str | None:
     """A warning when the backend's logits for a position depend on how many positions a step
     computes (measured when its engine was built): then verification can disagree with plain
@@ -41,8 +42,10 @@ def batch_variance_warning(caps) -> str | None:
     if not measured or measured["relative"] <= BATCH_VARIANCE_LIMIT:
         return None
     return (
-        f"this engine's logits change by up to {measured['relative']:.1%} of their range between one-position and multi-position "
-        f"steps (int8 activations?), so speculative output may differ from plain output; for exact speculative decoding "
+        f"this engine's logits change by up to {measured['relative']:.1%} of their range between one-position and "
+        "multi-position "
+        "steps (int8 activations?), so speculative output may differ from plain output; for exact speculative "
+        "decoding "
         f"use a float32 engine or a weight-only one (build-engines --quantize int4, not an -a8 scheme)."
     )
 
@@ -97,8 +100,10 @@ class SpeculativeDecoder:
         limit = generator.session.caps.max_verify
         if limit is not None and self.policy.max_draft + 1 > limit:
             raise SpecrtError(
-                f"this engine verifies at most {limit} positions in one step ({limit - 1} draft tokens and the root), but up to "
-                f"{self.policy.max_draft} draft tokens were asked for; use --max-draft/--num-draft {limit - 1} or less, or rebuild "
+                f"this engine verifies at most {limit} positions in one step ({limit - 1} draft tokens and the "
+                "root), but up to "
+                f"{self.policy.max_draft} draft tokens were asked for; use --max-draft/--num-draft {limit - 1} or "
+                "less, or rebuild "
                 f"the engine with --max-verify {self.policy.max_draft + 1}"
             )
         self.exactness_warning = batch_variance_warning(generator.session.caps)
@@ -111,17 +116,27 @@ class SpeculativeDecoder:
 
     # -- the generation --------------------------------------------------------------------------
 
-    def iter_generate(self, prompts: list[list[int]], max_new_tokens: int = 128,
-                      sampling: SamplingParams = SamplingParams()) -> Stream[list[list[int]], list[GenerationResult]]:
+    def iter_generate(
+        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+    ) -> Stream[list[list[int]], list[GenerationResult]]:
         """Iterating yields, after every step, the new tokens of each row (possibly none); `result`
         is then one GenerationResult per row, each carrying the batch's SpecMetrics."""
         # room for the longest output plus one unverified draft
-        return generation(self.gen, prompts, max_new_tokens, sampling, self._loop, headroom=self.policy.max_draft + 1,
-                          hidden=self.proposer.needs_features)
+        return generation(
+            self.gen,
+            prompts,
+            max_new_tokens,
+            sampling,
+            self._loop,
+            headroom=self.policy.max_draft + 1,
+            hidden=self.proposer.needs_features,
+        )
 
     def _loop(self, st: Started, sampling: SamplingParams):
         rows = list(range(len(st.prompts)))
-        state = SpecState(st, sampling, CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token))
+        state = SpecState(
+            st, sampling, CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token)
+        )
         if st.prefilled.hidden is not None:
             state.pending = [[h] for h in st.prefilled.hidden]
         self.proposer.begin(rows, st.prompts, st.prefilled)
@@ -142,7 +157,9 @@ class SpeculativeDecoder:
         out = self.verify(state, rows, trees)
         verdicts = self.accept(state, rows, trees, out)
         new_tokens = self.commit(state, rows, trees, verdicts, out)
-        record = StepRecord(rows, trees, verdicts, sum(len(trees[b]) + 1 for b in rows), t1 - t0, time.perf_counter() - t1, new_tokens)
+        record = StepRecord(
+            rows, trees, verdicts, sum(len(trees[b]) + 1 for b in rows), t1 - t0, time.perf_counter() - t1, new_tokens
+        )
         self.observe(state, record)
         return record
 
@@ -159,8 +176,15 @@ class SpeculativeDecoder:
             features = [np.concatenate(state.pending[b]) for b in rows]
             for b in rows:
                 state.pending[b] = []
-        inp = DraftInput(rows, [st.prompts[b] + st.rows.out[b] for b in rows], n,
-                         [int(st.rows.budget[b]) - len(st.rows.out[b]) for b in rows], state.sampling, st.rng, features)
+        inp = DraftInput(
+            rows,
+            [st.prompts[b] + st.rows.out[b] for b in rows],
+            n,
+            [int(st.rows.budget[b]) - len(st.rows.out[b]) for b in rows],
+            state.sampling,
+            st.rng,
+            features,
+        )
         trees = self.proposer.propose(inp)
         if len(trees) != len(rows):
             raise SpecrtError(f"draft method {self.proposer.name!r} returned {len(trees)} trees for {len(rows)} rows")
@@ -178,7 +202,9 @@ class SpeculativeDecoder:
         state.roots = st.cache.lengths.copy()  # where each row's root lands
         return self.gen.session.forward(st.cache, feed, shapes, hidden=self.proposer.needs_features)
 
-    def accept(self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput) -> dict[int, Verdict]:
+    def accept(
+        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput
+    ) -> dict[int, Verdict]:
         verdicts = {}
         for b in rows:
             logits = out.logits[b, : len(trees[b]) + 1]
@@ -188,8 +214,14 @@ class SpeculativeDecoder:
                 verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, state.sampling), state.st.rng)
         return verdicts
 
-    def commit(self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], verdicts: dict[int, Verdict],
-               out: StepOutput) -> list[list[int]]:
+    def commit(
+        self,
+        state: SpecState,
+        rows: list[int],
+        trees: dict[int, DraftTree],
+        verdicts: dict[int, Verdict],
+        out: StepOutput,
+    ) -> list[list[int]]:
         """Keep the root and the accepted path in the cache, emit the tokens, tell the proposer;
         returns each row's new tokens."""
         st = state.st
@@ -239,11 +271,17 @@ class SpeculativeDecoder:
     def generate_ids(self, prompts, max_new_tokens=128, sampling=SamplingParams()) -> list[GenerationResult]:
         return self.iter_generate(prompts, max_new_tokens, sampling).run()
 
-    def stream(self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None) -> Stream[str, GenerationResult]:
+    def stream(
+        self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None
+    ) -> Stream[str, GenerationResult]:
         """Text pieces; `result` is then the GenerationResult with metrics."""
-        return text_stream(self.gen, self.iter_generate([self.gen.encode_prompt(prompt, chat, system)], max_new_tokens, sampling))
+        return text_stream(
+            self.gen, self.iter_generate([self.gen.encode_prompt(prompt, chat, system)], max_new_tokens, sampling)
+        )
 
-    def generate(self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None) -> GenerationResult:
+    def generate(
+        self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None
+    ) -> GenerationResult:
         ids = self.gen.encode_prompt(prompt, chat, system)
         result = self.generate_ids([ids], max_new_tokens, sampling)[0]
         result.text = self.gen.decode(result.token_ids)

@@ -21,21 +21,34 @@ class Tokenizer:
         d = Path(checkpoint_dir)
         path = d / "tokenizer.json"
         if not path.is_file():
-            raise CheckpointError(f"{d} has no tokenizer.json; convert the checkpoint with `specrt convert` or copy its tokenizer files.")
+            raise CheckpointError(
+                f"{d} has no tokenizer.json; convert the checkpoint with `specrt convert` or copy its tokenizer files."
+            )
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-            raise CheckpointError(f"{path} is not a valid tokenizer file ({e}); restore it from the original checkpoint.") from None
+            raise CheckpointError(
+                f"{path} is not a valid tokenizer file ({e}); restore it from the original checkpoint."
+            ) from None
         cfg_path = d / "tokenizer_config.json"
         fix = "restore it from the original checkpoint (or delete it to run without a chat template)"
         self.config = read_json_object(cfg_path, CheckpointError, fix) if cfg_path.is_file() else {}
         template_file = d / "chat_template.jinja"
-        self.chat_template = self.config.get("chat_template") or (template_file.read_text() if template_file.is_file() else None)
+        self.chat_template = self.config.get("chat_template") or (
+            template_file.read_text() if template_file.is_file() else None
+        )
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             # transformers also allows a list of named templates; the default one is used
-            named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)} if isinstance(self.chat_template, list) else {}
+            named = (
+                {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
+                if isinstance(self.chat_template, list)
+                else {}
+            )
             if not isinstance(named.get("default"), str):
-                raise CheckpointError(f"{cfg_path}: chat_template must be a string (or a list with a 'default' template); restore it from the original checkpoint.")
+                raise CheckpointError(
+                    f"{cfg_path}: chat_template must be a string (or a list with a 'default' template); restore it "
+                    "from the original checkpoint."
+                )
             self.chat_template = named["default"]
         self.eos_token = _special_token(self.config, "eos_token", cfg_path)
         self.bos_token = _special_token(self.config, "bos_token", cfg_path)
@@ -66,7 +79,10 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "", eos_token=self.eos_token or ""
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
             )
         except TemplateError as e:
             raise SpecrtError(f"the chat template rejected the messages: {e}") from None
@@ -78,7 +94,9 @@ def _special_token(config: dict, name: str, path: Path) -> str | None:
     if isinstance(token, dict):
         token = token.get("content")
     if token is not None and not isinstance(token, str):
-        raise CheckpointError(f"{path}: {name} must be a string or {{\"content\": string}}, got {json.dumps(token)[:40]}; fix the file.")
+        raise CheckpointError(
+            f'{path}: {name} must be a string or {{"content": string}}, got {json.dumps(token)[:40]}; fix the file.'
+        )
     return token
 
 

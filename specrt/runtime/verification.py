@@ -86,7 +86,12 @@ class DraftTree:
 
     def truncate(self, n: int) -> "DraftTree":
         """The first n nodes (a valid tree since parents come first)."""
-        return DraftTree(self.tokens[:n], self.parents[:n], None if self.q is None else self.q[:n], None if self.scores is None else self.scores[:n])
+        return DraftTree(
+            self.tokens[:n],
+            self.parents[:n],
+            None if self.q is None else self.q[:n],
+            None if self.scores is None else self.scores[:n],
+        )
 
 
 @dataclasses.dataclass

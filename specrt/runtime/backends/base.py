@@ -41,8 +41,15 @@ class StepBackend(abc.ABC):
     caps: Capabilities
 
     @abc.abstractmethod
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray, logits_index: np.ndarray,
-             cache: KVCache, hidden_index: np.ndarray | None = None) -> StepOutput:
+    def step(
+        self,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        logits_index: np.ndarray,
+        cache: KVCache,
+        hidden_index: np.ndarray | None = None,
+    ) -> StepOutput:
         """One step over Q new positions per row; hidden states only at `hidden_index` (B, Kh)."""
 
 

@@ -25,15 +25,21 @@ class TorchBackend(StepBackend):
         if cuda_graphs and not str(device).startswith("cuda"):
             raise SpecrtError("CUDA graphs need a CUDA device: pass device='cuda' (or drop cuda_graphs).")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
-            raise SpecrtError("device 'cuda' asked for, but torch sees no CUDA GPU (torch.cuda.is_available() is False).")
+            raise SpecrtError(
+                "device 'cuda' asked for, but torch sees no CUDA GPU (torch.cuda.is_available() is False)."
+            )
         self.device = torch.device(device)
         self.model = model.eval().to(self.device)
         self.config = model.cfg
         self.cuda_graphs, self.max_graph_q = cuda_graphs, max_graph_q
         self._graphs: dict = {}  # (cache address, capacity, (B, Q), (B, K)) -> (graph, static inputs, static outputs)
         # a graph is bound to its cache: pooled caches (reuse_cache) let graphs outlive one generation
-        self.caps = Capabilities(cache_device=None if self.device.type == "cpu" else str(self.device), reuse_cache=cuda_graphs)
-        kind = "reference, cpu" if self.device.type == "cpu" else f"{self.device}{', CUDA graphs' if cuda_graphs else ''}"
+        self.caps = Capabilities(
+            cache_device=None if self.device.type == "cpu" else str(self.device), reuse_cache=cuda_graphs
+        )
+        kind = (
+            "reference, cpu" if self.device.type == "cpu" else f"{self.device}{', CUDA graphs' if cuda_graphs else ''}"
+        )
         self.description = f"torch {torch.__version__} ({kind})"
 
     def _past(self, cache):

@@ -29,14 +29,30 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.trt import ENGINE_FILE, check_engine_gpu, engine_max_context, load_tensorrt, read_trt_manifest, select_profile
+from specrt.engines.trt import (
+    ENGINE_FILE,
+    check_engine_gpu,
+    engine_max_context,
+    load_tensorrt,
+    read_trt_manifest,
+    select_profile,
+)
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
 from specrt.runtime.backends.base import MAX_GRAPHS, Capabilities, StepBackend, StepOutput, gather_rows
 
 # TensorRT DataType member name -> torch dtype name
-_TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32", "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
+_TORCH_DTYPES = {
+    "FLOAT": "float32",
+    "HALF": "float16",
+    "BF16": "bfloat16",
+    "INT64": "int64",
+    "INT32": "int32",
+    "BOOL": "bool",
+    "INT8": "int8",
+    "UINT8": "uint8",
+}
 
 
 def _dtype_name(trt_dtype) -> str:
@@ -49,8 +65,17 @@ def _dtype_name(trt_dtype) -> str:
 class TrtBackend(StepBackend):
     """A TensorRT / TensorRT-RTX engine as a step backend (see the module docstring)."""
 
-    def __init__(self, engine_dir: str | Path, device: str = "cuda", cuda_graphs: bool = False, checkpoint_hash_expected: str | None = None,
-                 onnx_files: dict | None = None, max_graph_q: int = 32, trt_module=None, verify: str = "auto"):
+    def __init__(
+        self,
+        engine_dir: str | Path,
+        device: str = "cuda",
+        cuda_graphs: bool = False,
+        checkpoint_hash_expected: str | None = None,
+        onnx_files: dict | None = None,
+        max_graph_q: int = 32,
+        trt_module=None,
+        verify: str = "auto",
+    ):
         import torch
 
         self.engine_dir = Path(engine_dir)
@@ -63,7 +88,12 @@ class TrtBackend(StepBackend):
                     f"running the TensorRT engine {self.engine_dir} needs an NVIDIA GPU, and torch sees none "
                     "(torch.cuda.is_available() is False). On this machine use the ONNX Runtime engine: --backend ort."
                 )
-            check_engine_gpu(m, torch.cuda.get_device_capability(self.device), torch.cuda.get_device_name(self.device), self.engine_dir)
+            check_engine_gpu(
+                m,
+                torch.cuda.get_device_capability(self.device),
+                torch.cuda.get_device_name(self.device),
+                self.engine_dir,
+            )
         elif cuda_graphs:
             raise SpecrtError("CUDA graphs need a CUDA device: pass device='cuda' (or drop cuda_graphs).")
         trt = trt_module if trt_module is not None else load_tensorrt(m["flavour"])[1]
@@ -72,7 +102,8 @@ class TrtBackend(StepBackend):
         engine = self._runtime.deserialize_cuda_engine((self.engine_dir / ENGINE_FILE).read_bytes())
         if engine is None:
             raise ArtifactError(
-                f"TensorRT could not load {self.engine_dir / ENGINE_FILE} (its reason is in the log above): it needs an NVIDIA GPU "
+                f"TensorRT could not load {self.engine_dir / ENGINE_FILE} (its reason is in the log above): it needs "
+                "an NVIDIA GPU "
                 f"with a driver new enough for {m['flavour']} {m['tensorrt_version']}; otherwise the file is damaged. "
                 "Rebuild it with: specrt build-engines --tensorrt " + m["flavour"]
             )
@@ -91,13 +122,17 @@ class TrtBackend(StepBackend):
             else:
                 ctx = engine.create_execution_context()
             if ctx is None:
-                raise SpecrtError(f"TensorRT could not create an execution context for profile {i} of {self.engine_dir} (out of GPU memory?).")
+                raise SpecrtError(
+                    f"TensorRT could not create an execution context for profile {i} of {self.engine_dir} (out of "
+                    "GPU memory?)."
+                )
             if i:
                 ctx.set_optimization_profile_async(i, self._handle)
             self._contexts.append(ctx)
         self.cuda_graphs = cuda_graphs and not rtx_graphs  # our own capture (full TensorRT)
         self.max_graph_q = max_graph_q
-        self._graphs: dict = {}  # (cache address, capacity, profile, B, Q, K) -> (graph, static inputs, outputs) or None
+        # (cache address, capacity, profile, B, Q, K) -> (graph, static inputs, outputs), or None
+        self._graphs: dict = {}
         self.caps = Capabilities(
             max_context=engine_max_context(m),
             max_step=max(p["q_len"]["max"] for p in m["profiles"]),
@@ -118,13 +153,16 @@ class TrtBackend(StepBackend):
         if set(names) != expected:
             missing, extra = sorted(expected - set(names)), sorted(set(names) - expected)
             raise ManifestMismatchError(
-                f"engine {self.engine_dir} does not have the step graph's I/O (missing {missing[:4]}, unexpected {extra[:4]}); "
+                f"engine {self.engine_dir} does not have the step graph's I/O (missing {missing[:4]}, unexpected "
+                f"{extra[:4]}); "
                 "rebuild it from a current export: specrt build-engines --force"
             )
         dtypes = {n: _dtype_name(engine.get_tensor_dtype(n)) for n in names}
         kv = {dtypes[n] for n in past + present}
         if kv != {"float32"}:
-            raise SpecrtError(f"engine {self.engine_dir} keeps its KV cache in {sorted(kv)}; this runtime's cache is float32.")
+            raise SpecrtError(
+                f"engine {self.engine_dir} keeps its KV cache in {sorted(kv)}; this runtime's cache is float32."
+            )
         return dtypes
 
     # -- one step -------------------------------------------------------------------------------
@@ -135,7 +173,9 @@ class TrtBackend(StepBackend):
         B, Q = input_ids.shape
         profile = select_profile(self.manifest, B, Q, cache.capacity)
         arrays = dict(zip(STEP_INPUTS, (input_ids, position_ids, attention_mask, logits_index)))
-        caller = torch.cuda.current_stream(self.device) if self._stream is not None else None  # where the cache is appended to
+        caller = (
+            torch.cuda.current_stream(self.device) if self._stream is not None else None
+        )  # where the cache is appended to
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with stream:
             if caller is not None:
@@ -155,7 +195,10 @@ class TrtBackend(StepBackend):
     def _inputs(self, arrays: dict) -> dict:
         import torch
 
-        return {n: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, getattr(torch, self._io_dtypes[n])) for n, a in arrays.items()}
+        return {
+            n: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, getattr(torch, self._io_dtypes[n]))
+            for n, a in arrays.items()
+        }
 
     def _bind(self, profile: int, inputs: dict, cache) -> dict:
         """Set the input shapes and every tensor address on the profile's context; returns the outputs."""
@@ -168,7 +211,10 @@ class TrtBackend(StepBackend):
             bound.update(zip(io.past(i), cache.past(i)))
         for name, t in bound.items():
             if not ctx.set_input_shape(name, tuple(t.shape)):
-                raise SpecrtError(f"TensorRT refused shape {tuple(t.shape)} for {name} in profile {profile} of {self.engine_dir}; its manifest does not describe the engine, rebuild it.")
+                raise SpecrtError(
+                    f"TensorRT refused shape {tuple(t.shape)} for {name} in profile {profile} of {self.engine_dir}; "
+                    "its manifest does not describe the engine, rebuild it."
+                )
             ctx.set_tensor_address(name, t.data_ptr())
         out = {}
         for name, dtype in self._io_dtypes.items():
@@ -176,7 +222,10 @@ class TrtBackend(StepBackend):
                 continue
             shape = tuple(ctx.get_tensor_shape(name))
             if any(d < 0 for d in shape):
-                raise SpecrtError(f"TensorRT could not infer the shape of {name} ({shape}) for this step; check the engine's profiles.")
+                raise SpecrtError(
+                    f"TensorRT could not infer the shape of {name} ({shape}) for this step; check the engine's "
+                    "profiles."
+                )
             out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
             ctx.set_tensor_address(name, out[name].data_ptr())
         return out
@@ -202,7 +251,9 @@ class TrtBackend(StepBackend):
                 self._graphs.clear()
             static_in = self._inputs(arrays)
             out = self._run(profile, static_in, cache)  # plain run first: flushes deferred shape updates
-            if hasattr(self._contexts[profile], "is_stream_capturable") and not self._contexts[profile].is_stream_capturable(self._handle):
+            if hasattr(self._contexts[profile], "is_stream_capturable") and not self._contexts[
+                profile
+            ].is_stream_capturable(self._handle):
                 self._graphs[key] = None
                 return out
             self._graphs[key] = (self._capture(profile), static_in, out)
@@ -225,4 +276,3 @@ class TrtBackend(StepBackend):
         with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
             self._execute(profile)
         return graph.replay
-

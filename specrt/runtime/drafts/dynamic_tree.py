@@ -84,7 +84,9 @@ class TreeBuilder:
 
     def tree(self) -> DraftTree:
         """The `budget` most valuable candidates as a tree (parents first); scores = values."""
-        order = sorted(range(len(self.candidates)), key=lambda i: (-self.candidates[i].value, self.candidates[i].depth, i))
+        order = sorted(
+            range(len(self.candidates)), key=lambda i: (-self.candidates[i].value, self.candidates[i].depth, i)
+        )
         kept = sorted(order[: self.budget], key=lambda i: (self.candidates[i].depth, -self.candidates[i].value, i))
         index = {old: new for new, old in enumerate(kept)}
         tokens, parents, values = [], [], []

@@ -105,7 +105,14 @@ class SuffixProposer:
     needs_features = False
     cost_per_token = False  # growing a tree from a trie costs about the same for any size here
 
-    def __init__(self, max_depth: int = 48, max_match: int = 32, spec_factor: float = 2.0, min_score: float = 0.1, max_outputs: int = 4096):
+    def __init__(
+        self,
+        max_depth: int = 48,
+        max_match: int = 32,
+        spec_factor: float = 2.0,
+        min_score: float = 0.1,
+        max_outputs: int = 4096,
+    ):
         self.max_depth, self.max_match = max_depth, max_match
         self.spec_factor, self.min_score = spec_factor, min_score
         self.global_trie = SuffixTrie(max_depth)  # outputs of earlier requests
