@@ -7,7 +7,7 @@ Precision comes from the network's types and Q/DQ nodes (TensorRT 11 and TensorR
 FP16/INT8 builder flags), so the network is always built strongly typed. The manifest records the
 flavour and version of TensorRT, the compute capabilities targeted, the ONNX files' hashes, the
 profiles and the I/O; `read_trt_manifest` refuses an engine whose manifest does not match the
-ONNX, the installed TensorRT or the engine file itself. Running an engine needs a GPU (trt_runtime.py).
+ONNX, the installed TensorRT or the engine file itself. Running an engine needs a GPU (runtime/backends/trt.py).
 
 tensorrt / tensorrt_rtx are imported inside functions: `import specrt` works without them.
 """

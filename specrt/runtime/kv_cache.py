@@ -38,7 +38,7 @@ class KVCache:
         self.device = device
         self.lengths = np.zeros(batch, dtype=np.int64)  # committed positions per row
         self.capacity = capacity
-        self.in_use = False  # pooled caches: held by a running generation (Generator.new_cache)
+        self.in_use = False  # pooled caches: held by a running generation (StepSession.new_cache)
 
     def reset(self) -> None:
         """Empty every row (a pooled cache starting a new generation); buffers are kept, not cleared:
