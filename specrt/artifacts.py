@@ -188,6 +188,20 @@ def _write_stamp(directory: Path, stamp: dict) -> None:
         pass
 
 
+def check_files(
+    directory: str | Path, manifest: dict, names: tuple[str, ...], how_to_make: str, verify: str = "auto"
+) -> None:
+    """Refuse an artifact whose manifest does not list exactly the files `names`, then check their
+    hashes (verify: "auto" as in verify_files, "full" always in full, "none" not at all)."""
+    if set(manifest["files"]) != set(names):
+        raise ArtifactError(
+            f"{directory}: its manifest lists {sorted(manifest['files'])}, not {' and '.join(names)}; "
+            f"re-create it with: {how_to_make}"
+        )
+    if verify != "none":
+        verify_files(directory, manifest["files"], how_to_make, full=verify == "full")
+
+
 def verify_files(directory: str | Path, files: dict[str, str], how_to_make: str, full: bool = False) -> None:
     """Refuse the artifact unless every file in `files` ({name: "sha256:..."}) is there and has
     that hash. A file is read in full when `full`, or when it is not the file the stamp of the last

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_manifest
 from specrt.errors import SpecrtError
-from specrt.export.step_graph import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest
+from specrt.export.step_graph import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest, save_graph
 
 SCHEMES = {
     "int4": (4, 0),
@@ -115,14 +115,7 @@ def quantize_weight_only(
     steps.update()
     steps.set_postfix_str("save")
     with atomic_dir(out_dir) as tmp:
-        onnx.save_model(
-            quantized,
-            str(tmp / ONNX_FILE),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=ONNX_DATA,
-            size_threshold=1024,
-        )
+        save_graph(quantized, tmp)
         manifest = {
             k: v for k, v in source.items() if k not in ("kind", "schema_version", "created", "files", "versions")
         }

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from specrt.artifacts import (
     atomic_dir,
+    check_files,
     cpu_model,
     file_sha256,
     package_versions,
     read_manifest,
     require_same_checkpoint,
-    verify_files,
     write_manifest,
 )
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
@@ -238,13 +238,7 @@ def read_engine_manifest(
             "ORT's optimized CPU graphs may use kernels of the CPU they were built on. Rebuild it here with: specrt "
             "build-engines"
         )
-    if set(m["files"]) != {OPT_FILE, OPT_DATA}:
-        raise ArtifactError(
-            f"engine {engine_dir}: its manifest lists {sorted(m['files'])}, not {OPT_FILE} and {OPT_DATA}; rebuild "
-            f"it with: {HOW_TO_BUILD}"
-        )
-    if verify != "none":
-        verify_files(engine_dir, m["files"], HOW_TO_BUILD, full=verify == "full")
+    check_files(engine_dir, m, (OPT_FILE, OPT_DATA), HOW_TO_BUILD, verify)
     return m
 
 

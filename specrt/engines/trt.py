@@ -22,11 +22,11 @@ from pathlib import Path
 
 from specrt.artifacts import (
     atomic_dir,
+    check_files,
     file_sha256,
     package_versions,
     read_manifest,
     require_same_checkpoint,
-    verify_files,
     write_manifest,
 )
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
@@ -257,12 +257,7 @@ def read_trt_manifest(
             f"engine {engine_dir} was built with {flavour} {m['tensorrt_version']}, but {installed} is installed; "
             f"engines do not move across versions. Rebuild it with: {how}"
         )
-    if set(m["files"]) != {ENGINE_FILE}:
-        raise ArtifactError(
-            f"engine {engine_dir}: its manifest lists {sorted(m['files'])}, not {ENGINE_FILE}; rebuild it with: {how}"
-        )
-    if verify != "none":
-        verify_files(engine_dir, m["files"], how, full=verify == "full")
+    check_files(engine_dir, m, (ENGINE_FILE,), how, verify)
     return m
 
 

@@ -21,11 +21,11 @@ from torch import nn
 
 from specrt.artifacts import (
     atomic_dir,
+    check_files,
     file_sha256,
     package_versions,
     read_manifest,
     require_same_checkpoint,
-    verify_files,
     write_manifest,
 )
 from specrt.errors import ArtifactError
@@ -146,14 +146,7 @@ def export_step_graph(
         shared = cfg.tie_word_embeddings and share_tied_embedding(proto)
         for p in tmp.iterdir():
             p.unlink()
-        onnx.save_model(
-            proto,
-            str(tmp / ONNX_FILE),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=ONNX_DATA,
-            size_threshold=1024,
-        )
+        save_graph(proto, tmp)
         del proto
         steps.update()
         steps.set_postfix_str("onnx.checker full check")
@@ -189,6 +182,20 @@ HOW_TO_EXPORT = "specrt export --model CHECKPOINT --out DIR"
 MANIFEST_FIELDS = {"hidden_layers": list, "inputs": list, "outputs": list}  # and graph_version (version 1 had none)
 
 
+def save_graph(proto, directory: Path) -> None:
+    """Write a step graph as the layout expects it: ONNX_FILE with every tensor over 1 KiB in ONNX_DATA."""
+    import onnx
+
+    onnx.save_model(
+        proto,
+        str(Path(directory) / ONNX_FILE),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=ONNX_DATA,
+        size_threshold=1024,
+    )
+
+
 def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | None = None, verify: str = "auto") -> dict:
     """The step graph's manifest; with a checkpoint hash, refuse an export of another checkpoint.
     verify: "auto" hashes model.onnx and its data when they changed since their last check,
@@ -209,13 +216,7 @@ def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | Non
         f"ONNX export {onnx_dir}",
         f"Re-export with: specrt export --model CHECKPOINT --out {onnx_dir}",
     )
-    if set(m["files"]) != {ONNX_FILE, ONNX_DATA}:
-        raise ArtifactError(
-            f"{onnx_dir}: its manifest lists {sorted(m['files'])}, not {ONNX_FILE} and {ONNX_DATA}; re-create it "
-            f"with: {HOW_TO_EXPORT}"
-        )
-    if verify != "none":
-        verify_files(onnx_dir, m["files"], HOW_TO_EXPORT, full=verify == "full")
+    check_files(onnx_dir, m, (ONNX_FILE, ONNX_DATA), HOW_TO_EXPORT, verify)
     return m
 
 
