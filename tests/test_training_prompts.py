@@ -1,0 +1,77 @@
+"""The offline prompt set for draft-head training: reproducible, balanced over the benchmark's
+classes, built from Python's own documentation, with the benchmark's prompts held out."""
+
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.training.prompts import (
+    CLASSES,
+    benchmark_prompts,
+    build_prompt_set,
+    documented_objects,
+    prompt_set_hash,
+    read_prompt_set,
+    write_prompt_set,
+)
+
+from conftest import ROOT
+
+BENCH = ROOT / "bench" / "prompts.jsonl"
+
+
+def test_same_seed_same_prompts_other_seed_other_prompts():
+    a, b, c = build_prompt_set(200, seed=1), build_prompt_set(200, seed=1), build_prompt_set(200, seed=2)
+    assert a == b and prompt_set_hash(a) == prompt_set_hash(b)
+    assert a != c and prompt_set_hash(a) != prompt_set_hash(c)
+    assert build_prompt_set(50, seed=1) == a[:50]  # a longer set extends a shorter one
+
+
+def test_classes_are_balanced_and_prompts_distinct():
+    prompts = build_prompt_set(403, seed=0)
+    counts = {k: sum(p.kind == k for p in prompts) for k in CLASSES}
+    assert max(counts.values()) - min(counts.values()) <= 1 and set(CLASSES) == set(counts)
+    assert len({p.prompt for p in prompts}) == len(prompts) == 403
+    assert [p.id for p in prompts] == list(range(403))
+    assert all(20 < len(p.prompt) < 1200 for p in prompts)
+    assert len({p.source for p in prompts}) > 150  # many documented objects, not a few
+    assert set(CLASSES) == {
+        line.split('"class": "')[1].split('"')[0] for line in BENCH.read_text().splitlines() if line
+    }
+
+
+def test_the_benchmark_is_held_out():
+    held_out = benchmark_prompts(BENCH)
+    assert len(held_out) == 12
+    prompts = build_prompt_set(300, seed=3, exclude=held_out + (build_prompt_set(1, seed=3)[0].prompt,))
+    assert not set(held_out) & {p.prompt for p in prompts}
+    assert prompts[0].prompt != build_prompt_set(1, seed=3)[0].prompt  # an excluded prompt is never drawn
+
+
+def test_text_comes_from_the_standard_library_docs():
+    objects = documented_objects()
+    names = [q for _, q, _ in objects]
+    assert names == sorted(names) and "textwrap.dedent" in names and "json.dumps" in names
+    dedent = next(doc for _, q, doc in objects if q == "textwrap.dedent")
+    prompts = [p for p in build_prompt_set(2000, seed=0) if p.source == "textwrap.dedent"]
+    assert prompts and any("`textwrap.dedent`" in p.prompt or dedent.split(".")[0] in p.prompt for p in prompts)
+
+
+def test_write_and_read_back(tmp_path):
+    prompts = build_prompt_set(40, seed=5)
+    write_prompt_set(tmp_path / "p.jsonl", prompts)
+    assert read_prompt_set(tmp_path / "p.jsonl") == prompts
+    (tmp_path / "bad.jsonl").write_text('{"nope": 1}\n')
+    with pytest.raises(SpecrtError, match="not a prompt set written by specrt"):
+        read_prompt_set(tmp_path / "bad.jsonl")
+
+
+def test_more_prompts_than_can_be_made_is_a_clear_error(monkeypatch):
+    import specrt.training.prompts as prompts_module
+
+    monkeypatch.setattr(
+        prompts_module,
+        "documented_objects",
+        lambda: [("textwrap", "textwrap.dedent", "Remove any common leading whitespace from every line.")],
+    )
+    with pytest.raises(SpecrtError, match="only .* distinct prompts can be made here"):
+        build_prompt_set(100, seed=0)
