@@ -1,0 +1,181 @@
+"""Training data for draft heads: the target's own answers, and its features over them, on disk.
+
+    answers = generate_answers(gen, prompts, out / "answers.jsonl", max_new_tokens=256, batch=8)
+    feats = cache_features(session, answers, out / "features")       # memory-mapped, resumable
+    x = feats.sequence(17)                                            # (tokens, H*) float16
+
+Self-distillation: a draft head learns to predict what the target itself says, so the answers
+are the target's (greedy by default) to the prompt set, in its chat template. Both steps can be
+interrupted and run again: finished work is kept and only the rest is done.
+
+- answers.jsonl: one line per prompt (id, prompt_ids, answer_ids, finish_reason), appended
+  batch by batch and flushed; a line cut short by an interruption is dropped on the next run.
+- features/: `features.npy`, a float16 array (all tokens of all sequences, H*) written through a
+  memory map, `index.json` (per sequence: offset, length) and `done.json` (how many sequences are
+  complete, written after each one). A sequence is its prompt and its answer; each position holds
+  the target's hidden states there (the layers its step graph or model was built to return).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from specrt.artifacts import atomic_write_text
+from specrt.errors import SpecrtError
+from specrt.runtime.generator import Generator
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.session import StepSession
+from specrt.training.prompts import Prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    id: int
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    finish_reason: str
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.answer_ids
+
+
+def read_answers(path: str | Path) -> list[Answer]:
+    """The complete lines of an answers file (a line cut short by an interruption is left out)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(Answer(**json.loads(line)))
+        except (ValueError, TypeError):
+            break  # the last line of an interrupted run
+    return out
+
+
+def generate_answers(
+    gen: Generator,
+    prompts: list[Prompt],
+    path: str | Path,
+    max_new_tokens: int = 256,
+    batch: int = 8,
+    sampling: SamplingParams = SamplingParams(),
+    progress: bool = True,
+) -> list[Answer]:
+    """The target's answers to `prompts` (chat template applied), `batch` prompts per ragged
+    batch; answers already in `path` are kept and not generated again."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = read_answers(path)
+    _rewrite(path, done)  # drops a partial last line
+    have = {a.id for a in done}
+    todo = [p for p in prompts if p.id not in have]
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=len(prompts), initial=len(prompts) - len(todo), desc="target answers", unit="prompt", disable=not progress
+    )
+    with open(path, "a") as fh:
+        for start in range(0, len(todo), batch):
+            chunk = todo[start : start + batch]
+            ids = [gen.encode_prompt(p.prompt, chat=True) for p in chunk]
+            results = gen.generate_ids(ids, max_new_tokens, sampling)
+            for p, prompt_ids, r in zip(chunk, ids, results):
+                answer = Answer(p.id, prompt_ids, r.token_ids, r.finish_reason)
+                fh.write(json.dumps(dataclasses.asdict(answer)) + "\n")
+                done.append(answer)
+            fh.flush()
+            os.fsync(fh.fileno())
+            bar.update(len(chunk))
+            bar.set_postfix(tokens=sum(len(a.answer_ids) for a in done))
+    bar.close()
+    order = {p.id: i for i, p in enumerate(prompts)}
+    return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
+
+
+def _rewrite(path: Path, answers: list[Answer]) -> None:
+    if path.is_file():
+        atomic_write_text(path, "".join(json.dumps(dataclasses.asdict(a)) + "\n" for a in answers))
+
+
+class FeatureCache:
+    """The target's features over a list of sequences, memory-mapped from disk."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = json.loads((self.directory / "index.json").read_text())
+        self.offsets, self.lengths = index["offsets"], index["lengths"]
+        self.done = json.loads((self.directory / "done.json").read_text())["sequences"]
+        self.array = np.load(self.directory / "features.npy", mmap_mode="r")
+
+    def __len__(self) -> int:
+        return self.done
+
+    def sequence(self, i: int) -> np.ndarray:
+        """(length, H*) features of sequence i."""
+        if not 0 <= i < self.done:
+            raise IndexError(f"sequence {i} is not cached (done: {self.done})")
+        return self.array[self.offsets[i] : self.offsets[i] + self.lengths[i]]
+
+
+def cache_features(
+    session: StepSession, answers: list[Answer], directory: str | Path, progress: bool = True
+) -> FeatureCache:
+    """Run every sequence (prompt + answer) through the target once and store its hidden states
+    at every position; resumes where an earlier run stopped (the sequences must be the same)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = [len(a.tokens) for a in answers]
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist() if lengths else []
+    index = {"ids": [a.id for a in answers], "offsets": offsets, "lengths": lengths}
+    width = _feature_width(session)
+    done = 0
+    if (directory / "index.json").is_file() and (directory / "features.npy").is_file():
+        if json.loads((directory / "index.json").read_text()) != index:
+            raise SpecrtError(f"{directory} caches features of other sequences; delete it or choose another directory")
+        done = json.loads((directory / "done.json").read_text())["sequences"]
+        array = np.lib.format.open_memmap(directory / "features.npy", mode="r+")
+        if array.shape[1] != width:
+            raise SpecrtError(f"{directory} caches features of width {array.shape[1]}, this target returns {width}")
+    else:
+        array = np.lib.format.open_memmap(
+            directory / "features.npy", mode="w+", dtype=np.float16, shape=(sum(lengths), width)
+        )
+        atomic_write_text(directory / "index.json", json.dumps(index))
+        atomic_write_text(directory / "done.json", json.dumps({"sequences": 0}))
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(answers), initial=done, desc="target features", unit="seq", disable=not progress)
+    for i in range(done, len(answers)):
+        tokens = answers[i].tokens
+        if len(tokens) > session.max_context:
+            raise SpecrtError(
+                f"sequence {answers[i].id} has {len(tokens)} tokens, the target's context holds {session.max_context}"
+            )
+        cache = session.new_cache(1, len(tokens))
+        try:
+            feats = session.prefill(cache, [tokens], hidden=True).hidden[0]
+        finally:
+            session.release(cache)
+        array[offsets[i] : offsets[i] + lengths[i]] = feats.astype(np.float16)
+        array.flush()
+        atomic_write_text(directory / "done.json", json.dumps({"sequences": i + 1}))
+        bar.update(1)
+    bar.close()
+    del array
+    return FeatureCache(directory)
+
+
+def _feature_width(session: StepSession) -> int:
+    """H* of the target's hidden_states output (one token through it)."""
+    cache = session.new_cache(1, 1)
+    try:
+        return int(session.prefill(cache, [[0]], hidden=True).hidden[0].shape[-1])
+    finally:
+        session.release(cache)
