@@ -137,20 +137,17 @@ class Ticket:
             except RuntimeError:  # the loop is closed: nobody will read this ticket any more
                 self.cancel()
 
-    def _take(self, item):
-        if item is _END:
-            raise StopIteration
+    @staticmethod
+    def _take(item):
+        """A piece or _END; the engine thread's exception is raised here, in the consumer."""
         if isinstance(item, BaseException):
             raise item
         return item
 
     def __iter__(self) -> Iterator["Piece"]:
         try:
-            while True:
-                try:
-                    yield self._take(self._items.get())
-                except StopIteration:
-                    return
+            while (item := self._take(self._items.get())) is not _END:
+                yield item
         finally:
             self.cancel()  # a consumer that stops reading ends the generation
 
@@ -158,15 +155,14 @@ class Ticket:
         """The next piece; StopAsyncIteration after the last one."""
         while True:
             try:
-                item = self._items.get_nowait()
+                item = self._take(self._items.get_nowait())
             except queue.Empty:
                 await self._ready.wait()
                 self._ready.clear()
                 continue
-            try:
-                return self._take(item)
-            except StopIteration:
-                raise StopAsyncIteration from None
+            if item is _END:
+                raise StopAsyncIteration
+            return item
 
 
 class CompletionService:

@@ -130,6 +130,11 @@ def test_copied_engine_is_hashed_once_then_trusted(tiny_artifacts, tmp_path, cou
     assert sorted(count_hashes) == ["model.opt.onnx", "model.opt.onnx.data"]
 
 
+def test_inspect_hashes_in_full_even_when_the_stamp_vouches(tiny_artifacts, count_hashes):
+    assert inspect_artifact(tiny_artifacts / ENGINE).usable
+    assert sorted(count_hashes) == ["model.opt.onnx", "model.opt.onnx.data"]
+
+
 def test_verify_artifacts_flag_hashes_in_full(art, count_hashes):
     load_ort_session(art / ENGINE)
     count_hashes.clear()

@@ -28,7 +28,7 @@ from specrt.artifacts import (
 )
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
-from specrt.export.step_io import LOGITS, STEP_INPUTS, StepIO
+from specrt.export.step_io import LOGITS, STEP_INPUTS, StepIO, attention_mask
 
 ENGINE_KIND = "ort-engine"
 OPT_FILE = "model.opt.onnx"
@@ -122,9 +122,7 @@ def batch_invariance(session, config: dict, provider: str, prefix: int = 12, ste
         """Feed `tokens` after the cache's committed length; returns their logits (Q, V)."""
         past, length = cache
         P, Q = length[0], len(tokens)
-        mask = np.zeros((1, Q, capacity + Q), dtype=bool)
-        mask[0, :, :P] = True
-        mask[0, :, capacity:] = np.tril(np.ones((Q, Q), dtype=bool))
+        mask = attention_mask([P], capacity, Q)
         feeds = dict(
             zip(
                 STEP_INPUTS,

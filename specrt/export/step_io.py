@@ -8,11 +8,16 @@
 The exporter, every step backend, the TensorRT profiles and the tests' TensorRT stand-in derive
 their names from `StepIO`; nothing else spells them. No heavy imports: backends and engine
 builders read it without torch.
+
+How callers pass the past is part of the contract too (`attention_mask`): a preallocated buffer
+of fixed capacity per row, whose slots past each row's committed length the mask hides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 # the four per-step inputs, in the graph's order (the past KV follows them)
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index")
@@ -65,3 +70,15 @@ class StepIO:
         axes.update({n: {0: "batch", 2: "past_len"} for n in self.past_names})
         axes.update({n: {0: "batch", 2: "q_len"} for n in self.present_names})
         return axes
+
+
+def attention_mask(lengths: np.ndarray, capacity: int, q_len: int, new_mask: np.ndarray | None = None) -> np.ndarray:
+    """(B, Q, C + Q) bool mask for a step of Q new positions over a past buffer of capacity C.
+
+    Past part: row b sees slots [0, lengths[b]). New part: `new_mask` (Q, Q) or (B, Q, Q)
+    (a tree: each position sees its ancestors and itself), causal by default."""
+    lengths = np.asarray(lengths)
+    mask = np.zeros((len(lengths), q_len, capacity + q_len), dtype=bool)
+    mask[:, :, :capacity] = (np.arange(capacity)[None, :] < lengths[:, None])[:, None, :]
+    mask[:, :, capacity:] = np.tril(np.ones((q_len, q_len), dtype=bool)) if new_mask is None else new_mask
+    return mask

@@ -127,9 +127,9 @@ class Rows:
     prompt_lens: np.ndarray
     budget: np.ndarray  # tokens each row may produce
     eos_ids: frozenset
-    out: list[list[int]] = dataclasses.field(default_factory=list)
-    reason: list[str] = dataclasses.field(default_factory=list)
-    active: np.ndarray = None
+    out: list[list[int]] = dataclasses.field(init=False)  # tokens per row
+    reason: list[str] = dataclasses.field(init=False)  # "length" until EOS makes it "stop"
+    active: np.ndarray = dataclasses.field(init=False)
 
     def __post_init__(self):
         B = len(self.prompt_lens)

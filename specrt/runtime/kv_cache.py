@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrt.export.step_io import attention_mask
+
 
 class KVCache:
     def __init__(
@@ -103,16 +105,5 @@ class KVCache:
         self.keep(row, root + 1, [root + 1 + i for i in accepted])
 
     def attention_mask(self, q_len: int, new_mask: np.ndarray | None = None) -> np.ndarray:
-        """(B, Q, C + Q) bool mask for a step of Q new positions.
-
-        Past part: row b sees slots [0, lengths[b]). New part: `new_mask` (Q, Q) or (B, Q, Q)
-        (a tree: each position sees its ancestors and itself), causal by default.
-        """
-        B, C = self.batch, self.capacity
-        mask = np.zeros((B, q_len, C + q_len), dtype=bool)
-        past_ok = np.arange(C)[None, :] < self.lengths[:, None]  # (B, C)
-        mask[:, :, :C] = past_ok[:, None, :]
-        if new_mask is None:
-            new_mask = np.tril(np.ones((q_len, q_len), dtype=bool))
-        mask[:, :, C:] = new_mask
-        return mask
+        """(B, Q, C + Q) bool mask for a step of Q new positions (step_io.attention_mask)."""
+        return attention_mask(self.lengths, self.capacity, q_len, new_mask)

@@ -61,6 +61,14 @@ class StepCost:
         return 1.0 + np.where(n > 0, self.beta + self.alpha * n, 0.0) + self.draft_ratio(n)
 
 
+def _by_size(observations) -> list[tuple[float, float, int]]:
+    """(size, robust time, count) per distinct size of (size, seconds) observations, by size."""
+    groups: dict[float, list[float]] = collections.defaultdict(list)
+    for size, t in observations:
+        groups[size].append(t)
+    return [(size, _robust(ts), len(ts)) for size, ts in sorted(groups.items())]
+
+
 def _robust(times: list[float]) -> float:
     """A size's time: the median once trusted, the fastest before (noise only slows steps).
     (statistics.median: on these few values it is ~20x faster than numpy's, and this runs every step)"""
@@ -119,18 +127,14 @@ class CostModel:
 
     def _sizes(self, decode: float | None, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sizes, robust time per size, count per size) of the verification steps, spikes left out."""
-        groups: dict[float, list[float]] = collections.defaultdict(list)
-        for positions, t in self.spec_steps:
-            groups[positions].append(t)
-        sizes, times, counts = [], [], []
-        for size, ts in sorted(groups.items()):
-            value = _robust(ts)
-            if len(ts) < TRUST and decode is not None and value > SPIKE * decode * self._prior(size, batch):
-                continue  # not confirmed yet: more likely a slow moment than this size's cost
-            sizes.append(size)
-            times.append(value)
-            counts.append(len(ts))
-        return np.array(sizes, np.float64), np.array(times, np.float64), np.array(counts, np.float64)
+        kept = [
+            (size, value, count)
+            for size, value, count in _by_size(self.spec_steps)
+            # a size seen less than TRUST times and far over the priors: more likely a slow moment
+            if count >= TRUST or decode is None or value <= SPIKE * decode * self._prior(size, batch)
+        ]
+        sizes, times, counts = (np.array(c, np.float64) for c in zip(*kept)) if kept else (np.zeros(0),) * 3
+        return sizes, times, counts
 
     def _fit(self, batch: int) -> StepCost | None:
         plain = [t for b, t in self.plain_steps if b == batch]
@@ -165,15 +169,11 @@ class CostModel:
         """T_draft(n) = d0 + d1 * n in seconds."""
         if not self.drafts:
             return 0.0, 0.0
-        groups: dict[float, list[float]] = collections.defaultdict(list)
-        for n, t in self.drafts:
-            groups[n].append(t)
-        ns = np.array(sorted(groups), np.float64)
-        ts = np.array([_robust(groups[n]) for n in sorted(groups)], np.float64)
+        ns, ts, counts = (np.array(c, np.float64) for c in zip(*_by_size(self.drafts)))
         if not self.draft_per_token:
             return statistics.median(ts), 0.0
         if len(ns) >= 2:
-            d1, d0 = np.polyfit(ns, ts, 1, w=np.sqrt([len(groups[n]) for n in sorted(groups)]))
+            d1, d0 = np.polyfit(ns, ts, 1, w=np.sqrt(counts))
             return max(float(d0), 0.0), max(float(d1), 0.0)
         return 0.0, float(ts[0] / ns[0])  # one length seen: all of it per token
 

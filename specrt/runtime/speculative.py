@@ -74,7 +74,6 @@ class SpecState:
     # per row: the target's features at the positions committed since the proposer last saw the
     # row (the prompt's at first); None unless the proposer needs features
     pending: list[list[np.ndarray]] | None = None
-    roots: np.ndarray | None = None  # cache slot of each row's root in the current step
     step_times: list[float] = dataclasses.field(default_factory=list)
     drafted_per_step: list[float] = dataclasses.field(default_factory=list)
 
@@ -85,6 +84,7 @@ class StepRecord:
 
     rows: list[int]
     trees: dict[int, DraftTree]
+    depths: dict[int, np.ndarray]  # per row, each node's depth
     verdicts: dict[int, Verdict]
     positions: int  # fed to the target step, over the batch
     draft_seconds: float
@@ -154,12 +154,12 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         trees = self.propose(state, rows)
         t1 = time.perf_counter()
-        out = self.verify(state, rows, trees)
+        depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
+        out = self.verify(state, rows, trees, depths)
         verdicts = self.accept(state, rows, trees, out)
         new_tokens = self.commit(state, rows, trees, verdicts, out)
-        record = StepRecord(
-            rows, trees, verdicts, sum(len(trees[b]) + 1 for b in rows), t1 - t0, time.perf_counter() - t1, new_tokens
-        )
+        positions = sum(len(trees[b]) + 1 for b in rows)
+        record = StepRecord(rows, trees, depths, verdicts, positions, t1 - t0, time.perf_counter() - t1, new_tokens)
         self.observe(state, record)
         return record
 
@@ -190,16 +190,17 @@ class SpeculativeDecoder:
             raise SpecrtError(f"draft method {self.proposer.name!r} returned {len(trees)} trees for {len(rows)} rows")
         return {b: tree.truncate(n) for b, tree in zip(rows, trees)}
 
-    def verify(self, state: SpecState, rows: list[int], trees: dict[int, DraftTree]) -> StepOutput:
-        """One target step over [root, draft nodes...] of every active row."""
+    def verify(
+        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], depths: dict[int, np.ndarray]
+    ) -> StepOutput:
+        """One target step over [root, draft nodes...] of every active row (root at depth 0)."""
         st = state.st
         B = len(st.prompts)
         feed: list[list[int]] = [[] for _ in range(B)]
         shapes: list = [None] * B
         for b in rows:
             feed[b] = [st.rows.out[b][-1], *trees[b].tokens.tolist()]
-            shapes[b] = (np.concatenate([[0], trees[b].depths()]), trees[b].ancestor_mask())
-        state.roots = st.cache.lengths.copy()  # where each row's root lands
+            shapes[b] = (np.concatenate([[0], depths[b]]), trees[b].ancestor_mask())
         return self.gen.session.forward(st.cache, feed, shapes, hidden=self.proposer.needs_features)
 
     def accept(
@@ -227,7 +228,8 @@ class SpeculativeDecoder:
         st = state.st
         new_tokens: list[list[int]] = [[] for _ in range(len(st.prompts))]
         for b in rows:
-            st.cache.keep_path(b, int(state.roots[b]), verdicts[b].accepted)
+            root = int(st.cache.lengths[b]) - len(trees[b]) - 1  # the step appended [root, nodes...]
+            st.cache.keep_path(b, root, verdicts[b].accepted)
             new_tokens[b] = st.rows.emit(b, verdicts[b].tokens(trees[b]))
             if state.pending is not None:  # the root's and the accepted nodes' features
                 state.pending[b].append(out.hidden_states[b, [0, *(1 + i for i in verdicts[b].accepted)]])
@@ -241,7 +243,7 @@ class SpeculativeDecoder:
         cost, metrics = state.cost, state.metrics
         for b in r.rows:
             tree, verdict = r.trees[b], r.verdicts[b]
-            depth = int(tree.depths().max()) if len(tree) else 0
+            depth = int(r.depths[b].max()) if len(tree) else 0
             metrics.observe_draft(len(tree), len(verdict.accepted), depth)
             if len(tree):
                 cost.observe_acceptance(depth, len(verdict.accepted))

@@ -47,16 +47,21 @@ class Answer:
 
 def read_answers(path: str | Path) -> list[Answer]:
     """The complete lines of an answers file (a line cut short by an interruption is left out)."""
-    path = Path(path)
+    return _read(Path(path))[0]
+
+
+def _read(path: Path) -> tuple[list[Answer], bool]:
+    """(complete answers, whether the file holds nothing else)."""
     if not path.is_file():
-        return []
+        return [], True
+    lines = path.read_text().splitlines()
     out = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             out.append(Answer(**json.loads(line)))
         except (ValueError, TypeError):
             break  # the last line of an interrupted run
-    return out
+    return out, len(out) == len(lines)
 
 
 def generate_answers(
@@ -72,8 +77,9 @@ def generate_answers(
     batch; answers already in `path` are kept and not generated again."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    done = read_answers(path)
-    _rewrite(path, done)  # drops a partial last line
+    done, clean = _read(path)
+    if not clean:  # drop the line an interruption cut short
+        atomic_write_text(path, "".join(json.dumps(dataclasses.asdict(a)) + "\n" for a in done))
     have = {a.id for a in done}
     todo = [p for p in prompts if p.id not in have]
     from tqdm import tqdm
@@ -97,11 +103,6 @@ def generate_answers(
     bar.close()
     order = {p.id: i for i, p in enumerate(prompts)}
     return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
-
-
-def _rewrite(path: Path, answers: list[Answer]) -> None:
-    if path.is_file():
-        atomic_write_text(path, "".join(json.dumps(dataclasses.asdict(a)) + "\n" for a in answers))
 
 
 class FeatureCache:
