@@ -112,16 +112,17 @@ def _parse_layers(value: str) -> tuple[int, ...]:
 @click.option("--opset", default=17, show_default=True, help="ONNX opset.")
 @click.option(
     "--hidden-layers",
-    default="-1",
-    show_default=True,
-    help="Layers whose output `hidden_states` carries (-1: final normed state; e.g. 2,15,27 for EAGLE-3).",
+    default=None,
+    help="Layers whose output `hidden_states` carries (-1: final normed state; e.g. 2,15,27 for EAGLE-3). Default: "
+    "what every draft head reads (EAGLE-3's low, middle and high layers, then -1).",
 )
 @_friendly_errors
 def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     """Export the target step graph (prefill, decode and verification in one graph) to ONNX."""
     from specrt.export.step_graph import export_step_graph
 
-    export_step_graph(checkpoint, out, opset=opset, hidden_layers=_parse_layers(hidden_layers))
+    layers = None if hidden_layers is None else _parse_layers(hidden_layers)
+    export_step_graph(checkpoint, out, opset=opset, hidden_layers=layers)
     click.echo(f"wrote {out}")
 
 

@@ -61,3 +61,69 @@ class ArtifactLayout:
         """Every artifact directory present (those holding a manifest), graphs before engines."""
         candidates = [self.onnx, *sorted(self.root.glob("onnx-*")), *sorted(self.engines.glob("*"))]
         return [p for p in candidates if (p / MANIFEST).is_file()]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """A draft head's directory (`specrt train-draft --out`, read by `--draft-dir`):
+
+    <root>/head/                    trained weights (head.safetensors, head.json) and training.json
+    <root>/checkpoint.pt            the training checkpoint (resumes an interrupted run)
+    <root>/onnx/                    the head's step graph (head.onnx, its data, draft_to_target.npy)
+    <root>/engines/ort-<provider>/  its ONNX Runtime engine
+    <root>/engines/trt-<flavour>/   its TensorRT / TensorRT-RTX engine (draft profile)
+    """
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "head"
+
+    @property
+    def report(self) -> Path:
+        return self.weights / "training.json"
+
+    @property
+    def onnx(self) -> Path:
+        return self.root / "onnx"
+
+    def ort_engine(self, provider: str = "cpu") -> Path:
+        return self.root / "engines" / f"ort-{provider}"
+
+    def trt_engine(self, flavour: str) -> Path:
+        return self.root / "engines" / f"trt-{flavour}"
+
+    def artifact_dirs(self) -> list[Path]:
+        candidates = [self.onnx, *sorted((self.root / "engines").glob("*"))]
+        return [p for p in candidates if (p / MANIFEST).is_file()]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingDataLayout:
+    """Training data for draft heads (shared by every head of one target):
+
+    <root>/prompts.jsonl    the prompt set (seeded, reproducible)
+    <root>/answers.jsonl    the target's answers
+    <root>/features/        the target's features over prompt + answer (memory-mapped)
+    """
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def prompts(self) -> Path:
+        return self.root / "prompts.jsonl"
+
+    @property
+    def answers(self) -> Path:
+        return self.root / "answers.jsonl"
+
+    @property
+    def features(self) -> Path:
+        return self.root / "features"

@@ -93,7 +93,7 @@ class FakeContext:
         if name == LOGITS:
             return (B, K, self.engine.V)
         if name == HIDDEN:
-            return (B, Q, self.engine.model.cfg.hidden_size)
+            return (B, Q, self.engine.model.cfg.hidden_size * len(self.engine.model.hidden_layers))
         return (B, self.engine.Hkv, Q, self.engine.D)
 
     def _read(self, name):

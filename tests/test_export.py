@@ -12,7 +12,6 @@ import torch
 
 from specrt.engines.ort import load_ort_session
 from specrt.export.checkpoint import checkpoint_hash, load_model
-from specrt.export.config import ModelConfig
 from specrt.runtime.backends import OrtBackend, TorchBackend
 from specrt.runtime.generator import Generator
 from specrt.runtime.kv_cache import KVCache
@@ -24,7 +23,7 @@ ATOL_KV = 1e-5
 @pytest.fixture(scope="module")
 def backends(tiny_checkpoint, tiny_artifacts):
     session, manifest, provider = load_ort_session(tiny_artifacts / "engines" / "ort-cpu")
-    ort_backend = OrtBackend(session, ModelConfig.from_dict(manifest["config"]), provider)
+    ort_backend = OrtBackend.from_manifest(session, manifest, provider)
     return ort_backend, TorchBackend(load_model(tiny_checkpoint))
 
 
@@ -231,7 +230,7 @@ def test_logits_index_selects_positions(backends):
         assert np.abs(picked.logits[0] - full.logits[0, [6, 2]]).max() <= ATOL_LOGITS
         assert np.abs(picked.logits[1] - full.logits[1, [4, 4]]).max() <= ATOL_LOGITS
         # hidden states: only the positions asked for, and none at all when nobody asks
-        assert picked.hidden_states.shape == (2, 1, backend.config.hidden_size)
+        assert picked.hidden_states.shape == (2, 1, backend.config.hidden_size * len(backend.caps.hidden_layers))
         assert np.abs(picked.hidden_states[:, 0] - full.hidden_states[[0, 1], [1, 5]]).max() <= ATOL_LOGITS
         assert backend.step(ids, pos, mask, every, cache).hidden_states is None
 

@@ -52,7 +52,10 @@ def test_features_are_the_targets_hidden_states(gen, prompts, tmp_path):
         kv = gen.session.new_cache(1, len(a.tokens))
         expected = gen.session.prefill(kv, [a.tokens], hidden=True).hidden[0]
         got = cache.sequence(i)
-        assert got.dtype == np.float16 and got.shape == expected.shape == (len(a.tokens), gen.config.hidden_size)
+        assert got.dtype == np.float16 and got.shape == expected.shape == (
+            len(a.tokens),
+            gen.config.hidden_size * len(gen.session.caps.hidden_layers),
+        )
         assert np.abs(got.astype(np.float32) - expected).max() <= 2e-3 * max(1.0, np.abs(expected).max())
     with pytest.raises(IndexError):
         cache.sequence(5)

@@ -53,12 +53,17 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
 
 
 def _build_all(spec: BuildSpec) -> Iterator[str]:
-    from specrt.export.checkpoint import checkpoint_hash
+    from specrt.export.checkpoint import checkpoint_hash, load_config
+    from specrt.export.draft_head import default_target_layers
     from specrt.export.step_graph import export_step_graph, read_onnx_manifest
 
     ckpt_hash = checkpoint_hash(spec.checkpoint)
     odir = ArtifactLayout(spec.out).onnx
     onnx_manifest = None if spec.force else _manifest_if_valid(read_onnx_manifest, odir, ckpt_hash)
+    layers = list(default_target_layers(load_config(spec.checkpoint).num_hidden_layers))
+    if onnx_manifest is not None and onnx_manifest["hidden_layers"] != layers:
+        yield f"onnx      {odir}: returns the features of layers {onnx_manifest['hidden_layers']}, not {layers}"
+        onnx_manifest = None  # an export made before draft heads read several layers
     exported = onnx_manifest is None
     if not exported:
         yield f"onnx      {odir}: up to date (checkpoint {ckpt_hash[:19]}…)"

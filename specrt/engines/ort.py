@@ -192,6 +192,8 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "checkpoint": onnx_manifest["checkpoint"],
                 "config": onnx_manifest["config"],
                 "hidden_layers": onnx_manifest["hidden_layers"],
+                # what draft heads trained on this target must have been trained against
+                "precision": onnx_manifest.get("quantization", {}).get("scheme", "float32"),
                 "provider": active,
                 "host_cpu": cpu_model(),
                 "graph_optimization_level": "ORT_ENABLE_ALL",

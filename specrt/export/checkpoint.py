@@ -132,8 +132,14 @@ def read_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str, hidden_layers=(-1,)) -> LlamaModel:
-    """Our model from a transformers-named state dict ('model.' prefixes optional)."""
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str, hidden_layers=None) -> LlamaModel:
+    """Our model from a transformers-named state dict ('model.' prefixes optional). hidden_layers:
+    the features `hidden_states` carries (default: what the step graph exports, every draft
+    head's layers)."""
+    if hidden_layers is None:
+        from specrt.export.draft_head import default_target_layers
+
+        hidden_layers = default_target_layers(cfg.num_hidden_layers)
     state = {k.removeprefix("model."): v.to(torch.float32) for k, v in state.items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -157,7 +163,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str, h
     return model.eval()
 
 
-def load_model(path: str | Path, hidden_layers=(-1,)) -> LlamaModel:
+def load_model(path: str | Path, hidden_layers=None) -> LlamaModel:
     """Our float32 model from a HF checkpoint directory or a .gguf file."""
     path = Path(path)
     if path.suffix == ".gguf":

@@ -103,10 +103,11 @@ def export_step_graph(
     checkpoint: str | Path,
     out_dir: str | Path,
     opset: int = DEFAULT_OPSET,
-    hidden_layers: tuple[int, ...] = (-1,),
+    hidden_layers: tuple[int, ...] | None = None,
     progress: bool = True,
 ) -> Path:
-    """Export `checkpoint` (HF dir or .gguf) to `out_dir`; returns out_dir."""
+    """Export `checkpoint` (HF dir or .gguf) to `out_dir`; returns out_dir. hidden_layers: the
+    layers `hidden_states` returns (default: every draft head's, draft_head.default_target_layers)."""
     import onnx
     from tqdm import tqdm
 
@@ -116,6 +117,11 @@ def export_step_graph(
     ckpt_hash = checkpoint_hash(checkpoint)
     steps.update()
     steps.set_postfix_str("load weights")
+    if hidden_layers is None:
+        from specrt.export.checkpoint import load_config
+        from specrt.export.draft_head import default_target_layers
+
+        hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
     model = load_model(checkpoint, hidden_layers=hidden_layers)
     cfg = model.cfg
     io = StepIO(cfg.num_hidden_layers)

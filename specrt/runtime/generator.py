@@ -212,7 +212,6 @@ class Generator:
         always (see specrt.artifacts)."""
         from specrt.engines.ort import load_ort_session, read_engine_manifest
         from specrt.export.checkpoint import checkpoint_hash
-        from specrt.export.config import ModelConfig
         from specrt.runtime.backends import OrtBackend
 
         manifest = read_engine_manifest(
@@ -222,12 +221,7 @@ class Generator:
         session, manifest, provider = load_ort_session(
             engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint), verify=verify
         )
-        backend = OrtBackend(
-            session,
-            ModelConfig.from_dict(manifest["config"]),
-            provider,
-            batch_invariance=manifest.get("batch_invariance"),
-        )  # measured at build (engines.ort.batch_invariance)
+        backend = OrtBackend.from_manifest(session, manifest, provider)
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod
@@ -264,15 +258,22 @@ class Generator:
 
     @classmethod
     def from_checkpoint(
-        cls, checkpoint: str | Path, device: str = "cpu", cuda_graphs: bool = False, **kw
+        cls,
+        checkpoint: str | Path,
+        device: str = "cpu",
+        cuda_graphs: bool = False,
+        hidden_layers: tuple[int, ...] | None = None,
+        **kw,
     ) -> "Generator":
         """A generator on the PyTorch model (no export needed): the reference on CPU, the
-        PyTorch-CUDA backend with `device="cuda"` (and CUDA graphs with `cuda_graphs=True`)."""
-        from specrt.export.checkpoint import load_model
+        PyTorch-CUDA backend with `device="cuda"` (and CUDA graphs with `cuda_graphs=True`).
+        hidden_layers: the features its hidden states carry (default: what an export returns)."""
+        from specrt.export.checkpoint import checkpoint_hash, load_model
         from specrt.runtime.backends import TorchBackend
 
+        model = load_model(checkpoint, hidden_layers=hidden_layers)
         return cls(
-            TorchBackend(load_model(checkpoint), device=device, cuda_graphs=cuda_graphs),
+            TorchBackend(model, device=device, cuda_graphs=cuda_graphs, checkpoint_hash=checkpoint_hash(checkpoint)),
             Tokenizer(checkpoint),
             checkpoint=Path(checkpoint),
             **kw,

@@ -31,6 +31,11 @@ class Capabilities:
     cache_device: str | None = None  # where KV caches live; None: host numpy arrays
     reuse_cache: bool = False  # it binds cache buffers (CUDA graphs): the session pools caches across generations
     batch_invariance: dict | None = None  # measured at build: how logits move between 1- and multi-position steps
+    # what a draft head trained on this target must match (its features are these layers'
+    # hidden states, at this precision, of this checkpoint); hash None: unknown (built in memory)
+    hidden_layers: tuple[int, ...] = (-1,)  # the layers `hidden_states` carries, in order
+    precision: str = "float32"  # "float32", or the quantization scheme of the engine
+    checkpoint_hash: str | None = None
 
 
 class StepBackend(abc.ABC):

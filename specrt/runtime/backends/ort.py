@@ -10,17 +10,44 @@ from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput, 
 
 
 class OrtBackend(StepBackend):
-    def __init__(self, session, config: ModelConfig, provider: str, batch_invariance: dict | None = None):
+    def __init__(
+        self,
+        session,
+        config: ModelConfig,
+        provider: str,
+        batch_invariance: dict | None = None,
+        hidden_layers=(-1,),
+        precision: str = "float32",
+        checkpoint_hash: str | None = None,
+    ):
         import onnxruntime
 
         self.session = session
         self.config = config
         self.description = f"onnxruntime {onnxruntime.__version__} {provider}"
-        self.caps = Capabilities(batch_invariance=batch_invariance)
+        self.caps = Capabilities(
+            batch_invariance=batch_invariance,
+            hidden_layers=tuple(hidden_layers),
+            precision=precision,
+            checkpoint_hash=checkpoint_hash,
+        )
         self._io = StepIO(config.num_hidden_layers)
         # fetching hidden_states only when asked saves its host copy on every other step
         self._fetch = [LOGITS, *self._io.present_names]
         self._fetch_hidden = [LOGITS, *self._io.present_names, HIDDEN]
+
+    @classmethod
+    def from_manifest(cls, session, manifest: dict, provider: str) -> "OrtBackend":
+        """The backend of a loaded engine, its facts read from the engine's manifest."""
+        return cls(
+            session,
+            ModelConfig.from_dict(manifest["config"]),
+            provider,
+            batch_invariance=manifest.get("batch_invariance"),  # measured at build (engines.ort.batch_invariance)
+            hidden_layers=manifest["hidden_layers"],
+            precision=manifest.get("precision", "float32"),
+            checkpoint_hash=manifest["checkpoint"]["hash"],
+        )
 
     def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None):
         feeds = dict(zip(STEP_INPUTS, (input_ids, position_ids, attention_mask, logits_index)))

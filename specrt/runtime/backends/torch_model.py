@@ -19,7 +19,14 @@ class TorchBackend(StepBackend):
     then pools its caches (`reuse_cache`), so a shape is captured once, not once per generation.
     """
 
-    def __init__(self, model, device: str = "cpu", cuda_graphs: bool = False, max_graph_q: int = 32):
+    def __init__(
+        self,
+        model,
+        device: str = "cpu",
+        cuda_graphs: bool = False,
+        max_graph_q: int = 32,
+        checkpoint_hash: str | None = None,
+    ):
         import torch
 
         if cuda_graphs and not str(device).startswith("cuda"):
@@ -35,7 +42,10 @@ class TorchBackend(StepBackend):
         self._graphs: dict = {}  # (cache address, capacity, (B, Q), (B, K)) -> (graph, static inputs, static outputs)
         # a graph is bound to its cache: pooled caches (reuse_cache) let graphs outlive one generation
         self.caps = Capabilities(
-            cache_device=None if self.device.type == "cpu" else str(self.device), reuse_cache=cuda_graphs
+            cache_device=None if self.device.type == "cpu" else str(self.device),
+            reuse_cache=cuda_graphs,
+            hidden_layers=tuple(model.hidden_layers),
+            checkpoint_hash=checkpoint_hash,
         )
         kind = (
             "reference, cpu" if self.device.type == "cpu" else f"{self.device}{', CUDA graphs' if cuda_graphs else ''}"

@@ -140,6 +140,8 @@ class TrtBackend(StepBackend):
             max_cache=int(m["profiles"][0]["past_len"]["max"]),  # pooled caches must still fit the profiles
             cache_device=str(self.device),
             reuse_cache=cuda_graphs,  # pooled caches, so graphs (ours or TensorRT-RTX's) outlive one generation
+            hidden_layers=tuple(m["hidden_layers"]),
+            checkpoint_hash=m["checkpoint"]["hash"],
         )
         graphs = ", CUDA graphs (TensorRT-RTX built-in)" if rtx_graphs else ", CUDA graphs" if cuda_graphs else ""
         self.description = f"{m['flavour']} {m['tensorrt_version']} ({self.device}{graphs})"

@@ -5,17 +5,24 @@ Methods are looked up by name in DRAFT_METHODS; `make_proposer("ngram", n_max=3)
 
 from __future__ import annotations
 
+import functools
+
 from specrt.errors import SpecrtError
 from specrt.runtime.drafts.base import DraftInput, Proposer
+from specrt.runtime.drafts.eagle import EagleProposer
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
 
 DRAFT_METHODS = {
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
+    # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
+    "eagle": functools.partial(EagleProposer, method="eagle"),
+    "eagle3": functools.partial(EagleProposer, method="eagle3"),
 }
+NEEDS_DRAFT_DIR = ("eagle", "eagle3")  # methods with weights: they need --draft-dir
 
-__all__ = ["DRAFT_METHODS", "DraftInput", "Proposer", "make_proposer"]
+__all__ = ["DRAFT_METHODS", "NEEDS_DRAFT_DIR", "DraftInput", "Proposer", "make_proposer"]
 
 
 def make_proposer(name: str, **options) -> Proposer:

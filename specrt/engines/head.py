@@ -1,0 +1,93 @@
+"""ONNX Runtime engines of draft heads: the head's graph optimized once, cached with a manifest.
+
+Like the target's engine (engines/ort.py): ORT's level-ALL optimizations saved to disk, the
+manifest carrying the head's facts (method, layers, draft vocabulary, the target it was trained
+against) and the sha256 of its own files, including a copy of the draft-to-target map, so the
+engine directory is all the runtime needs. onnxruntime is imported inside functions.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from specrt.artifacts import (
+    atomic_dir,
+    check_files,
+    cpu_model,
+    file_sha256,
+    package_versions,
+    read_manifest,
+    write_manifest,
+)
+from specrt.engines.ort import PROVIDERS, OrtOptions, _check_provider_loaded, _ort, _provider_list, _session_options
+from specrt.errors import ArtifactError, ManifestMismatchError
+from specrt.export.head_graph import D2T_FILE, HEAD_FILE, read_draft_to_target, read_head_manifest
+
+HEAD_ENGINE_KIND = "ort-draft-head"
+OPT_FILE, OPT_DATA = "head.opt.onnx", "head.opt.onnx.data"
+HOW_TO_BUILD = "specrt build-draft --draft-dir DIR"
+MANIFEST_FIELDS = {"head": dict, "target": dict, "provider": str, "host_cpu": str, "versions": dict}
+
+
+def build_head_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOptions = OrtOptions()) -> Path:
+    ort = _ort()
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    m = read_head_manifest(onnx_dir, verify="full")
+    with atomic_dir(out_dir) as tmp:
+        so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+        so.optimized_model_filepath = str(tmp / OPT_FILE)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        so.log_severity_level = 3  # the CPU-specific-kernels warning: the manifest records the CPU instead
+        t0 = time.perf_counter()
+        session = ort.InferenceSession(str(onnx_dir / HEAD_FILE), so, providers=_provider_list(options.provider))
+        active = _check_provider_loaded(session, options.provider)
+        del session
+        shutil.copyfile(onnx_dir / D2T_FILE, tmp / D2T_FILE)
+        write_manifest(
+            tmp,
+            HEAD_ENGINE_KIND,
+            {
+                "onnx": {"path": str(onnx_dir.resolve()), "files": m["files"]},
+                **{k: m[k] for k in ("checkpoint", "config", "head", "target", "training")},
+                "provider": active,
+                "host_cpu": cpu_model(),
+                "build_seconds": round(time.perf_counter() - t0, 2),
+                "files": {n: file_sha256(tmp / n) for n in (OPT_FILE, OPT_DATA, D2T_FILE)},
+                "versions": package_versions("onnxruntime"),
+            },
+        )
+    return out_dir
+
+
+def load_head_engine(engine_dir: str | Path, options: OrtOptions | None = None, verify: str = "auto"):
+    """(session, manifest, draft_to_target) of a built head engine, its manifest and files checked."""
+    ort = _ort()
+    engine_dir = Path(engine_dir)
+    m = read_manifest(engine_dir, HEAD_ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
+    installed = package_versions("onnxruntime")["onnxruntime"]
+    if m["versions"].get("onnxruntime") != installed:
+        raise ManifestMismatchError(
+            f"head engine {engine_dir} was optimized by onnxruntime {m['versions'].get('onnxruntime')}, {installed} is "
+            f"installed; rebuild it with: {HOW_TO_BUILD}"
+        )
+    if m["provider"] == PROVIDERS["cpu"] and m["host_cpu"] != cpu_model():
+        raise ManifestMismatchError(
+            f"head engine {engine_dir} was optimized on a {m['host_cpu']!r} CPU, this is {cpu_model()!r}; rebuild it "
+            f"here with: {HOW_TO_BUILD}"
+        )
+    check_files(engine_dir, m, (OPT_FILE, OPT_DATA, D2T_FILE), HOW_TO_BUILD, verify)
+    provider = next(k for k, v in PROVIDERS.items() if v == m["provider"])
+    options = options or OrtOptions(provider=provider)
+    so = _session_options(options, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    try:
+        session = ort.InferenceSession(str(engine_dir / OPT_FILE), so, providers=_provider_list(options.provider))
+    except Exception as e:
+        raise ArtifactError(f"ONNX Runtime could not load {engine_dir / OPT_FILE} ({e}); {HOW_TO_BUILD}") from None
+    _check_provider_loaded(session, options.provider)
+    return session, m, read_draft_to_target(engine_dir, m)
+
+
+__all__ = ["build_head_engine", "load_head_engine"]

@@ -1,0 +1,289 @@
+"""EAGLE draft heads: one decoder layer that drafts from the target's own features.
+
+A head reads, per position j, the token t[j+1] and a feature vector, and predicts t[j+2]. The
+feature is the target's hidden state at j when the target computed it (the committed context),
+or the head's own output hidden state at j - 1 when it did not (every draft token after the
+first): drafting is autoregressive over the head's one layer, with its own KV cache.
+
+Two methods (both read the target's features from its step graph's `hidden_states` output):
+
+    eagle    EAGLE-1: the final normed state of the target; fc(embed(t) ++ feature) -> one decoder
+             layer -> the target's own output head (frozen, full vocabulary). Trained with
+             cross-entropy plus a regression of the next feature.
+    eagle3   EAGLE-3: a low, a middle and a high layer of the target fused by fc (3C -> C); the
+             layer's attention reads norm(embed(t)) ++ norm(feature) (2C wide); a final norm and
+             an output head over a reduced draft vocabulary (the most frequent tokens of the
+             training answers), mapped back to target ids by `draft_to_target`. Trained with
+             cross-entropy over several unrolled draft steps (training-time test).
+
+The head is written as one *step*, like the target (export/llama.py): Q new positions, the past
+KV of its single layer and a boolean mask [B, Q, P+Q], so one ONNX graph serves catching up on
+the committed context, chains and tree-masked draft steps. Its I/O names are `HeadIO`.
+
+Shapes: B batch, Q new positions, P past positions, C hidden, F feature width, Vd draft vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specrt.errors import SpecrtError
+from specrt.export.config import ModelConfig, rope_inv_freq
+from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm
+
+METHODS = ("eagle", "eagle3")
+
+# the head's step graph I/O, in order (the one definition; the proposer and the exporter read it)
+HEAD_INPUTS = (
+    "input_ids",  # [B, Q] int64: t[j+1]
+    "features",  # [B, Q, F] float32: the target's features at j (ignored where from_draft)
+    "draft_hidden",  # [B, Q, C] float32: the head's own hidden state at j - 1 (used where from_draft)
+    "from_draft",  # [B, Q] bool: take draft_hidden instead of features
+    "position_ids",  # [B, Q] int64: j
+    "attention_mask",  # [B, Q, P+Q] bool
+    "past_key",  # [B, Hkv, P, D] float32
+    "past_value",
+)
+HEAD_OUTPUTS = ("logits", "hidden", "present_key", "present_value")  # [B,Q,Vd], [B,Q,C], [B,Hkv,Q,D] x2
+HEAD_DYNAMIC_AXES = {
+    "input_ids": {0: "batch", 1: "q"},
+    "features": {0: "batch", 1: "q"},
+    "draft_hidden": {0: "batch", 1: "q"},
+    "from_draft": {0: "batch", 1: "q"},
+    "position_ids": {0: "batch", 1: "q"},
+    "attention_mask": {0: "batch", 1: "q", 2: "kv"},
+    "past_key": {0: "batch", 2: "past"},
+    "past_value": {0: "batch", 2: "past"},
+    "logits": {0: "batch", 1: "q"},
+    "hidden": {0: "batch", 1: "q"},
+    "present_key": {0: "batch", 2: "q"},
+    "present_value": {0: "batch", 2: "q"},
+}
+WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high feature layers of a target with `num_layers` layers
+    (2, L/2, L-3; a model of under 6 layers: 0, L/2, L-1)."""
+    if num_layers >= 6:
+        return (2, num_layers // 2, num_layers - 3)
+    return (0, num_layers // 2, num_layers - 1)
+
+
+def feature_columns(target_layers, head_layers, hidden_size: int) -> list[int]:
+    """Columns of the target's `hidden_states` (layers `target_layers`, `hidden_size` wide each)
+    that hold a head's features (layers `head_layers`, in its order); refuses a target that
+    lacks one of them."""
+    target_layers = list(target_layers)
+    missing = [layer for layer in head_layers if layer not in target_layers]
+    if missing:
+        layers = ",".join(str(x) for x in dict.fromkeys([*target_layers, *head_layers]))
+        raise SpecrtError(
+            f"the target's step graph returns the features of layers {target_layers}, the head reads "
+            f"{list(head_layers)} (missing {missing}); re-export the target with: specrt export --hidden-layers "
+            f"{layers} (or build-engines, whose default export returns every head's layers)"
+        )
+    return [target_layers.index(layer) * hidden_size + i for layer in head_layers for i in range(hidden_size)]
+
+
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """What the target's step graph returns by default: every head's layers (EAGLE-3's three,
+    then -1, the final normed state, for EAGLE-1), so one export serves both heads."""
+    return (*dict.fromkeys(eagle3_layers(num_layers)), -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    method: str
+    target: ModelConfig  # the target's config: the head's layer has its shape
+    layers: tuple[int, ...]  # the target layers the head reads (-1: the final normed state)
+    draft_vocab: int  # rows of the head's output projection (the target's vocab for eagle)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise SpecrtError(f"unknown head method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.method == "eagle" and tuple(self.layers) != (-1,):
+            raise SpecrtError("an EAGLE-1 head reads the target's final normed state (layers -1)")
+        if self.method == "eagle" and self.draft_vocab != self.target.vocab_size:
+            raise SpecrtError("an EAGLE-1 head projects through the target's full vocabulary")
+        if not 1 <= self.draft_vocab <= self.target.vocab_size:
+            raise SpecrtError(f"draft vocabulary {self.draft_vocab} must be in 1..{self.target.vocab_size}")
+
+    @property
+    def feature_width(self) -> int:
+        return self.target.hidden_size * len(self.layers)
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "target": self.target.to_dict(),
+            "layers": list(self.layers),
+            "draft_vocab": self.draft_vocab,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadConfig":
+        return cls(d["method"], ModelConfig.from_dict(d["target"]), tuple(d["layers"]), int(d["draft_vocab"]))
+
+
+class Eagle3Layer(DecoderLayer):
+    """A decoder layer whose attention reads norm(embedding) ++ norm(feature) (2C wide) while
+    the residual stream carries the feature alone (EAGLE-3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        C, a = cfg.hidden_size, self.self_attn
+        self.hidden_norm = RMSNorm(C, cfg.rms_norm_eps)
+        a.q_proj = nn.Linear(2 * C, a.n_heads * a.head_dim, bias=cfg.attention_bias)
+        a.k_proj = nn.Linear(2 * C, a.n_kv * a.head_dim, bias=cfg.attention_bias)
+        a.v_proj = nn.Linear(2 * C, a.n_kv * a.head_dim, bias=cfg.attention_bias)
+
+    def forward(self, emb, x, cos, sin, mask_bias, past_k, past_v):
+        attn_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
+        a, k, v = self.self_attn(attn_in, cos, sin, mask_bias, past_k, past_v)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class DraftHead(nn.Module):
+    """An EAGLE-1 or EAGLE-3 head (see the module docstring); `draft_to_target` maps its output
+    rows to target token ids (the identity for EAGLE-1)."""
+
+    def __init__(self, hc: HeadConfig):
+        super().__init__()
+        self.hc = hc
+        cfg, C = hc.target, hc.target.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, C)  # the target's, frozen
+        self.embed_tokens.weight.requires_grad_(False)
+        if hc.method == "eagle":
+            self.fc = nn.Linear(2 * C, C, bias=True)  # over embed(t) ++ feature
+            self.layer = DecoderLayer(cfg)
+            self.norm = None
+        else:
+            self.fc = nn.Linear(hc.feature_width, C, bias=False)  # fuses the low/middle/high features
+            self.layer = Eagle3Layer(cfg)
+            self.norm = RMSNorm(C, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(C, hc.draft_vocab, bias=False)
+        if hc.method == "eagle":
+            self.lm_head.weight.requires_grad_(False)  # the target's head, shared and frozen
+        self.register_buffer("draft_to_target", torch.arange(hc.draft_vocab, dtype=torch.int64))
+        inv = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64).to(torch.float32)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def rope(self, position_ids):
+        return LlamaModel.rope(self, position_ids)  # the target's rotary embedding
+
+    def forward(self, input_ids, features, draft_hidden, from_draft, position_ids, attention_mask, past_k, past_v):
+        """See HEAD_INPUTS / HEAD_OUTPUTS. Returns logits (B, Q, Vd), hidden (B, Q, C), and the
+        new positions' key and value (B, Hkv, Q, D)."""
+        h, k, v = self.body(input_ids, features, draft_hidden, from_draft, position_ids, attention_mask, past_k, past_v)
+        return self.project(h), h, k, v
+
+    def project(self, h):
+        """Draft-vocabulary logits of output hidden states (training projects only the positions
+        it scores)."""
+        return self.lm_head(h) if self.norm is None else self.lm_head(self.norm(h))
+
+    def body(self, input_ids, features, draft_hidden, from_draft, position_ids, attention_mask, past_k, past_v):
+        """(hidden, key, value): the forward up to the output projection."""
+        emb = self.embed_tokens(input_ids)
+        if self.hc.method == "eagle":
+            feat = torch.where(from_draft.unsqueeze(-1), draft_hidden, features)
+            x = self.fc(torch.cat([emb, feat], dim=-1))
+        else:
+            x = torch.where(from_draft.unsqueeze(-1), draft_hidden, self.fc(features))
+        cos, sin = self.rope(position_ids)
+        mask_bias = torch.where(attention_mask, 0.0, torch.finfo(x.dtype).min).unsqueeze(1)
+        if self.hc.method == "eagle":  # EAGLE-1 regresses the target's normed feature: no final norm
+            return self.layer(x, cos, sin, mask_bias, past_k, past_v)
+        return self.layer(emb, x, cos, sin, mask_bias, past_k, past_v)
+
+    def empty_past(self, batch: int):
+        cfg = self.hc.target
+        z = torch.zeros(batch, cfg.num_key_value_heads, 0, cfg.head_dim)
+        return z, z.clone()
+
+
+def head_from_target(target: LlamaModel, hc: HeadConfig, draft_ids=None, seed: int = 0) -> DraftHead:
+    """A new head initialised from the target: its embedding (frozen), its output head (the rows
+    of the draft vocabulary, `draft_ids`, most frequent first), and its last decoder layer as the
+    head's layer. With the little data a CPU can make, starting from a layer that already
+    computes the target's next-token features trains much faster than a random one; fc starts
+    as "pass the feature through" (EAGLE-1: the feature half; EAGLE-3: the high layer)."""
+    torch.manual_seed(seed)
+    head = DraftHead(hc)
+    cfg, C = hc.target, hc.target.hidden_size
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        ids = torch.arange(cfg.vocab_size) if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.int64)
+        if len(ids) != hc.draft_vocab:
+            raise SpecrtError(f"{len(ids)} draft ids for a draft vocabulary of {hc.draft_vocab}")
+        head.draft_to_target.copy_(ids)
+        head.lm_head.weight.copy_(target.lm_head.weight[ids])
+        last = target.layers[-1].state_dict()
+        own = head.layer.state_dict()
+        for name, w in last.items():
+            if own[name].shape == w.shape:
+                own[name].copy_(w)
+            else:  # EAGLE-3's 2C-wide q/k/v: the feature half from the target, the embedding half small
+                own[name].normal_(0.0, 0.02 * float(w.std()))
+                own[name][:, C:].copy_(w)
+        eye = torch.eye(C)
+        head.fc.weight.zero_()
+        if hc.method == "eagle":
+            head.fc.bias.zero_()
+            head.fc.weight[:, C:].copy_(eye)
+        else:
+            # the high layer's block is the last C columns of the fused features
+            head.fc.weight[:, -C:].copy_(eye)
+            head.norm.weight.copy_(target.norm.weight)
+    return head
+
+
+def save_head(head: DraftHead, directory: str | Path, extra: dict | None = None) -> None:
+    """head.safetensors (trainable and frozen weights, the draft-to-target map) and head.json."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps({**head.hc.to_dict(), **(extra or {})}, indent=2) + "\n")
+
+
+def load_head(directory: str | Path) -> DraftHead:
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not (directory / CONFIG_FILE).is_file():
+        raise SpecrtError(f"{directory} holds no draft head ({CONFIG_FILE} missing); train one with specrt train-draft")
+    hc = HeadConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+    head = DraftHead(hc)
+    head.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
+    return head.eval()
+
+
+def head_logits_to_target(logits: torch.Tensor, head: DraftHead) -> torch.Tensor:
+    """Draft-vocabulary logits spread over the target vocabulary (-inf outside the draft's)."""
+    out = torch.full((*logits.shape[:-1], head.hc.target.vocab_size), float("-inf"), dtype=logits.dtype)
+    out[..., head.draft_to_target] = logits
+    return out
+
+
+__all__ = [
+    "DraftHead",
+    "HEAD_INPUTS",
+    "HEAD_OUTPUTS",
+    "HeadConfig",
+    "default_target_layers",
+    "eagle3_layers",
+    "head_from_target",
+    "load_head",
+    "save_head",
+]

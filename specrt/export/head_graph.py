@@ -1,0 +1,209 @@
+"""A draft head's step graph in ONNX, with a manifest that names the target it belongs to.
+
+    export_head(head_dir, out_dir, checkpoint)   # HeadLayout(...).weights -> HeadLayout(...).onnx
+
+The graph is DraftHead.forward (I/O: draft_head.HEAD_INPUTS / HEAD_OUTPUTS): dynamic batch, new
+positions and past. `draft_to_target.npy` maps its output rows to target token ids and is hashed
+with the graph: a head whose map was lost or swapped would draft wrong ids silently.
+
+The manifest's `target` names what the head was trained against: the target checkpoint's hash,
+the layers it reads, and the precision of the target that produced its training features. A
+head reads the target's hidden states, and those change with the target's weights and precision
+(acceptance collapses), so the runtime refuses a head whose `target` is not the engine it drafts
+for (`check_head_target`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.artifacts import (
+    ArtifactError,
+    ManifestMismatchError,
+    atomic_dir,
+    check_files,
+    file_sha256,
+    package_versions,
+    read_manifest,
+    write_manifest,
+)
+from specrt.export.checkpoint import checkpoint_hash
+from specrt.export.config import config_from_manifest
+from specrt.export.draft_head import HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, DraftHead, load_head
+
+HEAD_KIND = "onnx-draft-head"
+HEAD_FILE, HEAD_DATA, D2T_FILE = "head.onnx", "head.onnx.data", "draft_to_target.npy"
+HOW_TO_MAKE = "specrt train-draft --method eagle3 --model CHECKPOINT --out DIR"
+MANIFEST_FIELDS = {"head": dict, "target": dict, "inputs": list, "outputs": list}
+
+
+def example_inputs(head: DraftHead, batch: int = 2, q: int = 3, past: int = 4):
+    cfg = head.hc.target
+    kv = torch.zeros(batch, cfg.num_key_value_heads, past, cfg.head_dim)
+    return (
+        torch.zeros(batch, q, dtype=torch.int64),
+        torch.zeros(batch, q, head.hc.feature_width),
+        torch.zeros(batch, q, cfg.hidden_size),
+        torch.zeros(batch, q, dtype=torch.bool),
+        torch.arange(q).repeat(batch, 1) + past,
+        torch.ones(batch, q, past + q, dtype=torch.bool),
+        kv,
+        kv.clone(),
+    )
+
+
+def export_head(
+    head_dir: str | Path,
+    out_dir: str | Path,
+    checkpoint: str | Path,
+    precision: str = "float32",
+    training: dict | None = None,
+    opset: int = 17,
+) -> Path:
+    """Export the trained head in `head_dir` to `out_dir` (replaced atomically)."""
+    import onnx
+
+    head_dir, out_dir = Path(head_dir), Path(out_dir)
+    head = load_head(head_dir)
+    ckpt_hash = checkpoint_hash(checkpoint)
+    with atomic_dir(out_dir) as tmp:
+        t0 = time.perf_counter()
+        traced = tmp / "traced.onnx"
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter, as for the target
+            warnings.filterwarnings("ignore", message=".*Converting a tensor to a Python.*")
+            torch.onnx.export(
+                _Graph(head),
+                example_inputs(head),
+                str(traced),
+                input_names=list(HEAD_INPUTS),
+                output_names=list(HEAD_OUTPUTS),
+                dynamic_axes=HEAD_DYNAMIC_AXES,
+                opset_version=opset,
+                do_constant_folding=True,
+                dynamo=False,
+            )
+        proto = onnx.load(str(traced))
+        traced.unlink()
+        onnx.save_model(
+            proto,
+            str(tmp / HEAD_FILE),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=HEAD_DATA,
+            size_threshold=1024,
+        )
+        onnx.checker.check_model(str(tmp / HEAD_FILE), full_check=True)
+        np.save(tmp / D2T_FILE, head.draft_to_target.numpy())
+        parity = ort_parity(head, tmp / HEAD_FILE)
+        if parity["logits_max_abs"] > PARITY_TOLERANCE * max(1.0, parity["logits_scale"]):
+            raise ArtifactError(f"the exported head differs from the PyTorch head: {parity}; please report this")
+        write_manifest(
+            tmp,
+            HEAD_KIND,
+            {
+                "checkpoint": {"path": str(Path(checkpoint).resolve()), "hash": ckpt_hash},
+                "config": head.hc.target.to_dict(),
+                "head": head.hc.to_dict() | {"feature_width": head.hc.feature_width},
+                "target": {"checkpoint_hash": ckpt_hash, "layers": list(head.hc.layers), "precision": precision},
+                "training": training or {},
+                "ort_parity": parity,
+                "inputs": list(HEAD_INPUTS),
+                "outputs": list(HEAD_OUTPUTS),
+                "opset": opset,
+                "export_seconds": round(time.perf_counter() - t0, 2),
+                "files": {n: file_sha256(tmp / n) for n in (HEAD_FILE, HEAD_DATA, D2T_FILE)},
+                "versions": package_versions("torch", "onnx"),
+            },
+        )
+    return out_dir
+
+
+PARITY_TOLERANCE = 1e-4  # of the logits' magnitude: float32 rounding of the same computation
+
+
+def ort_parity(head: DraftHead, onnx_file: Path, seed: int = 0) -> dict:
+    """Max |ORT - PyTorch| over a ragged batch: a catch-up step with a past, and a tree-masked
+    step mixing target features and the head's own hidden states."""
+    import onnxruntime as ort
+
+    g = torch.Generator().manual_seed(seed)
+    cfg, B, Q, P = head.hc.target, 2, 5, 7
+    inputs = (
+        torch.randint(0, cfg.vocab_size, (B, Q), generator=g),
+        torch.randn(B, Q, head.hc.feature_width, generator=g),
+        torch.randn(B, Q, cfg.hidden_size, generator=g),
+        torch.rand(B, Q, generator=g) < 0.5,
+        torch.arange(Q).repeat(B, 1) + P,
+        torch.rand(B, Q, P + Q, generator=g) < 0.7,
+        torch.randn(B, cfg.num_key_value_heads, P, cfg.head_dim, generator=g),
+        torch.randn(B, cfg.num_key_value_heads, P, cfg.head_dim, generator=g),
+    )
+    inputs[5][:, :, 0] = True  # every position sees at least one key
+    with torch.no_grad():
+        want = head(*inputs)
+    session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    got = session.run(None, dict(zip(HEAD_INPUTS, (t.numpy() for t in inputs))))
+    diffs = [float(np.abs(a - b.numpy()).max()) for a, b in zip(got, want)]
+    return {
+        "logits_max_abs": diffs[0],
+        "logits_scale": float(want[0].abs().max()),
+        "hidden_max_abs": diffs[1],
+        "kv_max_abs": max(diffs[2:]),
+    }
+
+
+class _Graph(torch.nn.Module):
+    def __init__(self, head: DraftHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, *inputs):
+        return self.head(*inputs)
+
+
+def read_head_manifest(onnx_dir: str | Path, verify: str = "auto") -> dict:
+    """The head export's manifest, its files checked (verify as in specrt.artifacts.check_files)."""
+    m = read_manifest(onnx_dir, HEAD_KIND, HOW_TO_MAKE, MANIFEST_FIELDS)
+    config_from_manifest(m, onnx_dir, HOW_TO_MAKE)
+    if list(m["inputs"]) != list(HEAD_INPUTS) or list(m["outputs"]) != list(HEAD_OUTPUTS):
+        raise ArtifactError(f"{onnx_dir} holds a head graph of another I/O version; re-export it with: {HOW_TO_MAKE}")
+    check_files(onnx_dir, m, (HEAD_FILE, HEAD_DATA, D2T_FILE), HOW_TO_MAKE, verify)
+    return m
+
+
+def read_draft_to_target(onnx_dir: str | Path, manifest: dict) -> np.ndarray:
+    d2t = np.load(Path(onnx_dir) / D2T_FILE)
+    V, n = manifest["config"]["vocab_size"], manifest["head"]["draft_vocab"]
+    if d2t.shape != (n,) or d2t.min() < 0 or d2t.max() >= V or len(np.unique(d2t)) != n:
+        raise ArtifactError(f"{onnx_dir}/{D2T_FILE} is not a map of {n} distinct target ids; re-export the head")
+    return d2t.astype(np.int64)
+
+
+def check_head_target(manifest: dict, checkpoint_hash: str | None, precision: str, where: str) -> None:
+    """Refuse a head trained against another target, or against another precision of it."""
+    t = manifest["target"]
+    fix = (
+        "train a head for this target with: specrt train-draft --method "
+        f"{manifest['head']['method']} --model CHECKPOINT --out DIR"
+    )
+    if checkpoint_hash is not None and t["checkpoint_hash"] != checkpoint_hash:
+        raise ManifestMismatchError(
+            f"draft head {where} was trained for the target checkpoint {t['checkpoint_hash'][:19]}..., but the target "
+            f"here is {checkpoint_hash[:19]}...; a head reads its own target's hidden states. Use that target's "
+            f"engines, or {fix}"
+        )
+    if t["precision"] != precision:
+        raise ManifestMismatchError(
+            f"draft head {where} was trained against the target in {t['precision']}, but the target engine here runs "
+            f"{precision}; its hidden states differ and acceptance collapses. Use a {t['precision']} engine of the "
+            f"target, or {fix} (with --precision {precision})"
+        )
+
+
+__all__ = ["check_head_target", "export_head", "read_draft_to_target", "read_head_manifest"]

@@ -1,0 +1,387 @@
+"""Training EAGLE heads on the target's own answers and cached features (self-distillation).
+
+    data = TrainingData.load(answers, features, target_layers)   # see specrt.training.data
+    result = train_head(target_model, data, TrainConfig("eagle3"), out_dir)
+
+Alignment. For a sequence t[0..n-1] with target features f[0..n-1] (f[j] has read t[0..j] and
+predicts t[j+1]), head entry j reads (t[j+1], f[j]) and learns t[j+2]: the token the target says
+after the one it has just produced. Only labels inside the answer count (the prompt is context).
+
+Training-time test (EAGLE-3): at test time only the first draft token sees a target feature;
+every later one sees the head's own output. So training unrolls `ttt_steps` draft steps: at step
+k entry j reads (t[j+1], h_{k-1}[j-1]), its own previous output one position back, and attends
+to the target-fed entries up to j-k+1 plus its own chain (one entry per earlier step, on the
+diagonal). Step k's loss is weighted 0.8^(k-1). EAGLE-1 trains the first step only, with a
+regression of the next target feature (smooth L1) beside 0.1 x cross-entropy, as its paper does.
+
+Held-out sequences (every 20th) give the progress bar's acceptance: per unrolled step, the share
+of positions whose draft top-1 equals the target's token, and the expected accepted length of a
+greedy chain from them (1 + a1 + a1 a2 + ...; bonus token included).
+
+Deterministic: the seed fixes the initialisation, the batch order and the lr schedule.
+Resumable: a checkpoint (head, optimizer, step, schedule) is written atomically every
+`checkpoint_every` steps and when `max_minutes` runs out; running again continues from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specrt.errors import SpecrtError
+from specrt.export.draft_head import DraftHead, HeadConfig, feature_columns, head_from_target
+from specrt.export.llama import LlamaModel
+from specrt.training.data import Answer, FeatureCache
+
+CHECKPOINT = "checkpoint.pt"
+STEP_WEIGHT = 0.8  # the loss weight of unrolled step k is STEP_WEIGHT ** (k - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    method: str  # "eagle" or "eagle3"
+    ttt_steps: int | None = None  # unrolled draft steps (default: 1 for eagle, 3 for eagle3)
+    epochs: float = 2.0
+    lr: float = 3e-4
+    warmup: int = 20  # steps of linear warm-up before the cosine decay
+    batch_tokens: int = 4096  # padded tokens per batch
+    max_len: int = 640  # longer sequences are cut (their answer's end is dropped)
+    draft_vocab: int | None = None  # eagle3: most frequent answer tokens kept (default 8192 or the vocab)
+    seed: int = 0
+    eval_every: int = 25
+    checkpoint_every: int = 25
+    max_minutes: float | None = None  # stop (with a checkpoint) after this many minutes of training
+
+    @property
+    def steps(self) -> int:
+        return self.ttt_steps or (1 if self.method == "eagle" else 3)
+
+
+@dataclasses.dataclass
+class Sequence:
+    tokens: np.ndarray  # (n,) int64: prompt + answer
+    features: np.ndarray  # (n, W) float16: the target's features (all its layers)
+    prompt_len: int
+
+
+class TrainingData:
+    """Sequences with their features, split into training and held-out parts."""
+
+    def __init__(self, sequences: list[Sequence], target_layers, hidden_size: int, data_hash: str):
+        if len(sequences) < 2:
+            raise SpecrtError(f"{len(sequences)} training sequences; generate at least 2 answers")
+        self.target_layers, self.hidden_size, self.data_hash = tuple(target_layers), hidden_size, data_hash
+        held = {i for i in range(len(sequences)) if i % 20 == 19} or {len(sequences) - 1}
+        self.train = [s for i, s in enumerate(sequences) if i not in held]
+        self.held_out = [s for i, s in enumerate(sequences) if i in held]
+
+    @classmethod
+    def load(cls, answers: list[Answer], features: FeatureCache, target_layers, hidden_size: int) -> "TrainingData":
+        if len(features) < len(answers):
+            raise SpecrtError(f"features cached for {len(features)} of {len(answers)} sequences; cache them all first")
+        seqs = [
+            Sequence(np.asarray(a.tokens, dtype=np.int64), features.sequence(i), len(a.prompt_ids))
+            for i, a in enumerate(answers)
+        ]
+        import hashlib
+
+        h = hashlib.sha256(json.dumps([[a.id, a.tokens] for a in answers]).encode()).hexdigest()
+        return cls(seqs, target_layers, hidden_size, f"sha256:{h}")
+
+    def answer_token_counts(self, vocab_size: int) -> np.ndarray:
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for s in self.train:
+            np.add.at(counts, s.tokens[s.prompt_len :], 1)
+        return counts
+
+
+def choose_draft_vocab(counts: np.ndarray, size: int, always: tuple[int, ...] = ()) -> np.ndarray:
+    """The `size` most frequent tokens (ties by id), `always` included (end-of-sequence ids)."""
+    order = np.lexsort((np.arange(len(counts)), -counts))
+    chosen = list(dict.fromkeys([*always, *order.tolist()]))[:size]
+    return np.array(sorted(chosen, key=lambda t: (-counts[t], t)), dtype=np.int64)
+
+
+@dataclasses.dataclass
+class Batch:
+    ids: torch.Tensor  # (B, n) t[j+1]
+    feats: torch.Tensor  # (B, n, F) f[j] (the head's layers)
+    labels: torch.Tensor  # (B, n) t[j+2], -1 where not scored
+    next_feats: torch.Tensor | None  # (B, n, C) f[j+1] at the final normed state (EAGLE-1's regression)
+    pos: torch.Tensor  # (B, n)
+
+
+def make_batch(seqs: list[Sequence], cols: list[int], final_cols: list[int] | None, max_len: int) -> Batch:
+    n = max(min(len(s.tokens), max_len) for s in seqs) - 1
+    B = len(seqs)
+    ids = np.zeros((B, n), np.int64)
+    labels = np.full((B, n), -1, np.int64)
+    feats = np.zeros((B, n, len(cols)), np.float32)
+    nxt = np.zeros((B, n, len(final_cols)), np.float32) if final_cols else None
+    for b, s in enumerate(seqs):
+        m = min(len(s.tokens), max_len)
+        t = s.tokens[:m]
+        ids[b, : m - 1] = t[1:]
+        j = np.arange(m - 2)
+        scored = j + 2 >= s.prompt_len
+        labels[b, : m - 2] = np.where(scored, t[2:], -1)
+        feats[b, : m - 1] = s.features[: m - 1][:, cols]
+        if nxt is not None:
+            nxt[b, : m - 1] = s.features[1:m][:, final_cols]
+    pos = np.broadcast_to(np.arange(n), (B, n)).copy()
+    return Batch(
+        torch.from_numpy(ids),
+        torch.from_numpy(feats),
+        torch.from_numpy(labels),
+        None if nxt is None else torch.from_numpy(nxt),
+        torch.from_numpy(pos),
+    )
+
+
+def ttt_mask(n: int, k: int) -> torch.Tensor:
+    """(n, k*n) bool: what entry j may read at unrolled step k (1-based): the target-fed entries
+    up to j-k+1, and of each step s = 2..k its entry j-k+s (the draft chain it sits on)."""
+    q = torch.arange(n)[:, None]
+    key = torch.arange(n)[None, :]
+    blocks = [key <= q - (k - 1)]
+    blocks += [key == q - (k - s) for s in range(2, k + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def unrolled(head: DraftHead, batch: Batch, steps: int):
+    """Per unrolled step: (hidden (B, n, C), the entries it scores (B, n) bool)."""
+    B, n = batch.ids.shape
+    past_k, past_v = head.empty_past(B)
+    from_draft = torch.zeros(B, n, dtype=torch.bool)
+    prev = torch.zeros(B, n, head.hc.target.hidden_size)
+    out = []
+    for k in range(1, steps + 1):
+        mask = ttt_mask(n, k).unsqueeze(0).expand(B, n, k * n)
+        h, key, value = head.body(batch.ids, batch.feats, prev, from_draft, batch.pos, mask, past_k, past_v)
+        scored = (batch.labels >= 0) & (torch.arange(n)[None, :] >= k - 1)
+        out.append((h, scored))
+        past_k, past_v = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
+        prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # own output, one position on
+        from_draft = torch.ones(B, n, dtype=torch.bool)
+    return out
+
+
+class Trainer:
+    def __init__(self, head: DraftHead, data: TrainingData, cfg: TrainConfig):
+        self.head, self.data, self.cfg = head, data, cfg
+        C = data.hidden_size
+        self.cols = feature_columns(data.target_layers, head.hc.layers, C)
+        self.final_cols = feature_columns(data.target_layers, (-1,), C) if head.hc.method == "eagle" else None
+        V = head.hc.target.vocab_size
+        self.t2d = torch.full((V,), -1, dtype=torch.int64)  # target id -> draft row (-1: outside)
+        self.t2d[head.draft_to_target] = torch.arange(head.hc.draft_vocab)
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.batches = self._plan(data.train)
+        self.held_batches = self._plan(data.held_out)
+        self.planned = max(1, math.ceil(cfg.epochs * len(self.batches)))
+        self.step = 0
+
+    def _plan(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Batches of sequence indices of similar length, at most batch_tokens padded tokens."""
+        order = sorted(range(len(seqs)), key=lambda i: (min(len(seqs[i].tokens), self.cfg.max_len), i))
+        out, cur, longest = [], [], 0
+        for i in order:
+            m = min(len(seqs[i].tokens), self.cfg.max_len)
+            if cur and max(longest, m) * (len(cur) + 1) > self.cfg.batch_tokens:
+                out.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, m)
+        if cur:
+            out.append(cur)
+        return out
+
+    def batch_order(self, epoch: int) -> list[int]:
+        return np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.batches)).tolist()
+
+    def lr_at(self, step: int) -> float:
+        if step < self.cfg.warmup:
+            return self.cfg.lr * (step + 1) / self.cfg.warmup
+        frac = (step - self.cfg.warmup) / max(1, self.planned - self.cfg.warmup)
+        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        total = torch.zeros(())
+        for k, (h, scored) in enumerate(unrolled(self.head, batch, self.cfg.steps), start=1):
+            labels = self.t2d[batch.labels.clamp(min=0)]
+            scored = scored & (labels >= 0)
+            if not scored.any():
+                continue
+            logits = self.head.project(h[scored])
+            ce = F.cross_entropy(logits, labels[scored])
+            if self.head.hc.method == "eagle":
+                reg = F.smooth_l1_loss(h[scored], batch.next_feats[scored])
+                step_loss = reg + 0.1 * ce
+            else:
+                step_loss = ce
+            total = total + STEP_WEIGHT ** (k - 1) * step_loss
+        return total
+
+    def train_step(self, batch: Batch) -> float:
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(self.step)
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 0.5)
+        self.opt.step()
+        self.step += 1
+        return loss.item()
+
+    @torch.no_grad()
+    def evaluate(self, steps: int | None = None) -> dict:
+        """Held-out loss, per-step top-1 acceptance and the greedy chain's expected accepted length."""
+        steps = steps or max(self.cfg.steps, 3)
+        hits, counts, losses = np.zeros(steps), np.zeros(steps), []
+        for idx in self.held_batches:
+            batch = self.batch_of(self.data.held_out, idx)
+            losses.append(float(self.loss(batch)))
+            for k, (h, scored) in enumerate(unrolled(self.head, batch, steps)):
+                if not scored.any():
+                    continue
+                top = self.head.draft_to_target[self.head.project(h[scored]).argmax(-1)]
+                hits[k] += int((top == batch.labels[scored]).sum())
+                counts[k] += int(scored.sum())
+        acc = hits / np.maximum(counts, 1)
+        return {
+            "loss": float(np.mean(losses)),
+            "acceptance": [round(float(a), 4) for a in acc],
+            "mean_accepted": round(float(1 + np.cumprod(acc).sum()), 4),
+        }
+
+    def batch_of(self, seqs: list[Sequence], idx: list[int]) -> Batch:
+        return make_batch([seqs[i] for i in idx], self.cols, self.final_cols, self.cfg.max_len)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        trainable = {n: p.detach().clone() for n, p in self.head.named_parameters() if p.requires_grad}
+        return {
+            "step": self.step,
+            "planned": self.planned,
+            "head": trainable,
+            "draft_to_target": self.head.draft_to_target.clone(),
+            "optimizer": self.opt.state_dict(),
+            "identity": self.identity(),
+        }
+
+    def identity(self) -> dict:
+        """What a checkpoint must match to be resumed."""
+        c = dataclasses.asdict(self.cfg)
+        c.pop("max_minutes")
+        return {"config": c, "data": self.data.data_hash, "head": self.head.hc.to_dict()}
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(self.state(), tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> None:
+        st = torch.load(path, weights_only=False)
+        if st["identity"] != self.identity():
+            raise SpecrtError(
+                f"{path} is a checkpoint of another training run (other data, method or settings); delete it "
+                "to start again, or give the same settings to resume"
+            )
+        with torch.no_grad():
+            params = dict(self.head.named_parameters())
+            for n, w in st["head"].items():
+                params[n].copy_(w)
+            self.head.draft_to_target.copy_(st["draft_to_target"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.step, self.planned = st["step"], st["planned"]
+
+
+def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftHead:
+    V = target.cfg.vocab_size
+    if cfg.method == "eagle":
+        hc = HeadConfig("eagle", target.cfg, (-1,), V)
+        return head_from_target(target, hc, None, cfg.seed)
+    from specrt.export.draft_head import eagle3_layers
+
+    size = min(cfg.draft_vocab or 8192, V)
+    ids = choose_draft_vocab(data.answer_token_counts(V), size, tuple(target.cfg.eos_token_id))
+    hc = HeadConfig("eagle3", target.cfg, eagle3_layers(target.cfg.num_hidden_layers), size)
+    return head_from_target(target, hc, ids, cfg.seed)
+
+
+def train_head(
+    target: LlamaModel, data: TrainingData, cfg: TrainConfig, out_dir: str | Path, progress: bool = True
+) -> tuple[DraftHead, dict]:
+    """Train (or resume training) a head in out_dir; returns the head and a report (losses,
+    held-out acceptance, time, data size). Stops early at cfg.max_minutes, checkpointed."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    head = new_head(target, data, cfg)
+    trainer = Trainer(head, data, cfg)
+    ckpt = out_dir / CHECKPOINT
+    if ckpt.is_file():
+        trainer.load(ckpt)
+    before = trainer.evaluate() if trainer.step == 0 else None
+    history = []
+    t0 = time.perf_counter()
+    bar = tqdm(
+        total=trainer.planned, initial=trainer.step, desc=f"train {cfg.method}", unit="step", disable=not progress
+    )
+    evaluation = before or trainer.evaluate()
+    stopped = "done"
+    head.train()
+    while trainer.step < trainer.planned:
+        epoch, within = divmod(trainer.step, len(trainer.batches))
+        batch = trainer.batch_of(data.train, trainer.batches[trainer.batch_order(epoch)[within]])
+        loss = trainer.train_step(batch)
+        history.append({"step": trainer.step, "loss": round(loss, 4)})
+        if trainer.step % cfg.eval_every == 0 or trainer.step == trainer.planned:
+            head.eval()
+            evaluation = trainer.evaluate()
+            head.train()
+            history[-1]["held_out"] = evaluation
+        if trainer.step % cfg.checkpoint_every == 0:
+            trainer.save(ckpt)
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{loss:.3f}", acc=f"{evaluation['acceptance'][0]:.3f}", accepted=f"{evaluation['mean_accepted']:.2f}"
+        )
+        if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+            stopped = "max_minutes"
+            break
+    bar.close()
+    head.eval()
+    trainer.save(ckpt)
+    final = trainer.evaluate()
+    report = {
+        "method": cfg.method,
+        "stopped": stopped,
+        "steps": trainer.step,
+        "planned_steps": trainer.planned,
+        "train_seconds": round(time.perf_counter() - t0, 1),
+        "train_sequences": len(data.train),
+        "held_out_sequences": len(data.held_out),
+        "train_tokens": int(sum(len(s.tokens) for s in data.train)),
+        "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data.train)),
+        "held_out_before": before,
+        "held_out": final,
+        "history": history,
+        "config": dataclasses.asdict(cfg),
+    }
+    if cfg.method == "eagle3":
+        counts = data.answer_token_counts(head.hc.target.vocab_size)
+        report["draft_vocab_coverage"] = round(float(counts[head.draft_to_target].sum() / max(1, counts.sum())), 4)
+    return head, report
