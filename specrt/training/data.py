@@ -80,7 +80,13 @@ def generate_answers(
     done, clean = _read(path)
     if not clean:  # drop the line an interruption cut short
         atomic_write_text(path, "".join(json.dumps(dataclasses.asdict(a)) + "\n" for a in done))
-    have = {a.id for a in done}
+    have = {a.id: a for a in done}
+    for p in prompts[:64]:  # the kept answers must answer these prompts (ids are positions in the set)
+        if p.id in have and have[p.id].prompt_ids != gen.encode_prompt(p.prompt, chat=True):
+            raise SpecrtError(
+                f"{path} answers other prompts than this prompt set (prompt {p.id} differs); delete it or use "
+                "another directory"
+            )
     todo = [p for p in prompts if p.id not in have]
     from tqdm import tqdm
 
@@ -103,6 +109,10 @@ def generate_answers(
     bar.close()
     order = {p.id: i for i, p in enumerate(prompts)}
     return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
+
+
+class FeatureCacheMismatch(SpecrtError):
+    """A feature directory holds the features of other sequences."""
 
 
 class FeatureCache:
@@ -139,7 +149,9 @@ def cache_features(
     done = 0
     if (directory / "index.json").is_file() and (directory / "features.npy").is_file():
         if json.loads((directory / "index.json").read_text()) != index:
-            raise SpecrtError(f"{directory} caches features of other sequences; delete it or choose another directory")
+            raise FeatureCacheMismatch(
+                f"{directory} caches features of other sequences; delete it or choose another directory"
+            )
         done = json.loads((directory / "done.json").read_text())["sequences"]
         array = np.lib.format.open_memmap(directory / "features.npy", mode="r+")
         if array.shape[1] != width:

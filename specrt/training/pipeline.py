@@ -1,0 +1,148 @@
+"""`specrt train-draft` as a function: data, training, export, engine, each step resumable.
+
+    report = train_draft(TrainDraftSpec(method="eagle3", checkpoint=CKPT, out=DIR, artifacts=ART))
+
+1. prompts    a seeded prompt set from text on this machine (training/prompts.py), the
+              benchmark's prompts held out; written to <data>/prompts.jsonl
+2. answers    the target's greedy answers, batched (training/data.py)
+3. features   the target's hidden states over prompt + answer, every layer any head reads
+4. training   the head (training/eagle.py), checkpointed, stopped at max_minutes
+5. export     <out>/head -> <out>/onnx (ORT parity checked) -> <out>/engines/ort-cpu
+
+The data directory is shared by every head of one target (make drafts trains EAGLE-3 then
+EAGLE-1 on the same answers); it records which prompts and target produced it and refuses to
+mix. Running again resumes each step where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+from specrt.artifacts import atomic_write_text
+from specrt.engines.head import build_head_engine
+from specrt.errors import SpecrtError
+from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.export.draft_head import save_head
+from specrt.export.head_graph import export_head
+from specrt.layout import HeadLayout, TrainingDataLayout
+from specrt.runtime.generator import Generator
+from specrt.training.data import FeatureCacheMismatch, cache_features, generate_answers
+from specrt.training.eagle import TrainConfig, TrainingData, train_head
+from specrt.training.prompts import build_prompt_set, write_prompt_set
+
+DATA_MANIFEST = "data.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainDraftSpec:
+    method: str
+    checkpoint: Path
+    out: Path
+    data: Path | None = None  # default: <out>/data
+    artifacts: Path | None = None  # the target's ORT engine makes the data (faster); default: PyTorch
+    prompts: int = 2000
+    seed: int = 0
+    max_new_tokens: int = 192
+    gen_batch: int = 16
+    hold_out: tuple[str, ...] = ()  # prompts never to train on (the benchmark's)
+    train: TrainConfig | None = None
+    progress: bool = True
+
+
+def target_generator(spec: TrainDraftSpec) -> Generator:
+    if spec.artifacts is not None:
+        from specrt.layout import ArtifactLayout
+
+        return Generator.from_engine(ArtifactLayout(spec.artifacts).ort_engine("cpu"), spec.checkpoint)
+    return Generator.from_checkpoint(spec.checkpoint)
+
+
+def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
+    layout = TrainingDataLayout(spec.data or Path(spec.out) / "data")
+    layout.root.mkdir(parents=True, exist_ok=True)
+    prompts = build_prompt_set(spec.prompts, spec.seed, exclude=spec.hold_out)
+    caps = gen.session.caps
+    # what fixes the data: prompt i is the same for any prompt count (the set is drawn in order
+    # from the seed), so a run may ask for more or fewer prompts and keeps the answers it has
+    identity = {
+        "prompt_source": {
+            "seed": spec.seed,
+            "python": platform.python_version(),  # the docstrings the prompts are made from
+            "hold_out": hashlib.sha256(json.dumps(list(spec.hold_out)).encode()).hexdigest(),
+        },
+        "max_new_tokens": spec.max_new_tokens,
+        "target": {"checkpoint_hash": caps.checkpoint_hash, "precision": caps.precision},
+        "hidden_layers": list(caps.hidden_layers),
+    }
+    marker = layout.root / DATA_MANIFEST
+    if marker.is_file():
+        recorded = json.loads(marker.read_text())
+        if recorded != identity:
+            changed = sorted(k for k in identity if recorded.get(k) != identity[k])
+            raise SpecrtError(
+                f"{layout.root} holds training data made with other settings ({', '.join(changed)}); give another "
+                "--data directory, or delete it to make the data again"
+            )
+    else:
+        atomic_write_text(marker, json.dumps(identity, indent=2) + "\n")
+    write_prompt_set(layout.prompts, prompts)
+    answers = generate_answers(
+        gen, prompts, layout.answers, spec.max_new_tokens, batch=spec.gen_batch, progress=spec.progress
+    )
+    try:
+        features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
+    except FeatureCacheMismatch:  # other answers (another prompt count): features are derived, redo them
+        shutil.rmtree(layout.features)
+        features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
+    return TrainingData.load(answers, features, caps.hidden_layers, gen.config.hidden_size)
+
+
+def train_draft(spec: TrainDraftSpec) -> dict:
+    """Run every step (resuming finished ones); returns the training report, also written to
+    <out>/head/training.json."""
+    t0 = time.perf_counter()
+    layout = HeadLayout(spec.out)
+    gen = target_generator(spec)
+    caps = gen.session.caps
+    if caps.checkpoint_hash != checkpoint_hash(spec.checkpoint):
+        raise SpecrtError(f"the target engine in {spec.artifacts} was not built from {spec.checkpoint}")
+    data = prepare_data(gen, spec)
+    data_seconds = time.perf_counter() - t0
+    del gen
+    target = load_model(spec.checkpoint)
+    cfg = spec.train or TrainConfig(spec.method)
+    if cfg.method != spec.method:
+        raise SpecrtError(f"training config for {cfg.method}, asked for {spec.method}")
+    head, report = train_head(target, data, cfg, layout.root, progress=spec.progress)
+    report |= {
+        "data_seconds_this_run": round(data_seconds, 1),
+        "data_hash": data.data_hash,
+        "target": {"checkpoint_hash": caps.checkpoint_hash, "precision": caps.precision},
+    }
+    save_head(head, layout.weights)
+    atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
+    build_draft(layout.root, spec.checkpoint, report)
+    report["total_seconds_this_run"] = round(time.perf_counter() - t0, 1)
+    atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def build_draft(draft_dir: str | Path, checkpoint: str | Path, report: dict | None = None) -> Path:
+    """Export a trained head (<dir>/head) to ONNX and build its ORT engine; the manifest names
+    the target precision its training features came from (training.json)."""
+    layout = HeadLayout(draft_dir)
+    if report is None:
+        if not layout.report.is_file():
+            raise SpecrtError(f"{layout.report} is missing; train the head with: specrt train-draft --out {draft_dir}")
+        report = json.loads(layout.report.read_text())
+    keys = ("steps", "train_sequences", "answer_tokens", "held_out", "data_hash")
+    summary = {k: report.get(k) for k in keys}
+    precision = report.get("target", {}).get("precision", "float32")
+    export_head(layout.weights, layout.onnx, checkpoint, precision, summary)
+    return build_head_engine(layout.onnx, layout.ort_engine("cpu"))
