@@ -409,14 +409,15 @@ def _engine_options(fn):
             "--draft",
             default="none",
             show_default=True,
-            type=click.Choice(["none", "ngram", "suffix", "eagle", "eagle3"]),
-            help="Draft method for speculative decoding (eagle, eagle3: a trained head, give --draft-dir).",
+            type=click.Choice(["none", "ngram", "suffix", "eagle", "eagle3", "hybrid"]),
+            help="Draft method for speculative decoding (eagle, eagle3: a trained head, give --draft-dir; hybrid: "
+            "suffix where its match is long, the head in --draft-dir elsewhere).",
         ),
         click.option(
             "--draft-dir",
             type=click.Path(path_type=Path),
             default=None,
-            help="--draft eagle/eagle3: the head's directory (specrt train-draft --out, or make drafts).",
+            help="--draft eagle/eagle3/hybrid: the head's directory (specrt train-draft --out, or make drafts).",
         ),
         click.option(
             "--draft-tree",

@@ -226,6 +226,18 @@ def test_greedy_eagle_equals_plain(head_dir, tree, ort_gen):
         assert m.drafted_tokens > m.steps  # trees of several nodes were verified
 
 
+def test_greedy_hybrid_equals_plain(ort_gen, tiny_checkpoint, tmp_path):
+    """The hybrid picks per row and step (from timings, so which one wins varies by machine);
+    whatever it picks, the output is plain greedy and every tree came from one of the two."""
+    layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64)
+    prompts = [[5, 9, 13, 21, 34] * 6, [77, 78]]
+    plain = ort_gen.generate_ids(prompts, 60)
+    prop = make_proposer("hybrid", draft_dir=layout.root, target=ort_gen.session.caps)
+    out = SpeculativeDecoder(ort_gen, prop, make_policy(6)).generate_ids(prompts, 60)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert prop.chosen["eagle"] > 0 and sum(prop.chosen.values()) >= out[0].metrics.steps
+
+
 @pytest.fixture(scope="module")
 def small_target(tmp_path_factory):
     """The chi-square model (vocab 8) as a checkpoint, so a head can be exported against it."""

@@ -91,8 +91,16 @@ class EagleProposer:
         self.length = np.zeros(B, np.int64)
 
     def propose(self, inp):
+        return self.draft(inp, self.catch_up(inp))
+
+    def catch_up(self, inp) -> dict:
+        """Feed the positions committed since each row's previous proposal (one call); returns
+        per row the root entry's (draft logits, hidden), from which `draft` goes on."""
+        return self._catch_up(inp)
+
+    def draft(self, inp, roots: dict) -> list[DraftTree]:
+        """Trees for inp.rows (a subset of the rows caught up is fine) from their roots."""
         try:
-            roots = self._catch_up(inp)
             if self.tree_shape is None:
                 trees = self._chains(inp, roots)
             else:
