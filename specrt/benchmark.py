@@ -43,6 +43,30 @@ class SpecBenchConfig:
     transformers: bool = True  # compare with transformers' prompt lookup and plain generate
     main_runs: bool = True  # False: only the speedup-vs-N sweep
     hf_lookup_tokens: int = 10
+    drafts: Path | None = None  # a `make drafts` directory: adds its heads (eagle/, eagle3/) and the hybrid
+    tree: tuple[int, int] = (4, 6)  # EAGLE-2 dynamic trees: top-k per node, depth (the node budget is N)
+    sweep: bool = True
+
+
+def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tuple[str, str, dict]]:
+    """(label, method, options) of the trained heads under cfg.drafts (N = auto each)."""
+    if cfg.drafts is None:
+        return []
+    from specrt.layout import HeadLayout
+
+    out = []
+    for label, method, head, tree in (
+        ("eagle chain", "eagle", "eagle", None),
+        ("eagle3 chain", "eagle3", "eagle3", None),
+        ("eagle3 tree", "eagle3", "eagle3", cfg.tree),
+        ("hybrid", "hybrid", "eagle3", cfg.tree),
+    ):
+        d = Path(cfg.drafts) / head
+        if not HeadLayout(d).ort_engine().is_dir():
+            log(f"skipped {label}: no head engine under {d} (make drafts)")
+            continue
+        out.append((label, method, {"draft_dir": d, **({"tree": tree} if tree else {})}))
+    return out
 
 
 def load_prompts(path: Path) -> list[dict]:
@@ -102,7 +126,8 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
             )
         return out[0, len(ids) :].tolist()
 
-    variants = [(m, n) for m in cfg.methods for n in (*cfg.fixed_n, "auto")]
+    variants = [(f"{m} N={n}", m, {}, n) for m in cfg.methods for n in (*cfg.fixed_n, "auto")]
+    variants += [(f"{label} N=auto", m, opts, "auto") for label, m, opts in head_variants(cfg, log)]
     runs = []  # one dict per (repeat, prompt, variant)
     for r in range(cfg.repeats if cfg.main_runs else 0):
         for pi, p in enumerate(prompts):
@@ -120,14 +145,18 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
                 }
             )
             line = [f"r{r + 1} #{pi + 1} {p['class']:<13} plain {len(plain.token_ids) / t_plain:5.1f} tok/s"]
-            for method, n in variants:
-                spec = SpeculativeDecoder(gen, make_proposer(method), make_policy(n))  # fresh: no cross-prompt memory
+            for label, method, opts, n in variants:
+                if opts:
+                    opts = {**opts, "target": gen.session.caps}
+                proposer = make_proposer(method, **opts)  # fresh: no cross-prompt memory
+                spec = SpeculativeDecoder(gen, proposer, make_policy(n))
                 res, t = timed(lambda: spec.generate_ids([ids], cfg.max_new_tokens)[0])
                 m = res.metrics
                 runs.append(
                     {
                         **base,
-                        "variant": f"{method} N={n}",
+                        "variant": label,
+                        "draft_share": m.draft_seconds / res.decode_seconds if res.decode_seconds else None,
                         "tokens": len(res.token_ids),
                         "seconds": t,
                         "decode_seconds": res.decode_seconds,
@@ -137,7 +166,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
                         "alpha": m.alpha,
                     }
                 )
-                line.append(f"{method}/{n} {t_plain / t:4.2f}x")
+                line.append(f"{label.removesuffix(' N=auto')}/{n} {t_plain / t:4.2f}x")
             if hf is not None:
                 for name, lookup in (("transformers prompt lookup", True), ("transformers plain", False)):
                     toks, t = timed(lambda: hf_generate(ids, lookup))
@@ -164,7 +193,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
     }
     per_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
     pred_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
-    for pi in sweep_prompts:
+    for pi in sweep_prompts if cfg.sweep else []:
         ids = gen.encode_prompt(prompts[pi]["prompt"])
         plain = gen.generate_ids([ids], cfg.max_new_tokens)[0]
         for n in cfg.sweep_n:
@@ -223,6 +252,9 @@ def summarize(runs: list[dict]) -> dict:
                 entry["decode_tokens_per_s"] = statistics.median(dps)
             if "mean_accepted_length" in sel[0]:
                 entry["mean_accepted_length"] = statistics.median(r["mean_accepted_length"] for r in sel)
+                entry["acceptance_rate"] = statistics.median(r["acceptance_rate"] for r in sel)
+            if sel[0].get("draft_share") is not None:
+                entry["draft_share"] = statistics.median(r["draft_share"] for r in sel)
             out[c][v] = entry
         plain = out[c]["plain"]
         for e in out[c].values():

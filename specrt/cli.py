@@ -734,15 +734,16 @@ def build_draft(draft_dir, checkpoint):
 
 
 @main.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
 @_friendly_errors
-def inspect(path: Path):
-    """Show what an artifact directory (or one artifact in it) holds, TensorRT profiles included,
-    and whether each artifact would load here; exit status 1 if any would be refused."""
+def inspect(paths: tuple[Path, ...]):
+    """Show what artifact directories hold (build-engines output, draft heads from train-draft or
+    make drafts, or single artifacts), TensorRT profiles included, and whether each would load
+    here; exit status 1 if any would be refused. E.g.: specrt inspect artifacts/M drafts/M"""
     from specrt.inspect import find_artifacts, inspect_artifact
 
     refused = 0
-    for p in find_artifacts(path):
+    for p in [a for path in paths for a in find_artifacts(path)]:
         r = inspect_artifact(p)
         click.echo(f"{r.path}  [{r.kind}]")
         for line in r.lines:
@@ -787,8 +788,31 @@ def inspect(path: Path):
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers baselines.")
 @click.option("--quick", is_flag=True, help="One repeat, 48 tokens, N in {2, 4}: a smoke run.")
 @click.option("--sweep-only", is_flag=True, help="Only the speedup-vs-N sweep and its plot.")
+@click.option("--no-sweep", is_flag=True, help="Skip the speedup-vs-N sweep.")
+@click.option(
+    "--fixed-n", default="4,8", show_default=True, help="Fixed draft lengths for ngram and suffix ('' for none)."
+)
+@click.option(
+    "--drafts",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A `make drafts` directory (drafts/MODEL): also run its EAGLE heads (chains, EAGLE-2 trees) and the hybrid.",
+)
 @_friendly_errors
-def bench(artifacts, checkpoint, prompts, out, max_new_tokens, repeats, no_transformers, quick, sweep_only):
+def bench(
+    artifacts,
+    checkpoint,
+    prompts,
+    out,
+    max_new_tokens,
+    repeats,
+    no_transformers,
+    quick,
+    sweep_only,
+    no_sweep,
+    fixed_n,
+    drafts,
+):
     """Benchmark speculative decoding on a prompt set: table, JSON and a speedup-vs-N plot."""
     from specrt.benchmark import SpecBenchConfig, format_table, run_spec_benchmark, write_results
     from specrt.layout import ArtifactLayout
@@ -802,6 +826,9 @@ def bench(artifacts, checkpoint, prompts, out, max_new_tokens, repeats, no_trans
         repeats=repeats,
         transformers=not no_transformers,
         main_runs=not sweep_only,
+        sweep=not no_sweep,
+        fixed_n=tuple(_parse_layers(fixed_n)) if fixed_n.strip() else (),
+        drafts=drafts,
     )
     if quick:
         cfg = dataclasses.replace(cfg, repeats=1, max_new_tokens=48, fixed_n=(4,), sweep_n=(2, 4))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from specrt.artifacts import MANIFEST
 from specrt.errors import SpecrtError
-from specrt.layout import ArtifactLayout
+from specrt.layout import ArtifactLayout, HeadLayout
 
 
 @dataclasses.dataclass
@@ -34,9 +34,21 @@ def _size(path: Path) -> str:
 
 def _check(manifest: dict, path: Path) -> str | None:
     """The loader's refusal for this artifact here, or None when it would load."""
+    from specrt.engines.head import HEAD_ENGINE_KIND, load_head_engine
     from specrt.engines.ort import ENGINE_KIND, read_engine_manifest
     from specrt.engines.trt import TRT_KIND, read_trt_manifest
+    from specrt.export.head_graph import HEAD_KIND, read_head_manifest
     from specrt.export.step_graph import ONNX_KIND, read_onnx_manifest, source_onnx_files
+
+    if manifest.get("kind") in (HEAD_KIND, HEAD_ENGINE_KIND):
+        try:
+            if manifest["kind"] == HEAD_KIND:
+                read_head_manifest(path, verify="full")
+            else:
+                load_head_engine(path, verify="full")
+        except SpecrtError as e:
+            return str(e)
+        return None
 
     try:
         onnx_files = source_onnx_files(manifest)
@@ -157,20 +169,44 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
             f"{manifest.get('workspace_mib')} MiB"
         )
         lines += _profiles(manifest)
+    elif kind in ("onnx-draft-head", "ort-draft-head"):
+        lines += _head(manifest)
     files = manifest.get("files")
     if isinstance(files, dict):
         lines.append(f"  files       {', '.join(files)} (sha256 checked in full)")
     return lines
 
 
+def _head(manifest: dict) -> list[str]:
+    h, t = manifest["head"], manifest["target"]
+    lines = [
+        f"  head        {h['method']}: reads target layers {h['layers']}, draft vocabulary {h['draft_vocab']}",
+        f"  target      checkpoint {t['checkpoint_hash'][:19]}…, trained against its {t['precision']} engine",
+    ]
+    held = (manifest.get("training") or {}).get("held_out")
+    if held:
+        lines.append(
+            f"  trained     {manifest['training'].get('steps')} steps on {manifest['training'].get('train_sequences')} "
+            f"answers; held-out acceptance per draft step {held['acceptance']}, expected accepted length "
+            f"{held['mean_accepted']:.2f}"
+        )
+    parity = manifest.get("ort_parity")
+    if parity:
+        lines.append(f"  parity      ONNX Runtime vs PyTorch: logits within {parity['logits_max_abs']:.1e}")
+    return lines
+
+
 def find_artifacts(path: str | Path) -> list[Path]:
-    """The artifact directories at `path`: itself, or onnx/ and engines/* under it."""
+    """The artifact directories at `path`: itself; onnx/ and engines/* under it (build-engines
+    output, or a draft head's directory); or those of each draft head under it (make drafts)."""
     path = Path(path)
     if not path.is_dir():
         raise SpecrtError(f"{path} is not a directory; give an artifact directory from: specrt build-engines --out DIR")
     if (path / MANIFEST).is_file():
         return [path]
-    found = ArtifactLayout(path).artifact_dirs()
+    found = ArtifactLayout(path).artifact_dirs() or [
+        a for sub in sorted(p for p in path.iterdir() if p.is_dir()) for a in HeadLayout(sub).artifact_dirs()
+    ]
     if not found:
         raise SpecrtError(
             f"{path} holds no specrt artifacts (no {MANIFEST} in it, in onnx/ or engines/*); create them with: "
