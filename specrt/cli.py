@@ -95,6 +95,18 @@ def _parse_layers(value: str) -> tuple[int, ...]:
         raise click.BadParameter(f"{value!r}: give comma-separated layer indices, e.g. -1 or 2,15,27") from None
 
 
+def _parse_fixed_n(value: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value.split(",")) if value.strip() else ()
+    except ValueError:
+        out = (-1,)
+    if any(n < 1 for n in out):
+        raise click.BadParameter(
+            f"{value!r}: give comma-separated draft lengths >= 1, e.g. 4,8", param_hint="--fixed-n"
+        )
+    return out
+
+
 @main.command()
 @click.option(
     "--model",
@@ -664,6 +676,13 @@ def serve(
 @click.option(
     "--max-minutes", default=None, type=FiniteFloat(0.0, lo_open=True), help="Stop training (checkpointed) after this."
 )
+@click.option(
+    "--tensorrt",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "off", "tensorrt", "tensorrt-rtx"]),
+    help="Also build the head's TensorRT engine (auto: when tensorrt or tensorrt_rtx is installed).",
+)
 @_friendly_errors
 def train_draft(
     method,
@@ -682,6 +701,7 @@ def train_draft(
     batch_tokens,
     seed,
     max_minutes,
+    tensorrt,
 ):
     """Train an EAGLE draft head on the target's own answers (self-distillation), then export it
     to ONNX and build its engine. Every step resumes where an interrupted run stopped."""
@@ -711,6 +731,7 @@ def train_draft(
         gen_batch=gen_batch,
         hold_out=benchmark_prompts(hold_out) if hold_out.is_file() else (),
         train=cfg,
+        tensorrt=tensorrt,
     )
     report = train_draft(spec)
     h = report["held_out"]
@@ -724,13 +745,21 @@ def train_draft(
 @main.command("build-draft")
 @click.option("--draft-dir", required=True, type=click.Path(path_type=Path), help="A train-draft output directory.")
 @click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
+@click.option(
+    "--tensorrt",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "off", "tensorrt", "tensorrt-rtx"]),
+    help="Also build the head's TensorRT engine (auto: when tensorrt or tensorrt_rtx is installed).",
+)
 @_friendly_errors
-def build_draft(draft_dir, checkpoint):
-    """Export a trained head to ONNX again and rebuild its engine (after an onnxruntime upgrade,
+def build_draft(draft_dir, checkpoint, tensorrt):
+    """Export a trained head to ONNX again and rebuild its engines (after an onnxruntime upgrade,
     or on another CPU)."""
     from specrt.training.pipeline import build_draft
 
-    click.echo(f"wrote {build_draft(draft_dir, checkpoint)}")
+    for d in build_draft(draft_dir, checkpoint, tensorrt=tensorrt):
+        click.echo(f"wrote {d}")
 
 
 @main.command()
@@ -827,7 +856,7 @@ def bench(
         transformers=not no_transformers,
         main_runs=not sweep_only,
         sweep=not no_sweep,
-        fixed_n=tuple(_parse_layers(fixed_n)) if fixed_n.strip() else (),
+        fixed_n=_parse_fixed_n(fixed_n),
         drafts=drafts,
     )
     if quick:

@@ -34,18 +34,21 @@ def _size(path: Path) -> str:
 
 def _check(manifest: dict, path: Path) -> str | None:
     """The loader's refusal for this artifact here, or None when it would load."""
-    from specrt.engines.head import HEAD_ENGINE_KIND, load_head_engine
+    from specrt.engines.head import HEAD_ENGINE_KIND, HEAD_TRT_KIND, load_head_engine, read_head_trt_manifest
     from specrt.engines.ort import ENGINE_KIND, read_engine_manifest
     from specrt.engines.trt import TRT_KIND, read_trt_manifest
     from specrt.export.head_graph import HEAD_KIND, read_head_manifest
     from specrt.export.step_graph import ONNX_KIND, read_onnx_manifest, source_onnx_files
 
-    if manifest.get("kind") in (HEAD_KIND, HEAD_ENGINE_KIND):
+    if manifest.get("kind") in (HEAD_KIND, HEAD_ENGINE_KIND, HEAD_TRT_KIND):
         try:
             if manifest["kind"] == HEAD_KIND:
                 read_head_manifest(path, verify="full")
-            else:
+            elif manifest["kind"] == HEAD_ENGINE_KIND:
                 load_head_engine(path, verify="full")
+            else:
+                read_head_trt_manifest(path, verify="full")
+                return _gpu_check(manifest, path)
         except SpecrtError as e:
             return str(e)
         return None
@@ -169,8 +172,13 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
             f"{manifest.get('workspace_mib')} MiB"
         )
         lines += _profiles(manifest)
-    elif kind in ("onnx-draft-head", "ort-draft-head"):
+    elif kind in ("onnx-draft-head", "ort-draft-head", "trt-draft-head"):
         lines += _head(manifest)
+        if kind == "trt-draft-head":
+            lines.append(f"  runtime     {manifest.get('flavour')} {manifest.get('tensorrt_version')}")
+            for p in manifest.get("profiles", []):
+                q = p["shapes"]["input_ids"]
+                lines.append(f"    profile {p['name']:<9} Q {q[0][1]}..{q[2][1]}, batch {q[0][0]}..{q[2][0]}")
     files = manifest.get("files")
     if isinstance(files, dict):
         lines.append(f"  files       {', '.join(files)} (sha256 checked in full)")

@@ -31,7 +31,7 @@ from test_speculative import SMALL, two_token_pvalue
 METHODS = ("eagle", "eagle3")
 
 
-def make_head_dir(checkpoint, method, out, draft_vocab=None, seed=0, precision="float32"):
+def make_head_dir(checkpoint, method, out, draft_vocab=None, seed=0, precision="float32", tensorrt="off"):
     """A head initialised from the target (untrained), exported and built in `out`."""
     target = load_model(checkpoint)
     cfg = target.cfg
@@ -46,7 +46,7 @@ def make_head_dir(checkpoint, method, out, draft_vocab=None, seed=0, precision="
     layout = HeadLayout(out)
     save_head(head, layout.weights)
     (layout.report).write_text(json.dumps({"target": {"precision": precision}}))
-    build_draft(out, checkpoint)
+    build_draft(out, checkpoint, tensorrt=tensorrt)
     return layout
 
 
@@ -299,3 +299,21 @@ def test_export_needs_a_trained_head(tmp_path, tiny_checkpoint):
 def test_target_backend_declares_its_features(tiny_checkpoint):
     backend = TorchBackend(load_model(tiny_checkpoint))
     assert backend.caps.hidden_layers == (0, 1, -1) and backend.caps.precision == "float32"
+
+
+def test_head_builds_a_tensorrt_rtx_engine_with_draft_profiles(tiny_checkpoint, tmp_path):
+    """TensorRT-RTX (installed with the test extra) parses the head's graph and builds an engine
+    with a draft and a catch-up profile; inspect checks it and says it needs a GPU to run."""
+    from specrt.engines.head import read_head_trt_manifest
+    from specrt.inspect import find_artifacts, inspect_artifact
+
+    layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64, tensorrt="tensorrt-rtx")
+    engine = layout.trt_engine("tensorrt-rtx")
+    m = read_head_trt_manifest(engine, verify="full")
+    assert [p["name"] for p in m["profiles"]] == ["draft", "catch-up"]
+    assert m["head"]["method"] == "eagle3" and [i["name"] for i in m["inputs"]] == list(HEAD_INPUTS)
+    found = find_artifacts(layout.root)
+    assert engine in found and layout.onnx in found and layout.ort_engine() in found
+    report = inspect_artifact(engine)
+    assert any("profile draft" in line for line in report.lines)
+    assert inspect_artifact(layout.ort_engine()).usable

@@ -1,4 +1,5 @@
-"""ONNX Runtime engines of draft heads: the head's graph optimized once, cached with a manifest.
+"""Engines of draft heads: ONNX Runtime (the head's graph optimized once, cached with a manifest)
+and TensorRT / TensorRT-RTX (a "draft" and a "catch-up" profile; running it needs a GPU).
 
 Like the target's engine (engines/ort.py): ORT's level-ALL optimizations saved to disk, the
 manifest carrying the head's facts (method, layers, draft vocabulary, the target it was trained
@@ -22,7 +23,10 @@ from specrt.artifacts import (
     write_manifest,
 )
 from specrt.engines.ort import PROVIDERS, OrtOptions, _check_provider_loaded, _ort, _provider_list, _session_options
+from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
+from specrt.engines.trt import TrtBuildSpec, build_serialized
 from specrt.errors import ArtifactError, ManifestMismatchError
+from specrt.export.draft_head import HEAD_INPUTS
 from specrt.export.head_graph import D2T_FILE, HEAD_FILE, read_draft_to_target, read_head_manifest
 
 HEAD_ENGINE_KIND = "ort-draft-head"
@@ -90,4 +94,89 @@ def load_head_engine(engine_dir: str | Path, options: OrtOptions | None = None, 
     return session, m, read_draft_to_target(engine_dir, m)
 
 
-__all__ = ["build_head_engine", "load_head_engine"]
+HEAD_TRT_KIND = "trt-draft-head"
+HEAD_ENGINE_FILE = "head.engine"
+
+
+def head_profiles(manifest: dict, shapes: EngineShapes) -> list[tuple[str, dict]]:
+    """The head's TensorRT profiles: "draft" (Q 1..max_verify: a chain token, a tree depth's
+    frontier, or the positions one verification committed) and "catch-up" (Q up to max_prefill:
+    the prompt, fed in chunks); the past holds the context plus one tree's draft entries."""
+    shapes.profiles()  # validates the numbers
+    cfg, F = manifest["config"], manifest["head"]["feature_width"]
+    C, Hkv, D = cfg["hidden_size"], cfg["num_key_value_heads"], cfg["head_dim"]
+    batch = Range(1, 1, shapes.max_batch)
+    past = Range(0, shapes.max_context // 2, shapes.max_context + shapes.max_verify)
+    out = []
+    for name, q in (
+        ("draft", Range(1, min(4, shapes.max_verify), shapes.max_verify)),
+        ("catch-up", Range(1, shapes.max_prefill // 2 or 1, shapes.max_prefill)),
+    ):
+        ProfileSpec(name, batch, q, past).validate()
+        kv = q + past
+
+        def triple(*dims):
+            return tuple(
+                tuple(getattr(d, k) if isinstance(d, Range) else d for d in dims) for k in ("min", "opt", "max")
+            )
+
+        ids, feats, own, from_draft, pos, mask, pk, pv = HEAD_INPUTS
+        out.append(
+            (
+                name,
+                {
+                    ids: triple(batch, q),
+                    feats: triple(batch, q, F),
+                    own: triple(batch, q, C),
+                    from_draft: triple(batch, q),
+                    pos: triple(batch, q),
+                    mask: triple(batch, q, kv),
+                    pk: triple(batch, Hkv, past, D),
+                    pv: triple(batch, Hkv, past, D),
+                },
+            )
+        )
+    return out
+
+
+def build_head_trt_engine(
+    onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSpec = TrtBuildSpec(), progress: bool = True
+) -> Path:
+    """A TensorRT / TensorRT-RTX engine of the head (profiles: head_profiles); running it needs a
+    GPU, building it does not with TensorRT-RTX."""
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    m = read_head_manifest(onnx_dir)
+    profiles = head_profiles(m, spec.shapes)
+    built = build_serialized(onnx_dir / HEAD_FILE, profiles, spec, progress)
+    with atomic_dir(out_dir) as tmp:
+        (tmp / HEAD_ENGINE_FILE).write_bytes(memoryview(built.serialized))
+        shutil.copyfile(onnx_dir / D2T_FILE, tmp / D2T_FILE)
+        write_manifest(
+            tmp,
+            HEAD_TRT_KIND,
+            {
+                **built.facts,
+                "onnx": {"path": str(onnx_dir.resolve()), "files": m["files"]},
+                **{k: m[k] for k in ("checkpoint", "config", "head", "target", "training")},
+                "profiles": [{"name": n, "shapes": {k: list(v) for k, v in s.items()}} for n, s in profiles],
+                "files": {n: file_sha256(tmp / n) for n in (HEAD_ENGINE_FILE, D2T_FILE)},
+            },
+        )
+    built.save_timing_cache()
+    return out_dir
+
+
+def read_head_trt_manifest(engine_dir: str | Path, verify: str = "auto") -> dict:
+    """The head's TensorRT engine manifest, its TensorRT version and files checked."""
+    from specrt.engines.trt import load_tensorrt
+
+    how = "specrt build-draft --draft-dir DIR --model CHECKPOINT --tensorrt auto"
+    m = read_manifest(engine_dir, HEAD_TRT_KIND, how, {"head": dict, "target": dict, "flavour": str})
+    installed = load_tensorrt(m["flavour"])[1].__version__
+    if installed != m.get("tensorrt_version"):
+        raise ManifestMismatchError(
+            f"head engine {engine_dir} was built with {m['flavour']} {m.get('tensorrt_version')}, {installed} is "
+            f"installed; rebuild it with: {how}"
+        )
+    check_files(engine_dir, m, (HEAD_ENGINE_FILE, D2T_FILE), how, verify)
+    return m

@@ -111,15 +111,56 @@ def _parse_onnx(trt, builder, logger, onnx_path: Path):
 def build_trt_engine(
     onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSpec = TrtBuildSpec(), progress: bool = True
 ) -> Path:
-    """Build a TensorRT engine with the verify and prefill profiles; returns out_dir."""
+    """Build a TensorRT engine of the step graph with the verify and prefill profiles; returns out_dir."""
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     onnx_manifest = read_onnx_manifest(onnx_dir)
     cfg = onnx_manifest["config"]
     profiles = spec.shapes.profiles()  # validated before TensorRT is touched
+    shapes = [
+        (p.name, p.shapes(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])) for p in profiles
+    ]
+    built = build_serialized(onnx_dir / ONNX_FILE, shapes, spec, progress)
+    with atomic_dir(out_dir) as tmp:
+        (tmp / ENGINE_FILE).write_bytes(memoryview(built.serialized))
+        write_manifest(
+            tmp,
+            TRT_KIND,
+            {
+                **built.facts,
+                "onnx": {"path": str(onnx_dir.resolve()), "files": onnx_manifest["files"]},
+                "checkpoint": onnx_manifest["checkpoint"],
+                "config": cfg,
+                "hidden_layers": onnx_manifest["hidden_layers"],
+                "profiles": [dataclasses.asdict(p) for p in profiles],
+                "files": {ENGINE_FILE: file_sha256(tmp / ENGINE_FILE)},
+            },
+        )
+    built.save_timing_cache()
+    return out_dir
+
+
+@dataclasses.dataclass
+class Built:
+    """A serialized engine and the facts every TensorRT manifest records about its build."""
+
+    serialized: object
+    facts: dict
+    timing_cache: object
+    timing_cache_path: Path | None
+
+    def save_timing_cache(self) -> None:
+        if self.timing_cache is not None:
+            self.timing_cache_path.parent.mkdir(parents=True, exist_ok=True)
+            self.timing_cache_path.write_bytes(memoryview(self.timing_cache.serialize()))
+
+
+def build_serialized(onnx_file: Path, shapes: list[tuple[str, dict]], spec: TrtBuildSpec, progress: bool) -> Built:
+    """Parse `onnx_file` into a strongly typed network and build it with one optimization profile
+    per (name, {input: (min, opt, max) shape}); the one build path of every TensorRT engine."""
     flavour, trt = load_tensorrt(spec.flavour)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network, _parser = _parse_onnx(trt, builder, logger, onnx_dir / ONNX_FILE)
+    network, _parser = _parse_onnx(trt, builder, logger, onnx_file)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, spec.workspace_mib << 20)
     targets = []
@@ -144,46 +185,28 @@ def build_trt_engine(
     monitor = _progress_monitor(trt, progress)
     if monitor is not None:
         config.progress_monitor = monitor
-    for p in profiles:
+    for name, profile in shapes:
         prof = builder.create_optimization_profile()
-        for name, (mn, opt, mx) in p.shapes(
-            cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
-        ).items():
-            prof.set_shape(name, mn, opt, mx)
+        for tensor, (mn, opt, mx) in profile.items():
+            prof.set_shape(tensor, mn, opt, mx)
         if config.add_optimization_profile(prof) < 0:
-            raise SpecrtError(f"TensorRT rejected the {p.name} profile {p}; check the engine shapes.")
+            raise SpecrtError(f"TensorRT rejected the {name} profile {profile}; check the engine shapes.")
     t0 = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise ArtifactError(f"TensorRT failed to build an engine from {onnx_dir / ONNX_FILE} (see the log above).")
-    build_s = time.perf_counter() - t0
-    with atomic_dir(out_dir) as tmp:
-        (tmp / ENGINE_FILE).write_bytes(memoryview(serialized))
-        write_manifest(
-            tmp,
-            TRT_KIND,
-            {
-                "flavour": flavour,
-                "tensorrt_version": trt.__version__,
-                "compute_capabilities": targets or ["library default"],
-                "build_gpu": _build_gpu() if flavour == "tensorrt" else None,  # full TensorRT builds for this GPU only
-                "onnx": {"path": str(onnx_dir.resolve()), "files": onnx_manifest["files"]},
-                "checkpoint": onnx_manifest["checkpoint"],
-                "config": cfg,
-                "hidden_layers": onnx_manifest["hidden_layers"],
-                "profiles": [dataclasses.asdict(p) for p in profiles],
-                "inputs": [_io(network.get_input(i)) for i in range(network.num_inputs)],
-                "outputs": [_io(network.get_output(i)) for i in range(network.num_outputs)],
-                "workspace_mib": spec.workspace_mib,
-                "files": {ENGINE_FILE: file_sha256(tmp / ENGINE_FILE)},
-                "build_seconds": round(build_s, 2),
-                "versions": package_versions("onnx"),
-            },
-        )
-    if timing_cache is not None:
-        spec.timing_cache.parent.mkdir(parents=True, exist_ok=True)
-        spec.timing_cache.write_bytes(memoryview(timing_cache.serialize()))
-    return out_dir
+        raise ArtifactError(f"TensorRT failed to build an engine from {onnx_file} (see the log above).")
+    facts = {
+        "flavour": flavour,
+        "tensorrt_version": trt.__version__,
+        "compute_capabilities": targets or ["library default"],
+        "build_gpu": _build_gpu() if flavour == "tensorrt" else None,  # full TensorRT builds for this GPU only
+        "inputs": [_io(network.get_input(i)) for i in range(network.num_inputs)],
+        "outputs": [_io(network.get_output(i)) for i in range(network.num_outputs)],
+        "workspace_mib": spec.workspace_mib,
+        "build_seconds": round(time.perf_counter() - t0, 2),
+        "versions": package_versions("onnx"),
+    }
+    return Built(serialized, facts, timing_cache, spec.timing_cache)
 
 
 def _build_gpu() -> dict | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from specrt.artifacts import atomic_write_text
 from specrt.engines.head import build_head_engine
+from specrt.engines.trt import available_flavours
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.draft_head import save_head
@@ -52,6 +53,7 @@ class TrainDraftSpec:
     gen_batch: int = 16
     hold_out: tuple[str, ...] = ()  # prompts never to train on (the benchmark's)
     train: TrainConfig | None = None
+    tensorrt: str = "auto"  # also build a TensorRT(-RTX) engine of the head when installed ("off": don't)
     progress: bool = True
 
 
@@ -127,15 +129,19 @@ def train_draft(spec: TrainDraftSpec) -> dict:
     }
     save_head(head, layout.weights)
     atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
-    build_draft(layout.root, spec.checkpoint, report)
+    build_draft(layout.root, spec.checkpoint, report, spec.tensorrt)
     report["total_seconds_this_run"] = round(time.perf_counter() - t0, 1)
     atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
     return report
 
 
-def build_draft(draft_dir: str | Path, checkpoint: str | Path, report: dict | None = None) -> Path:
-    """Export a trained head (<dir>/head) to ONNX and build its ORT engine; the manifest names
-    the target precision its training features came from (training.json)."""
+def build_draft(
+    draft_dir: str | Path, checkpoint: str | Path, report: dict | None = None, tensorrt: str = "auto"
+) -> list[Path]:
+    """Export a trained head (<dir>/head) to ONNX and build its ORT engine, and its TensorRT /
+    TensorRT-RTX engine when one is installed (tensorrt: auto, off, or a flavour); the manifest
+    names the target precision its training features came from (training.json). Returns the
+    engine directories."""
     layout = HeadLayout(draft_dir)
     if report is None:
         if not layout.report.is_file():
@@ -145,4 +151,11 @@ def build_draft(draft_dir: str | Path, checkpoint: str | Path, report: dict | No
     summary = {k: report.get(k) for k in keys}
     precision = report.get("target", {}).get("precision", "float32")
     export_head(layout.weights, layout.onnx, checkpoint, precision, summary)
-    return build_head_engine(layout.onnx, layout.ort_engine("cpu"))
+    built = [build_head_engine(layout.onnx, layout.ort_engine("cpu"))]
+    if tensorrt != "off" and (tensorrt != "auto" or available_flavours()):
+        from specrt.engines.head import build_head_trt_engine
+        from specrt.engines.trt import TrtBuildSpec, load_tensorrt
+
+        flavour = load_tensorrt(tensorrt)[0]
+        built.append(build_head_trt_engine(layout.onnx, layout.trt_engine(flavour), TrtBuildSpec(flavour=flavour)))
+    return built
