@@ -172,9 +172,9 @@ class EagleProposer:
     def _trees(self, inp, roots):
         top_k, depth = self.tree_shape
         conf = CONFIDENCE if inp.sampling.greedy else inp.sampling
-        builders = {
-            b: TreeBuilder(probs_from_logits(self._full(roots[b][0]), conf), top_k, inp.max_tokens) for b in inp.rows
-        }
+        # trees grow in draft-vocabulary ids (a softmax over the draft vocabulary only: the rest
+        # has probability 0), mapped to target ids when fed back and at the end
+        builders = {b: TreeBuilder(probs_from_logits(roots[b][0], conf), top_k, inp.max_tokens) for b in inp.rows}
         node_hidden = {b: {-1: roots[b][1]} for b in inp.rows}  # candidate -> hidden of its entry
         node_slot = {b: {-1: None} for b in inp.rows}
         for _ in range(min(depth, inp.max_tokens) - 1):
@@ -194,16 +194,20 @@ class EagleProposer:
                         p = cands[p].parent
                     visible = list(range(committed)) + ancestors[::-1]
                     pos = committed - 1 + c.depth
-                    entries[b].append((c.token, None, node_hidden[b][c.parent], pos, visible, "self"))
+                    token = int(self.d2t[c.token])
+                    entries[b].append((token, None, node_hidden[b][c.parent], pos, visible, "self"))
             out = self._run(entries, keep=True)
             for b in inp.rows:
                 probs = {}
                 for i, n in enumerate(frontier[b]):
                     node_slot[b][n] = self._last_slots[b][i]
                     node_hidden[b][n] = out[b][1][i]
-                    probs[n] = probs_from_logits(self._full(out[b][0][i]), conf)
+                    probs[n] = probs_from_logits(out[b][0][i], conf)
                 builders[b].expand(probs)
-        return [builders[b].tree() for b in inp.rows]
+        trees = [builders[b].tree() for b in inp.rows]
+        for t in trees:
+            t.tokens = self.d2t[t.tokens]
+        return trees
 
     def _full(self, logits: np.ndarray) -> np.ndarray:
         """Draft-vocabulary logits over the target vocabulary (-inf outside)."""
