@@ -31,15 +31,18 @@ from test_speculative import SMALL, two_token_pvalue
 METHODS = ("eagle", "eagle3")
 
 
-def make_head_dir(checkpoint, method, out, draft_vocab=None, seed=0, precision="float32", tensorrt="off"):
-    """A head initialised from the target (untrained), exported and built in `out`."""
+def make_head_dir(
+    checkpoint, method, out, draft_vocab=None, seed=0, precision="float32", tensorrt="off", lowest_ids=False
+):
+    """A head initialised from the target (untrained), exported and built in `out`; an EAGLE-3
+    draft vocabulary of random ids (EOS included), or the lowest ids (BPE's most frequent)."""
     target = load_model(checkpoint)
     cfg = target.cfg
     if method == "eagle":
         hc, ids = HeadConfig("eagle", cfg, (-1,), cfg.vocab_size), None
     else:
         n = draft_vocab or cfg.vocab_size
-        ids = np.random.default_rng(seed).permutation(cfg.vocab_size)[:n]
+        ids = np.arange(n) if lowest_ids else np.random.default_rng(seed).permutation(cfg.vocab_size)[:n]
         ids = np.unique(np.concatenate([[2], ids]))[:n]  # EOS kept, as training does
         hc = HeadConfig("eagle3", cfg, eagle3_layers(cfg.num_hidden_layers), n)
     head = head_from_target(target, hc, ids, seed)

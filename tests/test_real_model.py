@@ -119,3 +119,25 @@ def test_greedy_speculative_equals_plain_on_default_model(ort_gen, method):
         r = SpeculativeDecoder(ort_gen, make_proposer(method), make_policy(num_draft)).generate_ids([ids], 64)[0]
         assert r.token_ids == plain, (method, num_draft)
         assert r.metrics.accepted_tokens > 0
+
+
+def test_eagle3_head_on_default_model(ort_gen, real_model_dir, tmp_path):
+    """An EAGLE-3 head for the default model (untrained: initialised from the target, which is
+    what training starts from) reads layers 2, 15 and 27 from the real engine's hidden states,
+    exports with ORT parity, and keeps greedy output equal to plain, with chains and trees; the
+    head initialised from the target already drafts tokens the target accepts."""
+    from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    from test_eagle import make_head_dir
+
+    layout = make_head_dir(real_model_dir, "eagle3", tmp_path / "eagle3", draft_vocab=8192, lowest_ids=True)
+    ids = [ort_gen.encode_prompt(p) for p in PROMPTS[:2]]
+    plain = [r.token_ids for r in ort_gen.generate_ids(ids, 32)]
+    accepted = 0
+    for tree in (None, (4, 4)):
+        prop = make_proposer("eagle3", draft_dir=layout.root, target=ort_gen.session.caps, tree=tree)
+        out = SpeculativeDecoder(ort_gen, prop, make_policy(5)).generate_ids(ids, 32)
+        assert [r.token_ids for r in out] == plain, tree
+        accepted += out[0].metrics.accepted_tokens
+    assert accepted > 0
