@@ -193,7 +193,9 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
     }
     per_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
     pred_n: dict[int, list[float]] = {n: [] for n in cfg.sweep_n}
-    for pi in sweep_prompts if cfg.sweep else []:
+    if not cfg.sweep:
+        sweep_prompts = []
+    for pi in sweep_prompts:
         ids = gen.encode_prompt(prompts[pi]["prompt"])
         plain = gen.generate_ids([ids], cfg.max_new_tokens)[0]
         for n in cfg.sweep_n:

@@ -78,7 +78,7 @@ class EagleProposer:
         self.length = np.zeros(0, np.int64)  # per row: target-fed entries in the head's cache
         self._used: dict[int, int] = {}  # per row, during a proposal: slots used, draft entries included
         self._last_slots: dict[int, list[int]] = {}  # per row: the slots the last call wrote
-        self.calls = 0  # head forwards (for the benchmark's draft time share)
+        self.calls = 0  # head forwards
 
     # -- the proposer contract ------------------------------------------------------------
 
@@ -92,11 +92,6 @@ class EagleProposer:
 
     def propose(self, inp):
         return self.draft(inp, self.catch_up(inp))
-
-    def catch_up(self, inp) -> dict:
-        """Feed the positions committed since each row's previous proposal (one call); returns
-        per row the root entry's (draft logits, hidden), from which `draft` goes on."""
-        return self._catch_up(inp)
 
     def draft(self, inp, roots: dict) -> list[DraftTree]:
         """Trees for inp.rows (a subset of the rows caught up is fine) from their roots."""
@@ -118,8 +113,9 @@ class EagleProposer:
 
     # -- drafting -------------------------------------------------------------------------
 
-    def _catch_up(self, inp) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Feed every newly committed position; per row (draft logits, hidden) at the root's entry."""
+    def catch_up(self, inp) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Feed the positions committed since each row's previous proposal (one batched call);
+        returns per row the root entry's (draft logits, hidden), from which `draft` goes on."""
         entries = {}
         for b, ctx, feats in zip(inp.rows, inp.contexts, inp.features):
             committed = len(ctx) - 1
