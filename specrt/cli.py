@@ -353,7 +353,8 @@ def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
         return {}
     if draft_dir is None:
         raise click.UsageError(
-            f"--draft {draft} needs --draft-dir DIR: a head from `make drafts` (drafts/{draft}) or `specrt train-draft`"
+            f"--draft {draft} needs --draft-dir DIR: a head from `make drafts` (e.g. "
+            "drafts/SmolLM2-135M-Instruct/eagle3) or `specrt train-draft`"
         )
     options = {"draft_dir": draft_dir, "target": gen.session.caps}
     if draft_tree != "chain":

@@ -204,6 +204,13 @@ def _head(manifest: dict) -> list[str]:
     return lines
 
 
+def _kind(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / MANIFEST).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def find_artifacts(path: str | Path) -> list[Path]:
     """The artifact directories at `path`: itself; onnx/ and engines/* under it (build-engines
     output, or a draft head's directory); or those of each draft head under it (make drafts)."""
@@ -212,9 +219,10 @@ def find_artifacts(path: str | Path) -> list[Path]:
         raise SpecrtError(f"{path} is not a directory; give an artifact directory from: specrt build-engines --out DIR")
     if (path / MANIFEST).is_file():
         return [path]
-    found = ArtifactLayout(path).artifact_dirs() or [
-        a for sub in sorted(p for p in path.iterdir() if p.is_dir()) for a in HeadLayout(sub).artifact_dirs()
-    ]
+    found = ArtifactLayout(path).artifact_dirs()
+    if not found:  # a `make drafts` directory: one head per subdirectory
+        heads = [d for d in sorted(path.iterdir()) if d.is_dir() and _kind(HeadLayout(d).onnx) == "onnx-draft-head"]
+        found = [a for d in heads for a in HeadLayout(d).artifact_dirs()]
     if not found:
         raise SpecrtError(
             f"{path} holds no specrt artifacts (no {MANIFEST} in it, in onnx/ or engines/*); create them with: "

@@ -279,3 +279,27 @@ def test_error_during_a_progress_bar_gets_its_own_line(tiny_checkpoint, tmp_path
     lines = r.stderr.replace("\r", "\n").strip().splitlines()
     assert "export:" in r.stderr  # the bar was drawn
     assert lines[-1].startswith("Error: ") and "num_attention_heads must be a positive integer" in lines[-1]
+
+
+def test_train_draft_then_generate_with_it(tiny_checkpoint, tiny_artifacts, tmp_path):
+    """The whole command on a tiny model: data, training, export and engine; then generate and
+    inspect use the head; the output equals plain greedy; a missing --draft-dir is a usage error."""
+    out = tmp_path / "eagle3"
+    args = ["train-draft", "--method", "eagle3", "--model", str(tiny_checkpoint), "--out", str(out)]
+    args += ["--artifacts", str(tiny_artifacts), "--prompts", "12", "--max-new-tokens", "8", "--epochs", "1"]
+    args += ["--draft-vocab", "64", "--tensorrt", "off", "--hold-out", str(tmp_path / "none.jsonl")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert "eagle3 head in" in r.output and "held-out acceptance per draft step" in r.output
+    assert (out / "engines" / "ort-cpu" / "manifest.json").is_file() and (out / "head" / "training.json").is_file()
+    common = ["generate", "--artifacts", str(tiny_artifacts), "--prompt", "w5 w6 w7", "--max-new-tokens", "12"]
+    plain = CliRunner().invoke(main, common)
+    spec = CliRunner().invoke(main, [*common, "--draft", "eagle3", "--draft-dir", str(out), "--draft-tree", "2,3"])
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert spec.stdout.splitlines()[0] == plain.stdout.splitlines()[0]
+    r = CliRunner().invoke(main, [*common, "--draft", "eagle3"])
+    assert r.exit_code == 2 and "needs --draft-dir" in r.output
+    r = CliRunner().invoke(main, [*common, "--draft", "eagle3", "--draft-dir", str(out), "--draft-tree", "x"])
+    assert r.exit_code == 2 and "TOP_K,DEPTH" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert "[onnx-draft-head]" in r.output and "[ort-draft-head]" in r.output and r.exit_code == 0
