@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from specrt.artifacts import atomic_write_text
 from specrt.errors import SpecrtError
-from specrt.export.config import ModelConfig, rope_inv_freq
-from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm
+from specrt.export.config import ModelConfig
+from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
 
 METHODS = ("eagle", "eagle3")
 
@@ -173,11 +175,7 @@ class DraftHead(nn.Module):
         if hc.method == "eagle":
             self.lm_head.weight.requires_grad_(False)  # the target's head, shared and frozen
         self.register_buffer("draft_to_target", torch.arange(hc.draft_vocab, dtype=torch.int64))
-        inv = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64).to(torch.float32)
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def rope(self, position_ids):
-        return LlamaModel.rope(self, position_ids)  # the target's rotary embedding
+        self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)  # the target's rotary embedding
 
     def forward(self, input_ids, features, draft_hidden, from_draft, position_ids, attention_mask, past_k, past_v):
         """See HEAD_INPUTS / HEAD_OUTPUTS. Returns logits (B, Q, Vd), hidden (B, Q, C), and the
@@ -198,11 +196,11 @@ class DraftHead(nn.Module):
             x = self.fc(torch.cat([emb, feat], dim=-1))
         else:
             x = torch.where(from_draft.unsqueeze(-1), draft_hidden, self.fc(features))
-        cos, sin = self.rope(position_ids)
-        mask_bias = torch.where(attention_mask, 0.0, torch.finfo(x.dtype).min).unsqueeze(1)
+        cos, sin = rotary(position_ids, self.inv_freq)
+        bias = mask_bias(attention_mask, x.dtype)
         if self.hc.method == "eagle":  # EAGLE-1 regresses the target's normed feature: no final norm
-            return self.layer(x, cos, sin, mask_bias, past_k, past_v)
-        return self.layer(emb, x, cos, sin, mask_bias, past_k, past_v)
+            return self.layer(x, cos, sin, bias, past_k, past_v)
+        return self.layer(emb, x, cos, sin, bias, past_k, past_v)
 
     def empty_past(self, batch: int):
         cfg = self.hc.target
@@ -253,8 +251,10 @@ def save_head(head: DraftHead, directory: str | Path, extra: dict | None = None)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_FILE))
-    (directory / CONFIG_FILE).write_text(json.dumps({**head.hc.to_dict(), **(extra or {})}, indent=2) + "\n")
+    tmp = directory / (WEIGHTS_FILE + ".tmp")  # a run killed while saving leaves the last head whole
+    save_file(state, str(tmp))
+    os.replace(tmp, directory / WEIGHTS_FILE)
+    atomic_write_text(directory / CONFIG_FILE, json.dumps({**head.hc.to_dict(), **(extra or {})}, indent=2) + "\n")
 
 
 def load_head(directory: str | Path) -> DraftHead:
@@ -267,13 +267,6 @@ def load_head(directory: str | Path) -> DraftHead:
     head = DraftHead(hc)
     head.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
     return head.eval()
-
-
-def head_logits_to_target(logits: torch.Tensor, head: DraftHead) -> torch.Tensor:
-    """Draft-vocabulary logits spread over the target vocabulary (-inf outside the draft's)."""
-    out = torch.full((*logits.shape[:-1], head.hc.target.vocab_size), float("-inf"), dtype=logits.dtype)
-    out[..., head.draft_to_target] = logits
-    return out
 
 
 __all__ = [

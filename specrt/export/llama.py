@@ -29,6 +29,24 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
+def inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary embedding's inverse frequencies (computed in float64, kept in float32)."""
+    return torch.tensor(rope_inv_freq(cfg), dtype=torch.float64).to(torch.float32)
+
+
+def rotary(position_ids, inv_freq):
+    """(cos, sin), each (B, 1, Q, D), for positions (B, Q)."""
+    freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # (B, Q, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, Q, D)
+    return emb.cos(), emb.sin()
+
+
+def mask_bias(attention_mask, dtype):
+    """(B, 1, Q, P+Q) additive bias of a boolean mask (B, Q, P+Q): 0 where attention is allowed,
+    the most negative float elsewhere."""
+    return torch.where(attention_mask, 0.0, torch.finfo(dtype).min).unsqueeze(1)
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -107,13 +125,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64).to(torch.float32)
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def rope(self, position_ids):
-        freqs = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # (B, Q, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, Q, D)
-        return emb.cos(), emb.sin()
+        self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
 
     def forward(self, input_ids, position_ids, attention_mask, past_key_values, logits_index=None):
         """input_ids, position_ids: (B, Q) int64; attention_mask: (B, Q, P+Q) bool;
@@ -123,13 +135,12 @@ class LlamaModel(nn.Module):
         Returns logits (B, K, V), hidden_states (B, Q, C * len(hidden_layers)) and
         present: list of (key, value), each (B, Hkv, Q, D) for the Q new positions only."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope(position_ids)
-        # additive bias: 0 where attention is allowed, the most negative float elsewhere
-        mask_bias = torch.where(attention_mask, 0.0, torch.finfo(x.dtype).min).unsqueeze(1)  # (B, 1, Q, P+Q)
+        cos, sin = rotary(position_ids, self.inv_freq)
+        bias = mask_bias(attention_mask, x.dtype)
         present, taps = [], {}
         for i, layer in enumerate(self.layers):
             past_k, past_v = past_key_values[i]
-            x, k, v = layer(x, cos, sin, mask_bias, past_k, past_v)
+            x, k, v = layer(x, cos, sin, bias, past_k, past_v)
             present.append((k, v))
             taps[i] = x
         normed = self.norm(x)
