@@ -22,32 +22,27 @@ from specrt.artifacts import (
     read_manifest,
     write_manifest,
 )
-from specrt.engines.ort import PROVIDERS, OrtOptions, _check_provider_loaded, _ort, _provider_list, _session_options
-from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
+from specrt.engines.ort import OrtOptions, check_built_here, open_optimized, optimizing_session
+from specrt.engines.profiles import EngineShapes, ProfileSpec, Range, triple
 from specrt.engines.trt import TrtBuildSpec, build_serialized
-from specrt.errors import ArtifactError, ManifestMismatchError
+from specrt.errors import ManifestMismatchError
 from specrt.export.draft_head import HEAD_INPUTS
 from specrt.export.head_graph import D2T_FILE, HEAD_FILE, read_draft_to_target, read_head_manifest
 
 HEAD_ENGINE_KIND = "ort-draft-head"
 OPT_FILE, OPT_DATA = "head.opt.onnx", "head.opt.onnx.data"
-HOW_TO_BUILD = "specrt build-draft --draft-dir DIR"
+HOW_TO_BUILD = "specrt build-draft --draft-dir DIR --model CHECKPOINT"
 MANIFEST_FIELDS = {"head": dict, "target": dict, "provider": str, "host_cpu": str, "versions": dict}
 
 
 def build_head_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOptions = OrtOptions()) -> Path:
-    ort = _ort()
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     m = read_head_manifest(onnx_dir, verify="full")
     with atomic_dir(out_dir) as tmp:
-        so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-        so.optimized_model_filepath = str(tmp / OPT_FILE)
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)
-        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        so.log_severity_level = 3  # the CPU-specific-kernels warning: the manifest records the CPU instead
         t0 = time.perf_counter()
-        session = ort.InferenceSession(str(onnx_dir / HEAD_FILE), so, providers=_provider_list(options.provider))
-        active = _check_provider_loaded(session, options.provider)
+        session, active = optimizing_session(
+            onnx_dir / HEAD_FILE, tmp / OPT_FILE, OPT_DATA, options, f"re-export the head with: {HOW_TO_BUILD}"
+        )
         del session
         shutil.copyfile(onnx_dir / D2T_FILE, tmp / D2T_FILE)
         write_manifest(
@@ -68,29 +63,11 @@ def build_head_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpt
 
 def load_head_engine(engine_dir: str | Path, options: OrtOptions | None = None, verify: str = "auto"):
     """(session, manifest, draft_to_target) of a built head engine, its manifest and files checked."""
-    ort = _ort()
     engine_dir = Path(engine_dir)
     m = read_manifest(engine_dir, HEAD_ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
-    installed = package_versions("onnxruntime")["onnxruntime"]
-    if m["versions"].get("onnxruntime") != installed:
-        raise ManifestMismatchError(
-            f"head engine {engine_dir} was optimized by onnxruntime {m['versions'].get('onnxruntime')}, {installed} is "
-            f"installed; rebuild it with: {HOW_TO_BUILD}"
-        )
-    if m["provider"] == PROVIDERS["cpu"] and m["host_cpu"] != cpu_model():
-        raise ManifestMismatchError(
-            f"head engine {engine_dir} was optimized on a {m['host_cpu']!r} CPU, this is {cpu_model()!r}; rebuild it "
-            f"here with: {HOW_TO_BUILD}"
-        )
+    check_built_here(m, f"head engine {engine_dir}", HOW_TO_BUILD)
     check_files(engine_dir, m, (OPT_FILE, OPT_DATA, D2T_FILE), HOW_TO_BUILD, verify)
-    provider = next(k for k, v in PROVIDERS.items() if v == m["provider"])
-    options = options or OrtOptions(provider=provider)
-    so = _session_options(options, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    try:
-        session = ort.InferenceSession(str(engine_dir / OPT_FILE), so, providers=_provider_list(options.provider))
-    except Exception as e:
-        raise ArtifactError(f"ONNX Runtime could not load {engine_dir / OPT_FILE} ({e}); {HOW_TO_BUILD}") from None
-    _check_provider_loaded(session, options.provider)
+    session, _ = open_optimized(engine_dir, OPT_FILE, m, options, HOW_TO_BUILD)
     return session, m, read_draft_to_target(engine_dir, m)
 
 
@@ -114,12 +91,6 @@ def head_profiles(manifest: dict, shapes: EngineShapes) -> list[tuple[str, dict]
     ):
         ProfileSpec(name, batch, q, past).validate()
         kv = q + past
-
-        def triple(*dims):
-            return tuple(
-                tuple(getattr(d, k) if isinstance(d, Range) else d for d in dims) for k in ("min", "opt", "max")
-            )
-
         ids, feats, own, from_draft, pos, mask, pk, pv = HEAD_INPUTS
         out.append(
             (

@@ -160,28 +160,78 @@ def batch_invariance(session, config: dict, provider: str, prefix: int = 12, ste
 BATCH_VARIANCE_LIMIT = 1e-4  # relative; float32 engines measure ~1e-6
 
 
+def optimizing_session(onnx_file: Path, opt_file: Path, opt_data: str, options: OrtOptions, fix: str):
+    """(session, active provider) on `onnx_file` whose level-ALL optimized graph ORT saves as
+    `opt_file` (tensors over 1 KiB in `opt_data` beside it): an engine's build, for the step graph
+    and for draft heads alike. `fix` ends the error when ORT cannot load the graph."""
+    ort = _ort()
+    providers = _provider_list(options.provider)
+    so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    so.optimized_model_filepath = str(opt_file)
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", opt_data)
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    # ORT warns that a level-ALL graph may hold CPU-specific kernels; the manifest records the
+    # host CPU and loading refuses the engine on another one, so the warning is not repeated
+    so.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(onnx_file), so, providers=providers)
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+        raise ArtifactError(f"ONNX Runtime could not load {onnx_file} ({e}); {fix}") from None
+    return session, _check_provider_loaded(session, options.provider)
+
+
+def check_built_here(m: dict, what: str, how: str) -> None:
+    """Refuse an optimized graph that another onnxruntime made, that names an unknown provider, or
+    (CPU) that was optimized on another CPU; `what` names it, `how` rebuilds it."""
+    built_with = m["versions"].get("onnxruntime")
+    installed = package_versions("onnxruntime")["onnxruntime"]
+    if built_with != installed:
+        raise ManifestMismatchError(
+            f"{what} was optimized by onnxruntime {built_with}, but {installed} is installed; "
+            f"optimized graphs are not portable across versions. Rebuild it with: {how}"
+        )
+    if m["provider"] not in PROVIDERS.values():
+        raise ArtifactError(f"{what} names an unknown provider {m['provider']!r}; rebuild it with: {how}")
+    if m["provider"] == PROVIDERS["cpu"] and m.get("host_cpu") != cpu_model():
+        raise ManifestMismatchError(
+            f"{what} was optimized on a {m.get('host_cpu')!r} CPU, this is {cpu_model()!r}; "
+            f"ORT's optimized CPU graphs may use kernels of the CPU they were built on. Rebuild it here with: {how}"
+        )
+
+
+def open_optimized(
+    engine_dir: Path, opt_file: str, m: dict, options: OrtOptions | None, how: str, how_for: str | None = None
+):
+    """(session, active provider) on an engine's saved optimized graph, run as saved, on the
+    provider it was optimized for (`options` may only change threads and spinning). `how`
+    rebuilds it; `how_for` (with {provider}) builds one for another provider, where that exists."""
+    ort = _ort()
+    provider = next(k for k, v in PROVIDERS.items() if v == m["provider"])
+    options = options or OrtOptions(provider=provider)
+    if PROVIDERS[options.provider] != m["provider"]:
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was optimized for {m['provider']}, not {PROVIDERS[options.provider]}; "
+            f"build one for it with: {(how_for or how).format(provider=options.provider)}"
+        )
+    so = _session_options(options, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    try:
+        session = ort.InferenceSession(str(engine_dir / opt_file), so, providers=_provider_list(options.provider))
+    except Exception as e:
+        raise ArtifactError(
+            f"ONNX Runtime could not load engine {engine_dir / opt_file} ({e}); rebuild it with: {how}"
+        ) from None
+    return session, _check_provider_loaded(session, options.provider)
+
+
 def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOptions = OrtOptions()) -> Path:
     """Optimize the step graph for `options.provider` and cache it in `out_dir` with a manifest."""
-    ort = _ort()
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     onnx_manifest = read_onnx_manifest(onnx_dir)
-    providers = _provider_list(options.provider)
     with atomic_dir(out_dir) as tmp:
-        so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-        so.optimized_model_filepath = str(tmp / OPT_FILE)
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)
-        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        # ORT warns that a level-ALL graph may hold CPU-specific kernels; the manifest records the
-        # host CPU and loading refuses the engine on another one, so the warning is not repeated
-        so.log_severity_level = 3
         t0 = time.perf_counter()
-        try:
-            session = ort.InferenceSession(str(onnx_dir / ONNX_FILE), so, providers=providers)
-        except Exception as e:  # ORT raises its own Fail/InvalidGraph types
-            raise ArtifactError(
-                f"ONNX Runtime could not load {onnx_dir / ONNX_FILE} ({e}); re-export it with `specrt export`."
-            ) from None
-        active = _check_provider_loaded(session, options.provider)
+        session, active = optimizing_session(
+            onnx_dir / ONNX_FILE, tmp / OPT_FILE, OPT_DATA, options, "re-export it with `specrt export`."
+        )
         invariance = batch_invariance(session, onnx_manifest["config"], active)
         del session
         write_manifest(
@@ -221,23 +271,7 @@ def read_engine_manifest(
     m = read_manifest(engine_dir, ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
     config_from_manifest(m, engine_dir, HOW_TO_BUILD)
     require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", f"Rebuild it with: {HOW_TO_BUILD}")
-    built_with = m["versions"].get("onnxruntime")
-    installed = package_versions("onnxruntime")["onnxruntime"]
-    if built_with != installed:
-        raise ManifestMismatchError(
-            f"engine {engine_dir} was optimized by onnxruntime {built_with}, but {installed} is installed; "
-            "optimized graphs are not portable across versions. Rebuild it with: specrt build-engines"
-        )
-    if m["provider"] not in PROVIDERS.values():
-        raise ArtifactError(
-            f"engine {engine_dir} names an unknown provider {m['provider']!r}; rebuild it with: {HOW_TO_BUILD}"
-        )
-    if m["provider"] == PROVIDERS["cpu"] and m.get("host_cpu") != cpu_model():
-        raise ManifestMismatchError(
-            f"engine {engine_dir} was optimized on a {m.get('host_cpu')!r} CPU, this is {cpu_model()!r}; "
-            "ORT's optimized CPU graphs may use kernels of the CPU they were built on. Rebuild it here with: specrt "
-            "build-engines"
-        )
+    check_built_here(m, f"engine {engine_dir}", "specrt build-engines")
     check_files(engine_dir, m, (OPT_FILE, OPT_DATA), HOW_TO_BUILD, verify)
     return m
 
@@ -250,22 +284,9 @@ def load_ort_session(
 ):
     """(session, manifest, active provider) for a built engine, after checking its manifest and
     files (`verify`, as in read_engine_manifest)."""
-    ort = _ort()
     engine_dir = Path(engine_dir)
     m = read_engine_manifest(engine_dir, checkpoint_hash_expected, verify)
-    provider = next(k for k, v in PROVIDERS.items() if v == m["provider"])
-    options = options or OrtOptions(provider=provider)
-    if PROVIDERS[options.provider] != m["provider"]:
-        raise ManifestMismatchError(
-            f"engine {engine_dir} was optimized for {m['provider']}, not {PROVIDERS[options.provider]}; "
-            f"build one for it with: specrt build-engines --provider {options.provider}"
-        )
     # the graph was optimized at build time; run it as saved
-    so = _session_options(options, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    try:
-        session = ort.InferenceSession(str(engine_dir / OPT_FILE), so, providers=_provider_list(options.provider))
-    except Exception as e:
-        raise ArtifactError(
-            f"ONNX Runtime could not load engine {engine_dir / OPT_FILE} ({e}); rebuild it with: specrt build-engines"
-        ) from None
-    return session, m, _check_provider_loaded(session, options.provider)
+    how = "specrt build-engines"
+    session, active = open_optimized(engine_dir, OPT_FILE, m, options, how, how + " --provider {provider}")
+    return session, m, active

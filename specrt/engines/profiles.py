@@ -32,6 +32,11 @@ class Range:
         return Range(self.min + other.min, self.opt + other.opt, self.max + other.max)
 
 
+def triple(*dims) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(min, opt, max) shapes from dimensions that are Ranges or fixed ints."""
+    return tuple(tuple(getattr(d, k) if isinstance(d, Range) else d for d in dims) for k in ("min", "opt", "max"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ProfileSpec:
     name: str
@@ -58,12 +63,6 @@ class ProfileSpec:
         self.validate()
         b, q, p = self.batch, self.q_len, self.past_len
         kv = q + p
-
-        def triple(*dims):
-            return tuple(
-                tuple(getattr(d, k) if isinstance(d, Range) else d for d in dims) for k in ("min", "opt", "max")
-            )
-
         ids, pos, mask, index = STEP_INPUTS
         out = {
             ids: triple(b, q),

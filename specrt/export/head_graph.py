@@ -35,6 +35,7 @@ from specrt.artifacts import (
 from specrt.export.checkpoint import checkpoint_hash
 from specrt.export.config import config_from_manifest
 from specrt.export.draft_head import HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, DraftHead, load_head
+from specrt.export.step_graph import save_graph
 
 HEAD_KIND = "onnx-draft-head"
 HEAD_FILE, HEAD_DATA, D2T_FILE = "head.onnx", "head.onnx.data", "draft_to_target.npy"
@@ -90,14 +91,7 @@ def export_head(
             )
         proto = onnx.load(str(traced))
         traced.unlink()
-        onnx.save_model(
-            proto,
-            str(tmp / HEAD_FILE),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=HEAD_DATA,
-            size_threshold=1024,
-        )
+        save_graph(proto, tmp, HEAD_FILE, HEAD_DATA)
         onnx.checker.check_model(str(tmp / HEAD_FILE), full_check=True)
         np.save(tmp / D2T_FILE, head.draft_to_target.numpy())
         parity = ort_parity(head, tmp / HEAD_FILE)

@@ -188,16 +188,17 @@ HOW_TO_EXPORT = "specrt export --model CHECKPOINT --out DIR"
 MANIFEST_FIELDS = {"hidden_layers": list, "inputs": list, "outputs": list}  # and graph_version (version 1 had none)
 
 
-def save_graph(proto, directory: Path) -> None:
-    """Write a step graph as the layout expects it: ONNX_FILE with every tensor over 1 KiB in ONNX_DATA."""
+def save_graph(proto, directory: Path, file: str = ONNX_FILE, data: str = ONNX_DATA) -> None:
+    """Write a graph as the layout expects it: `file` with every tensor over 1 KiB in `data`
+    (the step graph's names by default; draft heads name theirs)."""
     import onnx
 
     onnx.save_model(
         proto,
-        str(Path(directory) / ONNX_FILE),
+        str(Path(directory) / file),
         save_as_external_data=True,
         all_tensors_to_one_file=True,
-        location=ONNX_DATA,
+        location=data,
         size_threshold=1024,
     )
 
