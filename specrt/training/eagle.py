@@ -26,6 +26,7 @@ Resumable: a checkpoint (head, optimizer, step, schedule) is written atomically 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -91,8 +92,6 @@ class TrainingData:
             Sequence(np.asarray(a.tokens, dtype=np.int64), features.sequence(i), len(a.prompt_ids))
             for i, a in enumerate(answers)
         ]
-        import hashlib
-
         h = hashlib.sha256(json.dumps([[a.id, a.tokens] for a in answers]).encode()).hexdigest()
         return cls(seqs, target_layers, hidden_size, f"sha256:{h}")
 
@@ -334,13 +333,14 @@ def train_head(
     ckpt = out_dir / CHECKPOINT
     if ckpt.is_file():
         trainer.load(ckpt)
-    before = trainer.evaluate() if trainer.step == 0 else None
+    evaluation = trainer.evaluate()  # held-out figures for the progress bar, kept current below
+    evaluated_at = trainer.step
+    before = evaluation if trainer.step == 0 else None
     history = []
     t0 = time.perf_counter()
     bar = tqdm(
         total=trainer.planned, initial=trainer.step, desc=f"train {cfg.method}", unit="step", disable=not progress
     )
-    evaluation = before or trainer.evaluate()
     stopped = "done"
     head.train()
     while trainer.step < trainer.planned:
@@ -350,7 +350,7 @@ def train_head(
         history.append({"step": trainer.step, "loss": round(loss, 4)})
         if trainer.step % cfg.eval_every == 0 or trainer.step == trainer.planned:
             head.eval()
-            evaluation = trainer.evaluate()
+            evaluation, evaluated_at = trainer.evaluate(), trainer.step
             head.train()
             history[-1]["held_out"] = evaluation
         if trainer.step % cfg.checkpoint_every == 0:
@@ -365,7 +365,7 @@ def train_head(
     bar.close()
     head.eval()
     trainer.save(ckpt)
-    final = trainer.evaluate()
+    final = evaluation if evaluated_at == trainer.step else trainer.evaluate()
     report = {
         "method": cfg.method,
         "stopped": stopped,

@@ -14,22 +14,23 @@ from specrt.runtime.drafts.hybrid import HybridProposer
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
 
+
+def _hybrid(**head) -> HybridProposer:
+    """The suffix draft and an EAGLE head (options: EagleProposer's)."""
+    return HybridProposer(EagleProposer(**head))
+
+
 DRAFT_METHODS = {
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
     # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
     "eagle": functools.partial(EagleProposer, method="eagle"),
     "eagle3": functools.partial(EagleProposer, method="eagle3"),
-    "hybrid": lambda **head: _hybrid(**head),
+    "hybrid": _hybrid,
 }
 NEEDS_DRAFT_DIR = ("eagle", "eagle3", "hybrid")  # methods with weights: they need --draft-dir
 
 __all__ = ["DRAFT_METHODS", "NEEDS_DRAFT_DIR", "DraftInput", "Proposer", "make_proposer"]
-
-
-def _hybrid(**head) -> HybridProposer:
-    """The suffix draft and an EAGLE head (options: EagleProposer's)."""
-    return HybridProposer(EagleProposer(**head))
 
 
 def make_proposer(name: str, **options) -> Proposer:

@@ -77,7 +77,6 @@ class EagleProposer:
         self.k = self.v = None
         self.length = np.zeros(0, np.int64)  # per row: target-fed entries in the head's cache
         self._used: dict[int, int] = {}  # per row, during a proposal: slots used, draft entries included
-        self._last_slots: dict[int, list[int]] = {}  # per row: the slots the last call wrote
         self.calls = 0  # head forwards
 
     # -- the proposer contract ------------------------------------------------------------
@@ -134,7 +133,8 @@ class EagleProposer:
         out = self._run(entries)
         for b in inp.rows:
             self.length[b] += len(entries[b])  # target-fed entries stay
-        return {b: (logits[-1], hidden[-1]) for b, (logits, hidden) in out.items()}
+        self._used.clear()
+        return {b: (logits[-1], hidden[-1]) for b, (logits, hidden, _) in out.items()}
 
     def _chains(self, inp, roots):
         greedy = inp.sampling.greedy
@@ -159,10 +159,11 @@ class EagleProposer:
                 committed = int(self.length[b])
                 pos = committed + k  # token k+1 of the chain sits one past the root's entry (committed-1)
                 entries[b] = [(tokens[b][-1], None, state[b][1], pos, list(range(committed)) + slots[b], "self")]
-            out = self._run(entries, keep=True)
+            out = self._run(entries)
             for b in inp.rows:
-                slots[b].append(self._last_slots[b][0])
-                state[b] = (out[b][0][0], out[b][1][0])
+                logits, hidden, written = out[b]
+                slots[b].append(written[0])
+                state[b] = (logits[0], hidden[0])
         return [DraftTree.chain(tokens[b], np.stack(qs[b]) if qs[b] else None) for b in inp.rows]
 
     def _trees(self, inp, roots):
@@ -192,13 +193,13 @@ class EagleProposer:
                     pos = committed - 1 + c.depth
                     token = int(self.d2t[c.token])
                     entries[b].append((token, None, node_hidden[b][c.parent], pos, visible, "self"))
-            out = self._run(entries, keep=True)
+            out = self._run(entries)
             for b in inp.rows:
+                logits, hidden, written = out[b]
                 probs = {}
                 for i, n in enumerate(frontier[b]):
-                    node_slot[b][n] = self._last_slots[b][i]
-                    node_hidden[b][n] = out[b][1][i]
-                    probs[n] = probs_from_logits(out[b][0][i], conf)
+                    node_slot[b][n], node_hidden[b][n] = written[i], hidden[i]
+                    probs[n] = probs_from_logits(logits[i], conf)
                 builders[b].expand(probs)
         trees = [builders[b].tree() for b in inp.rows]
         for t in trees:
@@ -215,17 +216,16 @@ class EagleProposer:
 
     # -- one head call ----------------------------------------------------------------------
 
-    def _run(self, entries: dict, keep: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def _run(self, entries: dict) -> dict[int, tuple[np.ndarray, np.ndarray, list[int]]]:
         """One batched head forward. entries: row -> [(token, feature | None, own hidden | None,
         position, visible cache slots, "causal" | "self")]; "causal": the row's new entries see each
         other causally (catch-up), "self": only themselves (draft entries). New entries are
-        written to the cache after each row's used slots; keep=True leaves `length` as it was
-        (draft entries are scratch) and records their slots in `_last_slots`. Returns per row
-        (logits (n, Vd), hidden (n, C))."""
+        written to the cache after each row's used slots (`_used`, else `length`) and counted as
+        used; the caller decides what stays (catch-up) and what is scratch (drafts). Returns per
+        row (logits (n, Vd), hidden (n, C), the cache slots written)."""
         B = self.k.shape[0]
         Q = max(1, max((len(e) for e in entries.values()), default=1))
-        used = self._used
-        base = {b: int(used.get(b, self.length[b])) for b in range(B)}
+        base = {b: int(self._used.get(b, self.length[b])) for b in range(B)}
         P = max(base.values()) if base else 0
         self._ensure(P + Q)
         ids = np.zeros((B, Q), np.int64)
@@ -251,18 +251,13 @@ class EagleProposer:
         feeds = dict(zip(HEAD_INPUTS, (ids, feats, own, from_draft, pos, mask, *past)))
         logits, hidden, pk, pv = self.session.run(None, feeds)
         self.calls += 1
-        out, self._last_slots = {}, {}
+        out = {}
         for b, rows in entries.items():
-            n = len(rows)
-            s = base[b]
+            n, s = len(rows), base[b]
             self.k[b, :, s : s + n] = pk[b, :, :n]
             self.v[b, :, s : s + n] = pv[b, :, :n]
-            self._last_slots[b] = list(range(s, s + n))
-            if keep:
-                self._used[b] = s + n
-            out[b] = (logits[b, :n], hidden[b, :n])
-        if not keep:
-            self._used.clear()
+            self._used[b] = s + n
+            out[b] = (logits[b, :n], hidden[b, :n], list(range(s, s + n)))
         return out
 
     def _ensure(self, slots: int) -> None:
