@@ -262,27 +262,36 @@ def build_engines(
         click.echo(line)
 
 
-def _make_runner(
-    artifacts,
-    engine,
-    checkpoint,
-    backend,
-    provider,
-    quantize,
-    threads,
-    device,
-    cuda_graphs,
-    draft,
-    num_draft,
-    max_draft,
-    verify_artifacts=False,
-    draft_dir=None,
-    draft_tree="chain",
-):
+@dataclasses.dataclass(frozen=True)
+class EngineChoice:
+    """The options of `_engine_options`: which engine, backend and draft generate and serve run."""
+
+    artifacts: Path | None
+    engine: Path | None
+    checkpoint: Path | None
+    backend: str
+    provider: str
+    quantize: str
+    threads: int
+    device: str | None
+    cuda_graphs: bool
+    draft: str
+    num_draft: str
+    max_draft: int
+    verify_artifacts: bool
+    draft_dir: Path | None
+    draft_tree: str
+
+
+def _make_runner(choice: EngineChoice):
     """(generator, runner): the generator on the chosen backend, and the runner (itself, or a
     speculative decoder over it with the chosen draft)."""
     from specrt.layout import TRT_FLAVOURS, ArtifactLayout
     from specrt.runtime.generator import Generator
+
+    artifacts, engine, checkpoint, backend = choice.artifacts, choice.engine, choice.checkpoint, choice.backend
+    provider, quantize, device, cuda_graphs = choice.provider, choice.quantize, choice.device, choice.cuda_graphs
+    draft, verify_artifacts = choice.draft, choice.verify_artifacts
 
     verify = "full" if verify_artifacts else "auto"
 
@@ -322,7 +331,7 @@ def _make_runner(
                     f"{artifacts} --quantize {quantize}"
                 )
         gen = Generator.from_engine(
-            engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=threads), verify=verify
+            engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=choice.threads), verify=verify
         )
     runner = gen
     if draft != "none":
@@ -335,8 +344,8 @@ def _make_runner(
             warnings.simplefilter("ignore")  # said once, plainly, below
             runner = SpeculativeDecoder(
                 gen,
-                make_proposer(draft, **_draft_options(draft, draft_dir, draft_tree, gen)),
-                make_policy(num_draft, max_draft),
+                make_proposer(draft, **_draft_options(draft, choice.draft_dir, choice.draft_tree, gen)),
+                make_policy(choice.num_draft, choice.max_draft),
             )
         if runner.exactness_warning:
             click.echo(f"warning: {runner.exactness_warning}", err=True)
@@ -369,7 +378,8 @@ def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
 
 
 def _engine_options(fn):
-    """The options that choose the engine, backend and draft (shared by generate and serve)."""
+    """The options that choose the engine, backend and draft (shared by generate and serve); the
+    command receives them as one EngineChoice, `choice`."""
     options = [
         click.option(
             "--artifacts",
@@ -459,9 +469,15 @@ def _engine_options(fn):
             "check are hashed).",
         ),
     ]
+    fields = [f.name for f in dataclasses.fields(EngineChoice)]
+
+    @functools.wraps(fn)
+    def bundled(**kwargs):
+        return fn(choice=EngineChoice(**{k: kwargs.pop(k) for k in fields}), **kwargs)
+
     for option in reversed(options):
-        fn = option(fn)
-    return fn
+        bundled = option(bundled)
+    return bundled
 
 
 @main.command()
@@ -479,14 +495,9 @@ def _engine_options(fn):
 @click.option("--system", default=None, help="System message (chat mode).")
 @_friendly_errors
 def generate(
+    choice,
     prompt,
     prompt_opt,
-    artifacts,
-    engine,
-    checkpoint,
-    backend,
-    provider,
-    quantize,
     max_new_tokens,
     temperature,
     top_k,
@@ -494,15 +505,6 @@ def generate(
     seed,
     chat,
     system,
-    threads,
-    device,
-    cuda_graphs,
-    draft,
-    num_draft,
-    max_draft,
-    verify_artifacts,
-    draft_dir,
-    draft_tree,
 ):
     """Generate text, streaming it as it is produced; ends with token counts and tokens/s
     (and, with --draft, the speculative decoding metrics)."""
@@ -514,23 +516,7 @@ def generate(
     if text == "-":
         text = sys.stdin.read()
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    gen, runner = _make_runner(
-        artifacts,
-        engine,
-        checkpoint,
-        backend,
-        provider,
-        quantize,
-        threads,
-        device,
-        cuda_graphs,
-        draft,
-        num_draft,
-        max_draft,
-        verify_artifacts,
-        draft_dir,
-        draft_tree,
-    )
+    gen, runner = _make_runner(choice)
     stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
     for piece in stream:
         click.echo(piece, nl=False)
@@ -540,7 +526,7 @@ def generate(
     sys.stdout.flush()
     click.echo(f"[{gen.backend.description}] {result.summary()}", err=True)
     if result.metrics is not None:
-        click.echo(f"[{draft} draft, num_draft={num_draft}] {result.metrics.summary()}", err=True)
+        click.echo(f"[{choice.draft} draft, num_draft={choice.num_draft}] {result.metrics.summary()}", err=True)
 
 
 @main.command()
@@ -574,21 +560,7 @@ def generate(
 )
 @_friendly_errors
 def serve(
-    artifacts,
-    engine,
-    checkpoint,
-    backend,
-    provider,
-    quantize,
-    threads,
-    device,
-    cuda_graphs,
-    draft,
-    num_draft,
-    max_draft,
-    verify_artifacts,
-    draft_dir,
-    draft_tree,
+    choice,
     host,
     port,
     served_model_name,
@@ -610,24 +582,8 @@ def serve(
 
     sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once
     try:
-        gen, runner = _make_runner(
-            artifacts,
-            engine,
-            checkpoint,
-            backend,
-            provider,
-            quantize,
-            threads,
-            device,
-            cuda_graphs,
-            draft,
-            num_draft,
-            max_draft,
-            verify_artifacts,
-            draft_dir,
-            draft_tree,
-        )
-        name = served_model_name or Path(gen.checkpoint or checkpoint or artifacts or engine).name
+        gen, runner = _make_runner(choice)
+        name = served_model_name or Path(gen.checkpoint or choice.checkpoint or choice.artifacts or choice.engine).name
         limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
         service = CompletionService(runner, name, limits)
     except BaseException:
@@ -636,7 +592,7 @@ def serve(
     url_host = f"[{host}]" if ":" in host else host
     click.echo(
         f"serving {name!r} on http://{url_host}:{port} "
-        f"[{gen.backend.description}{', ' + draft + ' draft' if draft != 'none' else ''}]",
+        f"[{gen.backend.description}{', ' + choice.draft + ' draft' if choice.draft != 'none' else ''}]",
         err=True,
     )
     run_server(service, sock)

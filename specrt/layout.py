@@ -22,12 +22,17 @@ TRT_FLAVOURS = ("tensorrt", "tensorrt-rtx")  # in the order a reader prefers the
 
 
 @dataclasses.dataclass(frozen=True)
-class ArtifactLayout:
+class _Layout:
+    """A directory's layout: `root` (str or Path) and the paths under it."""
+
     root: Path
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root))
 
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactLayout(_Layout):
     @property
     def onnx(self) -> Path:
         return self.root / "onnx"
@@ -64,7 +69,7 @@ class ArtifactLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadLayout:
+class HeadLayout(_Layout):
     """A draft head's directory (`specrt train-draft --out`, read by `--draft-dir`):
 
     <root>/head/                    trained weights (head.safetensors, head.json) and training.json
@@ -73,11 +78,6 @@ class HeadLayout:
     <root>/engines/ort-<provider>/  its ONNX Runtime engine
     <root>/engines/trt-<flavour>/   its TensorRT / TensorRT-RTX engine (draft profile)
     """
-
-    root: Path
-
-    def __post_init__(self):
-        object.__setattr__(self, "root", Path(self.root))
 
     @property
     def weights(self) -> Path:
@@ -103,18 +103,13 @@ class HeadLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainingDataLayout:
+class TrainingDataLayout(_Layout):
     """Training data for draft heads (shared by every head of one target):
 
     <root>/prompts.jsonl    the prompt set (seeded, reproducible)
     <root>/answers.jsonl    the target's answers
     <root>/features/        the target's features over prompt + answer (memory-mapped)
     """
-
-    root: Path
-
-    def __post_init__(self):
-        object.__setattr__(self, "root", Path(self.root))
 
     @property
     def prompts(self) -> Path:
