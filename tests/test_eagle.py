@@ -320,3 +320,21 @@ def test_head_builds_a_tensorrt_rtx_engine_with_draft_profiles(tiny_checkpoint, 
     report = inspect_artifact(engine)
     assert any("profile draft" in line for line in report.lines)
     assert inspect_artifact(layout.ort_engine()).usable
+
+
+def test_training_data_refuses_other_settings_and_grows(ort_gen, tmp_path):
+    """A data directory records how its prompts and target were chosen and refuses other
+    settings (naming them); asking for more prompts keeps the answers it has."""
+    from specrt.training.pipeline import TrainDraftSpec, prepare_data
+
+    spec = TrainDraftSpec(
+        "eagle3", ort_gen.checkpoint, tmp_path / "h", data=tmp_path / "d", prompts=4, max_new_tokens=4, progress=False
+    )
+    first = prepare_data(ort_gen, spec)
+    assert len(first.train) + len(first.held_out) == 4
+    with pytest.raises(SpecrtError, match="other settings \\(prompt_source\\)"):
+        prepare_data(ort_gen, dataclasses.replace(spec, seed=1))
+    lines = (tmp_path / "d" / "answers.jsonl").read_text().splitlines()
+    grown = prepare_data(ort_gen, dataclasses.replace(spec, prompts=6))
+    assert len(grown.train) + len(grown.held_out) == 6
+    assert (tmp_path / "d" / "answers.jsonl").read_text().splitlines()[:4] == lines  # kept, not redone

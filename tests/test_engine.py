@@ -119,3 +119,16 @@ def test_unavailable_gpu_provider_is_a_clear_error(tiny_artifacts, tmp_path):
 def test_engine_for_other_provider_is_refused(tiny_artifacts):
     with pytest.raises(ManifestMismatchError, match="optimized for CPUExecutionProvider, not CUDAExecutionProvider"):
         load_ort_session(tiny_artifacts / "engines" / "ort-cpu", OrtOptions(provider="cuda"))
+
+
+def test_build_reexports_a_graph_without_the_heads_layers(tiny_checkpoint, tmp_path):
+    """An export made before draft heads read several layers (hidden_layers [-1]) is exported
+    again by build-engines, so heads find their features."""
+    from specrt.engines.build import BuildSpec, build_all
+    from specrt.export.draft_head import default_target_layers
+    from specrt.export.step_graph import export_step_graph, read_onnx_manifest
+
+    export_step_graph(tiny_checkpoint, tmp_path / "onnx", hidden_layers=(-1,), progress=False)
+    lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=tmp_path, tensorrt="off")))
+    assert any("returns the features of layers [-1]" in line for line in lines)
+    assert read_onnx_manifest(tmp_path / "onnx")["hidden_layers"] == list(default_target_layers(2))
