@@ -35,7 +35,7 @@ from specrt.layout import HeadLayout, TrainingDataLayout
 from specrt.runtime.generator import Generator
 from specrt.training.data import FeatureCacheMismatch, cache_features, generate_answers
 from specrt.training.eagle import TrainConfig, TrainingData, train_head
-from specrt.training.prompts import build_prompt_set, write_prompt_set
+from specrt.training.prompts import PROMPT_SET_VERSION, build_prompt_set, write_prompt_set
 
 DATA_MANIFEST = "data.json"
 
@@ -74,8 +74,9 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
     # from the seed), so a run may ask for more or fewer prompts and keeps the answers it has
     identity = {
         "prompt_source": {
+            "version": PROMPT_SET_VERSION,  # the templates and sources
             "seed": spec.seed,
-            "python": platform.python_version(),  # the docstrings the prompts are made from
+            "python": platform.python_version(),  # the docstrings and sources the prompts are made from
             "hold_out": hashlib.sha256(json.dumps(list(spec.hold_out)).encode()).hexdigest(),
         },
         "max_new_tokens": spec.max_new_tokens,
