@@ -51,9 +51,9 @@ build-engines: setup model
 # Interrupted? Run it again: every step resumes where it stopped.
 drafts: build-engines
 	$(SPECRT) train-draft --method eagle3 --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
-		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle3 --epochs 3 --max-minutes 15
+		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle3 --epochs 3 --max-minutes 18
 	$(SPECRT) train-draft --method eagle --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
-		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle --epochs 1 --max-minutes 10
+		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle --epochs 1 --max-minutes 7
 
 generate: build-engines
 	$(SPECRT) generate --artifacts $(ARTIFACTS) --prompt "$(PROMPT)"

@@ -625,7 +625,7 @@ def serve(
     help="Benchmark prompts never trained on (skipped when the file is absent).",
 )
 @click.option("--epochs", default=2.0, show_default=True, type=FiniteFloat(0.0, lo_open=True))
-@click.option("--lr", default=3e-4, show_default=True, type=FiniteFloat(0.0, lo_open=True))
+@click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0.0, lo_open=True))
 @click.option("--ttt-steps", default=None, type=click.IntRange(min=1), help="Unrolled draft steps (eagle 1, eagle3 3).")
 @click.option("--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3 only.")
 @click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(min=64))

@@ -51,7 +51,7 @@ class TrainConfig:
     method: str  # "eagle" or "eagle3"
     ttt_steps: int | None = None  # unrolled draft steps (default: 1 for eagle, 3 for eagle3)
     epochs: float = 2.0
-    lr: float = 3e-4
+    lr: float = 1e-3  # small data, few steps: after 31 steps 3e-4 accepted 0.11, 1e-3 0.22, 2e-3 0.26
     warmup: int = 20  # steps of linear warm-up before the cosine decay
     batch_tokens: int = 4096  # padded tokens per batch
     max_len: int = 640  # longer sequences are cut (their answer's end is dropped)
