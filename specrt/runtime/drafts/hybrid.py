@@ -8,11 +8,15 @@ SuffixDecoding suggests combining them; here each step and row is decided by tok
     eagle    (1 + E_e) / (T_step + T_draft) E_e: the head's measured mean accepted drafts per tree
 
 T_step (the target step) and T_draft (the head's proposal) are medians of this generation's own
-measurements: the time from a proposal to its verdicts, and the head's drafting time (its
-catch-up runs every step either way, so it is not counted). Until the head has been measured (4
-trees) priors stand in: one accepted draft token per step, at a fifth of a step. The head catches
-up on every committed position, also on steps the suffix draft won, so it never misses a target
-feature.
+measurements: the time from a proposal to its verdicts, and the head's time (its catch-up and its
+drafting). Until the head has been measured (4 trees) priors stand in: one accepted draft token
+per step, at a fifth of a step.
+
+The head catches up lazily: while the suffix draft wins a row, the target's features of that
+row's committed positions are kept here, and fed to the head in one call when it next drafts for
+the row. So a row the suffix draft serves costs no head call at all (it used to cost one per
+step), and a long catch-up runs as one
+batched call rather than one per step.
 
 The speculative loop's cost model sees one draft with a constant cost (`cost_per_token =
 False`): on repetitive text the suffix draft wins most steps, and a per-token cost line fitted to
@@ -41,7 +45,7 @@ PRIOR_ACCEPTED, PRIOR_DRAFT_SHARE = 1.0, 0.2  # the head's until measured: a use
 class HybridProposer:
     name = "hybrid"
     needs_features = True
-    cost_per_token = False  # mostly the suffix draft (constant); the head's catch-up runs every step
+    cost_per_token = False  # mostly the suffix draft (constant)
 
     def __init__(self, eagle: EagleProposer, suffix: SuffixProposer | None = None):
         self.eagle, self.suffix = eagle, suffix or SuffixProposer()
@@ -51,27 +55,32 @@ class HybridProposer:
         self._accepted: collections.deque = collections.deque(maxlen=WINDOW)  # per EAGLE tree
         self._proposed_at: float | None = None
         self._from_eagle: set[int] = set()
+        # per row: the target's features the head has not seen yet (the steps the suffix draft won)
+        self._unseen: collections.defaultdict[int, list[np.ndarray]] = collections.defaultdict(list)
 
     def begin(self, rows, prompts, prefilled):
+        self._unseen.clear()
         self.eagle.begin(rows, prompts, prefilled)
         self.suffix.begin(rows, prompts, prefilled)
 
     def propose(self, inp: DraftInput) -> list[DraftTree]:
         suffix_trees = self.suffix.propose(inp)
-        roots = self.eagle.catch_up(inp)  # every step: the head never misses a committed feature
+        for b, feats in zip(inp.rows, inp.features):
+            self._unseen[b].append(feats)
         head = [i for i, tree in enumerate(suffix_trees) if not self._suffix_wins(tree)]
         out = list(suffix_trees)
         self._from_eagle = {inp.rows[i] for i in head}
         if head:
             t0 = time.perf_counter()
+            rows = [inp.rows[i] for i in head]
             sub = dataclasses.replace(
                 inp,
-                rows=[inp.rows[i] for i in head],
+                rows=rows,
                 contexts=[inp.contexts[i] for i in head],
                 budgets=[inp.budgets[i] for i in head],
-                features=None,
+                features=[np.concatenate(self._unseen.pop(b)) for b in rows],
             )
-            for i, tree in zip(head, self.eagle.draft(sub, roots)):
+            for i, tree in zip(head, self.eagle.draft(sub, self.eagle.catch_up(sub))):
                 out[i] = tree
             self._draft_s.append(time.perf_counter() - t0)
         self.chosen["eagle"] += len(head)
@@ -101,5 +110,6 @@ class HybridProposer:
         self.suffix.commit(rows, trees, verdicts, step)
 
     def end(self, rows, outputs):
+        self._unseen.clear()
         self.eagle.end(rows, outputs)
         self.suffix.end(rows, outputs)
