@@ -88,6 +88,11 @@ def convert(gguf_file: Path, out: Path):
     click.echo(f"wrote {out}")
 
 
+# build-engines --quantize: gguf (calibration/gguf_blocks.py) and the weight-only schemes the CLI
+# offers (int8 alone has no fast CPU kernel: calibration/weight_only.py)
+QUANT_SCHEMES = ["none", "gguf", "int4", "int8-a8", "int4-a8"]
+
+
 def _parse_layers(value: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in value.split(","))
@@ -206,10 +211,18 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     "--quantize",
     default="none",
     show_default=True,
-    type=click.Choice(["none", "int4", "int8-a8", "int4-a8"]),
-    help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): int4 "
-    "weights, or "
-    "int8/int4 weights with int8 activations (-a8: faster, but speculative output may then differ from plain).",
+    type=click.Choice(QUANT_SCHEMES),
+    help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): gguf "
+    "(the GGUF file's own 4-bit blocks: the float model within float rounding), int4 weights rounded to nearest, "
+    "or int8/int4 weights with int8 activations (-a8: faster, but speculative output may then differ from plain).",
+)
+@click.option(
+    "--gguf",
+    "gguf_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="--quantize gguf: the GGUF file the checkpoint was converted from (default: the one `specrt convert` "
+    "recorded in the checkpoint).",
 )
 @click.option(
     "--quant-block-size",
@@ -232,6 +245,7 @@ def build_engines(
     compute_capabilities: tuple[str, ...],
     workspace_mib: int,
     quantize: str,
+    gguf_file: Path | None,
     quant_block_size: str,
 ):
     """Export the ONNX step graph (if needed) and build engines from it: ONNX Runtime always,
@@ -257,6 +271,7 @@ def build_engines(
         trt=trt_spec,
         quantize=quantize,
         quant_block_size=int(quant_block_size),
+        gguf=gguf_file,
     )
     for line in build_all(spec):
         click.echo(line)
@@ -411,8 +426,8 @@ def _engine_options(fn):
             "--quantize",
             default="none",
             show_default=True,
-            type=click.Choice(["none", "int4", "int8-a8", "int4-a8"]),
-            help="--artifacts: run the weight-only quantized ORT engine (build-engines --quantize).",
+            type=click.Choice(QUANT_SCHEMES),
+            help="--artifacts: run the quantized ORT engine of this scheme (build-engines --quantize).",
         ),
         click.option(
             "--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core)."

@@ -4,7 +4,6 @@ import json
 import re
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,6 +12,7 @@ from specrt.export.checkpoint import checkpoint_hash, load_config, load_model
 from specrt.export.config import ModelConfig
 
 from conftest import random_model, tiny_hf_config
+from tiny_gguf import write_gguf
 
 
 def clone(src, dst):
@@ -133,60 +133,6 @@ def test_hash_cache_is_used_and_invalidated_by_changes(tiny_checkpoint, tmp_path
     assert checkpoint_hash(d) == "sha256:from-cache"
     os.utime(d / "model.safetensors", ns=(1, 1))  # same bytes, other mtime: key changes
     assert checkpoint_hash(d) == h
-
-
-def _permute(w, n_head):
-    """llama.cpp's q/k permutation (convert_hf_to_gguf), the inverse of ours."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(model, hf, path):
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(hf["num_hidden_layers"])
-    w.add_context_length(hf["max_position_embeddings"])
-    w.add_embedding_length(hf["hidden_size"])
-    w.add_feed_forward_length(hf["intermediate_size"])
-    w.add_head_count(hf["num_attention_heads"])
-    w.add_head_count_kv(hf["num_key_value_heads"])
-    w.add_rope_freq_base(hf["rope_theta"])
-    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    w.add_vocab_size(hf["vocab_size"])
-    w.add_eos_token_id(2)
-    w.add_bos_token_id(1)
-    names = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    for k, v in model.state_dict().items():
-        a = v.numpy().astype(np.float32)
-        if k.startswith("layers."):
-            _, i, rest = k.split(".", 2)
-            mod, leaf = rest.rsplit(".", 1)
-            if mod == "self_attn.q_proj":
-                a = _permute(a, hf["num_attention_heads"])
-            elif mod == "self_attn.k_proj":
-                a = _permute(a, hf["num_key_value_heads"])
-            name = f"blk.{i}.{names[mod]}.{leaf}"
-        else:
-            name = {
-                "embed_tokens.weight": "token_embd.weight",
-                "norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }[k]
-        w.add_tensor(name, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def test_gguf_weights_unpermuted(tmp_path):

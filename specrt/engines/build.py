@@ -26,9 +26,10 @@ class BuildSpec:
     tensorrt: str = "auto"  # auto: build when a TensorRT flavour is installed; "off"; or a flavour
     trt: TrtBuildSpec = TrtBuildSpec()
     quantize: str = (
-        "none"  # none or a calibration.weight_only scheme: also build that quantized graph and its ORT engine
+        "none"  # none, gguf or a calibration.weight_only scheme: also build that quantized graph and its ORT engine
     )
     quant_block_size: int = 32
+    gguf: Path | None = None  # --quantize gguf: the GGUF file (default: the one the checkpoint was converted from)
 
 
 def _manifest_if_valid(read, *args) -> dict | None:
@@ -81,14 +82,11 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
 
 
 def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str) -> Iterator[str]:
-    from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
     from specrt.export.step_graph import read_onnx_manifest
 
-    wspec = WeightOnlySpec(scheme=spec.quantize, block_size=spec.quant_block_size)
-    wspec.validate()
     qdir = ArtifactLayout(spec.out).quant_onnx(spec.quantize)
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, qdir, ckpt_hash)
-    wanted = {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}
+    wanted, make = _quantizer(spec, odir, qdir)
     fresh = (
         current is None
         or current.get("source_onnx", {}).get("files") != onnx_files
@@ -96,7 +94,7 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
     )
     if fresh:
         t0 = time.perf_counter()
-        quantize_weight_only(odir, qdir, wspec)
+        make()
         yield f"{spec.quantize:<9} {qdir}: quantized in {time.perf_counter() - t0:.1f} s"
     else:
         yield f"{spec.quantize:<9} {qdir}: up to date"
@@ -108,6 +106,33 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
         stale=fresh,
         quantize=spec.quantize,
         note=f" (TensorRT takes no MatMulNBits graph: none built for {spec.quantize})",
+    )
+
+
+def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
+    """(the quantization fields an up-to-date graph has, a function that makes it)."""
+    if spec.quantize == "gguf":
+        from specrt.artifacts import file_sha256
+        from specrt.calibration.gguf_blocks import quantize_from_gguf
+        from specrt.export.gguf import gguf_origin
+
+        gguf = spec.gguf or gguf_origin(spec.checkpoint)
+        if gguf is None:
+            raise SpecrtError(
+                f"--quantize gguf computes from the GGUF file's own blocks, and {spec.checkpoint} records no GGUF file "
+                "it was converted from (or the file moved or changed); give it with --gguf FILE"
+            )
+        if not Path(gguf).is_file():
+            raise SpecrtError(f"--gguf {gguf}: no such file")
+        wanted = {"scheme": "gguf", "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)}}
+        return wanted, lambda: quantize_from_gguf(odir, qdir, gguf)
+
+    from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
+
+    wspec = WeightOnlySpec(scheme=spec.quantize, block_size=spec.quant_block_size)
+    wspec.validate()
+    return {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}, lambda: quantize_weight_only(
+        odir, qdir, wspec
     )
 
 

@@ -243,7 +243,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "config": onnx_manifest["config"],
                 "hidden_layers": onnx_manifest["hidden_layers"],
                 # what draft heads trained on this target must have been trained against
-                "precision": onnx_manifest.get("quantization", {}).get("scheme", "float32"),
+                "precision": precision_of(onnx_manifest.get("quantization", {}).get("scheme")),
                 "provider": active,
                 "host_cpu": cpu_model(),
                 "graph_optimization_level": "ORT_ENABLE_ALL",
@@ -254,6 +254,13 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
             },
         )
     return out_dir
+
+
+def precision_of(scheme: str | None) -> str:
+    """The numbers an engine of a quantization scheme computes: "gguf" computes the float
+    checkpoint from the blocks it was dequantized from (equal within float rounding), so its
+    hidden states are float32's and a draft head trained on either runs on both."""
+    return "float32" if scheme in (None, "none", "gguf") else scheme
 
 
 HOW_TO_BUILD = "specrt build-engines --model CHECKPOINT --out DIR"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.artifacts import atomic_dir
+from specrt.artifacts import atomic_dir, file_sha256
 from specrt.errors import CheckpointError, SpecrtError, UnsupportedArchitectureError
 from specrt.export.config import ModelConfig
 
@@ -31,6 +31,7 @@ _BLOCK_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_SOURCE = "gguf_source.json"  # in a converted checkpoint: the GGUF file it came from (path, sha256)
 
 
 def _open(path: Path):
@@ -132,7 +133,22 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
         _write_tokenizer(gguf_path, reader, tmp)
+        # build-engines --quantize gguf computes from the GGUF's own blocks: it finds the file here
+        source = {"file": str(gguf_path.resolve()), "sha256": file_sha256(gguf_path)}
+        (tmp / GGUF_SOURCE).write_text(json.dumps(source, indent=2) + "\n")
     return out_dir
+
+
+def gguf_origin(checkpoint: str | Path) -> Path | None:
+    """The GGUF file a checkpoint directory was converted from, when it records one and the
+    file is still there with the same contents; None otherwise."""
+    record = Path(checkpoint) / GGUF_SOURCE
+    try:
+        source = json.loads(record.read_text())
+        path = Path(source["file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() and file_sha256(path) == source.get("sha256") else None
 
 
 def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:

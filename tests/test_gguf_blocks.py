@@ -1,0 +1,102 @@
+"""build-engines --quantize gguf: a 4-bit step graph computed from the GGUF file's own blocks
+(Q4_0, Q4_1, Q8_0), equal to the float engine within float rounding, batch-invariant, and
+refused for a GGUF the checkpoint was not converted from."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specrt.calibration.gguf_blocks import _dequantize, _split_blocks
+from specrt.engines.build import BuildSpec, build_all
+from specrt.errors import SpecrtError
+from specrt.export.checkpoint import load_model
+from specrt.export.gguf import GGUF_SOURCE, gguf_origin
+from specrt.layout import ArtifactLayout
+from specrt.runtime.generator import Generator
+
+from conftest import random_model, save_checkpoint, tiny_hf_config
+from tiny_gguf import write_gguf
+
+TYPES = {  # every supported block type, on every kind of projection
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q4_1",
+    "attn_output": "Q8_0",
+    "ffn_gate": "Q4_1",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q4_1",
+    "output": "Q8_0",
+    "token_embd": "Q8_0",
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tmp_path_factory):
+    """(GGUF file, the checkpoint converted from it, build-engines output with --quantize gguf)."""
+    d = tmp_path_factory.mktemp("gguf")
+    hf = tiny_hf_config()
+    write_gguf(random_model(hf, seed=11), hf, d / "tiny.gguf", TYPES)
+    # the checkpoint is the GGUF's dequantization, as `specrt convert` writes it
+    ckpt = save_checkpoint(load_model(d / "tiny.gguf"), hf, d / "ckpt")
+    out = d / "art"
+    lines = list(build_all(BuildSpec(checkpoint=ckpt, out=out, quantize="gguf", gguf=d / "tiny.gguf", tensorrt="off")))
+    assert any("gguf" in line and "quantized" in line for line in lines)
+    return d / "tiny.gguf", ckpt, out
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_fields_dequantize_as_the_gguf_package_does(kind):
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((6, 96)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = gguf.quants.quantize(w, qtype)
+    ours = _dequantize(_split_blocks(raw, 6, kind), kind)
+    assert np.array_equal(ours, gguf.quants.dequantize(raw, qtype).reshape(6, 96))  # bit for bit
+
+
+def test_gguf_engine_is_the_float_model(gguf_target):
+    path, ckpt, out = gguf_target
+    layout = ArtifactLayout(out)
+    q = json.loads((layout.quant_onnx("gguf") / "manifest.json").read_text())["quantization"]
+    assert q["rewritten_matmuls"] == {"Q4_0": 4, "Q4_1": 8, "Q8_0": 3}  # per layer: q, up / k, v, gate, down / o
+    assert q["block_tensors_unused"] == ["token_embd.weight"]  # untied: the embedding is only looked up
+    engine = json.loads((layout.ort_engine("cpu", "gguf") / "manifest.json").read_text())
+    assert engine["batch_invariance"]["relative"] <= 1e-4 and engine["precision"] == "float32"
+
+    flt, q4 = Generator.from_engine(layout.ort_engine("cpu")), Generator.from_engine(layout.ort_engine("cpu", "gguf"))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 128, 40).tolist(), rng.integers(3, 128, 9).tolist()]
+    for g in (flt, q4):
+        g.eos_ids = frozenset()
+    a = flt.session.prefill(flt.session.new_cache(2, 64), prompts)
+    b = q4.session.prefill(q4.session.new_cache(2, 64), prompts)
+    assert np.abs(a.logits - b.logits).max() <= 1e-4 * np.abs(a.logits).max()
+    assert [r.token_ids for r in q4.generate_ids(prompts, 30)] == [r.token_ids for r in flt.generate_ids(prompts, 30)]
+
+
+def test_a_gguf_the_checkpoint_did_not_come_from_is_refused(gguf_target, tmp_path):
+    _, ckpt, out = gguf_target
+    hf = tiny_hf_config()
+    write_gguf(random_model(hf, seed=12), hf, tmp_path / "other.gguf", TYPES)
+    spec = BuildSpec(checkpoint=ckpt, out=out, quantize="gguf", gguf=tmp_path / "other.gguf", tensorrt="off")
+    with pytest.raises(SpecrtError, match="not converted from this GGUF file"):
+        list(build_all(spec))
+    assert json.loads((ArtifactLayout(out).quant_onnx("gguf") / "manifest.json").read_text())  # the old one intact
+
+
+def test_the_gguf_file_comes_from_the_checkpoints_record(gguf_target, tmp_path):
+    path, ckpt, out = gguf_target
+    spec = BuildSpec(checkpoint=ckpt, out=out, quantize="gguf", tensorrt="off")
+    with pytest.raises(SpecrtError, match="records no GGUF file"):
+        list(build_all(spec))
+    from specrt.artifacts import file_sha256
+
+    (ckpt / GGUF_SOURCE).write_text(json.dumps({"file": str(path), "sha256": file_sha256(path)}))
+    try:
+        assert gguf_origin(ckpt) == path
+        assert any("up to date" in line and "onnx-gguf" in line for line in build_all(spec))
+    finally:
+        (ckpt / GGUF_SOURCE).unlink()
