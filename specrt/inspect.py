@@ -135,7 +135,13 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
             f"tied embedding stored once: {manifest.get('tied_embedding_shared', False)}"
         )
         q = manifest.get("quantization")
-        if q:
+        if q and q["scheme"] == "gguf":
+            types = ", ".join(f"{n} {t}" for t, n in q.get("rewritten_matmuls", {}).items())
+            lines.append(
+                f"  quantized   gguf: the GGUF's own blocks ({q['gguf']['file']}): {types} MatMuls, float32 "
+                "activations (the float model within float rounding)"
+            )
+        elif q:
             lines.append(
                 f"  quantized   {q['scheme']}: {q['bits']}-bit weights in blocks of {q['block_size']}, "
                 f"{'int8' if q.get('accuracy_level') == 4 else 'float32'} activations, {q.get('quantized_matmuls')} "

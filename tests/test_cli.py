@@ -260,6 +260,32 @@ def test_generate_with_quantized_engine(tiny_checkpoint, tmp_path):
     assert "quantized   int4: 4-bit weights in blocks of 32, float32 activations" in r.output
 
 
+def test_build_and_generate_with_the_gguf_engine(tmp_path):
+    """--quantize gguf finds the GGUF through --gguf (a checkpoint converted before specrt
+    recorded its origin), and generate runs the engine; inspect says what it computes."""
+    from specrt.export.checkpoint import load_model
+
+    from conftest import random_model, save_checkpoint, tiny_hf_config
+    from test_gguf_blocks import TYPES
+    from tiny_gguf import write_gguf
+
+    hf = tiny_hf_config()
+    write_gguf(random_model(hf, seed=3), hf, tmp_path / "m.gguf", TYPES)
+    ckpt = save_checkpoint(load_model(tmp_path / "m.gguf"), hf, tmp_path / "ckpt")
+    art = tmp_path / "art"
+    args = ["build-engines", "--model", str(ckpt), "--out", str(art), "--tensorrt", "off", "--quantize", "gguf"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "records no GGUF file" in r.output and "--gguf FILE" in r.output, r.output
+    r = CliRunner().invoke(main, [*args, "--gguf", str(tmp_path / "m.gguf")])
+    assert r.exit_code == 0 and "onnx-gguf: quantized" in r.output, r.output
+    r = CliRunner().invoke(
+        main, ["generate", "--artifacts", str(art), "--quantize", "gguf", "--prompt", "w5 w6", "--max-new-tokens", "6"]
+    )
+    assert r.exit_code == 0 and "generated 6" in r.output, r.output
+    r = CliRunner().invoke(main, ["inspect", str(art)])
+    assert "quantized   gguf: the GGUF's own blocks (m.gguf): 4 Q4_0, 8 Q4_1, 3 Q8_0 MatMuls" in r.output, r.output
+
+
 def test_error_during_a_progress_bar_gets_its_own_line(tiny_checkpoint, tmp_path):
     """The export's bar is drawn when the config turns out bad: the message must not land on the
     bar's line, and the bar must not be redrawn after it."""
