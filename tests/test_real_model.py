@@ -141,3 +141,31 @@ def test_eagle3_head_on_default_model(ort_gen, real_model_dir, tmp_path):
         assert [r.token_ids for r in out] == plain, tree
         accepted += out[0].metrics.accepted_tokens
     assert accepted > 0
+
+
+def test_gguf_engine_is_the_float_model_on_default_model(ort_gen, real_model_dir, real_artifacts):
+    """build-engines --quantize gguf on the default model's own Q4_1/Q8_0 file: teacher-forced
+    logits within float rounding of the float32 engine (top-1 identical), greedy answers identical,
+    and speculative output equal to the engine's own plain output."""
+    from specrt.engines.build import BuildSpec, build_all
+    from specrt.layout import ArtifactLayout
+    from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    if not REAL_GGUF.is_file():
+        pytest.skip(f"{REAL_GGUF} not cached (make model keeps it)")
+    spec = BuildSpec(checkpoint=real_model_dir, out=real_artifacts, quantize="gguf", gguf=REAL_GGUF, tensorrt="off")
+    list(build_all(spec))
+    q4 = Generator.from_engine(ArtifactLayout(real_artifacts).ort_engine("cpu", "gguf"))
+    text = ort_gen.tokenizer.encode(" ".join(PROMPTS) + " " + CODE_EDIT)
+    a = ort_gen.session.forward(ort_gen.session.new_cache(1, len(text)), [text]).logits[0]
+    b = q4.session.forward(q4.session.new_cache(1, len(text)), [text]).logits[0]
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+    for prompt in PROMPTS:
+        ids = ort_gen.encode_prompt(prompt)
+        assert q4.generate_ids([ids], NEW_TOKENS)[0].token_ids == ort_gen.generate_ids([ids], NEW_TOKENS)[0].token_ids
+    ids = q4.encode_prompt(CODE_EDIT)
+    plain = q4.generate_ids([ids], 64)[0].token_ids
+    spec_out = SpeculativeDecoder(q4, make_proposer("suffix"), make_policy("auto")).generate_ids([ids], 64)[0]
+    assert spec_out.token_ids == plain and spec_out.metrics.accepted_tokens > 0
