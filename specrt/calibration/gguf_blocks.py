@@ -85,22 +85,15 @@ def _pack4(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-def _unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
-    """The conversion's q/k row unpermutation (export/gguf.py), on arrays with any trailing axes."""
-    from specrt.export.gguf import _unpermute
-
-    return np.ascontiguousarray(_unpermute(a, n_head))
-
-
 def gguf_blocks(path: str | Path) -> list[tuple[str, str, dict[str, np.ndarray]]]:
     """(tensor name, type, block fields with rows in the checkpoint's order) of every 2-D tensor
     stored in a supported block type."""
-    from specrt.export.gguf import _field, _open
+    from specrt.export.gguf import gguf_field, open_gguf, unpermute_rows
 
-    reader = _open(Path(path))
-    arch = _field(reader, "general.architecture")
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    reader = open_gguf(Path(path))
+    arch = gguf_field(reader, "general.architecture")
+    n_head = int(gguf_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_head))
     out = []
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -111,7 +104,8 @@ def gguf_blocks(path: str | Path) -> list[tuple[str, str, dict[str, np.ndarray]]
         role = t.name.split(".")[-2]
         if arch == "llama" and role in ("attn_q", "attn_k"):
             heads = n_head if role == "attn_q" else n_kv
-            fields = {k: _unpermute_rows(v, heads) for k, v in fields.items()}
+            # the conversion's unpermutation, on the block fields (it moves whole rows)
+            fields = {k: np.ascontiguousarray(unpermute_rows(v, heads)) for k, v in fields.items()}
         out.append((t.name, kind, fields))
     return out
 

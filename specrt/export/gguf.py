@@ -34,7 +34,7 @@ _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 GGUF_SOURCE = "gguf_source.json"  # in a converted checkpoint: the GGUF file it came from (path, sha256)
 
 
-def _open(path: Path):
+def open_gguf(path: Path):
     import gguf
 
     if not path.is_file():
@@ -47,14 +47,14 @@ def _open(path: Path):
         ) from None
 
 
-def _field(reader, key, default=None):
+def gguf_field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
         return default
     return f.contents()
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation: rows (head, dim/2, 2) -> (head, 2, dim/2)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -65,38 +65,38 @@ def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, di
     from tqdm import tqdm
 
     path = Path(path)
-    reader = _open(path)
-    arch = _field(reader, "general.architecture")
+    reader = open_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedArchitectureError(
             f"GGUF architecture {arch!r} is not supported; specrt reads {', '.join(_ARCHS)} GGUF files."
         )
     p = arch + "."
-    n_head = int(_field(reader, p + "attention.head_count"))
-    n_kv = int(_field(reader, p + "attention.head_count_kv", n_head))
-    hidden = int(_field(reader, p + "embedding_length"))
+    n_head = int(gguf_field(reader, p + "attention.head_count"))
+    n_kv = int(gguf_field(reader, p + "attention.head_count_kv", n_head))
+    hidden = int(gguf_field(reader, p + "embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, p + "vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    vocab = gguf_field(reader, p + "vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     cfg = ModelConfig.from_hf_dict(
         {
             "architectures": [_ARCHS[arch]],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            "intermediate_size": int(_field(reader, p + "feed_forward_length")),
-            "num_hidden_layers": int(_field(reader, p + "block_count")),
+            "intermediate_size": int(gguf_field(reader, p + "feed_forward_length")),
+            "num_hidden_layers": int(gguf_field(reader, p + "block_count")),
             "num_attention_heads": n_head,
             "num_key_value_heads": n_kv,
-            "head_dim": int(_field(reader, p + "attention.key_length", 0) or hidden // n_head),
-            "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
+            "head_dim": int(gguf_field(reader, p + "attention.key_length", 0) or hidden // n_head),
+            "rms_norm_eps": float(gguf_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(gguf_field(reader, p + "rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(gguf_field(reader, p + "context_length", 2048)),
             "tie_word_embeddings": "output.weight" not in names,
-            "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+            "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos,
         }
     )
-    if _field(reader, p + "rope.scaling.type") not in (None, "none"):
+    if gguf_field(reader, p + "rope.scaling.type") not in (None, "none"):
         raise UnsupportedArchitectureError(
             f"{path}: GGUF rope scaling is not supported; convert from the HF checkpoint instead."
         )
@@ -112,7 +112,7 @@ def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, di
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
         if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
-            w = _unpermute(w, n_head if parts[-2] == "attn_q" else n_kv)
+            w = unpermute_rows(w, n_head if parts[-2] == "attn_q" else n_kv)
         state[hf] = torch.from_numpy(np.ascontiguousarray(w))
     return cfg, state, reader
 
@@ -164,7 +164,7 @@ def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
-    template = _field(reader, "tokenizer.chat_template")
+    template = gguf_field(reader, "tokenizer.chat_template")
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
     if template and not tc.get("chat_template"):
