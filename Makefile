@@ -47,7 +47,7 @@ build-engines: setup model
 	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS)
 
 # EAGLE-3 and EAGLE-1 draft heads for the default model, trained here on the target's own answers
-# (self-distillation), exported and built: 45 min on 2 CPU cores (README, "Draft heads").
+# (self-distillation), exported and built: 51 min on 2 CPU cores (README, "Draft heads").
 # Interrupted? Run it again: every step resumes where it stopped.
 drafts: build-engines
 	$(SPECRT) train-draft --method eagle3 --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \

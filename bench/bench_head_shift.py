@@ -7,8 +7,9 @@ For each prompt the target answers greedily (96 tokens); the head then reads the
 features over prompt + answer and predicts, teacher-forced, every answer token at each of 3
 unrolled draft steps (as training measures its held-out acceptance: step k uses the head's own
 hidden states for k > 1). Prompt sets: the benchmark (bench/prompts.jsonl, held out of training)
-and the same number of the training data's held-out prompts (every 20th of <data>/prompts.jsonl).
-Prints per-step acceptance per set and writes JSON to bench/results/.
+and the same number of the training data's held-out prompts (training.eagle.held_out_ids: one of
+each class in turn).
+Prints per-step acceptance per set and per class and writes JSON to bench/results/.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def teacher_forced(gen, head, cols, prompts, new_tokens):
                 top = head.draft_to_target[head.project(h[scored]).argmax(-1)]
                 steps.append(float((top == batch.labels[scored]).float().mean()))
         per_prompt.append(steps)
-    return [round(float(x), 4) for x in np.mean(per_prompt, axis=0)]
+    return per_prompt
+
+
+def _mean(rows):
+    return [round(float(x), 4) for x in np.mean(rows, axis=0)]
 
 
 def main() -> None:
@@ -61,21 +66,31 @@ def main() -> None:
     from specrt.export.draft_head import feature_columns, load_head
     from specrt.layout import ArtifactLayout, HeadLayout, TrainingDataLayout
     from specrt.runtime.generator import Generator
+    from specrt.training.eagle import held_out_ids
 
     gen = Generator.from_engine(ArtifactLayout(args.artifacts).ort_engine())
     head = load_head(HeadLayout(args.draft_dir).weights)
     cols = feature_columns(gen.session.caps.hidden_layers, head.hc.layers, gen.config.hidden_size)
-    bench = [json.loads(line)["prompt"] for line in (ROOT / "bench/prompts.jsonl").read_text().splitlines()]
-    train = [json.loads(line)["prompt"] for line in TrainingDataLayout(args.data).prompts.read_text().splitlines()]
+    bench = [json.loads(line) for line in (ROOT / "bench/prompts.jsonl").read_text().splitlines()]
+    bench = [(b["class"], b["prompt"]) for b in bench]
+    train = [json.loads(line) for line in TrainingDataLayout(args.data).prompts.read_text().splitlines()]
+    train = [(t["kind"], t["prompt"]) for t in train]
     sets = {
         "benchmark prompts (held out)": bench[: args.prompts],
-        "training-distribution prompts (held out)": train[19::20][: args.prompts],
+        "training-distribution prompts (held out)": [train[i] for i in held_out_ids(len(train))][: args.prompts],
     }
     result = {"head": str(args.draft_dir), "method": head.hc.method, "new_tokens": args.new_tokens, "sets": {}}
     for name, prompts in sets.items():
-        acc = teacher_forced(gen, head, cols, prompts, args.new_tokens)
-        result["sets"][name] = {"prompts": len(prompts), "acceptance_per_step": acc}
+        rows = teacher_forced(gen, head, cols, [p for _, p in prompts], args.new_tokens)
+        acc = _mean(rows)
+        by_class = {
+            kind: _mean([r for (k, _), r in zip(prompts, rows) if k == kind])
+            for kind in dict.fromkeys(k for k, _ in prompts)
+        }
+        result["sets"][name] = {"prompts": len(prompts), "acceptance_per_step": acc, "by_class": by_class}
         print(f"{name:<44} acceptance per draft step {acc}  chain length {1 + float(np.cumprod(acc).sum()):.2f}")
+        for kind, a in by_class.items():
+            print(f"  {kind:<42} acceptance per draft step {a}  chain length {1 + float(np.cumprod(a).sum()):.2f}")
     import datetime
     import os
     import platform

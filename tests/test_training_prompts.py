@@ -109,3 +109,15 @@ def test_more_prompts_than_can_be_made_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(prompts_module._Sources, "make", lambda self, kind, rng: (few[rng.integers(30)], "topic"))
     with pytest.raises(SpecrtError, match="only 30 distinct prompts can be made here"):
         build_prompt_set(100, seed=0)
+
+
+def test_held_out_sequences_cover_every_class_alike():
+    """Training holds out runs of 4 consecutive prompts, which (classes in turn) is one of each."""
+    from specrt.training.eagle import held_out_ids
+
+    prompts = build_prompt_set(1000, seed=0)
+    held = held_out_ids(len(prompts))
+    assert 40 <= len(held) <= 60
+    counts = {k: sum(prompts[i].kind == k for i in held) for k in CLASSES}
+    assert len(set(counts.values())) == 1, counts
+    assert held_out_ids(40) == [36, 37, 38, 39] and held_out_ids(2) == [1]

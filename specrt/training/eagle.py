@@ -14,9 +14,9 @@ to the target-fed entries up to j-k+1 plus its own chain (one entry per earlier 
 diagonal). Step k's loss is weighted 0.8^(k-1). EAGLE-1 trains the first step only, with a
 regression of the next target feature (smooth L1) beside 0.1 x cross-entropy, as its paper does.
 
-Held-out sequences (every 20th) give the progress bar's acceptance: per unrolled step, the share
-of positions whose draft top-1 equals the target's token, and the expected accepted length of a
-greedy chain from them (1 + a1 + a1 a2 + ...; bonus token included).
+Held-out sequences (held_out_ids: one of each class in turn) give the progress bar's
+acceptance: per unrolled step, the share of positions whose draft top-1 equals the target's
+token, and the expected accepted length of a greedy chain from them (1 + a1 + a1 a2 + ...; bonus token included).
 
 Deterministic: the seed fixes the initialisation, the batch order and the lr schedule.
 Resumable: a checkpoint (head, optimizer, step, schedule) is written atomically every
@@ -73,14 +73,23 @@ class Sequence:
     prompt_len: int
 
 
+def held_out_ids(n: int) -> list[int]:
+    """The sequences kept out of training: 4 consecutive ones of every 80 (5 %). The prompt set
+    comes in class order (chat, code edit, summarization, JSON, chat, ...), so every run of 4
+    holds out one prompt of each class: the held-out figure weighs the classes alike. (Every
+    20th sequence, as before, held out JSON prompts only.) Fewer than 80: the last 4."""
+    return [i for i in range(n) if i % 80 >= 76] or list(range(max(1, n - 4), n))
+
+
 class TrainingData:
-    """Sequences with their features, split into training and held-out parts."""
+    """Sequences with their features, split into training and held-out parts (held_out_ids)."""
 
     def __init__(self, sequences: list[Sequence], target_layers, hidden_size: int, data_hash: str):
         if len(sequences) < 2:
             raise SpecrtError(f"{len(sequences)} training sequences; generate at least 2 answers")
         self.target_layers, self.hidden_size, self.data_hash = tuple(target_layers), hidden_size, data_hash
-        held = {i for i in range(len(sequences)) if i % 20 == 19} or {len(sequences) - 1}
+        held = set(held_out_ids(len(sequences)))
+        self.held_out_ids = sorted(held)
         self.train = [s for i, s in enumerate(sequences) if i not in held]
         self.held_out = [s for i, s in enumerate(sequences) if i in held]
 
@@ -282,7 +291,12 @@ class Trainer:
         """What a checkpoint must match to be resumed."""
         c = dataclasses.asdict(self.cfg)
         c.pop("max_minutes")
-        return {"config": c, "data": self.data.data_hash, "head": self.head.hc.to_dict()}
+        return {
+            "config": c,
+            "data": self.data.data_hash,
+            "held_out": self.data.held_out_ids,
+            "head": self.head.hc.to_dict(),
+        }
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".tmp")
