@@ -43,8 +43,10 @@ $(GGUF): | $(VENV)/.installed
 $(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
 	$(SPECRT) convert $(GGUF) --out $(MODEL_DIR)
 
+# the float32 engine, and the 4-bit engine computed from the GGUF's own blocks (the same model,
+# 1.46x faster plain decoding here; README, "Quantization")
 build-engines: setup model
-	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS)
+	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize gguf --gguf $(GGUF)
 
 # EAGLE-3 and EAGLE-1 draft heads for the default model, trained here on the target's own answers
 # (self-distillation), exported and built: 51 min on 2 CPU cores (README, "Draft heads").
@@ -55,8 +57,9 @@ drafts: build-engines
 	$(SPECRT) train-draft --method eagle --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
 		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle --epochs 1 --max-minutes 7
 
+# plain decoding on the fastest exact engine: the GGUF's own 4-bit blocks
 generate: build-engines
-	$(SPECRT) generate --artifacts $(ARTIFACTS) --prompt "$(PROMPT)"
+	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize gguf --prompt "$(PROMPT)"
 
 # an OpenAI-compatible server on http://127.0.0.1:8000 (speculative decoding with the suffix draft)
 serve: build-engines
