@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specrt.calibration.gguf_blocks import _dequantize, _split_blocks
+from specrt.calibration.gguf_blocks import _split_blocks
 from specrt.engines.build import BuildSpec, build_all
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
@@ -53,7 +53,7 @@ def test_block_fields_dequantize_as_the_gguf_package_does(kind):
     w = (rng.standard_normal((6, 96)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[kind]
     raw = gguf.quants.quantize(w, qtype)
-    ours = _dequantize(_split_blocks(raw, 6, kind), kind)
+    ours = _split_blocks(raw, 6, kind).dequantize()
     assert np.array_equal(ours, gguf.quants.dequantize(raw, qtype).reshape(6, 96))  # bit for bit
 
 

@@ -1,0 +1,227 @@
+"""MatMuls of the float step graph computed from 4-bit blocks on ONNX Runtime's fast kernels.
+
+Every 4-bit recipe here ends as blocks of 32 weights along the input axis, in one of three
+layouts, and this module turns them into graph nodes (MatMulNBits: w = (q - zero_point) · scale
+per block):
+
+    Q4_0   w = d · (q - 8)          one MatMulNBits (its default zero point is 8)
+    Q4_1   w = d · q + m            MatMulNBits with zero points 0 gives x·(d·q); the m part is
+                                    each block's sum of x times its m: (x · S) · M, with S the
+                                    (K, K/32) block-summing 0/1 matrix and M (K/32, N) the offsets
+                                    (1/32 of the weights' count, in float32)
+    Q8_0   w = d · q, q in -128..127 = 16·hi + lo, lo in 0..15, hi in -8..7: two MatMulNBits,
+                                    lo with zero points 0 and scale d, hi + 8 with scale 16·d
+                                    (every product is exact in float32: d has 11 significant bits)
+
+Q4_1 is how a float offset runs on the integer-zero-point kernels: MatMulNBits also takes float
+zero points, but its CPU kernels for them ran 6x slower here, while the block sums cost one small
+MatMul per input (shared by the weights that read it). The GGUF recipe (gguf_blocks.py) reads
+the blocks from the file; HQQ (hqq.py) computes them.
+
+MatMulNBits runs at accuracy level 0 (dequantize to float32, multiply in float32), so a
+position's logits do not depend on how many positions a step computes (each engine's manifest
+measures it), and speculative output stays equal to plain output.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_manifest
+from specrt.export.step_graph import ONNX_DATA, ONNX_FILE, ONNX_KIND, save_graph
+
+BLOCK = 32  # weights per block (Q4_0, Q4_1 and Q8_0 all use 32)
+LAYOUTS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One weight (N outputs, K = nb · 32 inputs) in a block layout: d (N, nb) float32 scales,
+    q (N, nb, 32) integer codes, m (N, nb) float32 offsets (Q4_1 only)."""
+
+    layout: str
+    d: np.ndarray
+    q: np.ndarray
+    m: np.ndarray | None = None
+
+    def dequantize(self) -> np.ndarray:
+        """(N, K) float32."""
+        d, q = self.d[..., None], self.q.astype(np.float32)
+        if self.layout == "Q4_0":
+            w = d * (q - 8)
+        elif self.layout == "Q4_1":
+            w = d * q + self.m[..., None]
+        else:
+            w = q * d
+        return w.reshape(w.shape[0], -1)
+
+    @staticmethod
+    def concat(parts: list[Blocks]) -> Blocks:
+        """Weights of one layout side by side (their outputs concatenated)."""
+        m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
+        return Blocks(parts[0].layout, np.concatenate([p.d for p in parts]), np.concatenate([p.q for p in parts]), m)
+
+
+def pack4(q: np.ndarray) -> np.ndarray:
+    """(N, nb, 32) codes 0..15 -> MatMulNBits' B (N, nb, 16): element 2j low nibble, 2j+1 high."""
+    q = q.astype(np.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+class _Rewriter:
+    """Builds the nodes and initializers that compute MatMuls from blocks."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.inits: list = []
+        self._ones: dict[int, str] = {}  # K -> name of its (K, K/32) block-summing matrix
+        self._sums: dict[str, str] = {}  # input -> its block sums (q, k and v share theirs)
+
+    def add_init(self, name: str, array: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def nbits(self, base: str, a: str, out: str, q: np.ndarray, scale: np.ndarray, zero: bool):
+        """One MatMulNBits over codes q (N, nb, 32); zero: explicit zero points 0 (else 8)."""
+        from onnx import helper
+
+        N, nb, _ = q.shape
+        inputs = [a, self.add_init(f"{base}.q", pack4(q)), self.add_init(f"{base}.scales", scale.astype(np.float32))]
+        if zero:
+            inputs.append(self.add_init(f"{base}.zp", np.zeros((N, (nb + 1) // 2), np.uint8)))
+        return helper.make_node(
+            "MatMulNBits",
+            inputs,
+            [out],
+            name=f"{base}/MatMulNBits",
+            domain="com.microsoft",
+            K=nb * BLOCK,
+            N=N,
+            bits=4,
+            block_size=BLOCK,
+            accuracy_level=0,
+        )
+
+    def block_sum_matrix(self, K: int) -> str:
+        if K not in self._ones:
+            S = np.zeros((K, K // BLOCK), np.float32)
+            S[np.arange(K), np.arange(K) // BLOCK] = 1.0
+            self._ones[K] = self.add_init(f"{self.prefix}.block_sum.{K}", S)
+        return self._ones[K]
+
+    def replace(self, nodes: list, parts: list[Blocks], base: str) -> list:
+        """The nodes computing the outputs of `nodes` (MatMuls of one input, their weights all of
+        one layout): one computation over the weights side by side (q, k and v are one
+        MatMulNBits), split into the outputs."""
+        from onnx import helper
+
+        out = nodes[0].output[0] if len(nodes) == 1 else f"{base}.fused"
+        new = self._compute(nodes[0].input[0], out, Blocks.concat(parts), base)
+        if len(nodes) > 1:
+            sizes = self.add_init(f"{base}.split", np.array([p.d.shape[0] for p in parts], np.int64))
+            outputs = [n.output[0] for n in nodes]
+            new.append(helper.make_node("Split", [out, sizes], outputs, axis=-1, name=f"{base}/Split"))
+        return new
+
+    def _compute(self, a: str, out: str, b: Blocks, base: str) -> list:
+        from onnx import helper
+
+        nb = b.q.shape[1]
+        if b.layout == "Q4_0":
+            return [self.nbits(base, a, out, b.q, b.d, zero=False)]
+        if b.layout == "Q4_1":
+            nodes = [self.nbits(base, a, f"{base}.code_part", b.q, b.d, zero=True)]
+            if a not in self._sums:
+                self._sums[a] = f"{base}.block_sums"
+                S = self.block_sum_matrix(nb * BLOCK)
+                nodes.append(helper.make_node("MatMul", [a, S], [self._sums[a]], name=f"{base}/BlockSum"))
+            offset = f"{base}.offset_part"
+            return nodes + [
+                helper.make_node("MatMul", [self._sums[a], self.add_init(f"{base}.m", b.m.T)], [offset]),
+                helper.make_node("Add", [f"{base}.code_part", offset], [out], name=f"{base}/Add"),
+            ]
+        lo = b.q & 0x0F
+        hi = (b.q - lo) // 16  # -8..7
+        return [
+            self.nbits(f"{base}.lo", a, f"{base}.lo_part", lo, b.d, zero=True),
+            self.nbits(f"{base}.hi", a, f"{base}.hi_part", hi + 8, 16.0 * b.d, zero=False),
+            helper.make_node("Add", [f"{base}.lo_part", f"{base}.hi_part"], [out], name=f"{base}/Add"),
+        ]
+
+
+def weight_matmuls(model) -> list[tuple[int, np.ndarray]]:
+    """(node index, weight (K, N) float32) of every MatMul whose second input is a constant 2-D
+    initializer: the matrices a recipe quantizes."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    out = []
+    for i, node in enumerate(model.graph.node):
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits:
+            w = numpy_helper.to_array(inits[node.input[1]])
+            if w.ndim == 2 and w.shape[0] % BLOCK == 0:
+                out.append((i, w))
+    return out
+
+
+def rewrite_matmuls(model, assigned: dict[int, tuple[str, Blocks]], prefix: str, fuse: bool = True) -> dict:
+    """Replace the MatMul nodes `assigned` (node index -> (a label, its weight's blocks)) in place;
+    returns how many of each layout. fuse: MatMuls of one input whose weights have one 4-bit
+    layout run as one (q/k/v, gate/up: fewer, larger kernel calls), where the first of them was."""
+    import onnx
+
+    graph = model.graph
+    rewriter = _Rewriter(prefix)
+    groups = collections.defaultdict(list)
+    for i, (_, b) in assigned.items():
+        groups[(graph.node[i].input[0], b.layout) if fuse and b.layout != "Q8_0" else i].append(i)
+    first = {members[0]: members for members in groups.values()}
+    new_nodes, counts = [], collections.Counter()
+    for i, node in enumerate(graph.node):
+        if i not in assigned:
+            new_nodes.append(node)
+        elif i in first:
+            members = first[i]
+            base = f"{prefix}.{assigned[i][0]}"
+            new_nodes.extend(
+                rewriter.replace([graph.node[j] for j in members], [assigned[j][1] for j in members], base)
+            )
+            counts[assigned[i][1].layout] += len(members)
+    graph.ClearField("node")
+    graph.node.extend(new_nodes)
+    still_read = {x for n in graph.node for x in n.input}
+    kept = [i for i in graph.initializer if i.name in still_read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept + rewriter.inits)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return dict(sorted(counts.items()))
+
+
+def write_quantized(
+    model, source: dict, onnx_dir: Path, out_dir: Path, quantization: dict, t0: float, *packages: str
+) -> Path:
+    """Save a quantized step graph to `out_dir` (atomically) with the source export's manifest
+    plus `quantization` (its time since `t0` added) and the source's hashes."""
+    with atomic_dir(out_dir) as tmp:
+        save_graph(model, tmp)
+        manifest = {
+            k: v for k, v in source.items() if k not in ("kind", "schema_version", "created", "files", "versions")
+        }
+        manifest.update(
+            {
+                "quantization": {**quantization, "seconds": round(time.perf_counter() - t0, 2)},
+                "source_onnx": {"path": str(Path(onnx_dir).resolve()), "files": source["files"]},
+                "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
+                "versions": package_versions("onnx", "onnxruntime", *packages),
+            }
+        )
+        write_manifest(tmp, ONNX_KIND, manifest)
+    return out_dir
