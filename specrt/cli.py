@@ -88,9 +88,11 @@ def convert(gguf_file: Path, out: Path):
     click.echo(f"wrote {out}")
 
 
-# build-engines --quantize: gguf (calibration/gguf_blocks.py) and the weight-only schemes the CLI
-# offers (int8 alone has no fast CPU kernel: calibration/weight_only.py)
-QUANT_SCHEMES = ["none", "gguf", "int4", "int8-a8", "int4-a8"]
+# build-engines --quantize: gguf (calibration/gguf_blocks.py), the fitted int4 recipes
+# (calibration/calibrated.py) and the round-to-nearest schemes the CLI offers (int8 alone has no
+# fast CPU kernel: calibration/weight_only.py)
+QUANT_SCHEMES = ["none", "gguf", "hqq", "gptq", "int4", "int8-a8", "int4-a8"]
+CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 
 def _parse_layers(value: str) -> tuple[int, ...]:
@@ -213,8 +215,17 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     show_default=True,
     type=click.Choice(QUANT_SCHEMES),
     help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): gguf "
-    "(the GGUF file's own 4-bit blocks: the float model within float rounding), int4 weights rounded to nearest, "
-    "or int8/int4 weights with int8 activations (-a8: faster, but speculative output may then differ from plain).",
+    "(the GGUF file's own 4-bit blocks: the float model within float rounding), hqq (int4, offsets fitted, no "
+    "data), gptq (int4 fitted to calibration activations; makes the calibration set first, see `specrt "
+    "calibrate`), int4 weights rounded to nearest, or int8/int4 weights with int8 activations (-a8: faster, but "
+    "speculative output may then differ from plain).",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="--quantize gptq: the calibration set (`specrt calibrate`; default: OUT/calibration/set.json, made when "
+    f"missing from {CALIBRATION_PROMPTS} prompts and the target's answers).",
 )
 @click.option(
     "--gguf",
@@ -246,6 +257,7 @@ def build_engines(
     workspace_mib: int,
     quantize: str,
     gguf_file: Path | None,
+    calibration: Path | None,
     quant_block_size: str,
 ):
     """Export the ONNX step graph (if needed) and build engines from it: ONNX Runtime always,
@@ -272,9 +284,31 @@ def build_engines(
         quantize=quantize,
         quant_block_size=int(quant_block_size),
         gguf=gguf_file,
+        calibration=calibration,
+        make_calibration=lambda engine: _calibration_set(engine, checkpoint, ArtifactLayout(out).calibration),
     )
     for line in build_all(spec):
         click.echo(line)
+
+
+def _calibration_set(
+    engine: Path,
+    checkpoint: Path,
+    out: Path,
+    prompts: int = CALIBRATION_PROMPTS,
+    max_new_tokens: int = CALIBRATION_TOKENS,
+    hold_out: Path = Path("bench/prompts.jsonl"),
+) -> Path:
+    """Make (or reuse) the calibration set in `out` with the float engine; returns its file."""
+    from specrt.runtime.generator import Generator
+    from specrt.training.calibration import SET_FILE, make_calibration_set
+    from specrt.training.prompts import benchmark_prompts
+
+    gen = Generator.from_engine(engine, checkpoint)
+    held = benchmark_prompts(hold_out) if hold_out.is_file() else ()
+    cal = make_calibration_set(gen, out, prompts=prompts, max_new_tokens=max_new_tokens, hold_out=held)
+    click.echo(f"calibration {out / SET_FILE}: {len(cal.sequences)} sequences, {cal.tokens} tokens")
+    return out / SET_FILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -611,6 +645,44 @@ def serve(
         err=True,
     )
     run_server(service, sock)
+
+
+@main.command()
+@click.option("--model", "checkpoint", required=True, type=click.Path(exists=True, path_type=Path), help="The target.")
+@click.option(
+    "--artifacts",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="build-engines output: its float ORT engine answers the prompts; the set goes to ARTIFACTS/calibration/.",
+)
+@click.option("--prompts", default=CALIBRATION_PROMPTS, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--max-new-tokens",
+    default=CALIBRATION_TOKENS,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Longest answer per prompt.",
+)
+@click.option(
+    "--hold-out",
+    type=click.Path(path_type=Path),
+    default=Path("bench/prompts.jsonl"),
+    show_default=True,
+    help="Benchmark prompts never to calibrate on (JSON lines with 'prompt'; skipped when absent).",
+)
+@_friendly_errors
+def calibrate(checkpoint: Path, artifacts: Path, prompts: int, max_new_tokens: int, hold_out: Path):
+    """Make the calibration set of a target: prompts from the offline prompt set and the target's own greedy
+    answers, for the calibrated recipes (build-engines --quantize gptq)."""
+    from specrt.layout import ArtifactLayout
+
+    layout = ArtifactLayout(artifacts)
+    engine = layout.ort_engine("cpu")
+    if not engine.is_dir():
+        raise click.UsageError(
+            f"no float ORT engine in {artifacts}; run `specrt build-engines --out {artifacts}` first"
+        )
+    _calibration_set(engine, checkpoint, layout.calibration, prompts, max_new_tokens, hold_out)
 
 
 @main.command("train-draft")

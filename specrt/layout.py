@@ -62,6 +62,11 @@ class ArtifactLayout(_Layout):
         """The TensorRT engine present here (full TensorRT preferred), or None."""
         return next((d for d in map(self.trt_engine, TRT_FLAVOURS) if d.is_dir()), None)
 
+    @property
+    def calibration(self) -> Path:
+        """The calibration set (`specrt calibrate`) and the answers it was made from."""
+        return self.root / "calibration"
+
     def artifact_dirs(self) -> list[Path]:
         """Every artifact directory present (those holding a manifest), graphs before engines."""
         candidates = [self.onnx, *sorted(self.root.glob("onnx-*")), *sorted(self.engines.glob("*"))]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from specrt.engines.trt import TrtBuildSpec
 from specrt.errors import SpecrtError
@@ -30,6 +30,10 @@ class BuildSpec:
     )
     quant_block_size: int = 32
     gguf: Path | None = None  # --quantize gguf: the GGUF file (default: the one the checkpoint was converted from)
+    # --quantize gptq: the calibration set (calibration.data.CalibrationSet), or a function that
+    # makes it from the float ORT engine just built (the CLI's, which runs the target)
+    calibration: Path | None = None
+    make_calibration: Callable[[Path], Path] | None = None
 
 
 def _manifest_if_valid(read, *args) -> dict | None:
@@ -126,6 +130,28 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
             raise SpecrtError(f"--gguf {gguf}: no such file")
         wanted = {"scheme": "gguf", "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)}}
         return wanted, lambda: quantize_from_gguf(odir, qdir, gguf)
+
+    if spec.quantize == "hqq":
+        from specrt.calibration.calibrated import RECIPE_VERSION, quantize_hqq
+
+        return {"scheme": "hqq", "recipe_version": RECIPE_VERSION}, lambda: quantize_hqq(odir, qdir)
+    if spec.quantize == "gptq":
+        from specrt.calibration.calibrated import RECIPE_VERSION, quantize_gptq
+        from specrt.calibration.data import CalibrationSet
+        from specrt.export.step_graph import read_onnx_manifest
+
+        path = spec.calibration
+        if path is None and spec.make_calibration is not None:
+            path = spec.make_calibration(ArtifactLayout(spec.out).ort_engine(spec.provider))
+        if path is None:
+            raise SpecrtError(
+                "--quantize gptq fits the weights to calibration data: make a set with `specrt calibrate` and give it "
+                "with --calibration FILE"
+            )
+        cal = CalibrationSet.load(path)
+        cal.require_target(read_onnx_manifest(odir)["checkpoint"]["hash"], str(spec.checkpoint))
+        wanted = {"scheme": "gptq", "recipe_version": RECIPE_VERSION, "calibration_sha256": cal.sha256}
+        return wanted, lambda: quantize_gptq(odir, qdir, cal)
 
     from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
 

@@ -1,0 +1,239 @@
+"""Fitted int4 recipes for checkpoints that are not GGUF: HQQ (data-free) and GPTQ (calibrated).
+
+Both keep blocks of 32 weights along the input axis with a scale and an offset per block, like
+round to nearest (`int4`), but fit them better:
+
+  hqq   Half-Quadratic Quantization: per block, the offset is fitted by a proximal solver to
+        minimise an lp-norm (p < 1) of the weight error, which spends the 16 levels on the bulk
+        of the weights rather than on outliers. No data. ONNX Runtime's quantizer implements the
+        solver (`HQQWeightOnlyQuantizer`), and used as it is its offsets are float zero points,
+        whose MatMulNBits CPU kernels ran 6x slower here; so the fitted blocks are written in
+        the Q4_1 layout of blocks.py (w = d·q + m, m = -d·zero), which computes the same weights on
+        the integer kernels at the GGUF engine's speed.
+  gptq  GPTQ: weights are rounded one input row at a time, and each row's rounding error is
+        pushed onto the rows not yet rounded through the inverse Hessian of the layer's inputs
+        (X^T X over the calibration activations), so the layer's output error, not the weight
+        error, is minimised. Written here (`gptq_blocks`, in PyTorch) rather than taken from
+        ONNX Runtime's quantizer (1.32), which has a GPTQ too: its error feedback reads a column
+        of the upper Cholesky factor where the row is needed, so nothing is fed back and its
+        result equals min-max rounding (tests/test_calibrated.py shows both); it also runs the
+        whole graph over every feed once per MatMul input (181 times for the default model: 76 %
+        done after 21 minutes with 32 sequences here; `hessians` runs it once per feed), fails
+        on inputs with an odd number of blocks (the tiny test model's MLP), and re-rounds its
+        result. Its blocks are min-max with a float offset (the Q4_1 layout, as for HQQ); the
+        activations come from `data.step_feeds`: the target's own answers, at prefill, decode
+        and verification shapes.
+
+Both start each block from min-max with a float offset, so on a checkpoint whose weights are
+already 4-bit blocks of 32 (the default model: its GGUF's Q4_1) they find those blocks again and
+compute the float model; what they fit shows on weights that are not on such a grid.
+
+Both run at accuracy level 0 (float32 products), so speculative output stays equal to plain
+output on them. The manifest records the recipe, and for GPTQ the calibration set's hash, size
+and origin.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specrt.calibration.blocks import BLOCK, Blocks, rewrite_matmuls, weight_matmuls, write_quantized
+from specrt.calibration.data import CalibrationSet, step_feeds
+from specrt.errors import SpecrtError
+from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+
+RECIPES = ("hqq", "gptq")
+# bumped whenever a recipe computes other blocks: graphs of an older version are made again
+RECIPE_VERSION = 3
+
+
+def _source(onnx_dir: Path) -> dict:
+    source = read_onnx_manifest(onnx_dir)
+    if source.get("quantization"):
+        raise SpecrtError(
+            f"{onnx_dir} is already quantized ({source['quantization']['scheme']}); quantize the float32 export "
+            "instead."
+        )
+    return source
+
+
+def hqq_blocks(w: np.ndarray) -> Blocks:
+    """HQQ's 4-bit blocks of a MatMul weight w (K, N), in the Q4_1 layout."""
+    import torch
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=BLOCK, bits=4))
+    # blocks run along the input axis: quantize W^T (N, K) along its axis 1
+    # round_zero=False: the offset is stored as a float (Q4_1), so it need not be an integer;
+    # started from min-max, a block already on a 4-bit grid (a GGUF's Q4_1) stays on it
+    q, scale, zero = quantizer.quantize_internal(
+        torch.from_numpy(np.ascontiguousarray(w.T)), bits=4, group_size=BLOCK, round_zero=False
+    )
+    n, k = w.shape[1], w.shape[0]
+    d = scale.numpy().astype(np.float32).reshape(n, k // BLOCK)
+    m = (-zero.numpy().astype(np.float32).reshape(n, k // BLOCK)) * d  # (q - zero)·d = d·q + m
+    return Blocks("Q4_1", d, q.numpy().astype(np.int16).reshape(n, k // BLOCK, BLOCK), m)
+
+
+def q8_blocks(w: np.ndarray) -> Blocks:
+    """Symmetric 8-bit blocks (Q8_0: d = max |w| / 127 per block) of a MatMul weight w (K, N):
+    the output head's recipe. A GGUF's Q8_0 head is found again exactly (its largest weight of a
+    block is ±127 · d)."""
+    K, N = w.shape
+    g = np.ascontiguousarray(w.T, dtype=np.float32).reshape(N, K // BLOCK, BLOCK)
+    amax = np.abs(g).max(-1)
+    d = np.where(amax > 0, amax / 127, 1.0).astype(np.float32)
+    return Blocks("Q8_0", d, np.clip(np.round(g / d[..., None]), -127, 127).astype(np.int16))
+
+
+def _quantize(onnx_dir, out_dir, scheme: str, method: str, fit, progress: bool, fuse: bool, extra=None) -> Path:
+    """The driver of both recipes: `fit(node, w)` gives a MatMul's 4-bit blocks; the output head
+    (N = the vocabulary) gets 8-bit blocks instead. `extra(model)`: more manifest fields."""
+    import onnx
+    from tqdm import tqdm
+
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    source = _source(onnx_dir)
+    t0 = time.perf_counter()
+    model = onnx.load(str(onnx_dir / ONNX_FILE))
+    weights = weight_matmuls(model)
+    if not weights:
+        raise SpecrtError(f"no MatMul with a constant weight in {onnx_dir / ONNX_FILE}; is it a specrt step graph?")
+    fields = extra(model, weights) if extra else {}
+    vocab = source["config"]["vocab_size"]
+    assigned, kept = {}, []
+    for i, w in tqdm(weights, desc=f"quantize {scheme}", unit="matmul", disable=not progress):
+        node = model.graph.node[i]
+        label = node.name.strip("/").replace("/", ".") or f"matmul{i}"
+        if w.shape[1] == vocab:
+            kept.append(node.name)
+        assigned[i] = (label, q8_blocks(w) if w.shape[1] == vocab else fit(node, w))
+    counts = rewrite_matmuls(model, assigned, prefix=scheme, fuse=fuse)
+    quantization = {
+        "scheme": scheme,
+        "recipe_version": RECIPE_VERSION,
+        "method": method,
+        "bits": 4,
+        "block_size": BLOCK,
+        "accuracy_level": 0,
+        "rewritten_matmuls": counts,
+        # the output head: a fifth of the default model's weights, and the logits' last step
+        "kept_in_8bit": kept,
+        "fused": fuse,
+        **fields,
+    }
+    return write_quantized(model, source, onnx_dir, out_dir, quantization, t0, "torch")
+
+
+def quantize_hqq(onnx_dir: str | Path, out_dir: str | Path, progress: bool = True, fuse: bool = True) -> Path:
+    """Every weight MatMul of the float step graph in `onnx_dir` as HQQ 4-bit blocks (the output
+    head as 8-bit ones), into `out_dir` (written atomically)."""
+    method = "HQQ (half-quadratic offsets per block, data-free), computed in the Q4_1 layout"
+    return _quantize(onnx_dir, out_dir, "hqq", method, lambda node, w: hqq_blocks(w), progress, fuse)
+
+
+def hessians(model, feeds: list[dict], inputs: list[str], progress: bool = True) -> dict[str, np.ndarray]:
+    """Per MatMul input name: the mean over every position of every feed of x x^T (K, K),
+    float64, from one run of the graph per feed (the inputs made extra graph outputs)."""
+    import onnx
+    import onnxruntime as ort
+    from tqdm import tqdm
+
+    augmented = onnx.ModelProto()
+    augmented.CopyFrom(model)
+    known = {o.name for o in augmented.graph.output}
+    for name in inputs:
+        if name not in known:
+            augmented.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    with tempfile.TemporaryDirectory(prefix="specrt-gptq-") as tmp:  # over 2 GB: external data
+        onnx.save_model(augmented, f"{tmp}/a.onnx", save_as_external_data=True, location="a.data")
+        sess = ort.InferenceSession(f"{tmp}/a.onnx", opts, providers=["CPUExecutionProvider"])
+    sums = {name: None for name in inputs}
+    count = 0
+    for feed in tqdm(feeds, desc="gptq: activations", unit="step", disable=not progress):
+        for name, x in zip(inputs, sess.run(inputs, feed)):
+            x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+            sums[name] = x.T @ x if sums[name] is None else sums[name] + x.T @ x
+        count += x.shape[0]
+    return {name: h / count for name, h in sums.items()}
+
+
+def gptq_blocks(w: np.ndarray, h: np.ndarray, percdamp: float = 0.01, lazy: int = 128) -> Blocks:
+    """GPTQ's 4-bit blocks (Q4_1: a scale and a float offset per block) of a MatMul weight w
+    (K, N) whose input has second moments h (K, K).
+
+    Rows (inputs) are rounded in order; after each, its error times the inverse Hessian's
+    Cholesky row is subtracted from the rows after it (applied to the rows of the current `lazy`
+    batch at once, to the rest once per batch), so the layer's output error on the calibration
+    activations, not the weight error, is minimised (Frantar et al., 2022; no reordering by
+    activation size). Each block's grid is min-max over its already updated rows, fixed when
+    its first row is reached; its offset is a float, so a block already on a 4-bit grid (a
+    GGUF's Q4_1) is found again exactly and nothing is fed back."""
+    import torch
+
+    K, N = w.shape
+    W = torch.tensor(w, dtype=torch.float64)  # copies: the caller's arrays stay as they are
+    H = torch.tensor(h, dtype=torch.float64)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[dead] = 0.0
+    H += percdamp * torch.mean(torch.diag(H)) * torch.eye(K, dtype=torch.float64)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    codes = torch.zeros(K, N, dtype=torch.int16)
+    scales = torch.zeros(K // BLOCK, N, dtype=torch.float64)
+    offsets = torch.zeros(K // BLOCK, N, dtype=torch.float64)
+    for i1 in range(0, K, lazy):
+        i2 = min(i1 + lazy, K)
+        W1, E1, U1 = W[i1:i2].clone(), torch.zeros(i2 - i1, N, dtype=torch.float64), U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            row = i1 + i
+            if row % BLOCK == 0:
+                lo, hi = W1[i : i + BLOCK].min(0).values, W1[i : i + BLOCK].max(0).values
+                scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))
+                scales[row // BLOCK], offsets[row // BLOCK] = scale, lo
+            c = torch.clamp(torch.round((W1[i] - lo) / scale), 0, 15)
+            codes[row] = c.to(torch.int16)
+            err = (W1[i] - (lo + scale * c)) / U1[i, i]
+            W1[i:] -= torch.outer(U1[i, i:], err)
+            E1[i] = err
+        W[i2:] -= U[i1:i2, i2:].T @ E1
+    nb = K // BLOCK
+    q = codes.T.reshape(N, nb, BLOCK).numpy()
+    return Blocks("Q4_1", scales.T.numpy().astype(np.float32), q, offsets.T.numpy().astype(np.float32))
+
+
+def quantize_gptq(
+    onnx_dir: str | Path,
+    out_dir: str | Path,
+    calibration: CalibrationSet,
+    progress: bool = True,
+    max_len: int = 512,
+    percdamp: float = 0.01,
+    fuse: bool = True,
+) -> Path:
+    """Every weight MatMul of the float step graph in `onnx_dir` quantized by GPTQ on the
+    activations of `calibration` (a set made for this checkpoint; the output head as 8-bit
+    blocks), into `out_dir`."""
+    onnx_dir = Path(onnx_dir)
+    calibration.require_target(_source(onnx_dir)["checkpoint"]["hash"], str(onnx_dir))
+    feeds = step_feeds(onnx_dir, calibration, max_len=max_len)
+    h = {}
+
+    def collect(model, weights):
+        inputs = sorted({model.graph.node[i].input[0] for i, _ in weights})
+        h.update(hessians(model, feeds, inputs, progress))
+        return {
+            "percdamp": percdamp,
+            "calibration_sha256": calibration.sha256,
+            "calibration": {**calibration.describe(), "feeds": len(feeds), "max_len": max_len},
+        }
+
+    method = "GPTQ (inverse-Hessian error feedback on calibration activations), min-max blocks, float offsets"
+    fit = lambda node, w: gptq_blocks(w, h[node.input[0]], percdamp)  # noqa: E731
+    return _quantize(onnx_dir, out_dir, "gptq", method, fit, progress, fuse, extra=collect)
