@@ -2,7 +2,8 @@
 
     python bench/bench_quant.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--tokens 128]
 
-For float32 and each quantized variant (gguf: the GGUF file's own 4-bit blocks; int4 weights
+For float32 and each quantized variant (gguf: the GGUF file's own 4-bit blocks; hqq and gptq:
+the fitted recipes, gptq on the artifacts' calibration set (made when missing); int4 weights
 rounded to nearest; int8 / int4 weights with int8 (-a8) activations; built from the artifact's
 float32 export into a temporary directory, each with its ORT engine):
   - size of the ORT engine on disk;
@@ -37,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 VARIANTS = {
     "float32": None,
     "gguf": ("gguf", 32),
+    "hqq": ("hqq", 32),
+    "gptq": ("gptq", 32),
     "int4 b32": ("int4", 32),
     "int8-a8 b32": ("int8-a8", 32),
     "int4-a8 b32": ("int4-a8", 32),
@@ -71,6 +74,7 @@ def main():
 
     from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import load_prompts, write_result_json
+    from specrt.calibration.calibrated import quantize_gptq, quantize_hqq
     from specrt.calibration.gguf_blocks import quantize_from_gguf
     from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
     from specrt.engines.ort import build_ort_engine
@@ -78,6 +82,8 @@ def main():
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.generator import Generator
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+    from specrt.training.calibration import make_calibration_set
+    from specrt.training.prompts import benchmark_prompts
 
     prompts = load_prompts(args.prompts)
     tmp = Path(tempfile.mkdtemp(prefix="specrt-quant-"))
@@ -88,6 +94,13 @@ def main():
         source = ArtifactLayout(args.artifacts).onnx
         if v[0] == "gguf":
             qdir = quantize_from_gguf(source, tmp / "onnx-gguf", args.gguf, progress=False)
+        elif v[0] == "hqq":
+            qdir = quantize_hqq(source, tmp / "onnx-hqq", progress=False)
+        elif v[0] == "gptq":
+            gen = Generator.from_engine(engines["float32"])
+            held = benchmark_prompts(args.prompts)
+            cal = make_calibration_set(gen, ArtifactLayout(args.artifacts).calibration, hold_out=held, progress=False)
+            qdir = quantize_gptq(source, tmp / "onnx-gptq", cal, progress=False)
         else:
             spec = WeightOnlySpec(scheme=v[0], block_size=v[1])
             qdir = quantize_weight_only(source, tmp / f"onnx-{v[0]}-{v[1]}", spec, progress=False)

@@ -141,6 +141,18 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
                 f"  quantized   gguf: the GGUF's own blocks ({q['gguf']['file']}): {types} MatMuls, float32 "
                 "activations (the float model within float rounding)"
             )
+        elif q and q["scheme"] in ("hqq", "gptq"):
+            types = ", ".join(f"{n} {t}" for t, n in q.get("rewritten_matmuls", {}).items())
+            cal = q.get("calibration")
+            fitted = (
+                f"fitted to {cal['sequences']} calibration sequences ({cal['tokens']} tokens, {cal['sha256'][:15]}…)"
+                if cal
+                else "fitted without data"
+            )
+            lines.append(
+                f"  quantized   {q['scheme']}: {types} MatMuls ({len(q.get('kept_in_8bit', []))} kept in 8-bit), "
+                f"{fitted}, float32 activations"
+            )
         elif q:
             lines.append(
                 f"  quantized   {q['scheme']}: {q['bits']}-bit weights in blocks of {q['block_size']}, "

@@ -286,6 +286,33 @@ def test_build_and_generate_with_the_gguf_engine(tmp_path):
     assert "quantized   gguf: the GGUF's own blocks (m.gguf): 4 Q4_0, 8 Q4_1, 3 Q8_0 MatMuls" in r.output, r.output
 
 
+def test_calibrate_then_build_and_generate_with_the_fitted_recipes(tiny_checkpoint, tmp_path):
+    """specrt calibrate makes the set from the target's answers; build-engines --quantize gptq
+    uses it (and makes it when missing), hqq needs none; generate runs both; inspect says what
+    each was fitted to."""
+    art = tmp_path / "art"
+    build = ["build-engines", "--model", str(tiny_checkpoint), "--out", str(art), "--tensorrt", "off"]
+    r = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_checkpoint), "--artifacts", str(art)])
+    assert r.exit_code == 2 and "no float ORT engine" in r.output, r.output
+    r = CliRunner().invoke(main, [*build, "--quantize", "gptq"])
+    assert r.exit_code == 0 and "calibration" in r.output and "onnx-gptq: quantized" in r.output, r.output
+    cal = art / "calibration" / "set.json"
+    assert cal.is_file()
+    r = CliRunner().invoke(main, ["calibrate", "--model", str(tiny_checkpoint), "--artifacts", str(art)])
+    assert r.exit_code == 0 and "32 sequences" in r.output, r.output
+    r = CliRunner().invoke(main, [*build, "--quantize", "hqq"])
+    assert r.exit_code == 0 and "onnx-hqq: quantized" in r.output, r.output
+    for scheme in ("gptq", "hqq"):
+        args = ["generate", "--artifacts", str(art), "--quantize", scheme, "--prompt", "w5 w6", "--max-new-tokens", "6"]
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0 and "generated 6" in r.output, r.output
+    r = CliRunner().invoke(main, ["inspect", str(art)])
+    assert "quantized   gptq: 14 Q4_1, 1 Q8_0 MatMuls (1 kept in 8-bit), fitted to 32 calibration sequences" in r.output
+    assert "quantized   hqq: 14 Q4_1, 1 Q8_0 MatMuls (1 kept in 8-bit), fitted without data" in r.output, r.output
+    r = CliRunner().invoke(main, [*build, "--quantize", "gptq", "--calibration", str(tmp_path / "none.json")])
+    assert r.exit_code == 1 and "no calibration set" in r.output, r.output
+
+
 def test_error_during_a_progress_bar_gets_its_own_line(tiny_checkpoint, tmp_path):
     """The export's bar is drawn when the config turns out bad: the message must not land on the
     bar's line, and the bar must not be redrawn after it."""
