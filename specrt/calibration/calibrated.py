@@ -35,14 +35,13 @@ and origin.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from specrt.calibration.blocks import BLOCK, Blocks, rewrite_matmuls, weight_matmuls, write_quantized
-from specrt.calibration.data import CalibrationSet, step_feeds
+from specrt.calibration.data import CalibrationSet, activations, step_feeds
 from specrt.errors import SpecrtError
 from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
 
@@ -138,28 +137,13 @@ def quantize_hqq(onnx_dir: str | Path, out_dir: str | Path, progress: bool = Tru
 
 def hessians(model, feeds: list[dict], inputs: list[str], progress: bool = True) -> dict[str, np.ndarray]:
     """Per MatMul input name: the mean over every position of every feed of x x^T (K, K),
-    float64, from one run of the graph per feed (the inputs made extra graph outputs)."""
-    import onnx
-    import onnxruntime as ort
-    from tqdm import tqdm
-
-    augmented = onnx.ModelProto()
-    augmented.CopyFrom(model)
-    known = {o.name for o in augmented.graph.output}
-    for name in inputs:
-        if name not in known:
-            augmented.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    with tempfile.TemporaryDirectory(prefix="specrt-gptq-") as tmp:  # over 2 GB: external data
-        onnx.save_model(augmented, f"{tmp}/a.onnx", save_as_external_data=True, location="a.data")
-        sess = ort.InferenceSession(f"{tmp}/a.onnx", opts, providers=["CPUExecutionProvider"])
-    sums = {name: None for name in inputs}
+    float64, from one run of the graph per feed."""
+    sums = {name: 0.0 for name in inputs}
     count = 0
-    for feed in tqdm(feeds, desc="gptq: activations", unit="step", disable=not progress):
-        for name, x in zip(inputs, sess.run(inputs, feed)):
+    for values in activations(model, feeds, inputs, "gptq: activations", progress):
+        for name, x in values.items():
             x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-            sums[name] = x.T @ x if sums[name] is None else sums[name] + x.T @ x
+            sums[name] = sums[name] + x.T @ x
         count += x.shape[0]
     return {name: h / count for name, h in sums.items()}
 

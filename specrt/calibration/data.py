@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -121,3 +123,25 @@ def step_feeds(onnx_dir: str | Path, cal: CalibrationSet, max_len: int = 512) ->
     if not feeds:
         raise SpecrtError(f"the calibration set has no sequence longer than {max(TAILS) + 1} tokens")
     return feeds
+
+
+def activations(model, feeds: list[dict], names: list[str], desc: str, progress: bool = True) -> Iterator[dict]:
+    """Per feed, {name: value} of the graph's inner tensors `names` (float32), from one run of the
+    graph (the tensors made extra outputs); what a recipe's statistics are computed from."""
+    import onnx
+    import onnxruntime as ort
+    from tqdm import tqdm
+
+    tapped = onnx.ModelProto()
+    tapped.CopyFrom(model)
+    known = {o.name for o in tapped.graph.output}
+    for name in names:
+        if name not in known:
+            tapped.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    with tempfile.TemporaryDirectory(prefix="specrt-tap-") as tmp:  # over 2 GB: external data
+        onnx.save_model(tapped, f"{tmp}/a.onnx", save_as_external_data=True, location="a.data")
+        sess = ort.InferenceSession(f"{tmp}/a.onnx", opts, providers=["CPUExecutionProvider"])
+    for feed in tqdm(feeds, desc=desc, unit="step", disable=not progress):
+        yield dict(zip(names, sess.run(names, feed)))
