@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from specrt.calibration import QDQ_SCHEMES
 from specrt.errors import SpecrtError
 
 
@@ -91,7 +92,7 @@ def convert(gguf_file: Path, out: Path):
 # build-engines --quantize: gguf (calibration/gguf_blocks.py), the fitted int4 recipes
 # (calibration/calibrated.py) and the round-to-nearest schemes the CLI offers (int8 alone has no
 # fast CPU kernel: calibration/weight_only.py)
-QUANT_SCHEMES = ["none", "gguf", "hqq", "gptq", "int4", "int8-a8", "int4-a8"]
+QUANT_SCHEMES = ["none", "gguf", "hqq", "gptq", "int4", "int8-a8", "int4-a8", *QDQ_SCHEMES]
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 
@@ -217,15 +218,16 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): gguf "
     "(the GGUF file's own 4-bit blocks: the float model within float rounding), hqq (int4, offsets fitted, no "
     "data), gptq (int4 fitted to calibration activations; makes the calibration set first, see `specrt "
-    "calibrate`), int4 weights rounded to nearest, or int8/int4 weights with int8 activations (-a8: faster, but "
-    "speculative output may then differ from plain).",
+    "calibrate`), int4 weights rounded to nearest, int8/int4 weights with int8 activations (-a8: faster, but "
+    "speculative output may then differ from plain), or qdq-int8/qdq-fp8 (explicit Q/DQ for TensorRT, calibrated; "
+    "also builds its TensorRT engine engines/trt-<flavour>-<scheme>/).",
 )
 @click.option(
     "--calibration",
     type=click.Path(path_type=Path),
     default=None,
-    help="--quantize gptq: the calibration set (`specrt calibrate`; default: OUT/calibration/set.json, made when "
-    f"missing from {CALIBRATION_PROMPTS} prompts and the target's answers).",
+    help="--quantize gptq, qdq-*: the calibration set (`specrt calibrate`; default: OUT/calibration/set.json, "
+    f"made when missing from {CALIBRATION_PROMPTS} prompts and the target's answers).",
 )
 @click.option(
     "--gguf",
@@ -344,8 +346,11 @@ def _make_runner(choice: EngineChoice):
 
     verify = "full" if verify_artifacts else "auto"
 
-    if quantize != "none" and backend != "ort":
-        raise click.UsageError(f"--quantize {quantize} runs an ORT engine (MatMulNBits); use it with --backend ort")
+    if quantize != "none" and backend == "torch" or quantize not in ("none", *QDQ_SCHEMES) and backend == "trt":
+        raise click.UsageError(
+            f"--quantize {quantize} runs an ORT engine (MatMulNBits); use it with --backend ort (TensorRT takes the "
+            f"Q/DQ schemes: {', '.join(QDQ_SCHEMES)})"
+        )
     if backend == "torch":
         if checkpoint is None:
             raise click.UsageError("--backend torch needs --model CHECKPOINT")
@@ -355,12 +360,13 @@ def _make_runner(choice: EngineChoice):
             if artifacts is None:
                 raise click.UsageError("--backend trt needs --artifacts DIR (from build-engines) or --engine DIR")
             layout = ArtifactLayout(artifacts)
-            engine = layout.built_trt_engine()
+            engine = layout.built_trt_engine(quantize)
             if engine is None:
-                built = " or ".join(str(layout.trt_engine(f)) for f in TRT_FLAVOURS)
+                built = " or ".join(str(layout.trt_engine(f, quantize)) for f in TRT_FLAVOURS)
+                how = "" if quantize == "none" else f" --quantize {quantize}"
                 raise SpecrtError(
                     f"{artifacts} has no TensorRT engine ({built}); build one with: "
-                    f"specrt build-engines --model CHECKPOINT --out {artifacts} --tensorrt auto"
+                    f"specrt build-engines --model CHECKPOINT --out {artifacts} --tensorrt auto{how}"
                 )
         gen = Generator.from_trt_engine(
             engine, checkpoint, device=device or "cuda", cuda_graphs=cuda_graphs, verify=verify

@@ -51,16 +51,16 @@ class ArtifactLayout(_Layout):
     def ort_engine(self, provider: str = "cpu", scheme: str = "none") -> Path:
         return self.engines / (f"ort-{provider}" if scheme == "none" else f"ort-{provider}-{scheme}")
 
-    def trt_engine(self, flavour: str) -> Path:
-        return self.engines / f"trt-{flavour}"
+    def trt_engine(self, flavour: str, scheme: str = "none") -> Path:
+        return self.engines / (f"trt-{flavour}" if scheme == "none" else f"trt-{flavour}-{scheme}")
 
     @property
     def timing_cache(self) -> Path:
         return self.engines / "timing.cache"
 
-    def built_trt_engine(self) -> Path | None:
-        """The TensorRT engine present here (full TensorRT preferred), or None."""
-        return next((d for d in map(self.trt_engine, TRT_FLAVOURS) if d.is_dir()), None)
+    def built_trt_engine(self, scheme: str = "none") -> Path | None:
+        """The TensorRT engine of a scheme present here (full TensorRT preferred), or None."""
+        return next((d for d in (self.trt_engine(f, scheme) for f in TRT_FLAVOURS) if d.is_dir()), None)
 
     @property
     def calibration(self) -> Path:

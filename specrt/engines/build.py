@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from specrt.calibration import QDQ_SCHEMES
 from specrt.engines.trt import TrtBuildSpec
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout
@@ -102,10 +103,15 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
         yield f"{spec.quantize:<9} {qdir}: quantized in {time.perf_counter() - t0:.1f} s"
     else:
         yield f"{spec.quantize:<9} {qdir}: up to date"
+    qfiles = read_onnx_manifest(qdir)["files"]
+    if spec.quantize in QDQ_SCHEMES:  # for TensorRT; the ORT engine lets the CPU check it
+        yield from _build_ort(spec, qdir, qfiles, ckpt_hash, stale=fresh, quantize=spec.quantize)
+        yield from _build_tensorrt(spec, qdir, qfiles, ckpt_hash, fresh, scheme=spec.quantize)
+        return
     yield from _build_ort(
         spec,
         qdir,
-        read_onnx_manifest(qdir)["files"],
+        qfiles,
         ckpt_hash,
         stale=fresh,
         quantize=spec.quantize,
@@ -137,21 +143,16 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
         return {"scheme": "hqq", "recipe_version": RECIPE_VERSION}, lambda: quantize_hqq(odir, qdir)
     if spec.quantize == "gptq":
         from specrt.calibration.calibrated import RECIPE_VERSION, quantize_gptq
-        from specrt.calibration.data import CalibrationSet
-        from specrt.export.step_graph import read_onnx_manifest
 
-        path = spec.calibration
-        if path is None and spec.make_calibration is not None:
-            path = spec.make_calibration(ArtifactLayout(spec.out).ort_engine(spec.provider))
-        if path is None:
-            raise SpecrtError(
-                "--quantize gptq fits the weights to calibration data: make a set with `specrt calibrate` and give it "
-                "with --calibration FILE"
-            )
-        cal = CalibrationSet.load(path)
-        cal.require_target(read_onnx_manifest(odir)["checkpoint"]["hash"], str(spec.checkpoint))
+        cal = _calibration(spec, odir)
         wanted = {"scheme": "gptq", "recipe_version": RECIPE_VERSION, "calibration_sha256": cal.sha256}
         return wanted, lambda: quantize_gptq(odir, qdir, cal)
+    if spec.quantize in QDQ_SCHEMES:
+        from specrt.calibration.qdq import QDQ_VERSION, quantize_qdq
+
+        cal = _calibration(spec, odir)
+        wanted = {"scheme": spec.quantize, "recipe_version": QDQ_VERSION, "calibration_sha256": cal.sha256}
+        return wanted, lambda: quantize_qdq(odir, qdir, spec.quantize, cal)
 
     from specrt.calibration.weight_only import WeightOnlySpec, quantize_weight_only
 
@@ -160,6 +161,25 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
     return {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}, lambda: quantize_weight_only(
         odir, qdir, wspec
     )
+
+
+def _calibration(spec: BuildSpec, odir: Path):
+    """The calibration set a recipe fits to: --calibration, else the one `make_calibration`
+    makes (or reuses) with the float engine; refused when another model made it."""
+    from specrt.calibration.data import CalibrationSet
+    from specrt.export.step_graph import read_onnx_manifest
+
+    path = spec.calibration
+    if path is None and spec.make_calibration is not None:
+        path = spec.make_calibration(ArtifactLayout(spec.out).ort_engine(spec.provider))
+    if path is None:
+        raise SpecrtError(
+            f"--quantize {spec.quantize} fits to calibration data: make a set with `specrt calibrate` and give it "
+            "with --calibration FILE"
+        )
+    cal = CalibrationSet.load(path)
+    cal.require_target(read_onnx_manifest(odir)["checkpoint"]["hash"], str(spec.checkpoint))
+    return cal
 
 
 def _build_ort(
@@ -180,7 +200,9 @@ def _build_ort(
         yield f"ort       {edir}: built for {provider} in {time.perf_counter() - t0:.1f} s{note}"
 
 
-def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool) -> Iterator[str]:
+def _build_tensorrt(
+    spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool, scheme: str = "none"
+) -> Iterator[str]:
     from specrt.engines.trt import FLAVOURS, available_flavours, build_trt_engine, read_trt_manifest
 
     if spec.tensorrt == "off":
@@ -195,7 +217,7 @@ def _build_tensorrt(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: st
     flavour = wanted[0]
     if flavour not in installed:
         raise SpecrtError(f"--tensorrt {flavour} was asked for, but it is not installed; pip install {flavour}")
-    edir = ArtifactLayout(spec.out).trt_engine(flavour)
+    edir = ArtifactLayout(spec.out).trt_engine(flavour, scheme)
     current = None if spec.force or exported else _manifest_if_valid(read_trt_manifest, edir, onnx_files, ckpt_hash)
     if current is not None and current["profiles"] == [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()]:
         yield f"{flavour:<9} {edir}: up to date"

@@ -1,0 +1,128 @@
+"""Explicit Q/DQ graphs for TensorRT (qdq-int8, qdq-fp8) on the tiny model: the weight codes, the
+graph (valid ONNX at opset 21 that ONNX Runtime runs, close to float32), its manifest, and a
+TensorRT-RTX build whose network holds the Q/DQ layers."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from specrt.calibration import QDQ_SCHEMES
+from specrt.calibration.qdq import OPSET, quantize_weight, smoothing
+from specrt.engines.build import BuildSpec, build_all
+from specrt.engines.trt import available_flavours
+from specrt.layout import ArtifactLayout
+from specrt.runtime.generator import Generator
+
+from conftest import TINY_HF
+from test_calibrated import _calibration_set
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_weight_codes(kind):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((64, 12)) * rng.uniform(0.01, 3, (1, 12))).astype(np.float32)
+    codes, scale = quantize_weight(w, kind)
+    assert codes.shape == w.shape and scale.shape == (12,)
+    back = codes.astype(np.float32) * scale
+    if kind == "int8":
+        assert codes.dtype == np.int8 and np.abs(codes.astype(int)).max() == 127  # each column's largest
+        assert np.all(np.abs(back - w) <= scale / 2 + 1e-7)
+    else:  # E4M3: 3 mantissa bits, so within 1/16 relative where the value is normal (>= 2^-6)
+        normal = np.abs(w / scale) >= 2**-6
+        assert np.all(np.abs(back - w)[normal] <= np.abs(w)[normal] / 16 + 1e-7)
+        assert np.abs(back).max(0) == pytest.approx(np.abs(w).max(0), rel=1e-6)
+
+
+def test_smoothing_meets_in_the_middle():
+    rng = np.random.default_rng(1)
+    amax = rng.uniform(0.1, 50, 16)  # a few large activation channels
+    ws = [rng.standard_normal((16, 8)), rng.standard_normal((16, 5))]
+    s = smoothing(amax, ws, alpha=0.5)
+    wmax = np.max([np.abs(w).max(1) for w in ws], axis=0)
+    # alpha 0.5: every channel's activation range and weight range become equal
+    assert np.allclose(amax / s, s * wmax)
+    assert np.allclose(smoothing(amax, ws, alpha=1.0) * 1, amax)  # alpha 1: the activations fully flattened
+    assert np.array_equal(smoothing(np.zeros(16), ws, 0.5), np.ones(16))  # a channel never seen: left alone
+
+
+@pytest.fixture(scope="module")
+def built(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qdq") / "art"
+    cal = out.parent / "set.json"
+    _calibration_set(tiny_checkpoint).save(cal)
+    lines = []
+    for scheme in QDQ_SCHEMES:
+        spec = BuildSpec(checkpoint=tiny_checkpoint, out=out, quantize=scheme, calibration=cal, tensorrt="auto")
+        lines += list(build_all(spec))
+    return out, lines
+
+
+@pytest.mark.parametrize("scheme", QDQ_SCHEMES)
+def test_qdq_graph_runs_close_to_float(built, scheme):
+    out, _ = built
+    layout = ArtifactLayout(out)
+    qdir = layout.quant_onnx(scheme)
+    q = json.loads((qdir / "manifest.json").read_text())["quantization"]
+    assert q["quantized_matmuls"] == 7 * TINY_HF["num_hidden_layers"] and len(q["kept_in_float32"]) == 1
+    assert q["calibration"]["sequences"] == 12 and q["opset"] == OPSET
+    model = onnx.load(str(qdir / "model.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    ops = [n.op_type for n in model.graph.node]
+    # per layer: 4 distinct projection inputs (one Q each), 7 weights (one DQ each) + 4 activation DQs
+    assert ops.count("QuantizeLinear") == 4 * TINY_HF["num_hidden_layers"]
+    assert ops.count("DequantizeLinear") == 11 * TINY_HF["num_hidden_layers"]
+    # each projection's DQ holds its own weight, smoothed (rows times the factors s its input is
+    # divided by): codes x scales within a step of s W
+    from onnx import numpy_helper
+
+    from specrt.calibration.blocks import weight_matmuls
+
+    source = onnx.load(str(layout.onnx / "model.onnx"))
+    floats = {n.output[0]: w for (i, w), n in ((x, source.graph.node[x[0]]) for x in weight_matmuls(source))}
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    produced = {o: n for n in model.graph.node for o in n.output}
+    checked = 0
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.output[0] in floats and node.input[1] in produced:
+            dq = produced[node.input[1]]
+            codes, scale = inits[dq.input[0]].astype(np.float32), inits[dq.input[1]]
+            x_dq = produced[node.input[0]]
+            smooth = produced[produced[x_dq.input[0]].input[0]]  # DQ <- Q <- Mul(x, 1 / s)
+            assert smooth.op_type == "Mul"
+            sw = floats[node.output[0]] / inits[smooth.input[1]][:, None]
+            step = scale if scheme == "qdq-int8" else np.abs(sw).max(0) / 16
+            assert np.all(np.abs(codes * scale - sw) <= step + 1e-6 * np.abs(sw).max())
+            checked += 1
+    assert checked == 7 * TINY_HF["num_hidden_layers"]
+    ids = np.random.default_rng(1).integers(3, 128, 120).tolist()
+    logits = {}
+    for name, engine in (("float", layout.ort_engine("cpu")), (scheme, layout.ort_engine("cpu", scheme))):
+        gen = Generator.from_engine(engine)
+        logits[name] = gen.session.forward(gen.session.new_cache(1, 128), [ids]).logits[0]  # every position
+    a, b = logits["float"], logits[scheme]
+    # of the logits' range, and top-1 agreement over 120 positions. The tiny random model is
+    # sensitive: int8 weights alone (per channel, in a float graph) move its logits by 7 % of
+    # their range and flip 6 % of its top-1; E4M3 weights alone (3 mantissa bits) 28 % and 18 %
+    bound, agree = (0.25, 0.8) if scheme == "qdq-int8" else (0.45, 0.65)
+    assert np.abs(a - b).max() <= bound * np.abs(a).max()
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= agree, (a.argmax(-1) == b.argmax(-1)).mean()
+
+
+@pytest.mark.skipif("tensorrt-rtx" not in available_flavours(), reason="tensorrt-rtx is not installed")
+@pytest.mark.parametrize("scheme", QDQ_SCHEMES)
+def test_qdq_graph_builds_with_tensorrt_rtx(built, scheme):
+    import tensorrt_rtx as trt
+
+    out, lines = built
+    edir = ArtifactLayout(out).trt_engine("tensorrt-rtx", scheme)
+    assert (edir / "model.engine").is_file() and any(str(edir) in line and "built" in line for line in lines)
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    assert parser.parse_from_file(str(ArtifactLayout(out).quant_onnx(scheme) / "model.onnx"))
+    types = [network.get_layer(i).type for i in range(network.num_layers)]
+    assert types.count(trt.LayerType.QUANTIZE) == 4 * TINY_HF["num_hidden_layers"]
+    assert types.count(trt.LayerType.DEQUANTIZE) == 11 * TINY_HF["num_hidden_layers"]
