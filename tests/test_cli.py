@@ -313,6 +313,22 @@ def test_calibrate_then_build_and_generate_with_the_fitted_recipes(tiny_checkpoi
     assert r.exit_code == 1 and "no calibration set" in r.output, r.output
 
 
+def test_qdq_schemes_build_for_tensorrt_and_run_on_ort(tiny_checkpoint, tmp_path):
+    """qdq-int8 builds (calibration made on the way) and generates on ORT; TensorRT takes only the
+    Q/DQ schemes, and a missing TensorRT engine names the command that builds it."""
+    art = tmp_path / "art"
+    build = ["build-engines", "--model", str(tiny_checkpoint), "--out", str(art), "--tensorrt", "off"]
+    r = CliRunner().invoke(main, [*build, "--quantize", "qdq-int8"])
+    assert r.exit_code == 0 and "onnx-qdq-int8: quantized" in r.output, r.output
+    gen = ["generate", "--artifacts", str(art), "--prompt", "w5 w6", "--max-new-tokens", "6"]
+    r = CliRunner().invoke(main, [*gen, "--quantize", "qdq-int8"])
+    assert r.exit_code == 0 and "generated 6" in r.output, r.output
+    r = CliRunner().invoke(main, [*gen, "--backend", "trt", "--quantize", "gguf"])
+    assert r.exit_code == 2 and "TensorRT takes the Q/DQ schemes" in r.output, r.output
+    r = CliRunner().invoke(main, [*gen, "--backend", "trt", "--quantize", "qdq-int8"])
+    assert r.exit_code == 1 and "trt-tensorrt-rtx-qdq-int8" in r.output and "--quantize qdq-int8" in r.output
+
+
 def test_error_during_a_progress_bar_gets_its_own_line(tiny_checkpoint, tmp_path):
     """The export's bar is drawn when the config turns out bad: the message must not land on the
     bar's line, and the bar must not be redrawn after it."""

@@ -169,3 +169,19 @@ def test_gguf_engine_is_the_float_model_on_default_model(ort_gen, real_model_dir
     plain = q4.generate_ids([ids], 64)[0].token_ids
     spec_out = SpeculativeDecoder(q4, make_proposer("suffix"), make_policy("auto")).generate_ids([ids], 64)[0]
     assert spec_out.token_ids == plain and spec_out.metrics.accepted_tokens > 0
+
+
+def test_hqq_finds_the_default_models_4bit_grid_again(ort_gen, real_model_dir, real_artifacts):
+    """The default model's weights are Q4_1 blocks (head Q8_0): HQQ, started from min-max with a
+    float offset, must find them again, so its engine is the float model within float rounding
+    (what makes the fitted recipes safe on an already-4-bit checkpoint)."""
+    from specrt.engines.build import BuildSpec, build_all
+    from specrt.layout import ArtifactLayout
+
+    list(build_all(BuildSpec(checkpoint=real_model_dir, out=real_artifacts, quantize="hqq", tensorrt="off")))
+    hqq = Generator.from_engine(ArtifactLayout(real_artifacts).ort_engine("cpu", "hqq"))
+    text = ort_gen.tokenizer.encode(" ".join(PROMPTS) + " " + CODE_EDIT)
+    a = ort_gen.session.forward(ort_gen.session.new_cache(1, len(text)), [text]).logits[0]
+    b = hqq.session.forward(hqq.session.new_cache(1, len(text)), [text]).logits[0]
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+    assert (a.argmax(-1) == b.argmax(-1)).all()
