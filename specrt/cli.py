@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from specrt.calibration import QDQ_SCHEMES
+from specrt.calibration import QUANT_SCHEMES as RECIPES
 from specrt.errors import SpecrtError
 
 
@@ -89,10 +90,7 @@ def convert(gguf_file: Path, out: Path):
     click.echo(f"wrote {out}")
 
 
-# build-engines --quantize: gguf (calibration/gguf_blocks.py), the fitted int4 recipes
-# (calibration/calibrated.py) and the round-to-nearest schemes the CLI offers (int8 alone has no
-# fast CPU kernel: calibration/weight_only.py)
-QUANT_SCHEMES = ["none", "gguf", "hqq", "gptq", "int4", "int8-a8", "int4-a8", *QDQ_SCHEMES]
+QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibration)
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 
@@ -676,10 +674,44 @@ def serve(
     show_default=True,
     help="Benchmark prompts never to calibrate on (JSON lines with 'prompt'; skipped when absent).",
 )
+@click.option(
+    "--report",
+    is_flag=True,
+    help="Also compare every quantized ORT engine built in ARTIFACTS with float32: quality on held-out text, "
+    "batch variance, decode speed, step cost by positions, memory, and speculative decoding on each; a table, "
+    "JSON and a plot (speed against agreement) in --report-out.",
+)
+@click.option(
+    "--schemes", default=None, help="--report: comma-separated schemes to include (default: every one built)."
+)
+@click.option(
+    "--report-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="--report: where the JSON and PNG go (default: ARTIFACTS/calibration).",
+)
+@click.option(
+    "--report-tokens",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=8),
+    help="--report: tokens per generated answer.",
+)
 @_friendly_errors
-def calibrate(checkpoint: Path, artifacts: Path, prompts: int, max_new_tokens: int, hold_out: Path):
-    """Make the calibration set of a target: prompts from the offline prompt set and the target's own greedy
-    answers, for the calibrated recipes (build-engines --quantize gptq)."""
+def calibrate(
+    checkpoint: Path,
+    artifacts: Path,
+    prompts: int,
+    max_new_tokens: int,
+    hold_out: Path,
+    report: bool,
+    schemes: str | None,
+    report_out: Path | None,
+    report_tokens: int,
+):
+    """Make the calibration set of a target (prompts from the offline prompt set and the target's own greedy
+    answers, for build-engines --quantize gptq and qdq-*); with --report, measure every quantized engine
+    against float32."""
     from specrt.layout import ArtifactLayout
 
     layout = ArtifactLayout(artifacts)
@@ -688,7 +720,33 @@ def calibrate(checkpoint: Path, artifacts: Path, prompts: int, max_new_tokens: i
         raise click.UsageError(
             f"no float ORT engine in {artifacts}; run `specrt build-engines --out {artifacts}` first"
         )
+    chosen = None
+    if schemes is not None:
+        chosen = tuple(s.strip() for s in schemes.split(",") if s.strip())
+        unknown = [s for s in chosen if s not in RECIPES]
+        if unknown:
+            raise click.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(RECIPES)}", param_hint="--schemes")
     _calibration_set(engine, checkpoint, layout.calibration, prompts, max_new_tokens, hold_out)
+    if not report:
+        return
+    import datetime
+
+    from specrt.benchmark import write_result_json
+    from specrt.report import ReportSpec, format_report, plot_report, quant_report
+
+    spec = ReportSpec(
+        artifacts,
+        checkpoint,
+        schemes=chosen,
+        prompts=hold_out if hold_out.is_file() else None,
+        new_tokens=report_tokens,
+    )
+    result = quant_report(spec, log=lambda line: click.echo(line, err=True))
+    click.echo(format_report(result))
+    out = report_out or layout.calibration
+    click.echo(f"wrote {write_result_json(result, out, 'quant-report')}")
+    png = plot_report(result, Path(out) / f"quant-report-{datetime.date.today().isoformat()}.png")
+    click.echo(f"wrote {png}" if png else "no plot: matplotlib is not installed (pip install matplotlib)")
 
 
 @main.command("train-draft")

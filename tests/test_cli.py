@@ -313,6 +313,30 @@ def test_calibrate_then_build_and_generate_with_the_fitted_recipes(tiny_checkpoi
     assert r.exit_code == 1 and "no calibration set" in r.output, r.output
 
 
+def test_calibrate_report_compares_each_built_engine_with_float(tiny_checkpoint, tmp_path):
+    import json
+
+    art, out = tmp_path / "art", tmp_path / "report"
+    build = ["build-engines", "--model", str(tiny_checkpoint), "--out", str(art), "--tensorrt", "off"]
+    for scheme in ("hqq", "int4"):
+        assert CliRunner().invoke(main, [*build, "--quantize", scheme]).exit_code == 0
+    args = ["calibrate", "--model", str(tiny_checkpoint), "--artifacts", str(art), "--prompts", "4", "--report"]
+    r = CliRunner().invoke(main, [*args, "--schemes", "hqq,int5"])
+    assert r.exit_code == 2 and "int5: choose from" in r.output, r.output
+    r = CliRunner().invoke(main, [*args, "--report-out", str(out), "--report-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(next(out.glob("quant-report-*.json")).read_text())
+    rows = result["engines"]
+    assert list(rows) == ["float32", "hqq", "int4"]  # every built engine, none that is not
+    assert rows["float32"]["top1_agreement"] == 1.0 and rows["float32"]["mean_kl"] == 0.0
+    for name in ("hqq", "int4"):
+        assert 0 < rows[name]["mean_kl"] and rows[name]["top1_agreement"] < 1.0
+        assert rows[name]["batch_variance"] <= 1e-4 and rows[name]["drafts"]["suffix"]["equals_plain"].startswith("4/")
+        assert set(rows[name]["step_ms"]) == {"1", "2", "4", "8", "16"}
+    assert next(out.glob("quant-report-*.png")).stat().st_size > 0
+    assert "hqq" in r.output and "suffix draft" in r.output
+
+
 def test_qdq_schemes_build_for_tensorrt_and_run_on_ort(tiny_checkpoint, tmp_path):
     """qdq-int8 builds (calibration made on the way) and generates on ORT; TensorRT takes only the
     Q/DQ schemes, and a missing TensorRT engine names the command that builds it."""

@@ -1,7 +1,11 @@
 """Quantization recipes: the step graph rewritten into a lower-precision one (see each module).
 
-The names of the explicit Q/DQ schemes live here, so the CLI and the engine builder can list them
+The names of the schemes live here, so the CLI, the engine builder and the report can list them
 without importing a recipe (which needs torch and onnx).
 """
 
 QDQ_SCHEMES = ("qdq-int8", "qdq-fp8")  # explicit Q/DQ for TensorRT (qdq.py): TensorRT engines too
+# every `build-engines --quantize` scheme: gguf (gguf_blocks.py), the fitted recipes
+# (calibrated.py), round to nearest (weight_only.py; int8 weights alone have no fast CPU kernel,
+# so only int8-a8 is offered) and the Q/DQ graphs
+QUANT_SCHEMES = ("gguf", "hqq", "gptq", "int4", "int8-a8", "int4-a8", *QDQ_SCHEMES)
