@@ -5,7 +5,8 @@
 For float32 and each quantized variant (gguf: the GGUF file's own 4-bit blocks; hqq and gptq:
 the fitted recipes, gptq on the artifacts' calibration set (made when missing); int4 weights
 rounded to nearest; int8 / int4 weights with int8 (-a8) activations; built from the artifact's
-float32 export into a temporary directory, each with its ORT engine):
+float32 export into a temporary directory, each with its ORT engine; and gguf split: the gguf
+engine for one-position steps and float32 for the others, as `--split` runs them):
   - size of the ORT engine on disk;
   - perplexity, teacher-forced, on the prompt set's texts (bench/prompts.jsonl, human-written),
     and top-1 agreement of the next-token prediction with float32 at the same positions;
@@ -106,6 +107,11 @@ def main():
             qdir = quantize_weight_only(source, tmp / f"onnx-{v[0]}-{v[1]}", spec, progress=False)
         engines[name] = build_ort_engine(qdir, tmp / f"ort-{v[0]}-{v[1]}")
     gens = {name: Generator.from_engine(e) for name, e in engines.items()}
+    # --split: the gguf engine decodes, the float32 engine runs the multi-position steps
+    gens = {**dict(list(gens.items())[:2]), "gguf split": None, **dict(list(gens.items())[2:])}
+    gens["gguf split"] = Generator.from_engine(engines["gguf"], multi_engine=engines["float32"])
+    engines["gguf split"] = engines["gguf"]
+    engines = {name: engines[name] for name in gens}  # the tables' order
     ref = gens["float32"]
 
     rows = {
@@ -124,6 +130,7 @@ def main():
         }
         for name, e in engines.items()
     }
+    rows["gguf split"]["engine_mib"] += rows["float32"]["engine_mib"]  # both engines are loaded
     for i, p in enumerate(prompts):
         text_ids = ref.tokenizer.encode(p["prompt"])
         fp_top1 = None

@@ -321,6 +321,7 @@ class EngineChoice:
     backend: str
     provider: str
     quantize: str
+    split: bool
     threads: int
     device: str | None
     cuda_graphs: bool
@@ -340,6 +341,11 @@ def _make_runner(choice: EngineChoice):
 
     artifacts, engine, checkpoint, backend = choice.artifacts, choice.engine, choice.checkpoint, choice.backend
     provider, quantize, device, cuda_graphs = choice.provider, choice.quantize, choice.device, choice.cuda_graphs
+    if choice.split and (quantize == "none" or backend != "ort" or engine is not None):
+        raise click.UsageError(
+            "--split runs two ORT engines of --artifacts: give it with --quantize gguf (the 4-bit engine decodes, "
+            "float32 verifies)"
+        )
     draft, verify_artifacts = choice.draft, choice.verify_artifacts
 
     verify = "full" if verify_artifacts else "auto"
@@ -383,8 +389,13 @@ def _make_runner(choice: EngineChoice):
                     f"{engine} does not exist; build it with: specrt build-engines --model CHECKPOINT --out "
                     f"{artifacts} --quantize {quantize}"
                 )
+        multi = ArtifactLayout(artifacts).ort_engine(provider) if choice.split else None
         gen = Generator.from_engine(
-            engine, checkpoint, options=OrtOptions(provider=provider, intra_op_threads=choice.threads), verify=verify
+            engine,
+            checkpoint,
+            options=OrtOptions(provider=provider, intra_op_threads=choice.threads),
+            verify=verify,
+            multi_engine=multi,
         )
     runner = gen
     if draft != "none":
@@ -466,6 +477,12 @@ def _engine_options(fn):
             show_default=True,
             type=click.Choice(QUANT_SCHEMES),
             help="--artifacts: run the quantized ORT engine of this scheme (build-engines --quantize).",
+        ),
+        click.option(
+            "--split",
+            is_flag=True,
+            help="--quantize gguf: one-position steps (decoding) on the 4-bit engine, longer ones (prefill, "
+            "verification) on the float32 engine, which is faster for them here; both compute the same model.",
         ),
         click.option(
             "--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core)."

@@ -282,6 +282,11 @@ def test_build_and_generate_with_the_gguf_engine(tmp_path):
         main, ["generate", "--artifacts", str(art), "--quantize", "gguf", "--prompt", "w5 w6", "--max-new-tokens", "6"]
     )
     assert r.exit_code == 0 and "generated 6" in r.output, r.output
+    gen = ["generate", "--artifacts", str(art), "--prompt", "w5 w6", "--max-new-tokens", "6", "--split"]
+    r = CliRunner().invoke(main, gen)
+    assert r.exit_code == 2 and "--split runs two ORT engines" in r.output, r.output
+    r = CliRunner().invoke(main, [*gen, "--quantize", "gguf", "--draft", "ngram"])
+    assert r.exit_code == 0 and "generated 6" in r.output, r.output
     r = CliRunner().invoke(main, ["inspect", str(art)])
     assert "quantized   gguf: the GGUF's own blocks (m.gguf): 4 Q4_0, 8 Q4_1, 3 Q8_0 MatMuls" in r.output, r.output
 

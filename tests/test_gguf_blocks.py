@@ -105,3 +105,49 @@ def test_the_gguf_file_comes_from_the_checkpoints_record(gguf_target, tmp_path):
         assert any("up to date" in line and "onnx-gguf" in line for line in build_all(spec))
     finally:
         (ckpt / GGUF_SOURCE).unlink()
+
+
+def test_split_backend_decodes_on_gguf_and_verifies_on_float(gguf_target):
+    """--split: one-position steps on the gguf engine, the rest on float32; the same greedy and
+    speculative output as float32 alone."""
+    from specrt.runtime.backends import SplitBackend
+    from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    _, _, out = gguf_target
+    layout = ArtifactLayout(out)
+    split = Generator.from_engine(layout.ort_engine("cpu", "gguf"), multi_engine=layout.ort_engine("cpu"))
+    flt = Generator.from_engine(layout.ort_engine("cpu"))
+    assert isinstance(split.backend, SplitBackend) and split.backend.caps.precision == "float32"
+    calls = {"single": [], "multi": []}
+    for name in calls:
+        inner = getattr(split.backend, name)
+        original = inner.step
+
+        def counted(ids, *args, _name=name, _original=original, **kw):
+            calls[_name].append(ids.shape[1])
+            return _original(ids, *args, **kw)
+
+        inner.step = counted
+    for g in (split, flt):
+        g.eos_ids = frozenset()
+    prompt = [list(np.random.default_rng(2).integers(3, 128, 30))]
+    plain = split.generate_ids(prompt, 24)[0].token_ids
+    assert plain == flt.generate_ids(prompt, 24)[0].token_ids
+    assert set(calls["single"]) == {1} and calls["multi"] == [30]  # decode on gguf, the prefill on float32
+    rep = prompt[0][:10] * 3  # repetitive: the n-gram draft proposes, so verification steps happen
+    spec = SpeculativeDecoder(split, make_proposer("ngram"), make_policy(4)).generate_ids([rep], 24)[0]
+    assert spec.token_ids == split.generate_ids([rep], 24)[0].token_ids
+    assert any(q > 1 for q in calls["multi"][1:])
+
+
+def test_split_refuses_engines_of_different_models(gguf_target, tmp_path):
+    from specrt.runtime.backends import SplitBackend
+
+    _, ckpt, out = gguf_target
+    list(build_all(BuildSpec(checkpoint=ckpt, out=out, quantize="hqq", tensorrt="off")))
+    layout = ArtifactLayout(out)
+    hqq = Generator.from_engine(layout.ort_engine("cpu", "hqq")).backend
+    flt = Generator.from_engine(layout.ort_engine("cpu")).backend
+    with pytest.raises(SpecrtError, match="compute different models"):
+        SplitBackend(single=hqq, multi=flt)

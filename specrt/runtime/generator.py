@@ -204,24 +204,38 @@ class Generator:
 
     @classmethod
     def from_engine(
-        cls, engine_dir: str | Path, checkpoint: str | Path | None = None, options=None, verify: str = "auto", **kw
+        cls,
+        engine_dir: str | Path,
+        checkpoint: str | Path | None = None,
+        options=None,
+        verify: str = "auto",
+        multi_engine: str | Path | None = None,
+        **kw,
     ) -> "Generator":
         """A generator on a built ORT engine. The checkpoint (for the tokenizer) defaults to the one
         the engine was built from; a checkpoint given explicitly must be the one in the manifest.
         verify: "auto" hashes the engine's files when they changed since their last check, "full"
-        always (see specrt.artifacts)."""
+        always (see specrt.artifacts). multi_engine: another engine of the same model for steps of
+        more than one position (backends.SplitBackend: e.g. gguf decodes, float32 verifies)."""
         from specrt.engines.ort import load_ort_session, read_engine_manifest
         from specrt.export.checkpoint import checkpoint_hash
-        from specrt.runtime.backends import OrtBackend
+        from specrt.runtime.backends import OrtBackend, SplitBackend
 
         manifest = read_engine_manifest(
             engine_dir, verify="none"
         )  # for the checkpoint's path; the files are checked below
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
-        session, manifest, provider = load_ort_session(
-            engine_dir, options, checkpoint_hash_expected=checkpoint_hash(checkpoint), verify=verify
-        )
-        backend = OrtBackend.from_manifest(session, manifest, provider)
+        expected = checkpoint_hash(checkpoint)
+
+        def load(directory):
+            session, manifest, provider = load_ort_session(
+                directory, options, checkpoint_hash_expected=expected, verify=verify
+            )
+            return OrtBackend.from_manifest(session, manifest, provider)
+
+        backend = load(engine_dir)
+        if multi_engine is not None:
+            backend = SplitBackend(single=backend, multi=load(multi_engine))
         return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
 
     @classmethod

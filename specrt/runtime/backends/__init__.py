@@ -13,11 +13,23 @@ sets in its constructor: there is no attribute probing.
 - TorchBackend (torch_model.py): our PyTorch model: the reference on CPU, and a GPU path with a
   device-resident cache and CUDA graphs.
 - TrtBackend (trt.py): a TensorRT / TensorRT-RTX engine on an NVIDIA GPU.
+- SplitBackend (split.py): two engines of one model, one for single-position steps and one for
+  the rest (the 4-bit `gguf` engine decodes faster, float32 verifies faster).
 """
 
 from specrt.runtime.backends.base import MAX_GRAPHS, Capabilities, StepBackend, StepOutput
 from specrt.runtime.backends.ort import OrtBackend
+from specrt.runtime.backends.split import SplitBackend
 from specrt.runtime.backends.torch_model import TorchBackend
 from specrt.runtime.backends.trt import TrtBackend
 
-__all__ = ["MAX_GRAPHS", "Capabilities", "StepBackend", "StepOutput", "OrtBackend", "TorchBackend", "TrtBackend"]
+__all__ = [
+    "MAX_GRAPHS",
+    "Capabilities",
+    "StepBackend",
+    "StepOutput",
+    "OrtBackend",
+    "SplitBackend",
+    "TorchBackend",
+    "TrtBackend",
+]

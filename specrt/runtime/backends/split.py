@@ -1,0 +1,62 @@
+"""Two engines of one model as one backend: one for single-position steps, one for the rest.
+
+    backend = SplitBackend(single=gguf_backend, multi=float32_backend)
+
+Which engine is fastest depends on how many positions a step computes. On this CPU ONNX
+Runtime's 4-bit kernel (the `gguf` engine) makes a one-position step 1.6x faster than float32,
+but its steps of 2 to 16 positions slower (they dequantize to float32 first): 25.7 against 20.9
+ms at 2 positions, 38.2 against 32.9 at 16 (`specrt calibrate --report`). Plain decoding is all
+one-position steps; speculative decoding's verification and the prompt's prefill are not.
+
+Only engines that compute the same model may be split: the same checkpoint, features and
+precision class (`gguf` computes the float32 model within float rounding; its manifest precision
+is float32), so a position's logits differ between the two by float rounding, as they do between
+a one- and a multi-position step of either; speculative output stays equal to plain output. Both
+read and extend the same host KV cache.
+"""
+
+from __future__ import annotations
+
+from specrt.errors import SpecrtError
+from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput
+
+
+class SplitBackend(StepBackend):
+    def __init__(self, single: StepBackend, multi: StepBackend):
+        a, b = single.caps, multi.caps
+        for what, x, y in (
+            ("checkpoint", a.checkpoint_hash, b.checkpoint_hash),
+            ("precision", a.precision, b.precision),
+            ("feature layers", a.hidden_layers, b.hidden_layers),
+            ("cache device", a.cache_device, b.cache_device),
+        ):
+            if x != y:
+                raise SpecrtError(
+                    f"the two engines compute different models or keep different caches ({what}: {x} and {y}); "
+                    "split only engines of one checkpoint that compute the same numbers (e.g. gguf and float32)"
+                )
+        if single.config != multi.config:
+            raise SpecrtError("the two engines are of different model configurations; split engines of one model")
+        self.single, self.multi = single, multi
+        self.config = multi.config
+        self.description = f"{single.description} (1 position) + {multi.description} (more)"
+        inv = [c.batch_invariance for c in (a, b) if c.batch_invariance]
+        self.caps = Capabilities(
+            max_context=_least(a.max_context, b.max_context),
+            max_step=b.max_step,
+            max_verify=b.max_verify,
+            max_cache=_least(a.max_cache, b.max_cache),
+            cache_device=b.cache_device,
+            batch_invariance=max(inv, key=lambda d: d["relative"]) if len(inv) == 2 else None,
+            hidden_layers=b.hidden_layers,
+            precision=b.precision,
+            checkpoint_hash=b.checkpoint_hash,
+        )
+
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None) -> StepOutput:
+        backend = self.single if input_ids.shape[1] == 1 else self.multi
+        return backend.step(input_ids, position_ids, attention_mask, logits_index, cache, hidden_index)
+
+
+def _least(x, y):
+    return y if x is None else x if y is None else min(x, y)
