@@ -153,6 +153,13 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
                 f"  quantized   {q['scheme']}: {types} MatMuls ({len(q.get('kept_in_8bit', []))} kept in 8-bit), "
                 f"{fitted}, float32 activations"
             )
+        elif q and q["scheme"].startswith("qdq-"):
+            cal = q["calibration"]
+            lines.append(
+                f"  quantized   {q['scheme']}: Q/DQ for TensorRT, {q['quantized_matmuls']} MatMuls "
+                f"(SmoothQuant alpha {q['smoothing']['alpha']}; {len(q['kept_in_float32'])} kept in float32), "
+                f"activation ranges from {cal['sequences']} calibration sequences ({cal['sha256'][:15]}…)"
+            )
         elif q:
             lines.append(
                 f"  quantized   {q['scheme']}: {q['bits']}-bit weights in blocks of {q['block_size']}, "
