@@ -44,7 +44,7 @@ $(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
 	$(SPECRT) convert $(GGUF) --out $(MODEL_DIR)
 
 # the float32 engine, and the 4-bit engine computed from the GGUF's own blocks (the same model,
-# 1.59x faster plain decoding here; README, "Quantization")
+# 1.5x faster plain decoding here; README, "Quantization")
 build-engines: setup model
 	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize gguf --gguf $(GGUF)
 
