@@ -12,6 +12,7 @@ float checkpoint of the same network. Then, against that model's own float32 eng
   int4       round to nearest, symmetric (the `int4` scheme)
   hqq        HQQ offsets, output head in 8 bits
   gptq       GPTQ on a calibration set made by that model (32 prompts + its answers)
+  awq        AWQ's activation-aware scales on the same set
 
 teacher-forced on held-out text (the benchmark's prompts and answers the float model gives to
 prompts of another seed of the prompt set): perplexity, top-1 agreement and the mean KL
@@ -95,9 +96,9 @@ def main():
     ref = Generator.from_engine(layout.ort_engine("cpu"), ckpt)
     held = benchmark_prompts(args.prompts)
     cal = make_calibration_set(ref, layout.calibration, hold_out=held, progress=False)
-    schemes = ["int4", "hqq", "gptq"]
+    schemes = ["int4", "hqq", "gptq", "awq"]
     for s in schemes:
-        cal_file = layout.calibration / "set.json" if s == "gptq" else None
+        cal_file = layout.calibration / "set.json" if s in ("gptq", "awq") else None
         list(build_all(BuildSpec(checkpoint=ckpt, out=art, tensorrt="off", quantize=s, calibration=cal_file)))
     gens = {"float32": ref, **{s: Generator.from_engine(layout.ort_engine("cpu", s), ckpt) for s in schemes}}
 

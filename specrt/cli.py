@@ -215,7 +215,7 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     type=click.Choice(QUANT_SCHEMES),
     help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): gguf "
     "(the GGUF file's own 4-bit blocks: the float model within float rounding), hqq (int4, offsets fitted, no "
-    "data), gptq (int4 fitted to calibration activations; makes the calibration set first, see `specrt "
+    "data), gptq / awq (int4 fitted to calibration activations; makes the calibration set first, see `specrt "
     "calibrate`), int4 weights rounded to nearest, int8/int4 weights with int8 activations (-a8: faster, but "
     "speculative output may then differ from plain), or qdq-int8/qdq-fp8 (explicit Q/DQ for TensorRT, calibrated; "
     "also builds its TensorRT engine engines/trt-<flavour>-<scheme>/).",
@@ -224,7 +224,7 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     "--calibration",
     type=click.Path(path_type=Path),
     default=None,
-    help="--quantize gptq, qdq-*: the calibration set (`specrt calibrate`; default: OUT/calibration/set.json, "
+    help="--quantize gptq, awq, qdq-*: the calibration set (`specrt calibrate`; default: OUT/calibration/set.json, "
     f"made when missing from {CALIBRATION_PROMPTS} prompts and the target's answers).",
 )
 @click.option(

@@ -141,7 +141,7 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
                 f"  quantized   gguf: the GGUF's own blocks ({q['gguf']['file']}): {types} MatMuls, float32 "
                 "activations (the float model within float rounding)"
             )
-        elif q and q["scheme"] in ("hqq", "gptq"):
+        elif q and q["scheme"] in ("hqq", "gptq", "awq"):
             types = ", ".join(f"{n} {t}" for t, n in q.get("rewritten_matmuls", {}).items())
             cal = q.get("calibration")
             fitted = (

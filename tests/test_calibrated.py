@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from specrt.calibration.calibrated import gptq_blocks, hqq_blocks, q8_blocks
+from specrt.calibration.calibrated import awq_scales, gptq_blocks, hqq_blocks, q8_blocks, rtn_blocks
 from specrt.calibration.data import TAILS, CalibrationSet, step_feeds
 from specrt.engines.build import BuildSpec, build_all
 from specrt.errors import SpecrtError
@@ -36,7 +36,7 @@ def built(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("calibrated") / "art"
     cal_file = out.parent / "set.json"
     _calibration_set(tiny_checkpoint).save(cal_file)
-    for scheme in ("hqq", "gptq", "int4"):
+    for scheme in ("hqq", "gptq", "awq", "int4"):
         spec = BuildSpec(checkpoint=tiny_checkpoint, out=out, quantize=scheme, calibration=cal_file, tensorrt="off")
         list(build_all(spec))
     return out, cal_file
@@ -126,6 +126,22 @@ def test_gptq_lowers_the_output_error_on_its_activations():
     assert np.array_equal(ort_gptq(h), ort_gptq(np.eye(64)))  # its result ignores the activations
 
 
+def test_awq_scales_keep_the_outputs_of_large_activation_channels():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((400, 64))
+    x[:, :4] *= 30  # a few channels carry most of the activation (as in LLMs)
+    ws = [rng.standard_normal((64, 16)), rng.standard_normal((64, 8))]
+    s, alpha, ratio = awq_scales(x, np.abs(x).mean(0), ws)
+    assert alpha > 0 and ratio < 0.8  # better than plain rounding on its sample
+    w = np.concatenate(ws, axis=1)
+    err = np.linalg.norm(x @ w - (x / s) @ rtn_blocks(s[:, None] * w).dequantize().T)
+    assert err == pytest.approx(np.sqrt(ratio) * np.linalg.norm(x @ w - x @ rtn_blocks(w).dequantize().T), rel=1e-3)
+    assert s[:4].min() > s[4:].max()  # the large channels get the finer steps
+    # on weights already on a 4-bit grid, plain rounding is exact and stays chosen
+    grid = rtn_blocks(w).dequantize().T
+    assert awq_scales(x, np.abs(x).mean(0), [grid])[1] == 0.0
+
+
 def test_the_hqq_engine_computes_hqqs_weights(built, tiny_checkpoint, tmp_path):
     out, _ = built
     layout = ArtifactLayout(out)
@@ -188,6 +204,24 @@ def test_gptq_fits_its_calibration_data(built, tiny_checkpoint):
     _calibration_set(tiny_checkpoint, seed=1).save(cal_file.with_name("other.json"))
     spec = dataclasses.replace(spec, calibration=cal_file.with_name("other.json"))
     assert any("quantized" in line and "onnx-gptq" in line for line in build_all(spec))
+
+
+def test_awq_engine_divides_its_inputs_and_fits_its_data(built):
+    out, cal_file = built
+    layout = ArtifactLayout(out)
+    q = json.loads((layout.quant_onnx("awq") / "manifest.json").read_text())["quantization"]
+    assert q["rewritten_matmuls"] == {"Q4_1": 7 * TINY_HF["num_hidden_layers"], "Q8_0": 1}
+    assert q["calibration_sha256"] == CalibrationSet.load(cal_file).sha256 and q["sample_error_vs_rounding"] <= 1.0
+    import onnx
+
+    graph = onnx.load(str(layout.quant_onnx("awq") / "model.onnx"), load_external_data=False).graph
+    assert sum(n.op_type == "Mul" and n.name.endswith("awq_scaled/Mul") for n in graph.node) == 4 * 2  # per layer
+    engine = json.loads((layout.ort_engine("cpu", "awq") / "manifest.json").read_text())
+    assert engine["batch_invariance"]["relative"] <= 1e-4
+    prompts = [list(s) for s in CalibrationSet.load(cal_file).sequences[:6]]
+    ref = _prefill_logits(layout.ort_engine("cpu"), prompts)
+    err = {s: np.abs(_prefill_logits(layout.ort_engine("cpu", s), prompts) - ref).mean() for s in ("awq", "int4")}
+    assert err["awq"] < err["int4"], err
 
 
 def test_calibration_data_of_another_model_is_refused(built, tiny_checkpoint, tmp_path):

@@ -8,4 +8,4 @@ QDQ_SCHEMES = ("qdq-int8", "qdq-fp8")  # explicit Q/DQ for TensorRT (qdq.py): Te
 # every `build-engines --quantize` scheme: gguf (gguf_blocks.py), the fitted recipes
 # (calibrated.py), round to nearest (weight_only.py; int8 weights alone have no fast CPU kernel,
 # so only int8-a8 is offered) and the Q/DQ graphs
-QUANT_SCHEMES = ("gguf", "hqq", "gptq", "int4", "int8-a8", "int4-a8", *QDQ_SCHEMES)
+QUANT_SCHEMES = ("gguf", "hqq", "gptq", "awq", "int4", "int8-a8", "int4-a8", *QDQ_SCHEMES)

@@ -1,4 +1,4 @@
-"""Fitted int4 recipes for checkpoints that are not GGUF: HQQ (data-free) and GPTQ (calibrated).
+"""Fitted int4 recipes for checkpoints that are not GGUF: HQQ (data-free), GPTQ and AWQ (calibrated).
 
 Both keep blocks of 32 weights along the input axis with a scale and an offset per block, like
 round to nearest (`int4`), but fit them better:
@@ -24,13 +24,22 @@ round to nearest (`int4`), but fit them better:
         activations come from `data.step_feeds`: the target's own answers, at prefill, decode
         and verification shapes.
 
-Both start each block from min-max with a float offset, so on a checkpoint whose weights are
+  awq   AWQ: the input of each projection is divided per channel by s = mean|x|^alpha
+        (normalised) and the weight rows multiplied by it before rounding, so channels that
+        carry large activations, whose weight errors cost the most, get finer steps; alpha is
+        chosen per input on a grid over [0, 1] to keep the outputs on a sample of the calibration
+        activations (alpha 0 is plain rounding, so the fit is never worse on its sample). The
+        division is a Mul before the (fused) MatMulNBits. Written here: the maintained AWQ
+        implementations quantize PyTorch models for GPUs (and ONNX Runtime's wraps NVIDIA's
+        ModelOpt, which downloads its calibration data).
+
+All start each block from min-max with a float offset, so on a checkpoint whose weights are
 already 4-bit blocks of 32 (the default model: its GGUF's Q4_1) they find those blocks again and
 compute the float model; what they fit shows on weights that are not on such a grid.
 
-Both run at accuracy level 0 (float32 products), so speculative output stays equal to plain
-output on them. The manifest records the recipe, and for GPTQ the calibration set's hash, size
-and origin.
+All run at accuracy level 0 (float32 products), so speculative output stays equal to plain
+output on them. The manifest records the recipe, and for GPTQ and AWQ the calibration set's hash,
+size and origin.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from specrt.calibration.data import CalibrationSet, activations, step_feeds
 from specrt.errors import SpecrtError
 from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
 
-RECIPES = ("hqq", "gptq")
+RECIPES = ("hqq", "gptq", "awq")
 # bumped whenever a recipe computes other blocks: graphs of an older version are made again
 RECIPE_VERSION = 3
 
@@ -89,9 +98,13 @@ def q8_blocks(w: np.ndarray) -> Blocks:
     return Blocks("Q8_0", d, np.clip(np.round(g / d[..., None]), -127, 127).astype(np.int16))
 
 
-def _quantize(onnx_dir, out_dir, scheme: str, method: str, fit, progress: bool, fuse: bool, extra=None) -> Path:
-    """The driver of both recipes: `fit(node, w)` gives a MatMul's 4-bit blocks; the output head
-    (N = the vocabulary) gets 8-bit blocks instead. `extra(model)`: more manifest fields."""
+def _quantize(
+    onnx_dir, out_dir, scheme: str, method: str, fit, progress: bool, fuse: bool, extra=None, scales=None
+) -> Path:
+    """The driver of the recipes: `fit(node, w)` gives a MatMul's 4-bit blocks; the output head
+    (N = the vocabulary) gets 8-bit blocks instead. `extra(model, weights)`: more manifest fields
+    (run first: it may collect statistics). `scales`: {MatMul input: s (K,)} filled by then, for
+    recipes whose blocks are of diag(s)·W: the input is divided by s first (one Mul per input)."""
     import onnx
     from tqdm import tqdm
 
@@ -111,7 +124,15 @@ def _quantize(onnx_dir, out_dir, scheme: str, method: str, fit, progress: bool, 
         if w.shape[1] == vocab:
             kept.append(node.name)
         assigned[i] = (label, q8_blocks(w) if w.shape[1] == vocab else fit(node, w))
+    scaled = {}
+    for i in assigned:
+        node = model.graph.node[i]
+        if scales and node.input[0] in scales:
+            scaled[node.input[0]] = f"{node.input[0]}.{scheme}_scaled"
+            node.input[0] = scaled[node.input[0]]
     counts = rewrite_matmuls(model, assigned, prefix=scheme, fuse=fuse)
+    if scaled:
+        _insert_input_scales(model, {a: (name, scales[a]) for a, name in scaled.items()})
     quantization = {
         "scheme": scheme,
         "recipe_version": RECIPE_VERSION,
@@ -126,6 +147,52 @@ def _quantize(onnx_dir, out_dir, scheme: str, method: str, fit, progress: bool, 
         **fields,
     }
     return write_quantized(model, source, onnx_dir, out_dir, quantization, t0, "torch")
+
+
+def _insert_input_scales(model, scaled: dict) -> None:
+    """Mul(x, 1 / s) -> the scaled input, placed before the first node that reads it."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    nodes = list(graph.node)
+    for a, (name, s) in scaled.items():
+        first = next(k for k, n in enumerate(nodes) if name in n.input)
+        graph.initializer.append(numpy_helper.from_array((1 / s).astype(np.float32), f"{name}.inv"))
+        nodes.insert(first, helper.make_node("Mul", [a, f"{name}.inv"], [name], name=f"{name}/Mul"))
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+
+
+def rtn_blocks(w: np.ndarray) -> Blocks:
+    """Round to nearest in blocks of 32 rows of w (K, N), min-max with a float offset (Q4_1)."""
+    K, N = w.shape
+    g = np.ascontiguousarray(w.T, dtype=np.float64).reshape(N, K // BLOCK, BLOCK)
+    lo, hi = g.min(-1), g.max(-1)
+    d = np.where(hi > lo, (hi - lo) / 15, 1.0)
+    q = np.clip(np.rint((g - lo[..., None]) / d[..., None]), 0, 15).astype(np.int16)
+    return Blocks("Q4_1", d.astype(np.float32), q, lo.astype(np.float32))
+
+
+def awq_scales(x: np.ndarray, mean_abs: np.ndarray, weights: list[np.ndarray], grid: int = 20) -> tuple:
+    """AWQ's per-input-channel scales s (K,) for the weights (K, N_i) that read one input: the
+    s = mean|x|^alpha (normalised) of alpha on a grid over [0, 1] whose 4-bit blocks of diag(s)·W
+    best keep the outputs on the sample x (T, K), i.e. least ||x W - (x / s) Q(diag(s) W)||.
+    Channels that carry large activations get finer steps; alpha 0 (s = 1) is plain rounding,
+    so the fit is never worse than that on the sample. Returns (s, alpha, error / plain error)."""
+    w = np.concatenate(weights, axis=1).astype(np.float32)
+    x = x.astype(np.float32)
+    y = x @ w
+    best = None
+    for alpha in np.linspace(0.0, 1.0, grid + 1):
+        s = np.power(np.maximum(mean_abs, 1e-8), alpha)
+        s = (s / np.sqrt(s.max() * s.min())).astype(np.float64)
+        q = rtn_blocks(s[:, None] * w).dequantize().T  # (K, N)
+        err = float(np.square(y - (x / s.astype(np.float32)) @ q).sum())
+        if best is None or err < best[2]:
+            best = (s, float(alpha), err)
+        if alpha == 0.0:
+            plain = err
+    return best[0], best[1], best[2] / plain if plain > 0 else 1.0
 
 
 def quantize_hqq(onnx_dir: str | Path, out_dir: str | Path, progress: bool = True, fuse: bool = True) -> Path:
@@ -221,3 +288,58 @@ def quantize_gptq(
     method = "GPTQ (inverse-Hessian error feedback on calibration activations), min-max blocks, float offsets"
     fit = lambda node, w: gptq_blocks(w, h[node.input[0]], percdamp)  # noqa: E731
     return _quantize(onnx_dir, out_dir, "gptq", method, fit, progress, fuse, extra=collect)
+
+
+def quantize_awq(
+    onnx_dir: str | Path,
+    out_dir: str | Path,
+    calibration: CalibrationSet,
+    progress: bool = True,
+    max_len: int = 512,
+    sample: int = 512,
+    fuse: bool = True,
+) -> Path:
+    """Every weight MatMul of the float step graph in `onnx_dir` as AWQ 4-bit blocks: per input,
+    the activation-aware scales fitted on `sample` positions of the calibration feeds (the head
+    as 8-bit blocks), into `out_dir`."""
+    onnx_dir = Path(onnx_dir)
+    calibration.require_target(_source(onnx_dir)["checkpoint"]["hash"], str(onnx_dir))
+    feeds = step_feeds(onnx_dir, calibration, max_len=max_len)
+    vocab = _source(onnx_dir)["config"]["vocab_size"]
+    scales, alphas = {}, {}
+
+    def collect(model, weights):
+        groups = {}
+        for i, w in weights:
+            if w.shape[1] != vocab:
+                groups.setdefault(model.graph.node[i].input[0], []).append(w)
+        rows = {a: [] for a in groups}
+        sums, count = dict.fromkeys(groups, 0.0), 0
+        keep = 2 * sample / sum(f["input_ids"].shape[1] for f in feeds)  # a random share of positions
+        rng = np.random.default_rng(0)
+        for values in activations(model, feeds, list(groups), "awq: activations", progress):
+            first = next(iter(values.values()))
+            n = first.size // first.shape[-1]  # positions of this feed
+            chosen = rng.random(n) < keep
+            for a, x in values.items():
+                x = x.reshape(-1, x.shape[-1])
+                sums[a] = sums[a] + np.abs(x).sum(0)
+                rows[a].append(x[chosen])
+            count += n
+        from tqdm import tqdm
+
+        for a, ws in tqdm(groups.items(), desc="awq: scales", unit="input", disable=not progress):
+            x = np.concatenate(rows[a])[:sample]
+            scales[a], alpha, ratio = awq_scales(x, sums[a] / count, ws)
+            alphas[a] = (alpha, ratio)
+        chosen = [a for a, _ in alphas.values()]
+        return {
+            "alpha": {"min": min(chosen), "median": float(np.median(chosen)), "max": max(chosen)},
+            "sample_error_vs_rounding": float(np.median([r for _, r in alphas.values()])),
+            "calibration_sha256": calibration.sha256,
+            "calibration": {**calibration.describe(), "feeds": len(feeds), "max_len": max_len, "sample": sample},
+        }
+
+    method = "AWQ (activation-aware per-channel scales, grid over alpha), min-max blocks, float offsets"
+    fit = lambda node, w: rtn_blocks(scales[node.input[0]][:, None] * w)  # noqa: E731
+    return _quantize(onnx_dir, out_dir, "awq", method, fit, progress, fuse, extra=collect, scales=scales)

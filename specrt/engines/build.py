@@ -141,12 +141,17 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
         from specrt.calibration.calibrated import RECIPE_VERSION, quantize_hqq
 
         return {"scheme": "hqq", "recipe_version": RECIPE_VERSION}, lambda: quantize_hqq(odir, qdir)
-    if spec.quantize == "gptq":
-        from specrt.calibration.calibrated import RECIPE_VERSION, quantize_gptq
+    if spec.quantize in ("gptq", "awq"):
+        from specrt.calibration import calibrated
 
         cal = _calibration(spec, odir)
-        wanted = {"scheme": "gptq", "recipe_version": RECIPE_VERSION, "calibration_sha256": cal.sha256}
-        return wanted, lambda: quantize_gptq(odir, qdir, cal)
+        wanted = {
+            "scheme": spec.quantize,
+            "recipe_version": calibrated.RECIPE_VERSION,
+            "calibration_sha256": cal.sha256,
+        }
+        recipe = calibrated.quantize_gptq if spec.quantize == "gptq" else calibrated.quantize_awq
+        return wanted, lambda: recipe(odir, qdir, cal)
     if spec.quantize in QDQ_SCHEMES:
         from specrt.calibration.qdq import QDQ_VERSION, quantize_qdq
 
