@@ -1,6 +1,6 @@
 """Fitted int4 recipes for checkpoints that are not GGUF: HQQ (data-free), GPTQ and AWQ (calibrated).
 
-Both keep blocks of 32 weights along the input axis with a scale and an offset per block, like
+All keep blocks of 32 weights along the input axis with a scale and an offset per block, like
 round to nearest (`int4`), but fit them better:
 
   hqq   Half-Quadratic Quantization: per block, the offset is fitted by a proximal solver to
