@@ -217,8 +217,9 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     "(the GGUF file's own 4-bit blocks: the float model within float rounding), hqq (int4, offsets fitted, no "
     "data), gptq / awq (int4 fitted to calibration activations; makes the calibration set first, see `specrt "
     "calibrate`), int4 weights rounded to nearest, int8/int4 weights with int8 activations (-a8: faster, but "
-    "speculative output may then differ from plain), or qdq-int8/qdq-fp8 (explicit Q/DQ for TensorRT, calibrated; "
-    "also builds its TensorRT engine engines/trt-<flavour>-<scheme>/).",
+    "speculative output may then differ from plain), or qdq-int8/qdq-fp8 (explicit Q/DQ for TensorRT, "
+    "calibrated) and qdq-int4 (int4 weight-only DQ for TensorRT); these also build a TensorRT engine "
+    "engines/trt-<flavour>-<scheme>/.",
 )
 @click.option(
     "--calibration",

@@ -153,6 +153,11 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
                 f"  quantized   {q['scheme']}: {types} MatMuls ({len(q.get('kept_in_8bit', []))} kept in 8-bit), "
                 f"{fitted}, float32 activations"
             )
+        elif q and q["scheme"] == "qdq-int4":
+            lines.append(
+                f"  quantized   qdq-int4: DQ for TensorRT, {q['quantized_matmuls']} MatMuls with int4 weights in "
+                f"blocks of {q['block_size']} ({len(q['kept_in_float32'])} kept in float32), float activations"
+            )
         elif q and q["scheme"].startswith("qdq-"):
             cal = q["calibration"]
             lines.append(

@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from specrt.calibration import QDQ_SCHEMES
-from specrt.calibration.qdq import OPSET, quantize_weight, smoothing
+from specrt.calibration.qdq import OPSET, quantize_weight, quantize_weight_int4, smoothing
 from specrt.engines.build import BuildSpec, build_all
 from specrt.engines.trt import available_flavours
 from specrt.layout import ArtifactLayout
@@ -59,7 +59,10 @@ def built(tiny_checkpoint, tmp_path_factory):
     return out, lines
 
 
-@pytest.mark.parametrize("scheme", QDQ_SCHEMES)
+CALIBRATED = ("qdq-int8", "qdq-fp8")
+
+
+@pytest.mark.parametrize("scheme", CALIBRATED)
 def test_qdq_graph_runs_close_to_float(built, scheme):
     out, _ = built
     layout = ArtifactLayout(out)
@@ -124,5 +127,57 @@ def test_qdq_graph_builds_with_tensorrt_rtx(built, scheme):
     parser = trt.OnnxParser(network, logger)
     assert parser.parse_from_file(str(ArtifactLayout(out).quant_onnx(scheme) / "model.onnx"))
     types = [network.get_layer(i).type for i in range(network.num_layers)]
-    assert types.count(trt.LayerType.QUANTIZE) == 4 * TINY_HF["num_hidden_layers"]
-    assert types.count(trt.LayerType.DEQUANTIZE) == 11 * TINY_HF["num_hidden_layers"]
+    layers = TINY_HF["num_hidden_layers"]
+    quantize, dequantize = (0, 7 * layers) if scheme == "qdq-int4" else (4 * layers, 11 * layers)
+    assert types.count(trt.LayerType.QUANTIZE) == quantize
+    assert types.count(trt.LayerType.DEQUANTIZE) == dequantize
+
+
+def test_int4_weight_codes():
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((96, 10)) * rng.uniform(0.01, 3, (1, 10))).astype(np.float32)
+    codes, scale = quantize_weight_int4(w)
+    assert scale.shape == (3, 10) and codes.astype(int).min() >= -8 and codes.astype(int).max() <= 7
+    back = codes.astype(np.float32) * np.repeat(scale, 32, axis=0)
+    assert np.all(np.abs(back - w) <= np.repeat(scale, 32, axis=0) / 2 + 1e-6)
+
+
+def test_int4_weight_only_graph(built):
+    out, _ = built
+    layout = ArtifactLayout(out)
+    q = json.loads((layout.quant_onnx("qdq-int4") / "manifest.json").read_text())["quantization"]
+    assert q["quantized_matmuls"] == 7 * TINY_HF["num_hidden_layers"] and "calibration" not in q
+    model = onnx.load(str(layout.quant_onnx("qdq-int4") / "model.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("QuantizeLinear") == 0 and ops.count("DequantizeLinear") == 7 * TINY_HF["num_hidden_layers"]
+    # the graph computes exactly its int4 weights: against the float graph holding codes x scales,
+    # both run by ONNX Runtime unoptimized (optimized, ORT fuses DQ + MatMul into its own 4-bit
+    # kernel with int8 activations: 5 % off on this model; TensorRT runs the graph as written)
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from specrt.calibration.blocks import weight_matmuls
+    from specrt.export.step_io import StepIO, attention_mask
+
+    ref = onnx.load(str(layout.onnx / "model.onnx"))
+    inits = {i.name: i for i in ref.graph.initializer}
+    for i, w in weight_matmuls(ref):
+        if w.shape[1] != TINY_HF["vocab_size"]:
+            codes, scale = quantize_weight_int4(w)
+            name = ref.graph.node[i].input[1]
+            inits[name].CopyFrom(numpy_helper.from_array(codes.astype(np.float32) * np.repeat(scale, 32, 0), name))
+    n, io = 60, StepIO(TINY_HF["num_hidden_layers"])
+    feed = {
+        "input_ids": np.random.default_rng(1).integers(3, 128, n)[None],
+        "position_ids": np.arange(n)[None],
+        "attention_mask": attention_mask(np.array([0]), 0, n),
+        "logits_index": np.arange(n)[None],
+    }
+    head_dim = TINY_HF["hidden_size"] // TINY_HF["num_attention_heads"]
+    feed.update({k: np.zeros((1, TINY_HF["num_key_value_heads"], 0, head_dim), np.float32) for k in io.past_names})
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    a = ort.InferenceSession(ref.SerializeToString(), plain).run(["logits"], feed)[0]
+    b = ort.InferenceSession(str(layout.quant_onnx("qdq-int4") / "model.onnx"), plain).run(["logits"], feed)[0]
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()

@@ -4,7 +4,7 @@ The names of the schemes live here, so the CLI, the engine builder and the repor
 without importing a recipe (which needs torch and onnx).
 """
 
-QDQ_SCHEMES = ("qdq-int8", "qdq-fp8")  # explicit Q/DQ for TensorRT (qdq.py): TensorRT engines too
+QDQ_SCHEMES = ("qdq-int8", "qdq-fp8", "qdq-int4")  # explicit Q/DQ for TensorRT (qdq.py): TensorRT engines too
 # every `build-engines --quantize` scheme: gguf (gguf_blocks.py), the fitted recipes
 # (calibrated.py), round to nearest (weight_only.py; int8 weights alone have no fast CPU kernel,
 # so only int8-a8 is offered) and the Q/DQ graphs

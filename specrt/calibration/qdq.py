@@ -11,6 +11,9 @@ decoder layers gets them on both of its inputs:
   qdq-int8   weights int8, symmetric, one scale per output channel; activations int8, one
              static scale per tensor (its largest |x| over the calibration feeds / 127)
   qdq-fp8    the same in FP8 E4M3 (largest |x| / 448): GEMMs on Ada and later (SM 8.9+)
+  qdq-int4   weights only: int4, symmetric (TensorRT's DQ takes no zero point), one scale per
+             block of 32 inputs (blocked DequantizeLinear, opset 21); activations stay float, no
+             calibration. TensorRT keeps the weights in 4 bits and dequantizes them into the GEMM.
 
 Each projection's input is first divided per channel by SmoothQuant's factors (a Mul), and its
 weight rows multiplied by them: a few channels of an LLM's activations are far larger than the
@@ -44,8 +47,11 @@ from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
 # on the default model (perplexity on the benchmark prompts, ORT on the CPU): int8 at 0.8 gave
 # 5.67 (0.5: 7.15, 0.9: 5.79; unsmoothed 14.4; float32 5.09); fp8 keeps the outlier channels in
 # its exponent and barely needs it (0.5: 5.36, 0.8: 5.62, unsmoothed 5.33).
-SCHEMES = dict(zip(QDQ_SCHEMES, (("int8", 127.0, 0.8), ("fp8", 448.0, 0.5))))
+SCHEMES = {"qdq-int8": ("int8", 127.0, 0.8), "qdq-fp8": ("fp8", 448.0, 0.5)}  # with activations (calibrated)
+WEIGHT_ONLY = "qdq-int4"  # symmetric int4 blocks of 32 along the input axis, activations float
+assert set(QDQ_SCHEMES) == {*SCHEMES, WEIGHT_ONLY}
 OPSET = 21
+INT4_BLOCK = 32
 QDQ_VERSION = 3  # bumped whenever the recipe writes another graph
 
 
@@ -178,3 +184,69 @@ def quantize_qdq(
     }
     source = {**source, "opset": OPSET}
     return write_quantized(model, source, onnx_dir, out_dir, quantization, t0, "ml_dtypes")
+
+
+def quantize_weight_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes (K, N) int4, scales (K / 32, N) float32) of a MatMul weight w (K, N): symmetric,
+    one scale per block of 32 along the input axis (the largest |w| of the block / 7)."""
+    import ml_dtypes
+
+    K, N = w.shape
+    g = w.reshape(K // INT4_BLOCK, INT4_BLOCK, N)
+    amax = np.abs(g).max(1)
+    scale = np.where(amax > 0, amax / 7, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(g / scale[:, None, :]), -8, 7).reshape(K, N)
+    return codes.astype(ml_dtypes.int4), scale
+
+
+def quantize_qdq_int4(onnx_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """The float step graph in `onnx_dir` with every decoder projection's weight as int4 blocks
+    behind a DequantizeLinear (weight-only, for TensorRT), into `out_dir` (written atomically)."""
+    import onnx
+    from onnx import helper, numpy_helper, version_converter
+
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    source = read_onnx_manifest(onnx_dir)
+    if source.get("quantization"):
+        raise SpecrtError(f"{onnx_dir} is already quantized; quantize the float32 export instead.")
+    t0 = time.perf_counter()
+    model = version_converter.convert_version(onnx.load(str(onnx_dir / ONNX_FILE)), OPSET)
+    vocab = source["config"]["vocab_size"]
+    found = weight_matmuls(model)
+    weights = dict((i, w) for i, w in found if w.shape[1] != vocab)
+    kept = [model.graph.node[i].name for i, w in found if w.shape[1] == vocab]
+    graph, nodes, inits = model.graph, [], []
+    for i, node in enumerate(graph.node):
+        if i in weights:
+            base = f"qdq.{i}"
+            codes, scale = quantize_weight_int4(weights[i])
+            inits += [numpy_helper.from_array(codes, f"{base}.wq"), numpy_helper.from_array(scale, f"{base}.w_scale")]
+            nodes.append(
+                helper.make_node(
+                    "DequantizeLinear",
+                    [f"{base}.wq", f"{base}.w_scale"],
+                    [f"{base}.w"],
+                    axis=0,
+                    block_size=INT4_BLOCK,
+                    name=f"{base}/WDQ",
+                )
+            )
+            node.input[1] = f"{base}.w"
+        nodes.append(node)
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    read = {x for n in graph.node for x in n.input}
+    kept_inits = [t for t in graph.initializer if t.name in read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept_inits + inits)
+    quantization = {
+        "scheme": WEIGHT_ONLY,
+        "recipe_version": QDQ_VERSION,
+        "method": "explicit DQ for TensorRT: int4 weights, symmetric, blocks of 32 inputs; activations float32",
+        "bits": 4,
+        "block_size": INT4_BLOCK,
+        "opset": OPSET,
+        "quantized_matmuls": len(weights),
+        "kept_in_float32": kept,
+    }
+    return write_quantized(model, {**source, "opset": OPSET}, onnx_dir, out_dir, quantization, t0, "ml_dtypes")

@@ -152,6 +152,10 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
         }
         recipe = calibrated.quantize_gptq if spec.quantize == "gptq" else calibrated.quantize_awq
         return wanted, lambda: recipe(odir, qdir, cal)
+    if spec.quantize == "qdq-int4":  # weight-only: no calibration
+        from specrt.calibration.qdq import QDQ_VERSION, quantize_qdq_int4
+
+        return {"scheme": spec.quantize, "recipe_version": QDQ_VERSION}, lambda: quantize_qdq_int4(odir, qdir)
     if spec.quantize in QDQ_SCHEMES:
         from specrt.calibration.qdq import QDQ_VERSION, quantize_qdq
 
