@@ -225,8 +225,8 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     "--calibration",
     type=click.Path(path_type=Path),
     default=None,
-    help="--quantize gptq, awq, qdq-*: the calibration set (`specrt calibrate`; default: OUT/calibration/set.json, "
-    f"made when missing from {CALIBRATION_PROMPTS} prompts and the target's answers).",
+    help="--quantize gptq, awq, qdq-int8, qdq-fp8: the calibration set (`specrt calibrate`; default: "
+    f"OUT/calibration/set.json, made when missing from {CALIBRATION_PROMPTS} prompts and the target's answers).",
 )
 @click.option(
     "--gguf",
