@@ -709,6 +709,14 @@ def serve(
     help="--report: where the JSON and PNG go (default: ARTIFACTS/calibration).",
 )
 @click.option(
+    "--heads",
+    "heads",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="--report: also run these trained draft heads (e.g. drafts/SmolLM2-135M-Instruct/eagle3) on each engine; "
+    "repeatable.",
+)
+@click.option(
     "--report-tokens",
     default=64,
     show_default=True,
@@ -725,6 +733,7 @@ def calibrate(
     report: bool,
     schemes: str | None,
     report_out: Path | None,
+    heads: tuple[Path, ...],
     report_tokens: int,
 ):
     """Make the calibration set of a target (prompts from the offline prompt set and the target's own greedy
@@ -758,6 +767,7 @@ def calibrate(
         schemes=chosen,
         prompts=hold_out if hold_out.is_file() else None,
         new_tokens=report_tokens,
+        heads=heads,
     )
     result = quant_report(spec, log=lambda line: click.echo(line, err=True))
     click.echo(format_report(result))

@@ -13,9 +13,11 @@ turn for every prompt so machine noise hits them alike:
   speed      decode tokens/s (greedy, plain), the cost of one step over Q = 1, 2, 4, 8, 16
              positions after a 128-token prefill (ms; verification of N drafts is Q = N + 1)
   memory     the engine's size on disk and the resident memory its load added
-  drafts     per draft method (suffix by default): acceptance rate, mean accepted length,
-             tokens/s end to end, and whether speculative output equalled the engine's own plain
-             output
+  drafts     per draft method (suffix and ngram, and trained heads given): acceptance rate, mean
+             accepted length, tokens/s end to end, and whether speculative output equalled the
+             engine's own plain output. A head runs on the engines that compute what it was
+             trained against (its features' precision: float32 and gguf); the others refuse it,
+             and the table says so.
 
 The target quantized is what this measures; quantized draft heads are not built yet.
 """
@@ -33,6 +35,7 @@ from typing import Callable
 import numpy as np
 
 from specrt.calibration import QUANT_SCHEMES
+from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout
 from specrt.runtime.generator import Generator
 
@@ -48,7 +51,8 @@ class ReportSpec:
     held_out: int = 8  # prompts of REPORT_SEED answered by the float engine
     new_tokens: int = 64
     positions: tuple[int, ...] = (1, 2, 4, 8, 16)
-    drafts: tuple[str, ...] = ("suffix",)
+    drafts: tuple[str, ...] = ("suffix", "ngram")
+    heads: tuple[Path, ...] = ()  # trained draft heads (eagle / eagle3 directories) to run on each engine
     repeats: int = 5  # timed steps per Q (median)
 
 
@@ -86,6 +90,21 @@ def _step_ms(gen: Generator, prefix: list[int], q: int, repeats: int) -> float:
         times.append(time.perf_counter() - t0)
         cache.rollback(base)
     return 1000 * statistics.median(times[1:])  # the first warms the shape up
+
+
+def _head_method(head: Path) -> str:
+    """A head directory's method (eagle or eagle3), from its engine's manifest."""
+    import json
+
+    from specrt.layout import HeadLayout
+
+    manifest = HeadLayout(head).ort_engine("cpu") / "manifest.json"
+    try:
+        return json.loads(manifest.read_text())["head"]["method"]
+    except (OSError, ValueError, KeyError):
+        raise SpecrtError(
+            f"{head}: not a built draft head (no {manifest}); train one with specrt train-draft"
+        ) from None
 
 
 def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
@@ -129,17 +148,27 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
 
     prefix = (texts[-1] * 4)[:128]
     speed = {n: {"decode": [], "step_ms": {}} for n in gens}
-    drafts = {
-        n: {d: {"tok_s": [], "accepted": [], "rate": [], "equal": 0, "runs": 0} for d in spec.drafts} for n in gens
-    }
+    # draft methods: the lookups, and each head under its method's name and directory
+    methods = {d: (d, {}) for d in spec.drafts}
+    for head in spec.heads:
+        methods[f"{_head_method(Path(head))} ({Path(head).name})"] = (_head_method(Path(head)), {"draft_dir": head})
+    drafts = {n: {d: {"tok_s": [], "accepted": [], "rate": [], "equal": 0, "runs": 0} for d in methods} for n in gens}
+    refused = {n: {} for n in gens}
     for chat in chats[:4]:
         for n, g in gens.items():
             plain = g.generate_ids([chat], spec.new_tokens)[0]
             speed[n]["decode"].append(plain.decode_tokens_per_second)
-            for d in spec.drafts:
+            for d, (method, options) in methods.items():
+                if d in refused[n]:
+                    continue
                 with warnings.catch_warnings():  # engines that are not exact say so: the table shows it
                     warnings.simplefilter("ignore")
-                    dec = SpeculativeDecoder(g, make_proposer(d), make_policy("auto"))
+                    try:
+                        opts = {**options, "target": g.session.caps} if options else {}
+                        dec = SpeculativeDecoder(g, make_proposer(method, **opts), make_policy("auto"))
+                    except SpecrtError as e:  # a head trained against another precision of the target
+                        refused[n][d] = str(e)
+                        continue
                 t0 = time.perf_counter()
                 res = dec.generate_ids([chat], spec.new_tokens)[0]
                 r = drafts[n][d]
@@ -166,12 +195,16 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
             "step_cost_vs_q1": {q: round(ms / q1, 2) for q, ms in speed[n]["step_ms"].items()},
             **memory[n],
             "drafts": {
-                d: {
-                    "tok_s": round(statistics.median(r["tok_s"]), 1),
-                    "mean_accepted_length": round(statistics.median(r["accepted"]), 2),
-                    "acceptance_rate": round(statistics.median(r["rate"]), 3),
-                    "equals_plain": f"{r['equal']}/{r['runs']}",
-                }
+                d: (
+                    {"refused": refused[n][d]}
+                    if d in refused[n]
+                    else {
+                        "tok_s": round(statistics.median(r["tok_s"]), 1),
+                        "mean_accepted_length": round(statistics.median(r["accepted"]), 2),
+                        "acceptance_rate": round(statistics.median(r["rate"]), 3),
+                        "equals_plain": f"{r['equal']}/{r['runs']}",
+                    }
+                )
                 for d, r in drafts[n].items()
             },
         }
@@ -204,6 +237,9 @@ def format_report(result: dict) -> str:
         lines.append(f"\n{d} draft, N = auto: tokens/s end to end, mean accepted length, acceptance, = plain")
         for n, r in rows.items():
             x = r["drafts"][d]
+            if "refused" in x:
+                lines.append(f"{n:<10}  refused: {x['refused'][:90]}")
+                continue
             lines.append(
                 f"{n:<10}{x['tok_s']:>8.1f}{x['mean_accepted_length']:>8.2f}{x['acceptance_rate']:>8.3f}"
                 f"{x['equals_plain']:>8}"
@@ -224,11 +260,8 @@ def plot_report(result: dict, path: Path) -> Path | None:
     groups: list[tuple[float, float, bool, list[str]]] = []  # engines at one point share a label
     for n, r in result["engines"].items():
         x, y = r["decode_tok_s"], 100 * r["top1_agreement"]
-        exact = (
-            r["batch_variance"] is not None
-            and r["batch_variance"] <= 1e-4
-            and all(d["equals_plain"].split("/")[0] == d["equals_plain"].split("/")[1] for d in r["drafts"].values())
-        )
+        runs = [d["equals_plain"].split("/") for d in r["drafts"].values() if "equals_plain" in d]
+        exact = r["batch_variance"] is not None and r["batch_variance"] <= 1e-4 and all(a == b for a, b in runs)
         near = next((g for g in groups if abs(g[0] - x) < 8 and abs(g[1] - y) < 1.5 and g[2] == exact), None)
         if near is None:
             groups.append((x, y, exact, [n]))

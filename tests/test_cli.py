@@ -328,12 +328,18 @@ def test_calibrate_report_compares_each_built_engine_with_float(tiny_checkpoint,
     args = ["calibrate", "--model", str(tiny_checkpoint), "--artifacts", str(art), "--prompts", "4", "--report"]
     r = CliRunner().invoke(main, [*args, "--schemes", "hqq,int5"])
     assert r.exit_code == 2 and "int5: choose from" in r.output, r.output
-    r = CliRunner().invoke(main, [*args, "--report-out", str(out), "--report-tokens", "8"])
+    from test_eagle import make_head_dir
+
+    head = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "heads" / "eagle3", draft_vocab=64).root
+    r = CliRunner().invoke(main, [*args, "--report-out", str(out), "--report-tokens", "8", "--heads", str(head)])
     assert r.exit_code == 0, r.output
     result = json.loads(next(out.glob("quant-report-*.json")).read_text())
     rows = result["engines"]
     assert list(rows) == ["float32", "hqq", "int4"]  # every built engine, none that is not
     assert rows["float32"]["top1_agreement"] == 1.0 and rows["float32"]["mean_kl"] == 0.0
+    # the head runs on the engine it was trained against and is refused by the others
+    assert rows["float32"]["drafts"]["eagle3 (eagle3)"]["equals_plain"] == "4/4"
+    assert "precision" in rows["hqq"]["drafts"]["eagle3 (eagle3)"]["refused"]
     for name in ("hqq", "int4"):
         assert 0 < rows[name]["mean_kl"] and rows[name]["top1_agreement"] < 1.0
         assert rows[name]["batch_variance"] <= 1e-4 and rows[name]["drafts"]["suffix"]["equals_plain"].startswith("4/")
