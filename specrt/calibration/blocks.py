@@ -16,7 +16,7 @@ per block):
 Q4_1 is how a float offset runs on the integer-zero-point kernels: MatMulNBits also takes float
 zero points, but its CPU kernels for them ran 6x slower here, while the block sums cost one small
 MatMul per input (shared by the weights that read it). The GGUF recipe (gguf_blocks.py) reads
-the blocks from the file; HQQ and GPTQ (calibrated.py) compute them.
+the blocks from the file; HQQ, GPTQ and AWQ (calibrated.py) compute them.
 
 MatMulNBits runs at accuracy level 0 (dequantize to float32, multiply in float32), so a
 position's logits do not depend on how many positions a step computes (each engine's manifest

@@ -1,6 +1,7 @@
 """Calibration data: token sequences of one target, and the step-graph feeds made from them.
 
-A calibrated recipe (GPTQ) fits the weights to the activations the model sees. The sequences are
+A calibrated recipe (GPTQ, AWQ, the Q/DQ graphs' activation ranges) fits to the activations the model
+sees. The sequences are
 the target's own text (prompts from the offline prompt set, each followed by the target's greedy
 answer: `specrt calibrate` makes them), so they exist only for the checkpoint whose tokenizer and
 answers made them: a set records that checkpoint's hash, and a recipe refuses a set of another
