@@ -1,11 +1,11 @@
 """Calibration data: token sequences of one target, and the step-graph feeds made from them.
 
-A calibrated recipe (GPTQ, AWQ, the Q/DQ graphs' activation ranges) fits to the activations the model
-sees. The sequences are
-the target's own text (prompts from the offline prompt set, each followed by the target's greedy
-answer: `specrt calibrate` makes them), so they exist only for the checkpoint whose tokenizer and
-answers made them: a set records that checkpoint's hash, and a recipe refuses a set of another
-model (its token ids would mean other text, its activations another model's).
+A calibrated recipe (GPTQ, AWQ, the Q/DQ graphs' activation ranges) fits to the activations the
+model sees. The sequences are the target's own text (prompts from the offline prompt set, each
+followed by the target's greedy answer: `specrt calibrate` makes them), so they exist only for the
+checkpoint whose tokenizer and answers made them: a set records that checkpoint's hash, and a
+recipe refuses a set of another model (its token ids would mean other text, its activations
+another model's).
 
 The feeds exercise every shape an engine runs: each sequence gives one prefill step (Q = its
 length minus a tail, no past) and one step over the tail with that prefill's KV as the past (Q =
