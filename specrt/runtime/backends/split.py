@@ -4,8 +4,8 @@
 
 Which engine is fastest depends on how many positions a step computes. On this CPU ONNX
 Runtime's 4-bit kernel (the `gguf` engine) makes a one-position step 1.6x faster than float32,
-but its steps of 2 to 16 positions slower (they dequantize to float32 first): 25.7 against 20.9
-ms at 2 positions, 38.2 against 32.9 at 16 (`specrt calibrate --report`). Plain decoding is all
+but its steps of 2 to 16 positions slower (they dequantize to float32 first): 26.7 against 21.0
+ms at 2 positions, 37.5 against 32.1 at 16 (`specrt calibrate --report`, quant-report-2026-12-01). Plain decoding is all
 one-position steps; speculative decoding's verification and the prompt's prefill are not.
 
 Only engines that compute the same model may be split: the same checkpoint, features and
