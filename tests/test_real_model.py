@@ -171,17 +171,30 @@ def test_gguf_engine_is_the_float_model_on_default_model(ort_gen, real_model_dir
     assert spec_out.token_ids == plain and spec_out.metrics.accepted_tokens > 0
 
 
-def test_hqq_finds_the_default_models_4bit_grid_again(ort_gen, real_model_dir, real_artifacts):
-    """The default model's weights are Q4_1 blocks (head Q8_0): HQQ, started from min-max with a
-    float offset, must find them again, so its engine is the float model within float rounding
-    (what makes the fitted recipes safe on an already-4-bit checkpoint)."""
+@pytest.mark.parametrize("scheme", ["hqq", "gptq", "awq"])
+def test_fitted_recipes_find_the_default_models_4bit_grid_again(scheme, ort_gen, real_model_dir, real_artifacts):
+    """The default model's weights are Q4_1 blocks (head Q8_0): every fitted recipe starts from
+    min-max with a float offset and must find them again (GPTQ has no error to feed back, AWQ
+    picks alpha 0), so its engine is the float model within float rounding: what makes the
+    recipes safe on an already-4-bit checkpoint. The calibrated ones use a small set (8 prompts,
+    answers of up to 32 tokens) to keep this quick."""
     from specrt.engines.build import BuildSpec, build_all
     from specrt.layout import ArtifactLayout
+    from specrt.training.calibration import SET_FILE, make_calibration_set
 
-    list(build_all(BuildSpec(checkpoint=real_model_dir, out=real_artifacts, quantize="hqq", tensorrt="off")))
-    hqq = Generator.from_engine(ArtifactLayout(real_artifacts).ort_engine("cpu", "hqq"))
+    layout = ArtifactLayout(real_artifacts)
+    make_calibration_set(ort_gen, layout.calibration, prompts=8, max_new_tokens=32, progress=False)
+    spec = BuildSpec(
+        checkpoint=real_model_dir,
+        out=real_artifacts,
+        quantize=scheme,
+        tensorrt="off",
+        calibration=layout.calibration / SET_FILE,
+    )
+    list(build_all(spec))
+    fitted = Generator.from_engine(layout.ort_engine("cpu", scheme))
     text = ort_gen.tokenizer.encode(" ".join(PROMPTS) + " " + CODE_EDIT)
     a = ort_gen.session.forward(ort_gen.session.new_cache(1, len(text)), [text]).logits[0]
-    b = hqq.session.forward(hqq.session.new_cache(1, len(text)), [text]).logits[0]
+    b = fitted.session.forward(fitted.session.new_cache(1, len(text)), [text]).logits[0]
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
     assert (a.argmax(-1) == b.argmax(-1)).all()
