@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_manifest
-from specrt.export.step_graph import ONNX_DATA, ONNX_FILE, ONNX_KIND, save_graph
+from specrt.errors import SpecrtError
+from specrt.export.step_graph import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest, save_graph
 
 BLOCK = 32  # weights per block (Q4_0, Q4_1 and Q8_0 all use 32)
 LAYOUTS = ("Q4_0", "Q4_1", "Q8_0")
@@ -156,6 +157,28 @@ class _Rewriter:
         ]
 
 
+def float_source(onnx_dir: str | Path) -> dict:
+    """The manifest of the float32 step graph a recipe starts from; a graph already quantized is
+    refused (every recipe computes from the float weights)."""
+    source = read_onnx_manifest(onnx_dir)
+    if source.get("quantization"):
+        raise SpecrtError(
+            f"{onnx_dir} is already quantized ({source['quantization']['scheme']}); quantize the float32 export "
+            "instead."
+        )
+    return source
+
+
+def replace_nodes(graph, nodes: list, new_inits: list) -> None:
+    """Give `graph` these nodes, and keep of its initializers only those still read, plus `new_inits`."""
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    read = {x for n in graph.node for x in n.input}
+    kept = [i for i in graph.initializer if i.name in read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept + new_inits)
+
+
 def weight_matmuls(model) -> list[tuple[int, np.ndarray]]:
     """(node index, weight (K, N) float32) of every MatMul whose second input is a constant 2-D
     initializer: the matrices a recipe quantizes."""
@@ -194,12 +217,7 @@ def rewrite_matmuls(model, assigned: dict[int, tuple[str, Blocks]], prefix: str,
                 rewriter.replace([graph.node[j] for j in members], [assigned[j][1] for j in members], base)
             )
             counts[assigned[i][1].layout] += len(members)
-    graph.ClearField("node")
-    graph.node.extend(new_nodes)
-    still_read = {x for n in graph.node for x in n.input}
-    kept = [i for i in graph.initializer if i.name in still_read]
-    graph.ClearField("initializer")
-    graph.initializer.extend(kept + rewriter.inits)
+    replace_nodes(graph, new_nodes, rewriter.inits)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return dict(sorted(counts.items()))

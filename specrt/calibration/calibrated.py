@@ -49,24 +49,14 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.calibration.blocks import BLOCK, Blocks, rewrite_matmuls, weight_matmuls, write_quantized
+from specrt.calibration.blocks import BLOCK, Blocks, float_source, rewrite_matmuls, weight_matmuls, write_quantized
 from specrt.calibration.data import CalibrationSet, activations, step_feeds
 from specrt.errors import SpecrtError
-from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+from specrt.export.step_graph import ONNX_FILE
 
 RECIPES = ("hqq", "gptq", "awq")
 # bumped whenever a recipe computes other blocks: graphs of an older version are made again
 RECIPE_VERSION = 3
-
-
-def _source(onnx_dir: Path) -> dict:
-    source = read_onnx_manifest(onnx_dir)
-    if source.get("quantization"):
-        raise SpecrtError(
-            f"{onnx_dir} is already quantized ({source['quantization']['scheme']}); quantize the float32 export "
-            "instead."
-        )
-    return source
 
 
 def hqq_blocks(w: np.ndarray) -> Blocks:
@@ -102,21 +92,21 @@ def _quantize(
     onnx_dir, out_dir, scheme: str, method: str, fit, progress: bool, fuse: bool, extra=None, scales=None
 ) -> Path:
     """The driver of the recipes: `fit(node, w)` gives a MatMul's 4-bit blocks; the output head
-    (N = the vocabulary) gets 8-bit blocks instead. `extra(model, weights)`: more manifest fields
+    (N = the vocabulary) gets 8-bit blocks instead. `extra(model, weights, vocab)`: more manifest fields
     (run first: it may collect statistics). `scales`: {MatMul input: s (K,)} filled by then, for
     recipes whose blocks are of diag(s)·W: the input is divided by s first (one Mul per input)."""
     import onnx
     from tqdm import tqdm
 
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
-    source = _source(onnx_dir)
+    source = float_source(onnx_dir)
     t0 = time.perf_counter()
     model = onnx.load(str(onnx_dir / ONNX_FILE))
     weights = weight_matmuls(model)
     if not weights:
         raise SpecrtError(f"no MatMul with a constant weight in {onnx_dir / ONNX_FILE}; is it a specrt step graph?")
-    fields = extra(model, weights) if extra else {}
     vocab = source["config"]["vocab_size"]
+    fields = extra(model, weights, vocab) if extra else {}
     assigned, kept = {}, []
     for i, w in tqdm(weights, desc=f"quantize {scheme}", unit="matmul", disable=not progress):
         node = model.graph.node[i]
@@ -271,19 +261,14 @@ def quantize_gptq(
     """Every weight MatMul of the float step graph in `onnx_dir` quantized by GPTQ on the
     activations of `calibration` (a set made for this checkpoint; the output head as 8-bit
     blocks), into `out_dir`."""
-    onnx_dir = Path(onnx_dir)
-    calibration.require_target(_source(onnx_dir)["checkpoint"]["hash"], str(onnx_dir))
-    feeds = step_feeds(onnx_dir, calibration, max_len=max_len)
+    feeds = step_feeds(onnx_dir, calibration, max_len=max_len)  # refuses a set of another model
     h = {}
 
-    def collect(model, weights):
-        inputs = sorted({model.graph.node[i].input[0] for i, _ in weights})
+    def collect(model, weights, vocab):
+        # the head (N = the vocabulary) is not fitted: its input needs no Hessian
+        inputs = sorted({model.graph.node[i].input[0] for i, w in weights if w.shape[1] != vocab})
         h.update(hessians(model, feeds, inputs, progress))
-        return {
-            "percdamp": percdamp,
-            "calibration_sha256": calibration.sha256,
-            "calibration": {**calibration.describe(), "feeds": len(feeds), "max_len": max_len},
-        }
+        return {"percdamp": percdamp, **calibration.manifest_fields(feeds, max_len)}
 
     method = "GPTQ (inverse-Hessian error feedback on calibration activations), min-max blocks, float offsets"
     fit = lambda node, w: gptq_blocks(w, h[node.input[0]], percdamp)  # noqa: E731
@@ -302,13 +287,10 @@ def quantize_awq(
     """Every weight MatMul of the float step graph in `onnx_dir` as AWQ 4-bit blocks: per input,
     the activation-aware scales fitted on `sample` positions of the calibration feeds (the head
     as 8-bit blocks), into `out_dir`."""
-    onnx_dir = Path(onnx_dir)
-    calibration.require_target(_source(onnx_dir)["checkpoint"]["hash"], str(onnx_dir))
-    feeds = step_feeds(onnx_dir, calibration, max_len=max_len)
-    vocab = _source(onnx_dir)["config"]["vocab_size"]
+    feeds = step_feeds(onnx_dir, calibration, max_len=max_len)  # refuses a set of another model
     scales, alphas = {}, {}
 
-    def collect(model, weights):
+    def collect(model, weights, vocab):
         groups = {}
         for i, w in weights:
             if w.shape[1] != vocab:
@@ -336,8 +318,7 @@ def quantize_awq(
         return {
             "alpha": {"min": min(chosen), "median": float(np.median(chosen)), "max": max(chosen)},
             "sample_error_vs_rounding": float(np.median([r for _, r in alphas.values()])),
-            "calibration_sha256": calibration.sha256,
-            "calibration": {**calibration.describe(), "feeds": len(feeds), "max_len": max_len, "sample": sample},
+            **calibration.manifest_fields(feeds, max_len, sample=sample),
         }
 
     method = "AWQ (activation-aware per-channel scales, grid over alpha), min-max blocks, float offsets"

@@ -51,6 +51,14 @@ class CalibrationSet:
         """What a manifest records of the set."""
         return {"sha256": self.sha256, "sequences": len(self.sequences), "tokens": self.tokens, **self.source}
 
+    def manifest_fields(self, feeds: list[dict], max_len: int, **more) -> dict:
+        """The fields a quantized graph's manifest records of the set it was fitted to (the hash
+        at the top, compared by the engine builder to decide whether the graph is current)."""
+        return {
+            "calibration_sha256": self.sha256,
+            "calibration": {**self.describe(), "feeds": len(feeds), "max_len": max_len, **more},
+        }
+
     def save(self, path: str | Path) -> None:
         body = {
             "version": SET_VERSION,

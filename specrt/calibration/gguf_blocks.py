@@ -23,9 +23,17 @@ from pathlib import Path
 import numpy as np
 
 from specrt.artifacts import file_sha256
-from specrt.calibration.blocks import BLOCK, LAYOUTS, Blocks, rewrite_matmuls, weight_matmuls, write_quantized
+from specrt.calibration.blocks import (
+    BLOCK,
+    LAYOUTS,
+    Blocks,
+    float_source,
+    rewrite_matmuls,
+    weight_matmuls,
+    write_quantized,
+)
 from specrt.errors import SpecrtError
-from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+from specrt.export.step_graph import ONNX_FILE
 
 SCHEME = "gguf"
 SUPPORTED = LAYOUTS  # the GGUF block types read here: blocks.py computes each in its own layout
@@ -95,9 +103,7 @@ def quantize_from_gguf(
     from tqdm import tqdm
 
     onnx_dir, out_dir, gguf_path = Path(onnx_dir), Path(out_dir), Path(gguf_path)
-    source = read_onnx_manifest(onnx_dir)
-    if source.get("quantization"):
-        raise SpecrtError(f"{onnx_dir} is already quantized; rewrite the float32 export instead.")
+    source = float_source(onnx_dir)
     t0 = time.perf_counter()
     steps = tqdm(total=3, desc="quantize gguf", unit="step", disable=not progress)
     steps.set_postfix_str("read blocks")

@@ -38,10 +38,10 @@ from pathlib import Path
 import numpy as np
 
 from specrt.calibration import QDQ_SCHEMES
-from specrt.calibration.blocks import weight_matmuls, write_quantized
+from specrt.calibration.blocks import float_source, replace_nodes, weight_matmuls, write_quantized
 from specrt.calibration.data import CalibrationSet, activations, step_feeds
 from specrt.errors import SpecrtError
-from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+from specrt.export.step_graph import ONNX_FILE
 
 # scheme -> (type, largest code, SmoothQuant alpha). The alphas are the best of 0.5/0.65/0.8/0.9
 # on the default model (perplexity on the benchmark prompts, ORT on the CPU): int8 at 0.8 gave
@@ -67,6 +67,23 @@ def quantize_weight(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     if kind == "int8":
         return np.clip(np.rint(x), -127, 127).astype(np.int8), scale
     return np.clip(x, -top, top).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _converted(onnx_dir: Path) -> tuple[dict, object, dict, list]:
+    """(the float export's manifest, its graph converted to OPSET, {node index: weight (K, N)} of
+    the decoder projections, the output head's node names). Converted first: the converter may
+    add nodes, and the node indices are the converted graph's."""
+    import onnx
+    from onnx import version_converter
+
+    source = float_source(onnx_dir)
+    model = version_converter.convert_version(onnx.load(str(onnx_dir / ONNX_FILE)), OPSET)
+    vocab = source["config"]["vocab_size"]
+    found = weight_matmuls(model)
+    weights = {i: w for i, w in found if w.shape[1] != vocab}
+    if not weights:
+        raise SpecrtError(f"no MatMul with a constant weight in {onnx_dir / ONNX_FILE}; is it a specrt step graph?")
+    return source, model, weights, [model.graph.node[i].name for i, w in found if w.shape[1] == vocab]
 
 
 def smoothing(amax: np.ndarray, weights: list[np.ndarray], alpha: float) -> np.ndarray:
@@ -99,42 +116,31 @@ def quantize_qdq(
     """The float step graph in `onnx_dir` with Q/DQ on the decoder layers' projections (their
     inputs smoothed with SmoothQuant's `alpha`, default the scheme's), into `out_dir` (written
     atomically)."""
-    import onnx
-    from onnx import helper, numpy_helper, version_converter
+    from onnx import helper, numpy_helper
 
     if scheme not in SCHEMES:
         raise SpecrtError(f"unknown Q/DQ scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     kind, top, default_alpha = SCHEMES[scheme]
     alpha = default_alpha if alpha is None else alpha
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
-    source = read_onnx_manifest(onnx_dir)
-    if source.get("quantization"):
-        raise SpecrtError(f"{onnx_dir} is already quantized; quantize the float32 export instead.")
-    calibration.require_target(source["checkpoint"]["hash"], str(onnx_dir))
     t0 = time.perf_counter()
-    # converted first: the converter may add nodes, and everything below reads the new graph
-    model = version_converter.convert_version(onnx.load(str(onnx_dir / ONNX_FILE)), OPSET)
-    vocab = source["config"]["vocab_size"]
-    weights = [(i, w) for i, w in weight_matmuls(model) if w.shape[1] != vocab]
-    kept = [model.graph.node[i].name for i, w in weight_matmuls(model) if w.shape[1] == vocab]
-    if not weights:
-        raise SpecrtError(f"no MatMul with a constant weight in {onnx_dir / ONNX_FILE}; is it a specrt step graph?")
-    inputs = sorted({model.graph.node[i].input[0] for i, _ in weights})
+    feeds = step_feeds(onnx_dir, calibration, max_len=max_len)  # refuses a set of another model
+    source, model, weights, kept = _converted(onnx_dir)
+    inputs = sorted({model.graph.node[i].input[0] for i in weights})
     amax = {}  # per input channel: the largest |x| over every position of every feed
-    feeds = step_feeds(onnx_dir, calibration, max_len=max_len)
     for values in activations(model, feeds, inputs, f"{scheme}: activation ranges", progress):
         for name, x in values.items():
             m = np.abs(x.reshape(-1, x.shape[-1])).max(0)
             amax[name] = np.maximum(amax.get(name, 0.0), m)
     smooth = {
-        a: smoothing(amax[a], [w for i, w in weights if model.graph.node[i].input[0] == a], alpha) for a in inputs
+        a: smoothing(amax[a], [w for i, w in weights.items() if model.graph.node[i].input[0] == a], alpha)
+        for a in inputs
     }
 
     graph = model.graph
     inits, nodes, done = [], [], {}
-    by_index = dict(weights)
     for i, node in enumerate(graph.node):
-        if i not in by_index:
+        if i not in weights:
             nodes.append(node)
             continue
         a, base = node.input[0], f"qdq.{i}"
@@ -155,7 +161,7 @@ def quantize_qdq(
                 ),
             ]
             done[a] = f"{base}.x"
-        codes, wscale = quantize_weight(smooth[a][:, None] * by_index[i], kind)  # x W = (x / s)(s W)
+        codes, wscale = quantize_weight(smooth[a][:, None] * weights[i], kind)  # x W = (x / s)(s W)
         inits += [numpy_helper.from_array(codes, f"{base}.wq"), numpy_helper.from_array(wscale, f"{base}.w_scale")]
         nodes.append(
             helper.make_node(
@@ -163,12 +169,7 @@ def quantize_qdq(
             )
         )
         nodes.append(helper.make_node("MatMul", [done[a], f"{base}.w"], list(node.output), name=node.name))
-    graph.ClearField("node")
-    graph.node.extend(nodes)
-    read = {x for n in graph.node for x in n.input}
-    kept_inits = [t for t in graph.initializer if t.name in read]
-    graph.ClearField("initializer")
-    graph.initializer.extend(kept_inits + inits)
+    replace_nodes(graph, nodes, inits)
     quantization = {
         "scheme": scheme,
         "recipe_version": QDQ_VERSION,
@@ -179,8 +180,7 @@ def quantize_qdq(
         "smoothing": {"method": "SmoothQuant, per input channel", "alpha": alpha},
         "quantized_matmuls": len(weights),
         "kept_in_float32": kept,
-        "calibration_sha256": calibration.sha256,
-        "calibration": {**calibration.describe(), "feeds": len(feeds), "max_len": max_len},
+        **calibration.manifest_fields(feeds, max_len),
     }
     source = {**source, "opset": OPSET}
     return write_quantized(model, source, onnx_dir, out_dir, quantization, t0, "ml_dtypes")
@@ -202,19 +202,11 @@ def quantize_weight_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def quantize_qdq_int4(onnx_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
     """The float step graph in `onnx_dir` with every decoder projection's weight as int4 blocks
     behind a DequantizeLinear (weight-only, for TensorRT), into `out_dir` (written atomically)."""
-    import onnx
-    from onnx import helper, numpy_helper, version_converter
+    from onnx import helper, numpy_helper
 
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
-    source = read_onnx_manifest(onnx_dir)
-    if source.get("quantization"):
-        raise SpecrtError(f"{onnx_dir} is already quantized; quantize the float32 export instead.")
     t0 = time.perf_counter()
-    model = version_converter.convert_version(onnx.load(str(onnx_dir / ONNX_FILE)), OPSET)
-    vocab = source["config"]["vocab_size"]
-    found = weight_matmuls(model)
-    weights = dict((i, w) for i, w in found if w.shape[1] != vocab)
-    kept = [model.graph.node[i].name for i, w in found if w.shape[1] == vocab]
+    source, model, weights, kept = _converted(onnx_dir)
     graph, nodes, inits = model.graph, [], []
     for i, node in enumerate(graph.node):
         if i in weights:
@@ -233,12 +225,7 @@ def quantize_qdq_int4(onnx_dir: str | Path, out_dir: str | Path, progress: bool 
             )
             node.input[1] = f"{base}.w"
         nodes.append(node)
-    graph.ClearField("node")
-    graph.node.extend(nodes)
-    read = {x for n in graph.node for x in n.input}
-    kept_inits = [t for t in graph.initializer if t.name in read]
-    graph.ClearField("initializer")
-    graph.initializer.extend(kept_inits + inits)
+    replace_nodes(graph, nodes, inits)
     quantization = {
         "scheme": WEIGHT_ONLY,
         "recipe_version": QDQ_VERSION,

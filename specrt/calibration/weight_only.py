@@ -31,9 +31,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_manifest
+from specrt.calibration.blocks import float_source, write_quantized
 from specrt.errors import SpecrtError
-from specrt.export.step_graph import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest, save_graph
+from specrt.export.step_graph import ONNX_FILE
 
 SCHEMES = {
     "int4": (4, 0),
@@ -75,12 +75,7 @@ def quantize_weight_only(
 
     spec.validate()
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
-    source = read_onnx_manifest(onnx_dir)
-    if source.get("quantization"):
-        raise SpecrtError(
-            f"{onnx_dir} is already quantized ({source['quantization']['scheme']}); quantize the float32 export "
-            "instead."
-        )
+    source = float_source(onnx_dir)
     bits = spec.bits
     steps = tqdm(total=3, desc=f"quantize {spec.scheme}", unit="step", disable=not progress)
     steps.set_postfix_str("load")
@@ -114,28 +109,15 @@ def quantize_weight_only(
         )
     steps.update()
     steps.set_postfix_str("save")
-    with atomic_dir(out_dir) as tmp:
-        save_graph(quantized, tmp)
-        manifest = {
-            k: v for k, v in source.items() if k not in ("kind", "schema_version", "created", "files", "versions")
-        }
-        manifest.update(
-            {
-                "quantization": {
-                    **dataclasses.asdict(spec),
-                    "bits": bits,
-                    "accuracy_level": spec.accuracy_level,
-                    "symmetric": True,
-                    "method": "round to nearest, per block (data-free)",
-                    "quantized_matmuls": count,
-                    "seconds": round(time.perf_counter() - t0, 2),
-                },
-                "source_onnx": {"path": str(onnx_dir.resolve()), "files": source["files"]},
-                "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
-                "versions": package_versions("onnx", "onnxruntime"),
-            }
-        )
-        write_manifest(tmp, ONNX_KIND, manifest)
+    quantization = {
+        **dataclasses.asdict(spec),
+        "bits": bits,
+        "accuracy_level": spec.accuracy_level,
+        "symmetric": True,
+        "method": "round to nearest, per block (data-free)",
+        "quantized_matmuls": count,
+    }
+    write_quantized(quantized, source, onnx_dir, out_dir, quantization, t0)
     steps.update()
     steps.close()
     return out_dir
