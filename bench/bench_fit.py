@@ -58,19 +58,6 @@ def jittered_checkpoint(src: Path, out: Path, seed: int) -> Path:
     return out
 
 
-def scores(gen, ids: list[int], chunk: int = 256):
-    """Per position: log-softmax rows (float64) of the next-token distribution, teacher-forced."""
-    cache = gen.session.new_cache(1, len(ids) + 1)
-    rows = []
-    for start in range(0, len(ids) - 1, chunk):
-        piece = ids[start : start + chunk]
-        logits = gen.session.forward(cache, [piece]).logits[0].astype(np.float64)
-        logits = logits[: len(ids) - 1 - start]
-        m = logits.max(-1, keepdims=True)
-        rows.append(logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True)))
-    return np.concatenate(rows)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
@@ -81,12 +68,13 @@ def main():
     args = ap.parse_args()
 
     from specrt.artifacts import cpu_model, package_versions
-    from specrt.benchmark import load_prompts, write_result_json
+    from specrt.benchmark import write_result_json
     from specrt.engines.build import BuildSpec, build_all
     from specrt.layout import ArtifactLayout
+    from specrt.report import held_out_texts, quality
     from specrt.runtime.generator import Generator
     from specrt.training.calibration import make_calibration_set
-    from specrt.training.prompts import benchmark_prompts, build_prompt_set
+    from specrt.training.prompts import benchmark_prompts
 
     tmp = Path(tempfile.mkdtemp(prefix="specrt-fit-"))
     ckpt = jittered_checkpoint(args.model, tmp / "ckpt", args.seed)
@@ -103,26 +91,15 @@ def main():
     gens = {"float32": ref, **{s: Generator.from_engine(layout.ort_engine("cpu", s), ckpt) for s in schemes}}
 
     # held-out text: the benchmark's prompts, and the float model's answers to prompts of a third seed
-    texts = [ref.tokenizer.encode(p["prompt"]) for p in load_prompts(args.prompts)]
-    extra = build_prompt_set(args.held_out, seed=2, exclude=held)
-    ids = [ref.encode_prompt(p.prompt) for p in extra]
-    texts += [i + r.token_ids for i, r in zip(ids, ref.generate_ids(ids, 96))]
-    acc = {s: {"nll": [], "top1": [], "kl": []} for s in gens}
-    for text in texts:
-        base = scores(ref, text)
-        target = np.array(text[1:])
-        for s, g in gens.items():
-            lp = base if s == "float32" else scores(g, text)
-            acc[s]["nll"] += (-lp[np.arange(len(target)), target]).tolist()
-            acc[s]["top1"] += (lp.argmax(-1) == base.argmax(-1)).tolist()
-            acc[s]["kl"] += (np.exp(base) * (base - lp)).sum(-1).tolist()
+    texts, _ = held_out_texts(ref, held, args.held_out, 96)
+    measured = quality(ref, gens, texts)
     table = {
         s: {
-            "perplexity": round(float(np.exp(np.mean(a["nll"]))), 3),
-            "top1_agreement": round(float(np.mean(a["top1"])), 4),
-            "mean_kl": round(float(np.mean(a["kl"])), 4),
+            "perplexity": round(q["perplexity"], 3),
+            "top1_agreement": round(q["top1_agreement"], 4),
+            "mean_kl": round(q["mean_kl"], 4),
         }
-        for s, a in acc.items()
+        for s, q in measured.items()
     }
     print(f"\n{'recipe':<9}{'ppl':>9}{'top-1 =fp32':>13}{'KL(fp32||q)':>13}")
     for s, r in table.items():
@@ -134,7 +111,7 @@ def main():
         "versions": package_versions("onnxruntime", "onnx", "numpy", "torch"),
         "model": str(args.model),
         "jitter": {"seed": args.seed, "law": "uniform within each weight's block step (Q4_1 layers, Q8_0 head)"},
-        "held_out_tokens": len(acc["float32"]["nll"]),
+        "held_out_tokens": measured["float32"]["positions"],
         "calibration": cal.describe(),
         "recipes": table,
     }

@@ -106,12 +106,12 @@ def main():
             spec = WeightOnlySpec(scheme=v[0], block_size=v[1])
             qdir = quantize_weight_only(source, tmp / f"onnx-{v[0]}-{v[1]}", spec, progress=False)
         engines[name] = build_ort_engine(qdir, tmp / f"ort-{v[0]}-{v[1]}")
-    gens = {name: Generator.from_engine(e) for name, e in engines.items()}
-    # --split: the gguf engine decodes, the float32 engine runs the multi-position steps
-    gens = {**dict(list(gens.items())[:2]), "gguf split": None, **dict(list(gens.items())[2:])}
-    gens["gguf split"] = Generator.from_engine(engines["gguf"], multi_engine=engines["float32"])
-    engines["gguf split"] = engines["gguf"]
-    engines = {name: engines[name] for name in gens}  # the tables' order
+    gens = {}
+    for name, e in engines.items():
+        gens[name] = Generator.from_engine(e)
+        if name == "gguf":  # --split: the gguf engine decodes, the float32 engine runs the multi-position steps
+            gens["gguf split"] = Generator.from_engine(e, multi_engine=engines["float32"])
+    engines = {name: engines["gguf" if name == "gguf split" else name] for name in gens}  # the tables' order
     ref = gens["float32"]
 
     rows = {

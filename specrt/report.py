@@ -68,6 +68,41 @@ def log_softmax_rows(gen: Generator, ids: list[int], chunk: int = 256) -> np.nda
     return np.concatenate(rows)
 
 
+def held_out_texts(ref: Generator, bench: tuple[str, ...], n: int, new_tokens: int):
+    """(texts, chats): the benchmark prompts as plain text, and `n` chat prompts of REPORT_SEED
+    (none of them a benchmark prompt) each followed by the float engine's greedy answer; the
+    chats alone are returned too (prompts to time generation on)."""
+    from specrt.training.prompts import build_prompt_set
+
+    texts = [ref.tokenizer.encode(p) for p in bench]
+    chats = [ref.encode_prompt(p.prompt) for p in build_prompt_set(n, REPORT_SEED, exclude=bench)]
+    texts += [c + a.token_ids for c, a in zip(chats, ref.generate_ids(chats, new_tokens))]
+    return texts, chats
+
+
+def quality(ref: Generator, gens: dict[str, Generator], texts: list[list[int]]) -> dict:
+    """Per engine, teacher-forced over every position of `texts` against `ref`: perplexity,
+    top-1 agreement with ref and the mean KL(ref || engine) of the next-token distribution."""
+    acc = {n: {"nll": [], "top1": [], "kl": []} for n in gens}
+    for text in texts:
+        base = log_softmax_rows(ref, text)
+        target = np.array(text[1:])
+        for n, g in gens.items():
+            lp = base if g is ref else log_softmax_rows(g, text)
+            acc[n]["nll"] += (-lp[np.arange(len(target)), target]).tolist()
+            acc[n]["top1"] += (lp.argmax(-1) == base.argmax(-1)).tolist()
+            acc[n]["kl"] += np.maximum((np.exp(base) * (base - lp)).sum(-1), 0).tolist()
+    return {
+        n: {
+            "perplexity": float(np.exp(np.mean(a["nll"]))),
+            "top1_agreement": float(np.mean(a["top1"])),
+            "mean_kl": float(np.mean(a["kl"])),
+            "positions": len(a["nll"]),
+        }
+        for n, a in acc.items()
+    }
+
+
 def _rss_mib() -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -111,7 +146,7 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
     from specrt.artifacts import cpu_model, package_versions
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
-    from specrt.training.prompts import benchmark_prompts, build_prompt_set
+    from specrt.training.prompts import benchmark_prompts
 
     layout = ArtifactLayout(spec.artifacts)
     schemes = spec.schemes if spec.schemes is not None else QUANT_SCHEMES
@@ -127,23 +162,12 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
         }
     ref = gens["float32"]
     bench = benchmark_prompts(spec.prompts) if spec.prompts and Path(spec.prompts).is_file() else ()
-    texts = [ref.tokenizer.encode(p) for p in bench]
-    chats = [ref.encode_prompt(p.prompt) for p in build_prompt_set(spec.held_out, REPORT_SEED, exclude=bench)]
-    answers = ref.generate_ids(chats, spec.new_tokens)
-    texts += [c + a.token_ids for c, a in zip(chats, answers)]
+    texts, chats = held_out_texts(ref, bench, spec.held_out, spec.new_tokens)
     log(
         f"held-out text: {len(texts)} sequences, {sum(len(t) - 1 for t in texts)} positions; engines: {', '.join(gens)}"
     )
 
-    acc = {n: {"nll": [], "top1": [], "kl": []} for n in gens}
-    for text in texts:
-        base = log_softmax_rows(ref, text)
-        target = np.array(text[1:])
-        for n, g in gens.items():
-            lp = base if n == "float32" else log_softmax_rows(g, text)
-            acc[n]["nll"] += (-lp[np.arange(len(target)), target]).tolist()
-            acc[n]["top1"] += (lp.argmax(-1) == base.argmax(-1)).tolist()
-            acc[n]["kl"] += np.maximum((np.exp(base) * (base - lp)).sum(-1), 0).tolist()
+    measured = quality(ref, gens, texts)
     log("quality measured")
 
     prefix = (texts[-1] * 4)[:128]
@@ -151,7 +175,8 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
     # draft methods: the lookups, and each head under its method's name and directory
     methods = {d: (d, {}) for d in spec.drafts}
     for head in spec.heads:
-        methods[f"{_head_method(Path(head))} ({Path(head).name})"] = (_head_method(Path(head)), {"draft_dir": head})
+        method = _head_method(Path(head))
+        methods[f"{method} ({Path(head).name})"] = (method, {"draft_dir": head})
     drafts = {n: {d: {"tok_s": [], "accepted": [], "rate": [], "equal": 0, "runs": 0} for d in methods} for n in gens}
     refused = {n: {} for n in gens}
     for chat in chats[:4]:
@@ -183,12 +208,12 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
 
     rows = {}
     for n, g in gens.items():
-        a = acc[n]
         q1 = speed[n]["step_ms"][spec.positions[0]]
+        q = measured[n]
         rows[n] = {
-            "perplexity": round(float(np.exp(np.mean(a["nll"]))), 3),
-            "top1_agreement": round(float(np.mean(a["top1"])), 4),
-            "mean_kl": round(float(np.mean(a["kl"])), 5),
+            "perplexity": round(q["perplexity"], 3),
+            "top1_agreement": round(q["top1_agreement"], 4),
+            "mean_kl": round(q["mean_kl"], 5),
             "batch_variance": g.backend.caps.batch_invariance["relative"] if g.backend.caps.batch_invariance else None,
             "decode_tok_s": round(statistics.median(speed[n]["decode"]), 1),
             "step_ms": speed[n]["step_ms"],
@@ -214,7 +239,7 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
         "machine": {"cpu": cpu_model()},
         "versions": package_versions("onnxruntime", "onnx", "numpy"),
         "artifacts": str(spec.artifacts),
-        "held_out": {"sequences": len(texts), "positions": len(acc["float32"]["nll"]), "seed": REPORT_SEED},
+        "held_out": {"sequences": len(texts), "positions": measured["float32"]["positions"], "seed": REPORT_SEED},
         "new_tokens": spec.new_tokens,
         "engines": rows,
     }
