@@ -330,6 +330,8 @@ def test_calibrate_report_compares_each_built_engine_with_float(tiny_checkpoint,
     assert r.exit_code == 2 and "int5: choose from" in r.output, r.output
     from test_eagle import make_head_dir
 
+    r = CliRunner().invoke(main, [*args, "--heads", str(tmp_path)])
+    assert r.exit_code == 1 and "not a built draft head" in r.output, r.output
     head = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "heads" / "eagle3", draft_vocab=64).root
     r = CliRunner().invoke(main, [*args, "--report-out", str(out), "--report-tokens", "8", "--heads", str(head)])
     assert r.exit_code == 0, r.output
