@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from specrt.calibration import QDQ_SCHEMES
 from specrt.calibration import QUANT_SCHEMES as RECIPES
+from specrt.calibration import TRT_SCHEMES
 from specrt.errors import SpecrtError
 
 
@@ -218,7 +218,8 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     "data), gptq / awq (int4 fitted to calibration activations; makes the calibration set first, see `specrt "
     "calibrate`), int4 weights rounded to nearest, int8/int4 weights with int8 activations (-a8: faster, but "
     "speculative output may then differ from plain), or qdq-int8/qdq-fp8 (explicit Q/DQ for TensorRT, "
-    "calibrated) and qdq-int4 (int4 weight-only DQ for TensorRT); these also build a TensorRT engine "
+    "calibrated), qdq-int4 (int4 weight-only DQ for TensorRT), fp16 / bf16 (16-bit weights and compute for GPUs; "
+    "bf16 has no ORT engine: ORT's CPU provider lacks its kernels); these also build a TensorRT engine "
     "engines/trt-<flavour>-<scheme>/.",
 )
 @click.option(
@@ -351,10 +352,10 @@ def _make_runner(choice: EngineChoice):
 
     verify = "full" if verify_artifacts else "auto"
 
-    if quantize != "none" and backend == "torch" or quantize not in ("none", *QDQ_SCHEMES) and backend == "trt":
+    if quantize != "none" and backend == "torch" or quantize not in ("none", *TRT_SCHEMES) and backend == "trt":
         raise click.UsageError(
             f"--quantize {quantize} runs an ORT engine (MatMulNBits); use it with --backend ort (TensorRT takes the "
-            f"Q/DQ schemes: {', '.join(QDQ_SCHEMES)})"
+            f"Q/DQ and 16-bit schemes: {', '.join(TRT_SCHEMES)})"
         )
     if backend == "torch":
         if checkpoint is None:

@@ -80,15 +80,25 @@ def held_out_texts(ref: Generator, bench: tuple[str, ...], n: int, new_tokens: i
     return texts, chats
 
 
-def quality(ref: Generator, gens: dict[str, Generator], texts: list[list[int]]) -> dict:
+def quality(
+    ref: Generator,
+    gens: dict[str, Generator],
+    texts: list[list[int]],
+    scorers: dict[str, Callable[[list[int]], np.ndarray]] | None = None,
+) -> dict:
     """Per engine, teacher-forced over every position of `texts` against `ref`: perplexity,
-    top-1 agreement with ref and the mean KL(ref || engine) of the next-token distribution."""
-    acc = {n: {"nll": [], "top1": [], "kl": []} for n in gens}
+    top-1 agreement with ref and the mean KL(ref || engine) of the next-token distribution.
+    scorers: more entries that are no generator, each a function of a text returning what
+    log_softmax_rows does (a graph run by another evaluator)."""
+    score = {n: (lambda t, g=g: log_softmax_rows(g, t)) for n, g in gens.items() if g is not ref}
+    score.update(scorers or {})
+    names = [n for n, g in gens.items() if g is ref] + list(score)
+    acc = {n: {"nll": [], "top1": [], "kl": []} for n in names}
     for text in texts:
         base = log_softmax_rows(ref, text)
         target = np.array(text[1:])
-        for n, g in gens.items():
-            lp = base if g is ref else log_softmax_rows(g, text)
+        for n in names:
+            lp = score[n](text) if n in score else base
             acc[n]["nll"] += (-lp[np.arange(len(target)), target]).tolist()
             acc[n]["top1"] += (lp.argmax(-1) == base.argmax(-1)).tolist()
             acc[n]["kl"] += np.maximum((np.exp(base) * (base - lp)).sum(-1), 0).tolist()

@@ -363,7 +363,7 @@ def test_qdq_schemes_build_for_tensorrt_and_run_on_ort(tiny_checkpoint, tmp_path
     r = CliRunner().invoke(main, ["inspect", str(art)])
     assert "quantized   qdq-int8: Q/DQ for TensorRT, 14 MatMuls (SmoothQuant alpha 0.8; 1 kept in float32)" in r.output
     r = CliRunner().invoke(main, [*gen, "--backend", "trt", "--quantize", "gguf"])
-    assert r.exit_code == 2 and "TensorRT takes the Q/DQ schemes" in r.output, r.output
+    assert r.exit_code == 2 and "TensorRT takes the Q/DQ and 16-bit schemes" in r.output, r.output
     r = CliRunner().invoke(main, [*gen, "--backend", "trt", "--quantize", "qdq-int8"])
     assert r.exit_code == 1 and "trt-tensorrt-rtx-qdq-int8" in r.output and "--quantize qdq-int8" in r.output
 

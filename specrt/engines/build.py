@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from specrt.calibration import QDQ_SCHEMES
+from specrt.calibration import HALF_SCHEMES, QDQ_SCHEMES, TRT_SCHEMES
 from specrt.engines.trt import TrtBuildSpec
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout
@@ -104,8 +104,13 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
     else:
         yield f"{spec.quantize:<9} {qdir}: up to date"
     qfiles = read_onnx_manifest(qdir)["files"]
-    if spec.quantize in QDQ_SCHEMES:  # for TensorRT; the ORT engine lets the CPU check it
-        yield from _build_ort(spec, qdir, qfiles, ckpt_hash, stale=fresh, quantize=spec.quantize)
+    if spec.quantize in TRT_SCHEMES:  # for TensorRT; the ORT engine lets the CPU check it
+        from specrt.calibration.half import NO_ORT
+
+        if spec.quantize in NO_ORT:
+            yield f"ort       skipped: ONNX Runtime's CPU provider has no kernels for {spec.quantize}"
+        else:
+            yield from _build_ort(spec, qdir, qfiles, ckpt_hash, stale=fresh, quantize=spec.quantize)
         yield from _build_tensorrt(spec, qdir, qfiles, ckpt_hash, fresh, scheme=spec.quantize)
         return
     yield from _build_ort(
@@ -156,6 +161,11 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
         from specrt.calibration.qdq import QDQ_VERSION, quantize_qdq_int4
 
         return {"scheme": spec.quantize, "recipe_version": QDQ_VERSION}, lambda: quantize_qdq_int4(odir, qdir)
+    if spec.quantize in HALF_SCHEMES:
+        from specrt.calibration.half import HALF_VERSION, export_half
+
+        wanted = {"scheme": spec.quantize, "recipe_version": HALF_VERSION}
+        return wanted, lambda: export_half(spec.checkpoint, odir, qdir, spec.quantize)
     if spec.quantize in QDQ_SCHEMES:
         from specrt.calibration.qdq import QDQ_VERSION, quantize_qdq
 

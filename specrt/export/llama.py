@@ -18,6 +18,12 @@ from torch import nn
 from specrt.export.config import ModelConfig, rope_inv_freq
 
 
+def as_dtype(x, dtype):
+    """x in `dtype`; the tracer records even a no-op `.to`, so a float32 export skips the call
+    (its graph stays free of Cast nodes that do nothing)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -25,8 +31,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(var + self.eps))
+        # the statistics in float32 whatever the model's dtype: a residual channel of this model
+        # family reaches ~25,000, whose square overflows float16 (a no-op in a float32 model)
+        h = as_dtype(x, torch.float32)
+        var = h.pow(2).mean(-1, keepdim=True)
+        return self.weight * as_dtype(h * torch.rsqrt(var + self.eps), x.dtype)
 
 
 def inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -44,7 +53,7 @@ def rotary(position_ids, inv_freq):
 def mask_bias(attention_mask, dtype):
     """(B, 1, Q, P+Q) additive bias of a boolean mask (B, Q, P+Q): 0 where attention is allowed,
     the most negative float elsewhere."""
-    return torch.where(attention_mask, 0.0, torch.finfo(dtype).min).unsqueeze(1)
+    return as_dtype(torch.where(attention_mask, 0.0, torch.finfo(dtype).min), dtype).unsqueeze(1)
 
 
 def rotate_half(x):
@@ -133,9 +142,14 @@ class LlamaModel(nn.Module):
         the positions (0..Q-1) whose logits are wanted (None: all Q; prefill asks for the last
         only, which saves the vocabulary projection of every other prompt position).
         Returns logits (B, K, V), hidden_states (B, Q, C * len(hidden_layers)) and
-        present: list of (key, value), each (B, Hkv, Q, D) for the Q new positions only."""
+        present: list of (key, value), each (B, Hkv, Q, D) for the Q new positions only.
+        Whatever the model's dtype (to_dtype), past KV comes in and every output goes out in
+        float32: the runtime's one contract (casts a float32 model does not trace at all)."""
+        dtype = self.embed_tokens.weight.dtype
+        past_key_values = [(as_dtype(k, dtype), as_dtype(v, dtype)) for k, v in past_key_values]
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary(position_ids, self.inv_freq)
+        # angles in float32 (positions past 2,048 lose their phase in 16 bits), then the model's dtype
+        cos, sin = (as_dtype(t, x.dtype) for t in rotary(position_ids, self.inv_freq))
         bias = mask_bias(attention_mask, x.dtype)
         present, taps = [], {}
         for i, layer in enumerate(self.layers):
@@ -154,7 +168,16 @@ class LlamaModel(nn.Module):
             B, K = logits_index.shape
             normed = torch.gather(normed, 1, logits_index.unsqueeze(-1).expand(B, K, normed.shape[-1]))  # (B, K, C)
         logits = self.lm_head(normed)
-        return logits, hidden, present
+        f32 = torch.float32
+        present = [(as_dtype(k, f32), as_dtype(v, f32)) for k, v in present]
+        return as_dtype(logits, f32), as_dtype(hidden, f32), present
+
+    def to_dtype(self, dtype: torch.dtype) -> "LlamaModel":
+        """Weights and compute in `dtype`; the rotary frequencies stay float32 (their products
+        with positions in the thousands need the mantissa)."""
+        self.to(dtype)
+        self.inv_freq = inv_freq(self.cfg)
+        return self
 
     def empty_past(self, batch: int, dtype=torch.float32):
         cfg = self.cfg

@@ -42,6 +42,10 @@ ONNX_DATA = "model.onnx.data"
 DEFAULT_OPSET = 17
 
 
+# the compute dtypes an export may have (`--quantize fp16|bf16` asks for the 16-bit ones)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 class StepGraph(nn.Module):
     """Flat-argument wrapper of LlamaModel.forward for the exporter."""
 
@@ -105,9 +109,13 @@ def export_step_graph(
     opset: int = DEFAULT_OPSET,
     hidden_layers: tuple[int, ...] | None = None,
     progress: bool = True,
+    dtype: str = "float32",
+    manifest_extra: dict | None = None,
 ) -> Path:
     """Export `checkpoint` (HF dir or .gguf) to `out_dir`; returns out_dir. hidden_layers: the
-    layers `hidden_states` returns (default: every draft head's, draft_head.default_target_layers)."""
+    layers `hidden_states` returns (default: every draft head's, draft_head.default_target_layers).
+    dtype: the weights' and the compute's (a key of DTYPES; the I/O stays float32).
+    manifest_extra: fields added to the manifest (a 16-bit export names its scheme there)."""
     import onnx
     from tqdm import tqdm
 
@@ -123,6 +131,8 @@ def export_step_graph(
 
         hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
     model = load_model(checkpoint, hidden_layers=hidden_layers)
+    if dtype != "float32":
+        model.to_dtype(DTYPES[dtype])
     cfg = model.cfg
     io = StepIO(cfg.num_hidden_layers)
     steps.update()
@@ -174,9 +184,11 @@ def export_step_graph(
                 "outputs": io.output_names,
                 "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
                 "dtypes": {**INPUT_DTYPES, "kv": "float32", "logits": "float32"},
+                "compute_dtype": dtype,
                 "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
                 "export_seconds": round(export_s, 2),
                 "versions": package_versions("torch", "onnx", "onnxruntime"),
+                **(manifest_extra or {}),
             },
         )
         steps.update()

@@ -277,15 +277,20 @@ class Generator:
         device: str = "cpu",
         cuda_graphs: bool = False,
         hidden_layers: tuple[int, ...] | None = None,
+        dtype: str = "float32",
         **kw,
     ) -> "Generator":
         """A generator on the PyTorch model (no export needed): the reference on CPU, the
         PyTorch-CUDA backend with `device="cuda"` (and CUDA graphs with `cuda_graphs=True`).
-        hidden_layers: the features its hidden states carry (default: what an export returns)."""
+        hidden_layers: the features its hidden states carry (default: what an export returns).
+        dtype: the weights' and compute's (float32, float16, bfloat16; what a 16-bit export runs)."""
         from specrt.export.checkpoint import checkpoint_hash, load_model
+        from specrt.export.step_graph import DTYPES
         from specrt.runtime.backends import TorchBackend
 
         model = load_model(checkpoint, hidden_layers=hidden_layers)
+        if dtype != "float32":
+            model.to_dtype(DTYPES[dtype])
         return cls(
             TorchBackend(model, device=device, cuda_graphs=cuda_graphs, checkpoint_hash=checkpoint_hash(checkpoint)),
             Tokenizer(checkpoint),
