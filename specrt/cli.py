@@ -91,6 +91,9 @@ def convert(gguf_file: Path, out: Path):
 
 
 QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibration)
+# --draft: specrt.runtime.drafts.DRAFT_METHODS, spelled out because importing the drafts costs ~1 s
+# that --help should not pay (a test keeps the two equal)
+DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "hybrid"]
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 
@@ -504,7 +507,7 @@ def _engine_options(fn):
             "--draft",
             default="none",
             show_default=True,
-            type=click.Choice(["none", "ngram", "suffix", "eagle", "eagle3", "hybrid"]),
+            type=click.Choice(DRAFT_CHOICES),
             help="Draft method for speculative decoding (eagle, eagle3: a trained head, give --draft-dir; hybrid: "
             "suffix where its match is long, the head in --draft-dir elsewhere).",
         ),
@@ -956,7 +959,10 @@ def inspect(paths: tuple[Path, ...]):
 @click.option("--sweep-only", is_flag=True, help="Only the speedup-vs-N sweep and its plot.")
 @click.option("--no-sweep", is_flag=True, help="Skip the speedup-vs-N sweep.")
 @click.option(
-    "--fixed-n", default="4,8", show_default=True, help="Fixed draft lengths for ngram and suffix ('' for none)."
+    "--fixed-n",
+    default="4,8",
+    show_default=True,
+    help="Fixed draft lengths for ngram, suffix and lookahead ('' for none).",
 )
 @click.option(
     "--drafts",

@@ -99,7 +99,10 @@ def test_one_call_drafts_for_every_row_and_keeps_rows_apart(method):
 
 
 def test_registry():
-    assert set(DRAFT_METHODS) >= {"ngram", "suffix"}
+    from specrt.cli import DRAFT_CHOICES
+
+    assert set(DRAFT_METHODS) >= {"ngram", "suffix", "lookahead"}
+    assert DRAFT_CHOICES == ["none", *DRAFT_METHODS]  # the CLI's spelled-out list is the registry's
     assert make_proposer("ngram", n_max=3).n_max == 3
     with pytest.raises(SpecrtError, match="unknown draft method 'medusa2'; choose one of ngram, suffix"):
         make_proposer("medusa2")

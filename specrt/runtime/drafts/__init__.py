@@ -11,6 +11,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.drafts.base import DraftInput, Proposer
 from specrt.runtime.drafts.eagle import EagleProposer
 from specrt.runtime.drafts.hybrid import HybridProposer
+from specrt.runtime.drafts.lookahead import LookaheadProposer
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
 
@@ -23,6 +24,7 @@ def _hybrid(**head) -> HybridProposer:
 DRAFT_METHODS = {
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
+    "lookahead": LookaheadProposer,
     # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
     "eagle": functools.partial(EagleProposer, method="eagle"),
     "eagle3": functools.partial(EagleProposer, method="eagle3"),
