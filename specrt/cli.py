@@ -93,7 +93,7 @@ def convert(gguf_file: Path, out: Path):
 QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibration)
 # --draft: specrt.runtime.drafts.DRAFT_METHODS, spelled out because importing the drafts costs ~1 s
 # that --help should not pay (a test keeps the two equal)
-DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "hybrid"]
+DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "hybrid", "medusa"]
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 
@@ -427,7 +427,9 @@ def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
 
     if draft not in NEEDS_DRAFT_DIR:
         if draft_dir is not None:
-            raise click.UsageError(f"--draft-dir is for a trained head (--draft eagle or eagle3), not --draft {draft}")
+            raise click.UsageError(
+                f"--draft-dir is for a trained head (--draft eagle, eagle3, hybrid or medusa), not --draft {draft}"
+            )
         return {}
     if draft_dir is None:
         raise click.UsageError(
@@ -435,6 +437,10 @@ def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
             "drafts/SmolLM2-135M-Instruct/eagle3) or `specrt train-draft`"
         )
     options = {"draft_dir": draft_dir, "target": gen.session.caps}
+    if draft == "medusa":
+        if draft_tree != "chain":
+            raise click.UsageError("--draft-tree is for EAGLE heads; Medusa heads use the tree of their training")
+        return options
     if draft_tree != "chain":
         try:
             top_k, depth = (int(v) for v in draft_tree.split(","))
@@ -782,7 +788,12 @@ def calibrate(
 
 
 @main.command("train-draft")
-@click.option("--method", required=True, type=click.Choice(["eagle", "eagle3"]), help="EAGLE-1 or EAGLE-3 head.")
+@click.option(
+    "--method",
+    required=True,
+    type=click.Choice(["eagle", "eagle3", "medusa"]),
+    help="EAGLE-1 or EAGLE-3 head, or Medusa heads.",
+)
 @click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
 @click.option(
@@ -810,7 +821,8 @@ def calibrate(
 @click.option("--epochs", default=2.0, show_default=True, type=FiniteFloat(0.0, lo_open=True))
 @click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0.0, lo_open=True))
 @click.option("--ttt-steps", default=None, type=click.IntRange(min=1), help="Unrolled draft steps (eagle 1, eagle3 3).")
-@click.option("--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3 only.")
+@click.option("--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3, medusa.")
+@click.option("--medusa-heads", default=4, show_default=True, type=click.IntRange(min=1), help="medusa: heads (K).")
 @click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(min=64))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option(
@@ -838,27 +850,35 @@ def train_draft(
     lr,
     ttt_steps,
     draft_vocab,
+    medusa_heads,
     batch_tokens,
     seed,
     max_minutes,
     tensorrt,
 ):
-    """Train an EAGLE draft head on the target's own answers (self-distillation), then export it
-    to ONNX and build its engine. Every step resumes where an interrupted run stopped."""
+    """Train a draft head (EAGLE-1, EAGLE-3 or Medusa) on the target's own answers
+    (self-distillation), then export it to ONNX and build its engine. Every step resumes where an
+    interrupted run stopped."""
     from specrt.training.eagle import TrainConfig
+    from specrt.training.medusa import MedusaTrainConfig
     from specrt.training.pipeline import TrainDraftSpec, train_draft
     from specrt.training.prompts import benchmark_prompts
 
-    cfg = TrainConfig(
-        method,
-        ttt_steps=ttt_steps,
-        epochs=epochs,
-        lr=lr,
-        batch_tokens=batch_tokens,
-        draft_vocab=draft_vocab if method == "eagle3" else None,
-        seed=seed,
-        max_minutes=max_minutes,
-    )
+    if method == "medusa":
+        cfg = MedusaTrainConfig(
+            num_heads=medusa_heads, draft_vocab=draft_vocab, epochs=epochs, lr=lr, seed=seed, max_minutes=max_minutes
+        )
+    else:
+        cfg = TrainConfig(
+            method,
+            ttt_steps=ttt_steps,
+            epochs=epochs,
+            lr=lr,
+            batch_tokens=batch_tokens,
+            draft_vocab=draft_vocab if method == "eagle3" else None,
+            seed=seed,
+            max_minutes=max_minutes,
+        )
     spec = TrainDraftSpec(
         method=method,
         checkpoint=checkpoint,

@@ -28,6 +28,7 @@ from specrt.engines.trt import TrtBuildSpec, build_serialized
 from specrt.errors import ManifestMismatchError
 from specrt.export.draft_head import HEAD_INPUTS
 from specrt.export.head_graph import D2T_FILE, HEAD_FILE, read_draft_to_target, read_head_manifest
+from specrt.export.medusa import MEDUSA, MEDUSA_INPUTS
 
 HEAD_ENGINE_KIND = "ort-draft-head"
 OPT_FILE, OPT_DATA = "head.opt.onnx", "head.opt.onnx.data"
@@ -78,11 +79,14 @@ HEAD_ENGINE_FILE = "head.engine"
 def head_profiles(manifest: dict, shapes: EngineShapes) -> list[tuple[str, dict]]:
     """The head's TensorRT profiles: "draft" (Q 1..max_verify: a chain token, a tree depth's
     frontier, or the positions one verification committed) and "catch-up" (Q up to max_prefill:
-    the prompt, fed in chunks); the past holds the context plus one tree's draft entries."""
+    the prompt, fed in chunks); the past holds the context plus one tree's draft entries.
+    Medusa heads read one feature per row: one "draft" profile over the batch."""
     shapes.profiles()  # validates the numbers
     cfg, F = manifest["config"], manifest["head"]["feature_width"]
     C, Hkv, D = cfg["hidden_size"], cfg["num_key_value_heads"], cfg["head_dim"]
     batch = Range(1, 1, shapes.max_batch)
+    if manifest["head"]["method"] == MEDUSA:  # one feature per row, no cache: one profile by batch
+        return [("draft", {MEDUSA_INPUTS[0]: triple(batch, C)})]
     past = Range(0, shapes.max_context // 2, shapes.max_context + shapes.max_verify)
     out = []
     for name, q in (

@@ -157,6 +157,8 @@ class DraftHead(nn.Module):
     """An EAGLE-1 or EAGLE-3 head (see the module docstring); `draft_to_target` maps its output
     rows to target token ids (the identity for EAGLE-1)."""
 
+    io = (HEAD_INPUTS, HEAD_OUTPUTS, HEAD_DYNAMIC_AXES)  # the graph's inputs, outputs, dynamic axes
+
     def __init__(self, hc: HeadConfig):
         super().__init__()
         self.hc = hc
@@ -206,6 +208,38 @@ class DraftHead(nn.Module):
         cfg = self.hc.target
         z = torch.zeros(batch, cfg.num_key_value_heads, 0, cfg.head_dim)
         return z, z.clone()
+
+    def example_inputs(self, batch: int = 2, q: int = 3, past: int = 4) -> tuple[torch.Tensor, ...]:
+        """Inputs to trace the graph with (every dynamic axis > 1)."""
+        cfg = self.hc.target
+        kv = torch.zeros(batch, cfg.num_key_value_heads, past, cfg.head_dim)
+        return (
+            torch.zeros(batch, q, dtype=torch.int64),
+            torch.zeros(batch, q, self.hc.feature_width),
+            torch.zeros(batch, q, cfg.hidden_size),
+            torch.zeros(batch, q, dtype=torch.bool),
+            torch.arange(q).repeat(batch, 1) + past,
+            torch.ones(batch, q, past + q, dtype=torch.bool),
+            kv,
+            kv.clone(),
+        )
+
+    def parity_inputs(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """A ragged batch for the export's parity check: a catch-up step with a past, and a
+        tree-masked step mixing target features and the head's own hidden states."""
+        cfg, B, Q, P = self.hc.target, 2, 5, 7
+        inputs = (
+            torch.randint(0, cfg.vocab_size, (B, Q), generator=g),
+            torch.randn(B, Q, self.hc.feature_width, generator=g),
+            torch.randn(B, Q, cfg.hidden_size, generator=g),
+            torch.rand(B, Q, generator=g) < 0.5,
+            torch.arange(Q).repeat(B, 1) + P,
+            torch.rand(B, Q, P + Q, generator=g) < 0.7,
+            torch.randn(B, cfg.num_key_value_heads, P, cfg.head_dim, generator=g),
+            torch.randn(B, cfg.num_key_value_heads, P, cfg.head_dim, generator=g),
+        )
+        inputs[5][:, :, 0] = True  # every position sees at least one key
+        return inputs
 
 
 def head_from_target(target: LlamaModel, hc: HeadConfig, draft_ids=None, seed: int = 0) -> DraftHead:
@@ -257,14 +291,17 @@ def save_head(head: DraftHead, directory: str | Path, extra: dict | None = None)
     atomic_write_text(directory / CONFIG_FILE, json.dumps({**head.hc.to_dict(), **(extra or {})}, indent=2) + "\n")
 
 
-def load_head(directory: str | Path) -> DraftHead:
+def load_head(directory: str | Path):
+    """The trained head in `directory`: a DraftHead (eagle, eagle3) or MedusaHeads (medusa)."""
     from safetensors.torch import load_file
+
+    from specrt.export.medusa import MEDUSA, MedusaConfig, MedusaHeads
 
     directory = Path(directory)
     if not (directory / CONFIG_FILE).is_file():
         raise SpecrtError(f"{directory} holds no draft head ({CONFIG_FILE} missing); train one with specrt train-draft")
-    hc = HeadConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
-    head = DraftHead(hc)
+    d = json.loads((directory / CONFIG_FILE).read_text())
+    head = MedusaHeads(MedusaConfig.from_dict(d)) if d["method"] == MEDUSA else DraftHead(HeadConfig.from_dict(d))
     head.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
     return head.eval()
 

@@ -34,7 +34,7 @@ from specrt.artifacts import (
 )
 from specrt.export.checkpoint import checkpoint_hash
 from specrt.export.config import config_from_manifest
-from specrt.export.draft_head import HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, DraftHead, load_head
+from specrt.export.draft_head import HEAD_INPUTS, HEAD_OUTPUTS, load_head
 from specrt.export.step_graph import save_graph
 
 HEAD_KIND = "onnx-draft-head"
@@ -43,19 +43,11 @@ HOW_TO_MAKE = "specrt train-draft --method eagle3 --model CHECKPOINT --out DIR"
 MANIFEST_FIELDS = {"head": dict, "target": dict, "inputs": list, "outputs": list}
 
 
-def example_inputs(head: DraftHead, batch: int = 2, q: int = 3, past: int = 4):
-    cfg = head.hc.target
-    kv = torch.zeros(batch, cfg.num_key_value_heads, past, cfg.head_dim)
-    return (
-        torch.zeros(batch, q, dtype=torch.int64),
-        torch.zeros(batch, q, head.hc.feature_width),
-        torch.zeros(batch, q, cfg.hidden_size),
-        torch.zeros(batch, q, dtype=torch.bool),
-        torch.arange(q).repeat(batch, 1) + past,
-        torch.ones(batch, q, past + q, dtype=torch.bool),
-        kv,
-        kv.clone(),
-    )
+def head_io(method: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(inputs, outputs) of a head family's graph: the one definition the manifest is checked against."""
+    from specrt.export.medusa import MEDUSA, MEDUSA_INPUTS, MEDUSA_OUTPUTS
+
+    return (MEDUSA_INPUTS, MEDUSA_OUTPUTS) if method == MEDUSA else (HEAD_INPUTS, HEAD_OUTPUTS)
 
 
 def export_head(
@@ -78,13 +70,14 @@ def export_head(
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter, as for the target
             warnings.filterwarnings("ignore", message=".*Converting a tensor to a Python.*")
+            inputs, outputs, dynamic_axes = head.io
             torch.onnx.export(
                 _Graph(head),
-                example_inputs(head),
+                head.example_inputs(),
                 str(traced),
-                input_names=list(HEAD_INPUTS),
-                output_names=list(HEAD_OUTPUTS),
-                dynamic_axes=HEAD_DYNAMIC_AXES,
+                input_names=list(inputs),
+                output_names=list(outputs),
+                dynamic_axes=dynamic_axes,
                 opset_version=opset,
                 do_constant_folding=True,
                 dynamo=False,
@@ -107,8 +100,8 @@ def export_head(
                 "target": {"checkpoint_hash": ckpt_hash, "layers": list(head.hc.layers), "precision": precision},
                 "training": training or {},
                 "ort_parity": parity,
-                "inputs": list(HEAD_INPUTS),
-                "outputs": list(HEAD_OUTPUTS),
+                "inputs": list(inputs),
+                "outputs": list(outputs),
                 "opset": opset,
                 "export_seconds": round(time.perf_counter() - t0, 2),
                 "files": {n: file_sha256(tmp / n) for n in (HEAD_FILE, HEAD_DATA, D2T_FILE)},
@@ -121,39 +114,24 @@ def export_head(
 PARITY_TOLERANCE = 1e-4  # of the logits' magnitude: float32 rounding of the same computation
 
 
-def ort_parity(head: DraftHead, onnx_file: Path, seed: int = 0) -> dict:
-    """Max |ORT - PyTorch| over a ragged batch: a catch-up step with a past, and a tree-masked
-    step mixing target features and the head's own hidden states."""
+def ort_parity(head, onnx_file: Path, seed: int = 0) -> dict:
+    """Max |ORT - PyTorch| of the first output (logits or log-probabilities) and of the rest, on
+    the head's own parity inputs (DraftHead.parity_inputs: a ragged catch-up and tree step)."""
     import onnxruntime as ort
 
-    g = torch.Generator().manual_seed(seed)
-    cfg, B, Q, P = head.hc.target, 2, 5, 7
-    inputs = (
-        torch.randint(0, cfg.vocab_size, (B, Q), generator=g),
-        torch.randn(B, Q, head.hc.feature_width, generator=g),
-        torch.randn(B, Q, cfg.hidden_size, generator=g),
-        torch.rand(B, Q, generator=g) < 0.5,
-        torch.arange(Q).repeat(B, 1) + P,
-        torch.rand(B, Q, P + Q, generator=g) < 0.7,
-        torch.randn(B, cfg.num_key_value_heads, P, cfg.head_dim, generator=g),
-        torch.randn(B, cfg.num_key_value_heads, P, cfg.head_dim, generator=g),
-    )
-    inputs[5][:, :, 0] = True  # every position sees at least one key
+    inputs = head.parity_inputs(torch.Generator().manual_seed(seed))
     with torch.no_grad():
         want = head(*inputs)
     session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
-    got = session.run(None, dict(zip(HEAD_INPUTS, (t.numpy() for t in inputs))))
+    got = session.run(None, dict(zip(head.io[0], (t.numpy() for t in inputs))))
     diffs = [float(np.abs(a - b.numpy()).max()) for a, b in zip(got, want)]
-    return {
-        "logits_max_abs": diffs[0],
-        "logits_scale": float(want[0].abs().max()),
-        "hidden_max_abs": diffs[1],
-        "kv_max_abs": max(diffs[2:]),
-    }
+    out = {"logits_max_abs": diffs[0], "logits_scale": float(want[0].abs().max())}
+    names = head.io[1]
+    return out | {f"{n}_max_abs": d for n, d in zip(names[1:], diffs[1:])}
 
 
 class _Graph(torch.nn.Module):
-    def __init__(self, head: DraftHead):
+    def __init__(self, head: torch.nn.Module):
         super().__init__()
         self.head = head
 
@@ -165,7 +143,8 @@ def read_head_manifest(onnx_dir: str | Path, verify: str = "auto") -> dict:
     """The head export's manifest, its files checked (verify as in specrt.artifacts.check_files)."""
     m = read_manifest(onnx_dir, HEAD_KIND, HOW_TO_MAKE, MANIFEST_FIELDS)
     config_from_manifest(m, onnx_dir, HOW_TO_MAKE)
-    if list(m["inputs"]) != list(HEAD_INPUTS) or list(m["outputs"]) != list(HEAD_OUTPUTS):
+    inputs, outputs = head_io(m["head"]["method"])
+    if list(m["inputs"]) != list(inputs) or list(m["outputs"]) != list(outputs):
         raise ArtifactError(f"{onnx_dir} holds a head graph of another I/O version; re-export it with: {HOW_TO_MAKE}")
     check_files(onnx_dir, m, (HEAD_FILE, HEAD_DATA, D2T_FILE), HOW_TO_MAKE, verify)
     return m

@@ -6,7 +6,8 @@
               benchmark's prompts held out; written to <data>/prompts.jsonl
 2. answers    the target's greedy answers, batched (training/data.py)
 3. features   the target's hidden states over prompt + answer, every layer any head reads
-4. training   the head (training/eagle.py), checkpointed, stopped at max_minutes
+4. training   the head (training/eagle.py; Medusa: training/medusa.py), checkpointed, stopped
+              at max_minutes
 5. export     <out>/head -> <out>/onnx (ORT parity checked) -> <out>/engines/ort-cpu
 
 The data directory is shared by every head of one target (make drafts trains EAGLE-3 then
@@ -31,10 +32,12 @@ from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
 from specrt.export.draft_head import save_head
 from specrt.export.head_graph import export_head
+from specrt.export.medusa import MEDUSA
 from specrt.layout import HeadLayout, TrainingDataLayout
 from specrt.runtime.generator import Generator
 from specrt.training.data import FeatureCacheMismatch, cache_features, generate_answers
 from specrt.training.eagle import TrainConfig, TrainingData, train_head
+from specrt.training.medusa import MedusaTrainConfig, train_medusa
 from specrt.training.prompts import PROMPT_SET_VERSION, build_prompt_set, write_prompt_set
 
 DATA_MANIFEST = "data.json"
@@ -52,7 +55,7 @@ class TrainDraftSpec:
     max_new_tokens: int = 192
     gen_batch: int = 16
     hold_out: tuple[str, ...] = ()  # prompts never to train on (the benchmark's)
-    train: TrainConfig | None = None
+    train: TrainConfig | MedusaTrainConfig | None = None
     tensorrt: str = "auto"  # also build a TensorRT(-RTX) engine of the head when installed ("off": don't)
     progress: bool = True
 
@@ -117,10 +120,11 @@ def train_draft(spec: TrainDraftSpec) -> dict:
     data_seconds = time.perf_counter() - t0
     del gen
     target = load_model(spec.checkpoint)
-    cfg = spec.train or TrainConfig(spec.method)
+    cfg = spec.train or (MedusaTrainConfig() if spec.method == MEDUSA else TrainConfig(spec.method))
     if cfg.method != spec.method:
         raise SpecrtError(f"training config for {cfg.method}, asked for {spec.method}")
-    head, report = train_head(target, data, cfg, layout.root, progress=spec.progress)
+    train = train_medusa if spec.method == MEDUSA else train_head
+    head, report = train(target, data, cfg, layout.root, progress=spec.progress)
     report |= {
         "data_seconds_this_run": round(data_seconds, 1),
         "data_hash": data.data_hash,
@@ -146,7 +150,7 @@ def build_draft(
         if not layout.report.is_file():
             raise SpecrtError(f"{layout.report} is missing; train the head with: specrt train-draft --out {draft_dir}")
         report = json.loads(layout.report.read_text())
-    keys = ("steps", "train_sequences", "answer_tokens", "held_out", "data_hash")
+    keys = ("steps", "train_sequences", "answer_tokens", "held_out", "data_hash", "tree")
     summary = {k: report.get(k) for k in keys}
     precision = report.get("target", {}).get("precision", "float32")
     export_head(layout.weights, layout.onnx, checkpoint, precision, summary)

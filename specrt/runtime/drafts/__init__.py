@@ -12,6 +12,7 @@ from specrt.runtime.drafts.base import DraftInput, Proposer
 from specrt.runtime.drafts.eagle import EagleProposer
 from specrt.runtime.drafts.hybrid import HybridProposer
 from specrt.runtime.drafts.lookahead import LookaheadProposer
+from specrt.runtime.drafts.medusa import MedusaProposer
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
 
@@ -29,8 +30,9 @@ DRAFT_METHODS = {
     "eagle": functools.partial(EagleProposer, method="eagle"),
     "eagle3": functools.partial(EagleProposer, method="eagle3"),
     "hybrid": _hybrid,
+    "medusa": MedusaProposer,  # make_proposer("medusa", draft_dir=DIR, target=caps[, tree=paths])
 }
-NEEDS_DRAFT_DIR = ("eagle", "eagle3", "hybrid")  # methods with weights: they need --draft-dir
+NEEDS_DRAFT_DIR = ("eagle", "eagle3", "hybrid", "medusa")  # methods with weights: they need --draft-dir
 
 __all__ = ["DRAFT_METHODS", "NEEDS_DRAFT_DIR", "DraftInput", "Proposer", "make_proposer"]
 
