@@ -93,7 +93,7 @@ def convert(gguf_file: Path, out: Path):
 QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibration)
 # --draft: specrt.runtime.drafts.DRAFT_METHODS, spelled out because importing the drafts costs ~1 s
 # that --help should not pay (a test keeps the two equal)
-DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "hybrid", "medusa"]
+DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "mtp", "hybrid", "medusa"]
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 
@@ -428,7 +428,7 @@ def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
     if draft not in NEEDS_DRAFT_DIR:
         if draft_dir is not None:
             raise click.UsageError(
-                f"--draft-dir is for a trained head (--draft eagle, eagle3, hybrid or medusa), not --draft {draft}"
+                f"--draft-dir is for a trained head (--draft eagle, eagle3, mtp, hybrid or medusa), not --draft {draft}"
             )
         return {}
     if draft_dir is None:
@@ -514,20 +514,22 @@ def _engine_options(fn):
             default="none",
             show_default=True,
             type=click.Choice(DRAFT_CHOICES),
-            help="Draft method for speculative decoding (eagle, eagle3: a trained head, give --draft-dir; hybrid: "
-            "suffix where its match is long, the head in --draft-dir elsewhere).",
+            help="Draft method for speculative decoding (ngram, suffix, lookahead: no weights; eagle, eagle3, mtp, "
+            "medusa: a trained head, give --draft-dir; hybrid: suffix where its match is long, the head in "
+            "--draft-dir elsewhere).",
         ),
         click.option(
             "--draft-dir",
             type=click.Path(path_type=Path),
             default=None,
-            help="--draft eagle/eagle3/hybrid: the head's directory (specrt train-draft --out, or make drafts).",
+            help="--draft eagle/eagle3/mtp/medusa/hybrid: the head's directory (specrt train-draft --out, specrt "
+            "import-mtp, or make drafts).",
         ),
         click.option(
             "--draft-tree",
             default="chain",
             show_default=True,
-            help="--draft eagle/eagle3: 'chain', or TOP_K,DEPTH for EAGLE-2 dynamic trees (e.g. 4,6; the node "
+            help="--draft eagle/eagle3/mtp: 'chain', or TOP_K,DEPTH for EAGLE-2 dynamic trees (e.g. 4,6; the node "
             "budget is --num-draft).",
         ),
         click.option(
@@ -791,8 +793,8 @@ def calibrate(
 @click.option(
     "--method",
     required=True,
-    type=click.Choice(["eagle", "eagle3", "medusa"]),
-    help="EAGLE-1 or EAGLE-3 head, or Medusa heads.",
+    type=click.Choice(["eagle", "eagle3", "mtp", "medusa"]),
+    help="EAGLE-1 or EAGLE-3 head, an MTP module (DeepSeek-V3 layout), or Medusa heads.",
 )
 @click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
@@ -820,7 +822,9 @@ def calibrate(
 )
 @click.option("--epochs", default=2.0, show_default=True, type=FiniteFloat(0.0, lo_open=True))
 @click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0.0, lo_open=True))
-@click.option("--ttt-steps", default=None, type=click.IntRange(min=1), help="Unrolled draft steps (eagle 1, eagle3 3).")
+@click.option(
+    "--ttt-steps", default=None, type=click.IntRange(min=1), help="Unrolled draft steps (eagle 1, mtp 2, eagle3 3)."
+)
 @click.option("--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3, medusa.")
 @click.option("--medusa-heads", default=4, show_default=True, type=click.IntRange(min=1), help="medusa: heads (K).")
 @click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(min=64))
@@ -919,6 +923,29 @@ def build_draft(draft_dir, checkpoint, tensorrt):
     from specrt.training.pipeline import build_draft
 
     for d in build_draft(draft_dir, checkpoint, tensorrt=tensorrt):
+        click.echo(f"wrote {d}")
+
+
+@main.command("import-mtp")
+@click.option(
+    "--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="A checkpoint with MTP modules."
+)
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
+@click.option("--index", default=0, show_default=True, type=click.IntRange(min=0), help="Which MTP module.")
+@click.option(
+    "--tensorrt",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "off", "tensorrt", "tensorrt-rtx"]),
+    help="Also build the head's TensorRT engine (auto: when tensorrt or tensorrt_rtx is installed).",
+)
+@_friendly_errors
+def import_mtp(checkpoint, out, index, tensorrt):
+    """Make a draft head of a multi-token-prediction module the checkpoint carries (DeepSeek-V3's
+    layout: num_nextn_predict_layers in config.json), for --draft mtp --draft-dir OUT."""
+    from specrt.training.pipeline import import_mtp
+
+    for d in import_mtp(checkpoint, out, index, tensorrt):
         click.echo(f"wrote {d}")
 
 

@@ -22,7 +22,7 @@ from specrt.runtime.drafts.base import DraftInput
 from specrt.runtime.generator import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
-from specrt.training.eagle import TrainConfig, TrainingData, train_head
+from specrt.training.eagle import TrainConfig, train_head
 from specrt.training.pipeline import build_draft
 
 from conftest import random_model, save_checkpoint, tiny_hf_config
@@ -160,17 +160,6 @@ def test_proposer_chain_equals_the_head_run_from_scratch(method, ort_gen, tiny_c
 
 
 # -- training --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def training_data(ort_gen, tmp_path_factory):
-    from specrt.training.data import cache_features, generate_answers
-    from specrt.training.prompts import build_prompt_set
-
-    d = tmp_path_factory.mktemp("eagle-data")
-    answers = generate_answers(ort_gen, build_prompt_set(40, seed=1), d / "a.jsonl", 20, batch=8, progress=False)
-    features = cache_features(ort_gen.session, answers, d / "f", progress=False)
-    return TrainingData.load(answers, features, ort_gen.session.caps.hidden_layers, ort_gen.config.hidden_size)
 
 
 @pytest.mark.parametrize("method", METHODS)

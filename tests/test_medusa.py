@@ -33,7 +33,6 @@ from specrt.training.medusa import MedusaTrainConfig, examples, train_medusa
 from specrt.training.pipeline import build_draft
 
 from conftest import random_model, save_checkpoint, tiny_hf_config
-from test_eagle import training_data  # noqa: F401  (a fixture: the tiny target's answers and features)
 from test_speculative import SMALL, two_token_pvalue
 
 SMALL_TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
@@ -124,7 +123,7 @@ def test_engine_matches_the_heads_and_trees_follow_the_candidates(ort_gen, tiny_
 # -- training ------------------------------------------------------------------------------------
 
 
-def test_examples_align_features_with_the_tokens_k_ahead(training_data):  # noqa: F811
+def test_examples_align_features_with_the_tokens_k_ahead(training_data):
     s = training_data.train[0]
     x, y = examples([s], list(range(4)), 3)
     j = next(j for j in range(len(s.tokens) - 2) if j + 2 >= s.prompt_len)
@@ -133,7 +132,7 @@ def test_examples_align_features_with_the_tokens_k_ahead(training_data):  # noqa
     assert (y[-1] == -1).sum() == 2  # the last position has a label for head 1 only
 
 
-def test_training_lowers_the_held_out_loss_and_derives_the_tree(training_data, tiny_checkpoint, tmp_path):  # noqa: F811
+def test_training_lowers_the_held_out_loss_and_derives_the_tree(training_data, tiny_checkpoint, tmp_path):
     cfg = MedusaTrainConfig(num_heads=3, draft_vocab=64, top_k=4, epochs=6, batch=64, eval_every=1000, tree_size=8)
     heads, report = train_medusa(load_model(tiny_checkpoint), training_data, cfg, tmp_path, progress=False)
     assert report["steps"] == report["planned_steps"] > 6
@@ -143,7 +142,7 @@ def test_training_lowers_the_held_out_loss_and_derives_the_tree(training_data, t
     assert report["tree"] == [list(p) for p in derive_tree(acc, 8)]
 
 
-def test_training_resumes_to_the_same_heads(training_data, tiny_checkpoint, tmp_path, monkeypatch):  # noqa: F811
+def test_training_resumes_to_the_same_heads(training_data, tiny_checkpoint, tmp_path, monkeypatch):
     import specrt.training.medusa as medusa
 
     target = load_model(tiny_checkpoint)

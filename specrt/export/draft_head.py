@@ -15,6 +15,11 @@ Two methods (both read the target's features from its step graph's `hidden_state
              an output head over a reduced draft vocabulary (the most frequent tokens of the
              training answers), mapped back to target ids by `draft_to_target`. Trained with
              cross-entropy over several unrolled draft steps (training-time test).
+    mtp      a multi-token-prediction module in DeepSeek-V3's layout: eh_proj(enorm(embed(t)) ++
+             hnorm(feature)) -> one decoder layer -> shared_head.norm -> the target's output
+             head (frozen, full vocabulary); chained for several tokens on its own output
+             state, like EAGLE. Loaded from a checkpoint that carries one (export/mtp.py) or
+             trained here with cross-entropy over unrolled steps.
 
 The head is written as one *step*, like the target (export/llama.py): Q new positions, the past
 KV of its single layer and a boolean mask [B, Q, P+Q], so one ONNX graph serves catching up on
@@ -38,7 +43,8 @@ from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
 
-METHODS = ("eagle", "eagle3")
+METHODS = ("eagle", "eagle3", "mtp")
+FULL_VOCAB_METHODS = ("eagle", "mtp")  # read the final normed state, project through the target's head
 
 # the head's step graph I/O, in order (the one definition; the proposer and the exporter read it)
 HEAD_INPUTS = (
@@ -109,10 +115,10 @@ class HeadConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise SpecrtError(f"unknown head method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if self.method == "eagle" and tuple(self.layers) != (-1,):
-            raise SpecrtError("an EAGLE-1 head reads the target's final normed state (layers -1)")
-        if self.method == "eagle" and self.draft_vocab != self.target.vocab_size:
-            raise SpecrtError("an EAGLE-1 head projects through the target's full vocabulary")
+        if self.method in FULL_VOCAB_METHODS and tuple(self.layers) != (-1,):
+            raise SpecrtError(f"an {self.method} head reads the target's final normed state (layers -1)")
+        if self.method in FULL_VOCAB_METHODS and self.draft_vocab != self.target.vocab_size:
+            raise SpecrtError(f"an {self.method} head projects through the target's full vocabulary")
         if not 1 <= self.draft_vocab <= self.target.vocab_size:
             raise SpecrtError(f"draft vocabulary {self.draft_vocab} must be in 1..{self.target.vocab_size}")
 
@@ -165,16 +171,23 @@ class DraftHead(nn.Module):
         cfg, C = hc.target, hc.target.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, C)  # the target's, frozen
         self.embed_tokens.weight.requires_grad_(False)
+        self.enorm = self.hnorm = None
         if hc.method == "eagle":
             self.fc = nn.Linear(2 * C, C, bias=True)  # over embed(t) ++ feature
             self.layer = DecoderLayer(cfg)
             self.norm = None
+        elif hc.method == "mtp":  # DeepSeek-V3's names: enorm, hnorm, eh_proj (fc), shared_head.norm (norm)
+            self.enorm = RMSNorm(C, cfg.rms_norm_eps)
+            self.hnorm = RMSNorm(C, cfg.rms_norm_eps)
+            self.fc = nn.Linear(2 * C, C, bias=False)  # over enorm(embed(t)) ++ hnorm(feature)
+            self.layer = DecoderLayer(cfg)
+            self.norm = RMSNorm(C, cfg.rms_norm_eps)
         else:
             self.fc = nn.Linear(hc.feature_width, C, bias=False)  # fuses the low/middle/high features
             self.layer = Eagle3Layer(cfg)
             self.norm = RMSNorm(C, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(C, hc.draft_vocab, bias=False)
-        if hc.method == "eagle":
+        if hc.method in FULL_VOCAB_METHODS:
             self.lm_head.weight.requires_grad_(False)  # the target's head, shared and frozen
         self.register_buffer("draft_to_target", torch.arange(hc.draft_vocab, dtype=torch.int64))
         self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)  # the target's rotary embedding
@@ -196,11 +209,14 @@ class DraftHead(nn.Module):
         if self.hc.method == "eagle":
             feat = torch.where(from_draft.unsqueeze(-1), draft_hidden, features)
             x = self.fc(torch.cat([emb, feat], dim=-1))
+        elif self.hc.method == "mtp":
+            feat = torch.where(from_draft.unsqueeze(-1), draft_hidden, features)
+            x = self.fc(torch.cat([self.enorm(emb), self.hnorm(feat)], dim=-1))
         else:
             x = torch.where(from_draft.unsqueeze(-1), draft_hidden, self.fc(features))
         cos, sin = rotary(position_ids, self.inv_freq)
         bias = mask_bias(attention_mask, x.dtype)
-        if self.hc.method == "eagle":  # EAGLE-1 regresses the target's normed feature: no final norm
+        if self.hc.method in FULL_VOCAB_METHODS:  # EAGLE-1's state has no final norm; MTP's is in project()
             return self.layer(x, cos, sin, bias, past_k, past_v)
         return self.layer(emb, x, cos, sin, bias, past_k, past_v)
 
@@ -271,6 +287,9 @@ def head_from_target(target: LlamaModel, hc: HeadConfig, draft_ids=None, seed: i
         if hc.method == "eagle":
             head.fc.bias.zero_()
             head.fc.weight[:, C:].copy_(eye)
+        elif hc.method == "mtp":  # the normed feature passes through; the output norm is the target's
+            head.fc.weight[:, C:].copy_(eye)
+            head.norm.weight.copy_(target.norm.weight)
         else:
             # the high layer's block is the last C columns of the fused features
             head.fc.weight[:, -C:].copy_(eye)

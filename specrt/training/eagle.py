@@ -13,6 +13,8 @@ k entry j reads (t[j+1], h_{k-1}[j-1]), its own previous output one position bac
 to the target-fed entries up to j-k+1 plus its own chain (one entry per earlier step, on the
 diagonal). Step k's loss is weighted 0.8^(k-1). EAGLE-1 trains the first step only, with a
 regression of the next target feature (smooth L1) beside 0.1 x cross-entropy, as its paper does.
+An MTP module trains like EAGLE-3 (cross-entropy, 2 unrolled steps by default: DeepSeek-V3
+trains one module per depth, here one module is chained, so it learns to read its own output).
 
 Held-out sequences (held_out_ids: one of each class in turn) give the progress bar's
 acceptance: per unrolled step, the share of positions whose draft top-1 equals the target's
@@ -48,7 +50,7 @@ STEP_WEIGHT = 0.8  # the loss weight of unrolled step k is STEP_WEIGHT ** (k - 1
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    method: str  # "eagle" or "eagle3"
+    method: str  # "eagle", "eagle3" or "mtp"
     ttt_steps: int | None = None  # unrolled draft steps (default: 1 for eagle, 3 for eagle3)
     epochs: float = 2.0
     lr: float = 1e-3  # small data, few steps: after 31 steps 3e-4 accepted 0.11, 1e-3 0.22, 2e-3 0.26
@@ -63,7 +65,7 @@ class TrainConfig:
 
     @property
     def steps(self) -> int:
-        return self.ttt_steps or (1 if self.method == "eagle" else 3)
+        return self.ttt_steps or {"eagle": 1, "mtp": 2}.get(self.method, 3)
 
 
 @dataclasses.dataclass
@@ -321,8 +323,8 @@ class Trainer:
 
 def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftHead:
     V = target.cfg.vocab_size
-    if cfg.method == "eagle":
-        hc = HeadConfig("eagle", target.cfg, (-1,), V)
+    if cfg.method in ("eagle", "mtp"):
+        hc = HeadConfig(cfg.method, target.cfg, (-1,), V)
         return head_from_target(target, hc, None, cfg.seed)
     from specrt.export.draft_head import eagle3_layers
 

@@ -162,3 +162,22 @@ def build_draft(
         flavour = load_tensorrt(tensorrt)[0]
         built.append(build_head_trt_engine(layout.onnx, layout.trt_engine(flavour), TrtBuildSpec(flavour=flavour)))
     return built
+
+
+def import_mtp(checkpoint: str | Path, out: str | Path, index: int = 0, tensorrt: str = "auto") -> list[Path]:
+    """MTP module `index` that the checkpoint carries (export/mtp.py), written as a draft head
+    directory in `out` with its engines built, as train-draft leaves a trained head; returns the
+    engine directories."""
+    from specrt.export.checkpoint import checkpoint_hash
+    from specrt.export.mtp import mtp_head
+
+    head = mtp_head(checkpoint, index)
+    layout = HeadLayout(out)
+    save_head(head, layout.weights)
+    report = {
+        "method": "mtp",
+        "source": f"module {index} of {Path(checkpoint).resolve()}",
+        "target": {"checkpoint_hash": checkpoint_hash(checkpoint), "precision": "float32"},
+    }
+    atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
+    return build_draft(out, checkpoint, report, tensorrt)

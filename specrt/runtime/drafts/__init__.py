@@ -29,10 +29,11 @@ DRAFT_METHODS = {
     # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
     "eagle": functools.partial(EagleProposer, method="eagle"),
     "eagle3": functools.partial(EagleProposer, method="eagle3"),
+    "mtp": functools.partial(EagleProposer, method="mtp"),  # an MTP module drafts as an EAGLE head does
     "hybrid": _hybrid,
     "medusa": MedusaProposer,  # make_proposer("medusa", draft_dir=DIR, target=caps[, tree=paths])
 }
-NEEDS_DRAFT_DIR = ("eagle", "eagle3", "hybrid", "medusa")  # methods with weights: they need --draft-dir
+NEEDS_DRAFT_DIR = ("eagle", "eagle3", "mtp", "hybrid", "medusa")  # methods with weights: they need --draft-dir
 
 __all__ = ["DRAFT_METHODS", "NEEDS_DRAFT_DIR", "DraftInput", "Proposer", "make_proposer"]
 
