@@ -48,7 +48,7 @@ $(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
 build-engines: setup model
 	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize gguf --gguf $(GGUF)
 
-# EAGLE-3, EAGLE-1, Medusa and MTP draft heads for the default model, trained here on the target's own answers
+# EAGLE-3, EAGLE-1, Medusa, MTP draft heads and a distilled draft model for the default model, trained here on the target's own answers
 # (self-distillation), exported and built: 51 min on 2 CPU cores (README, "Draft heads").
 # Interrupted? Run it again: every step resumes where it stopped.
 drafts: build-engines
@@ -60,6 +60,8 @@ drafts: build-engines
 		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/medusa --epochs 1 --max-minutes 8
 	$(SPECRT) train-draft --method mtp --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
 		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/mtp --epochs 1 --max-minutes 8
+	$(SPECRT) train-draft --method draft-model --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
+		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/draft-model --epochs 1 --max-minutes 10
 
 # plain decoding on the fastest exact engine: the GGUF's own 4-bit blocks
 generate: build-engines

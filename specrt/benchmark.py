@@ -43,7 +43,9 @@ class SpecBenchConfig:
     transformers: bool = True  # compare with transformers' prompt lookup and plain generate
     main_runs: bool = True  # False: only the speedup-vs-N sweep
     hf_lookup_tokens: int = 10
-    drafts: Path | None = None  # a `make drafts` directory: adds its heads (eagle/, eagle3/, mtp/, medusa/) and the hybrid
+    drafts: Path | None = (
+        None  # a `make drafts` directory: adds its heads (eagle/, eagle3/, mtp/, medusa/) and the hybrid
+    )
     tree: tuple[int, int] = (4, 6)  # EAGLE-2 dynamic trees: top-k per node, depth (the node budget is N)
     sweep: bool = True
 
@@ -63,6 +65,7 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
         ("mtp chain", "mtp", "mtp", None),
         ("mtp tree", "mtp", "mtp", cfg.tree),
         ("medusa tree", "medusa", "medusa", None),  # its own tree of choices (training.json)
+        ("draft model", "draft-model", "draft-model", None),
     ):
         d = Path(cfg.drafts) / head
         if not HeadLayout(d).ort_engine().is_dir():

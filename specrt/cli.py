@@ -93,7 +93,7 @@ def convert(gguf_file: Path, out: Path):
 QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibration)
 # --draft: specrt.runtime.drafts.DRAFT_METHODS, spelled out because importing the drafts costs ~1 s
 # that --help should not pay (a test keeps the two equal)
-DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "mtp", "hybrid", "medusa"]
+DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "mtp", "hybrid", "medusa", "draft-model"]
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 
@@ -428,7 +428,7 @@ def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
     if draft not in NEEDS_DRAFT_DIR:
         if draft_dir is not None:
             raise click.UsageError(
-                f"--draft-dir is for a trained head (--draft eagle, eagle3, mtp, hybrid or medusa), not --draft {draft}"
+                f"--draft-dir is for a draft with weights (--draft {', '.join(NEEDS_DRAFT_DIR)}), not --draft {draft}"
             )
         return {}
     if draft_dir is None:
@@ -437,9 +437,9 @@ def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
             "drafts/SmolLM2-135M-Instruct/eagle3) or `specrt train-draft`"
         )
     options = {"draft_dir": draft_dir, "target": gen.session.caps}
-    if draft == "medusa":
+    if draft in ("medusa", "draft-model"):
         if draft_tree != "chain":
-            raise click.UsageError("--draft-tree is for EAGLE heads; Medusa heads use the tree of their training")
+            raise click.UsageError(f"--draft-tree is for EAGLE heads and MTP modules, not --draft {draft}")
         return options
     if draft_tree != "chain":
         try:
@@ -515,8 +515,8 @@ def _engine_options(fn):
             show_default=True,
             type=click.Choice(DRAFT_CHOICES),
             help="Draft method for speculative decoding (ngram, suffix, lookahead: no weights; eagle, eagle3, mtp, "
-            "medusa: a trained head, give --draft-dir; hybrid: suffix where its match is long, the head in "
-            "--draft-dir elsewhere).",
+            "medusa: a trained head, give --draft-dir; draft-model: a smaller model's build-engines output as "
+            "--draft-dir; hybrid: suffix where its match is long, the head in --draft-dir elsewhere).",
         ),
         click.option(
             "--draft-dir",
@@ -793,8 +793,9 @@ def calibrate(
 @click.option(
     "--method",
     required=True,
-    type=click.Choice(["eagle", "eagle3", "mtp", "medusa"]),
-    help="EAGLE-1 or EAGLE-3 head, an MTP module (DeepSeek-V3 layout), or Medusa heads.",
+    type=click.Choice(["eagle", "eagle3", "mtp", "medusa", "draft-model"]),
+    help="EAGLE-1 or EAGLE-3 head, an MTP module (DeepSeek-V3 layout), Medusa heads, or a draft model distilled "
+    "from the target's layers.",
 )
 @click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
@@ -825,7 +826,9 @@ def calibrate(
 @click.option(
     "--ttt-steps", default=None, type=click.IntRange(min=1), help="Unrolled draft steps (eagle 1, mtp 2, eagle3 3)."
 )
-@click.option("--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3, medusa.")
+@click.option(
+    "--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3, medusa, draft-model."
+)
 @click.option("--medusa-heads", default=4, show_default=True, type=click.IntRange(min=1), help="medusa: heads (K).")
 @click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(min=64))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
@@ -868,7 +871,13 @@ def train_draft(
     from specrt.training.pipeline import TrainDraftSpec, train_draft
     from specrt.training.prompts import benchmark_prompts
 
-    if method == "medusa":
+    if method == "draft-model":
+        from specrt.training.draft_model import DraftModelConfig
+
+        cfg = DraftModelConfig(
+            draft_vocab=draft_vocab, epochs=epochs, lr=lr, batch_tokens=batch_tokens, seed=seed, max_minutes=max_minutes
+        )
+    elif method == "medusa":
         cfg = MedusaTrainConfig(
             num_heads=medusa_heads, draft_vocab=draft_vocab, epochs=epochs, lr=lr, seed=seed, max_minutes=max_minutes
         )

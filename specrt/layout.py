@@ -77,9 +77,12 @@ class ArtifactLayout(_Layout):
 class HeadLayout(_Layout):
     """A draft head's directory (`specrt train-draft --out`, read by `--draft-dir`):
 
-    <root>/head/                    trained weights (head.safetensors, head.json) and training.json
+    <root>/head/                    trained weights (head.safetensors, head.json) and training.json;
+                                    a distilled draft model: its checkpoint (config.json, model.safetensors,
+                                    tokenizer) and training.json
     <root>/checkpoint.pt            the training checkpoint (resumes an interrupted run)
-    <root>/onnx/                    the head's step graph (head.onnx, its data, draft_to_target.npy)
+    <root>/onnx/                    the head's step graph (head.onnx, its data, draft_to_target.npy);
+                                    a draft model's: its step graph (model.onnx), as build-engines writes it
     <root>/engines/ort-<provider>/  its ONNX Runtime engine
     <root>/engines/trt-<flavour>/   its TensorRT / TensorRT-RTX engine (draft profile)
     """

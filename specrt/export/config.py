@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": True,
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+OUTPUT_VOCAB_KEY = "specrt_output_vocab"  # config.json key of ModelConfig.output_vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,9 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # a draft model's reduced output vocabulary (train-draft --method draft-model): the output head
+    # has this many rows, for the token ids in its `output_ids` buffer; None: the whole vocabulary
+    output_vocab: int | None = None
 
     def __post_init__(self):
         # every reader of a config (config.json, an artifact's manifest) gets here: one place
@@ -83,6 +87,16 @@ class ModelConfig:
             raise CheckpointError(
                 f"eos_token_id must be token ids (integers >= 0), got {list(self.eos_token_id)!r}; fix the "
                 "checkpoint's config.json."
+            )
+        if self.output_vocab is not None and (
+            isinstance(self.output_vocab, bool)
+            or not isinstance(self.output_vocab, int)
+            or not 1 <= self.output_vocab <= self.vocab_size
+            or self.tie_word_embeddings
+        ):
+            raise CheckpointError(
+                f"specrt_output_vocab must be an integer in 1..vocab_size ({self.vocab_size}) with untied embeddings, "
+                f"got {self.output_vocab!r}; fix the checkpoint's config.json."
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedArchitectureError(
@@ -157,6 +171,7 @@ class ModelConfig:
             architecture=arch,
             bos_token_id=_field(d, "bos_token_id", int, None),
             eos_token_id=eos_ids,
+            output_vocab=_field(d, OUTPUT_VOCAB_KEY, int, None),
         )
 
     @classmethod
@@ -198,6 +213,8 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
         }
+        if self.output_vocab is not None:  # specrt's own key: transformers has no such model
+            d[OUTPUT_VOCAB_KEY] = self.output_vocab
         return d
 
     def to_dict(self) -> dict[str, Any]:

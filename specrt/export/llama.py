@@ -131,7 +131,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.output_vocab or cfg.vocab_size, bias=False)
+        if cfg.output_vocab is not None:
+            # a draft model's reduced output head: its rows' token ids; logits stay vocabulary-wide
+            self.register_buffer("output_ids", torch.zeros(cfg.output_vocab, dtype=torch.int64))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
@@ -168,6 +171,14 @@ class LlamaModel(nn.Module):
             B, K = logits_index.shape
             normed = torch.gather(normed, 1, logits_index.unsqueeze(-1).expand(B, K, normed.shape[-1]))  # (B, K, C)
         logits = self.lm_head(normed)
+        if self.cfg.output_vocab is not None:
+            # the reduced head's logits scattered into the vocabulary; the other tokens get the
+            # most negative float (probability 0), so the runtime reads logits as from any model
+            full = torch.full(
+                (*logits.shape[:-1], self.cfg.vocab_size), torch.finfo(logits.dtype).min, dtype=logits.dtype
+            )
+            index = self.output_ids.expand(*logits.shape[:-1], self.cfg.output_vocab)
+            logits = full.scatter(-1, index, logits)
         f32 = torch.float32
         present = [(as_dtype(k, f32), as_dtype(v, f32)) for k, v in present]
         return as_dtype(logits, f32), as_dtype(hidden, f32), present

@@ -120,6 +120,23 @@ def choose_draft_vocab(counts: np.ndarray, size: int, always: tuple[int, ...] = 
     return np.array(sorted(chosen, key=lambda t: (-counts[t], t)), dtype=np.int64)
 
 
+def length_batches(seqs: list[Sequence], max_len: int, batch_tokens: int) -> list[list[int]]:
+    """Batches of sequence indices of similar length (cut at max_len), at most batch_tokens
+    padded tokens each."""
+    order = sorted(range(len(seqs)), key=lambda i: (min(len(seqs[i].tokens), max_len), i))
+    out, cur, longest = [], [], 0
+    for i in order:
+        m = min(len(seqs[i].tokens), max_len)
+        if cur and max(longest, m) * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, m)
+    if cur:
+        out.append(cur)
+    return out
+
+
 @dataclasses.dataclass
 class Batch:
     ids: torch.Tensor  # (B, n) t[j+1]
@@ -201,19 +218,7 @@ class Trainer:
         self.step = 0
 
     def _plan(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Batches of sequence indices of similar length, at most batch_tokens padded tokens."""
-        order = sorted(range(len(seqs)), key=lambda i: (min(len(seqs[i].tokens), self.cfg.max_len), i))
-        out, cur, longest = [], [], 0
-        for i in order:
-            m = min(len(seqs[i].tokens), self.cfg.max_len)
-            if cur and max(longest, m) * (len(cur) + 1) > self.cfg.batch_tokens:
-                out.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, m)
-        if cur:
-            out.append(cur)
-        return out
+        return length_batches(seqs, self.cfg.max_len, self.cfg.batch_tokens)
 
     def batch_order(self, epoch: int) -> list[int]:
         return np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.batches)).tolist()

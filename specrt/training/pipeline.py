@@ -36,11 +36,13 @@ from specrt.export.medusa import MEDUSA
 from specrt.layout import HeadLayout, TrainingDataLayout
 from specrt.runtime.generator import Generator
 from specrt.training.data import FeatureCacheMismatch, cache_features, generate_answers
+from specrt.training.draft_model import DraftModelConfig, save_draft_checkpoint, train_draft_model
 from specrt.training.eagle import TrainConfig, TrainingData, train_head
 from specrt.training.medusa import MedusaTrainConfig, train_medusa
 from specrt.training.prompts import PROMPT_SET_VERSION, build_prompt_set, write_prompt_set
 
 DATA_MANIFEST = "data.json"
+DRAFT_MODEL = "draft-model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,7 @@ class TrainDraftSpec:
     max_new_tokens: int = 192
     gen_batch: int = 16
     hold_out: tuple[str, ...] = ()  # prompts never to train on (the benchmark's)
-    train: TrainConfig | MedusaTrainConfig | None = None
+    train: TrainConfig | MedusaTrainConfig | DraftModelConfig | None = None
     tensorrt: str = "auto"  # also build a TensorRT(-RTX) engine of the head when installed ("off": don't)
     progress: bool = True
 
@@ -120,9 +122,12 @@ def train_draft(spec: TrainDraftSpec) -> dict:
     data_seconds = time.perf_counter() - t0
     del gen
     target = load_model(spec.checkpoint)
-    cfg = spec.train or (MedusaTrainConfig() if spec.method == MEDUSA else TrainConfig(spec.method))
+    defaults = {MEDUSA: MedusaTrainConfig, DRAFT_MODEL: DraftModelConfig}
+    cfg = spec.train or defaults.get(spec.method, lambda: TrainConfig(spec.method))()
     if cfg.method != spec.method:
         raise SpecrtError(f"training config for {cfg.method}, asked for {spec.method}")
+    if spec.method == DRAFT_MODEL:
+        return _finish_draft_model(spec, target, data, cfg, caps, t0, data_seconds)
     train = train_medusa if spec.method == MEDUSA else train_head
     head, report = train(target, data, cfg, layout.root, progress=spec.progress)
     report |= {
@@ -133,6 +138,27 @@ def train_draft(spec: TrainDraftSpec) -> dict:
     save_head(head, layout.weights)
     atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
     build_draft(layout.root, spec.checkpoint, report, spec.tensorrt)
+    report["total_seconds_this_run"] = round(time.perf_counter() - t0, 1)
+    atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _finish_draft_model(spec: TrainDraftSpec, target, data, cfg, caps, t0: float, data_seconds: float) -> dict:
+    """Distil the draft model, write it as a checkpoint (HeadLayout.weights) and build its
+    engines there (onnx/, engines/) as build-engines does for any model."""
+    from specrt.engines.build import BuildSpec, build_all
+
+    layout = HeadLayout(spec.out)
+    draft, report = train_draft_model(target, data, cfg, layout.root, progress=spec.progress)
+    save_draft_checkpoint(draft, layout.weights, spec.checkpoint)
+    report |= {
+        "data_seconds_this_run": round(data_seconds, 1),
+        "data_hash": data.data_hash,
+        "target": {"checkpoint_hash": caps.checkpoint_hash, "precision": caps.precision},
+    }
+    atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
+    for _ in build_all(BuildSpec(checkpoint=layout.weights, out=layout.root, tensorrt=spec.tensorrt)):
+        pass
     report["total_seconds_this_run"] = round(time.perf_counter() - t0, 1)
     atomic_write_text(layout.report, json.dumps(report, indent=2) + "\n")
     return report

@@ -9,6 +9,7 @@ import functools
 
 from specrt.errors import SpecrtError
 from specrt.runtime.drafts.base import DraftInput, Proposer
+from specrt.runtime.drafts.draft_model import DraftModelProposer
 from specrt.runtime.drafts.eagle import EagleProposer
 from specrt.runtime.drafts.hybrid import HybridProposer
 from specrt.runtime.drafts.lookahead import LookaheadProposer
@@ -32,8 +33,16 @@ DRAFT_METHODS = {
     "mtp": functools.partial(EagleProposer, method="mtp"),  # an MTP module drafts as an EAGLE head does
     "hybrid": _hybrid,
     "medusa": MedusaProposer,  # make_proposer("medusa", draft_dir=DIR, target=caps[, tree=paths])
+    "draft-model": DraftModelProposer,  # draft_dir: a smaller model's build-engines output
 }
-NEEDS_DRAFT_DIR = ("eagle", "eagle3", "mtp", "hybrid", "medusa")  # methods with weights: they need --draft-dir
+NEEDS_DRAFT_DIR = (
+    "eagle",
+    "eagle3",
+    "mtp",
+    "hybrid",
+    "medusa",
+    "draft-model",
+)  # methods with weights: they need --draft-dir
 
 __all__ = ["DRAFT_METHODS", "NEEDS_DRAFT_DIR", "DraftInput", "Proposer", "make_proposer"]
 

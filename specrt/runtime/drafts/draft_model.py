@@ -1,0 +1,120 @@
+"""A draft model: a smaller checkpoint with the target's tokenizer drafts chains autoregressively.
+
+The draft is an ordinary step-graph engine (`specrt build-engines` of a smaller model of the
+family, or the one `train-draft --method draft-model` distils) in its own session with its own
+KV cache, batched across rows: each proposal feeds every row what the target committed since
+the row's last proposal (at least the root) and then one token per drafted position, all rows
+in one step. After verification `commit` rolls the cache back to what the target accepted
+(the drafted tokens it rejected leave the cache; the accepted ones stay, as the next feed
+starts after them).
+
+Greedy requests draft the draft's argmax; sampled ones sample from the draft's distribution at
+the request's settings, which goes to verification as q (exact either way). A draft whose
+vocabulary is not the target's, or a distilled draft made for another target, is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.layout import ArtifactLayout, HeadLayout
+from specrt.runtime.backends.base import Capabilities
+from specrt.runtime.sampling import probs_from_logits, sample_from_probs
+from specrt.runtime.session import StepSession
+from specrt.runtime.verification import DraftTree
+
+
+class DraftModelProposer:
+    name = "draft-model"
+    needs_features = False
+    cost_per_token = True  # one draft step per drafted token
+
+    def __init__(self, draft_dir: str | Path, target: Capabilities, threads: int = 0, verify: str = "auto"):
+        """draft_dir: the draft's build-engines output (its engines/ort-cpu); target: the target
+        backend's capabilities (a distilled draft is checked against its checkpoint)."""
+        from specrt.engines.ort import OrtOptions, load_ort_session
+        from specrt.runtime.backends import OrtBackend
+
+        engine = ArtifactLayout(draft_dir).ort_engine("cpu")
+        if not engine.is_dir():
+            raise SpecrtError(
+                f"{draft_dir} holds no draft model engine ({engine}); build one with specrt build-engines --model "
+                f"SMALLER_CHECKPOINT --out {draft_dir}, or distil one with specrt train-draft --method draft-model"
+            )
+        session, manifest, provider = load_ort_session(engine, OrtOptions(intra_op_threads=threads), verify=verify)
+        backend = OrtBackend.from_manifest(session, manifest, provider)
+        report = HeadLayout(draft_dir).report  # a distilled draft's: names the target it was made for
+        made_for = json.loads(report.read_text()).get("target", {}) if report.is_file() else {}
+        theirs = made_for.get("checkpoint_hash")
+        if theirs and target.checkpoint_hash and theirs != target.checkpoint_hash:
+            raise SpecrtError(
+                f"draft model {draft_dir} was distilled for the target checkpoint {theirs[:19]}..., but the target "
+                f"here is {target.checkpoint_hash[:19]}...; its vocabulary and training are that target's. Distil one "
+                "for this target with: specrt train-draft --method draft-model --model CHECKPOINT --out DIR"
+            )
+        self.session = StepSession(backend)
+        self.vocab_size = backend.config.vocab_size
+        self.cache = None
+        self._fed: dict[int, int] = {}  # row -> draft tokens the last proposal left in the own cache
+        self.calls = 0  # draft steps
+
+    def begin(self, rows, prompts, prefilled):
+        width = prefilled.logits.shape[-1]
+        if width != self.vocab_size:
+            raise SpecrtError(
+                f"the draft model's vocabulary has {self.vocab_size} tokens, the target's {width}: a draft model must "
+                "share the target's tokenizer"
+            )
+        self.cache = self.session.new_cache(max(rows) + 1, self.session.max_context + 64)
+        feed = [[] for _ in range(self.cache.batch)]
+        for b, p in zip(rows, prompts):
+            feed[b] = list(p)
+        self.session.prefill(self.cache, feed)
+        self._fed.clear()
+
+    def propose(self, inp) -> list[DraftTree]:
+        B = self.cache.batch
+        feed = [[] for _ in range(B)]
+        for b, ctx in zip(inp.rows, inp.contexts):
+            feed[b] = list(ctx[int(self.cache.lengths[b]) :])  # committed since the last proposal: the root at least
+        sampling = None if inp.sampling.greedy else inp.sampling
+        n = min(inp.max_tokens, max(0, max(inp.budgets) - 1))
+        tokens = {b: [] for b in inp.rows}
+        qs = {b: [] for b in inp.rows}
+        for k in range(n):
+            logits = self.session.forward(self.cache, feed, last_only=True).logits[:, 0]
+            self.calls += 1
+            feed = [[] for _ in range(B)]
+            for b in inp.rows:
+                if sampling is None:
+                    t = int(logits[b].argmax())
+                else:
+                    q = probs_from_logits(logits[b], sampling)
+                    t = int(sample_from_probs(q, inp.rng))
+                    qs[b].append(q)
+                tokens[b].append(t)
+                if k + 1 < n:
+                    feed[b] = [t]
+        for b in inp.rows:
+            self._fed[b] = max(n - 1, 0)  # the last drafted token was never fed
+        return [
+            DraftTree.chain(tokens[b][: max(0, budget - 1)], np.stack(qs[b][: max(0, budget - 1)]) if qs[b] else None)
+            for b, budget in zip(inp.rows, inp.budgets)
+        ]
+
+    def commit(self, rows, trees, verdicts, step):
+        """Keep the root and the accepted drafts in the own cache; forget the rejected ones."""
+        lengths = self.cache.lengths.copy()
+        for b, tree, verdict in zip(rows, trees, verdicts):
+            fed = min(self._fed.pop(b, 0), int(lengths[b]))
+            lengths[b] = int(lengths[b]) - fed + min(len(verdict.accepted), fed)
+        self.cache.rollback(lengths)
+
+    def end(self, rows, outputs):
+        if self.cache is not None:
+            self.session.release(self.cache)
+            self.cache = None
