@@ -170,6 +170,8 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
                         "mean_accepted_length": m.mean_accepted_length,
                         "acceptance_rate": m.acceptance_rate,
                         "alpha": m.alpha,
+                        # the cost model's own prediction for the run (its fitted costs and acceptance)
+                        "predicted_speedup": m.predicted_speedup,
                     }
                 )
                 line.append(f"{label.removesuffix(' N=auto')}/{n} {t_plain / t:4.2f}x")
@@ -263,6 +265,9 @@ def summarize(runs: list[dict]) -> dict:
                 entry["acceptance_rate"] = statistics.median(r["acceptance_rate"] for r in sel)
             if sel[0].get("draft_share") is not None:
                 entry["draft_share"] = statistics.median(r["draft_share"] for r in sel)
+            predicted = [r["predicted_speedup"] for r in sel if r.get("predicted_speedup") is not None]
+            if predicted:
+                entry["predicted_speedup"] = statistics.median(predicted)
             out[c][v] = entry
         plain = out[c]["plain"]
         for e in out[c].values():

@@ -207,8 +207,12 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
         if kind == "trt-draft-head":
             lines.append(f"  runtime     {manifest.get('flavour')} {manifest.get('tensorrt_version')}")
             for p in manifest.get("profiles", []):
-                q = p["shapes"]["input_ids"]
-                lines.append(f"    profile {p['name']:<9} Q {q[0][1]}..{q[2][1]}, batch {q[0][0]}..{q[2][0]}")
+                if "input_ids" in p["shapes"]:
+                    q = p["shapes"]["input_ids"]
+                    lines.append(f"    profile {p['name']:<9} Q {q[0][1]}..{q[2][1]}, batch {q[0][0]}..{q[2][0]}")
+                else:  # Medusa heads: one feature per row
+                    f = next(iter(p["shapes"].values()))
+                    lines.append(f"    profile {p['name']:<9} batch {f[0][0]}..{f[2][0]}")
     files = manifest.get("files")
     if isinstance(files, dict):
         lines.append(f"  files       {', '.join(files)} (sha256 checked in full)")
@@ -218,7 +222,8 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
 def _head(manifest: dict) -> list[str]:
     h, t = manifest["head"], manifest["target"]
     lines = [
-        f"  head        {h['method']}: reads target layers {h['layers']}, draft vocabulary {h['draft_vocab']}",
+        f"  head        {h['method']}: reads target layers {h['layers']}, draft vocabulary {h['draft_vocab']}"
+        + (f", {h['num_heads']} heads of {h['top_k']} candidates" if "num_heads" in h else ""),
         f"  target      checkpoint {t['checkpoint_hash'][:19]}…, trained against its {t['precision']} engine",
     ]
     held = (manifest.get("training") or {}).get("held_out")
