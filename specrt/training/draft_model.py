@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -37,7 +36,15 @@ import torch.nn.functional as F
 from specrt.errors import SpecrtError
 from specrt.export.draft_head import feature_columns
 from specrt.export.llama import LlamaModel, causal_mask
-from specrt.training.eagle import CHECKPOINT, Sequence, TrainingData, choose_draft_vocab, length_batches
+from specrt.training.eagle import (
+    CHECKPOINT,
+    Sequence,
+    TrainingData,
+    choose_draft_vocab,
+    length_batches,
+    save_checkpoint,
+    warmup_cosine,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -117,10 +124,7 @@ class DistillTrainer:
         self.step = 0
 
     def lr_at(self, step: int) -> float:
-        if step < self.cfg.warmup:
-            return self.cfg.lr * (step + 1) / self.cfg.warmup
-        frac = (step - self.cfg.warmup) / max(1, self.planned - self.cfg.warmup)
-        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        return warmup_cosine(step, self.cfg.lr, self.cfg.warmup, self.planned)
 
     def batch(self, seqs: list[Sequence], idx: list[int]):
         """(ids (B, n), target features (B, n, C), scored (B, n) bool, next tokens (B, n))."""
@@ -190,9 +194,7 @@ class DistillTrainer:
 
     def save(self, path: Path) -> None:
         state = {"step": self.step, "draft": self.draft.state_dict(), "optimizer": self.opt.state_dict()}
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({**state, "identity": self.identity()}, tmp)
-        os.replace(tmp, path)
+        save_checkpoint({**state, "identity": self.identity()}, path)
 
     def load(self, path: Path) -> None:
         st = torch.load(path, weights_only=False)

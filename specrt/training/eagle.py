@@ -120,6 +120,23 @@ def choose_draft_vocab(counts: np.ndarray, size: int, always: tuple[int, ...] = 
     return np.array(sorted(chosen, key=lambda t: (-counts[t], t)), dtype=np.int64)
 
 
+def warmup_cosine(step: int, lr: float, warmup: int, planned: int) -> float:
+    """The learning rate of every draft trainer: linear warm-up over `warmup` steps, then a
+    cosine decay to a tenth of `lr` at step `planned`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, planned - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def save_checkpoint(state: dict, path: Path) -> None:
+    """A training checkpoint written to a temporary name and renamed: a run killed while saving
+    leaves the previous one whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
 def length_batches(seqs: list[Sequence], max_len: int, batch_tokens: int) -> list[list[int]]:
     """Batches of sequence indices of similar length (cut at max_len), at most batch_tokens
     padded tokens each."""
@@ -224,10 +241,7 @@ class Trainer:
         return np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.batches)).tolist()
 
     def lr_at(self, step: int) -> float:
-        if step < self.cfg.warmup:
-            return self.cfg.lr * (step + 1) / self.cfg.warmup
-        frac = (step - self.cfg.warmup) / max(1, self.planned - self.cfg.warmup)
-        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        return warmup_cosine(step, self.cfg.lr, self.cfg.warmup, self.planned)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         total = torch.zeros(())
@@ -306,9 +320,7 @@ class Trainer:
         }
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(self.state(), tmp)
-        os.replace(tmp, path)
+        save_checkpoint(self.state(), path)
 
     def load(self, path: Path) -> None:
         st = torch.load(path, weights_only=False)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from pathlib import Path
 
@@ -33,7 +32,15 @@ from specrt.errors import SpecrtError
 from specrt.export.draft_head import feature_columns
 from specrt.export.llama import LlamaModel
 from specrt.export.medusa import DEFAULT_TREE_SIZE, MedusaConfig, MedusaHeads, derive_tree, medusa_from_target
-from specrt.training.eagle import CHECKPOINT, STEP_WEIGHT, Sequence, TrainingData, choose_draft_vocab
+from specrt.training.eagle import (
+    CHECKPOINT,
+    STEP_WEIGHT,
+    Sequence,
+    TrainingData,
+    choose_draft_vocab,
+    save_checkpoint,
+    warmup_cosine,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +99,7 @@ class MedusaTrainer:
         self.weights = torch.tensor([STEP_WEIGHT**k for k in range(cfg.num_heads)])
 
     def lr_at(self, step: int) -> float:
-        if step < self.cfg.warmup:
-            return self.cfg.lr * (step + 1) / self.cfg.warmup
-        frac = (step - self.cfg.warmup) / max(1, self.planned - self.cfg.warmup)
-        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        return warmup_cosine(step, self.cfg.lr, self.cfg.warmup, self.planned)
 
     def batch_rows(self, step: int) -> np.ndarray:
         epoch, within = divmod(step, self.per_epoch)
@@ -162,9 +166,7 @@ class MedusaTrainer:
             "optimizer": self.opt.state_dict(),
             "identity": self.identity(),
         }
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        save_checkpoint(state, path)
 
     def load(self, path: Path) -> None:
         st = torch.load(path, weights_only=False)
