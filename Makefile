@@ -57,11 +57,11 @@ drafts: build-engines
 	$(SPECRT) train-draft --method eagle --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
 		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle --epochs 1 --max-minutes 7
 	$(SPECRT) train-draft --method medusa --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
-		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/medusa --epochs 1 --max-minutes 8
+		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/medusa --epochs 3 --max-minutes 8
 	$(SPECRT) train-draft --method mtp --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
 		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/mtp --epochs 1 --max-minutes 8
 	$(SPECRT) train-draft --method draft-model --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
-		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/draft-model --epochs 1 --max-minutes 10
+		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/draft-model --epochs 3 --max-minutes 10
 
 # plain decoding on the fastest exact engine: the GGUF's own 4-bit blocks
 generate: build-engines

@@ -127,7 +127,7 @@ class LookaheadProposer:
         if budget <= 0:
             return DraftTree.empty()
         n_window = min(self.window, max(1, int(round(budget * self.window_share))))
-        guess = (row.guess + self._filler(row, context))[:n_window]
+        guess = (row.guess + self._filler(context))[:n_window]
         tokens: list[int] = []
         parents: list[int] = []
         children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
@@ -154,7 +154,7 @@ class LookaheadProposer:
         row.guess = guess
         return DraftTree(np.array(tokens, np.int64), np.array(parents, np.int64))
 
-    def _filler(self, row: _Row, context) -> list[int]:
+    def _filler(self, context) -> list[int]:
         """Guesses past the end of the current one: the context's last tokens, repeated."""
         return list(context[-self.window :]) * 2
 
