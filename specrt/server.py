@@ -4,7 +4,8 @@
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both
-with `stream: true` as server-sent events ending in `data: [DONE]`), GET /metrics.
+with `stream: true` as server-sent events ending in `data: [DONE]`), GET /metrics (Prometheus's
+text format: server_metrics.py), GET /stats (the same counters as JSON).
 
 Two layers: `CompletionService` parses and checks a request body (every problem is a 400 in
 OpenAI's error format naming the field and the fix; a body over the size limit is a 413, an
@@ -34,7 +35,9 @@ from typing import AsyncIterator, Iterator
 from specrt.errors import PromptError, SpecrtError
 from specrt.runtime.generator import GenerationResult, Generator
 from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.speculative import SpeculativeDecoder
 from specrt.runtime.tokenizer import IncrementalDetokenizer
+from specrt.server_metrics import ServerMetrics
 
 
 class RequestError(SpecrtError):
@@ -116,6 +119,7 @@ class Ticket:
 
     def __init__(self, job: "Job", loop: asyncio.AbstractEventLoop | None = None):
         self.job = job
+        self.received = time.perf_counter()  # time to first token counts from here
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
         self._loop = loop
@@ -179,6 +183,8 @@ class CompletionService:
         self._waiting = 0  # tickets in the queue, not yet started
         self._busy = False  # the engine thread is running a ticket
         self._worker: threading.Thread | None = None
+        self.metrics = ServerMetrics()
+        self.draft_method = runner.proposer.name if isinstance(runner, SpeculativeDecoder) else None
         self.stats = {
             "requests": 0,
             "refused": 0,
@@ -323,6 +329,7 @@ class CompletionService:
         with self._lock:
             if (self._busy or self._waiting) and self._waiting >= self.limits.max_queue:
                 self.stats["refused"] += 1
+                self.metrics.requests.labels("refused").inc()
                 raise RequestError(
                     f"the server is busy ({self._waiting} requests waiting); retry later",
                     status=503,
@@ -331,6 +338,7 @@ class CompletionService:
                     headers={"Retry-After": "1"},
                 )
             self._waiting += 1
+            self.metrics.queue_depth.set(self._waiting)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="specrt-engine", daemon=True)
                 self._worker.start()
@@ -348,28 +356,35 @@ class CompletionService:
             with self._lock:
                 self._waiting -= 1
                 self._busy = True
+                self.metrics.queue_depth.set(self._waiting)
             t0 = time.perf_counter()
             try:
                 if ticket.cancelled:
                     self.stats["cancelled"] += 1
+                    self.metrics.requests.labels("cancelled").inc()
                     continue
-                pieces = self._generate(ticket.job, lambda: ticket.cancelled)
+                self.metrics.batch_size.set(1)
+                pieces = self._generate(ticket.job, lambda: ticket.cancelled, ticket.received)
                 try:
                     for piece in pieces:
                         ticket.put(piece)
                 finally:
                     pieces.close()  # here, on this thread: the cache is released before the next ticket
             except Exception as e:  # handed to the request's consumer, which answers with it
+                self.metrics.requests.labels("refused" if isinstance(e, RequestError) else "error").inc()
                 ticket.put(e)
             finally:
+                self.metrics.batch_size.set(0)
                 ticket.put(_END)
                 ticket.done.set()
                 with self._lock:
                     self._busy = False
                 self.stats["busy_seconds"] += time.perf_counter() - t0
 
-    def _generate(self, job: Job, cancelled=lambda: False) -> Iterator[Piece]:
+    def _generate(self, job: Job, cancelled=lambda: False, received: float | None = None) -> Iterator[Piece]:
+        """received: when the request arrived (time.perf_counter), for the time to first token."""
         gen = self.gen
+        received = time.perf_counter() if received is None else received
         try:
             gen.check_prompts([job.prompt_ids])
         except PromptError as e:
@@ -380,8 +395,18 @@ class CompletionService:
         text, sent, count = "", 0, 0
         hold = max((len(s) for s in job.stop), default=1) - 1  # text that may start a stop sequence is held back
         result, finish = None, "length"
+        last_out = None  # when the previous tokens came out
         try:
             for new in steps:
+                now = time.perf_counter()
+                if new[0]:
+                    if last_out is None:
+                        self.metrics.ttft.observe(now - received)
+                        if len(new[0]) > 1:
+                            self.metrics.tokens_out(now - received, len(new[0]) - 1)
+                    else:
+                        self.metrics.tokens_out(now - last_out, len(new[0]))
+                    last_out = now
                 for t in new[0]:
                     count += 1
                     if t not in gen.eos_ids:
@@ -405,6 +430,12 @@ class CompletionService:
             steps.close()  # a stop sequence or a gone client: end the generation, free its cache
         self.stats["prompt_tokens"] += len(job.prompt_ids)
         self.stats["completion_tokens"] += count
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.completion_tokens.inc(count)
+        self.metrics.requests.labels("cancelled" if finish == "cancelled" else "ok").inc()
+        m = result.metrics if result is not None else None
+        if m is not None and self.draft_method is not None:
+            self.metrics.speculation(self.draft_method, m.drafted_tokens, m.accepted_tokens, m.steps)
         yield Piece(text[sent:], finish, len(job.prompt_ids), count, result)
 
     # -- OpenAI response shapes -----------------------------------------------------------------
@@ -639,6 +670,13 @@ def create_app(service: CompletionService):
 
     @app.get("/metrics")
     async def metrics():
+        from fastapi.responses import Response
+
+        body, content_type = service.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/stats")
+    async def stats():
         return service.stats
 
     return app

@@ -120,8 +120,53 @@ def test_models_health_metrics(gen):
     assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
     assert c.get("/health").json()["status"] == "ok"
     c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 3})
-    m = c.get("/metrics").json()
+    m = c.get("/stats").json()
     assert m["requests"] == 1 and m["completion_tokens"] >= 1
+
+
+def prometheus(c) -> dict:
+    """{(sample name, labels as a sorted tuple): value} of GET /metrics, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prometheus_metrics(gen, speculative):
+    """Requests, tokens, time to first token and inter-token latency (one observation per output
+    token after the first), and for a speculative server its draft method's counters."""
+    # Lookahead drafts every step (its Jacobi window), so the draft counters move whatever the text
+    runner = SpeculativeDecoder(gen, make_proposer("lookahead"), make_policy(3)) if speculative else gen
+    c = client(runner)
+    before = prometheus(c)
+    assert before[("specrt_requests_total", (("outcome", "ok"),))] == 0
+    assert before[("specrt_queue_depth", ())] == 0 and before[("specrt_batch_size", ())] == 0
+    tokens = 0
+    for prompt in ("w5 w6 w7 w5 w6 w7 w5 w6", "w9 w10"):
+        body = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12}).json()
+        tokens += body["usage"]["completion_tokens"]
+    m = prometheus(c)
+    assert m[("specrt_requests_total", (("outcome", "ok"),))] == 2
+    assert m[("specrt_completion_tokens_total", ())] == tokens
+    assert m[("specrt_time_to_first_token_seconds_count", ())] == 2
+    assert m[("specrt_inter_token_latency_seconds_count", ())] == tokens - 2
+    assert (
+        0 < m[("specrt_inter_token_latency_seconds_sum", ())] < m[("specrt_time_to_first_token_seconds_sum", ())] * 50
+    )
+    drafted = m.get(("specrt_draft_tokens_total", (("method", "lookahead"),)))
+    if speculative:
+        steps = m[("specrt_speculative_steps_total", (("method", "lookahead"),))]
+        accepted = m[("specrt_draft_accepted_tokens_total", (("method", "lookahead"),))]
+        # every step emits its accepted drafts and one token of the target's (the budget may cut the last)
+        assert drafted >= steps > 0 and 0 <= accepted <= drafted and accepted + steps >= tokens - 2
+    else:
+        assert drafted is None
 
 
 @pytest.mark.parametrize(
@@ -218,6 +263,10 @@ def test_body_too_large_and_busy(gen):
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy" and r.headers["retry-after"] == "1"
     assert wait_until(lambda: not service.busy)
     assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200
+    m = prometheus(c)
+    assert m[("specrt_requests_total", (("outcome", "refused"),))] == 1
+    assert m[("specrt_requests_total", (("outcome", "cancelled"),))] == 1  # the long one, closed
+    assert m[("specrt_requests_total", (("outcome", "ok"),))] == 2
     service.close()
 
 
