@@ -202,7 +202,7 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     "compute_capabilities",
     multiple=True,
     help="TensorRT-RTX target GPU, e.g. SM89, or CURRENT (this machine's GPU); repeatable; default: the library's "
-    "(SM80, 86, 89, 120+).",
+    "(SM86, 89, 120+; SM75 only when targeted; TensorRT-RTX does not support SM80 or SM90).",
 )
 @click.option(
     "--workspace-mib",

@@ -190,9 +190,7 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
     elif kind == "trt-engine":
         gpu = manifest.get("build_gpu")
         targets = manifest.get("compute_capabilities", [])
-        targets = (
-            "SM80, SM86, SM89, SM120+ (the library default)" if targets == ["library default"] else ", ".join(targets)
-        )
+        targets = "SM86, SM89, SM120+ (the library default)" if targets == ["library default"] else ", ".join(targets)
         lines.append(
             f"  runtime     {manifest.get('flavour')} {manifest.get('tensorrt_version')}, targets {targets}"
             + (f", built on {gpu['name']} ({gpu['sm']})" if gpu else "")

@@ -295,9 +295,12 @@ def select_profile(manifest: dict, batch: int, q_len: int, past_len: int) -> int
     )
 
 
-# GPUs a TensorRT-RTX engine built without explicit compute capabilities runs on (its support matrix:
-# Ampere 8.0/8.6, Ada 8.9, Blackwell 12.0 and later; Turing 7.5 only when targeted explicitly)
-RTX_DEFAULT_SMS = (80, 86, 89)
+# TensorRT-RTX's support matrix (1.0-1.5): Turing 7.5, Ampere 8.6, Ada 8.9, Blackwell 12.x; no 8.0
+# (A100) and no 9.0 (Hopper: H100/H200), which need full TensorRT or the PyTorch-CUDA backend.
+# Engines built without explicit compute capabilities are portable across 8.6, 8.9 and 12.x;
+# Turing runs only engines that target 7.5 explicitly.
+RTX_SUPPORTED_SMS = (75, 86, 89)
+RTX_DEFAULT_SMS = (86, 89)
 RTX_DEFAULT_MIN_SM = 120
 
 
@@ -321,10 +324,16 @@ def check_engine_gpu(
                 "build-engines --tensorrt tensorrt"
             )
         return
+    if sm not in RTX_SUPPORTED_SMS and sm < RTX_DEFAULT_MIN_SM:
+        raise ManifestMismatchError(
+            f"engine {engine_dir} is a TensorRT-RTX engine, but {here}, which TensorRT-RTX does not support (its "
+            "support matrix: SM75, SM86, SM89, SM120+). On this GPU use full TensorRT (--tensorrt tensorrt, on an "
+            "NVIDIA host) or the PyTorch-CUDA backend (--backend torch --device cuda)."
+        )
     targets = manifest.get("compute_capabilities") or ["library default"]
     if targets == ["library default"]:
         ok = sm in RTX_DEFAULT_SMS or sm >= RTX_DEFAULT_MIN_SM
-        built_for = "SM80, SM86, SM89 and SM120+ (the TensorRT-RTX default)"
+        built_for = "SM86, SM89 and SM120+ (the TensorRT-RTX default)"
     else:
         ok = sm_name(capability) in targets
         built_for = ", ".join(targets)

@@ -15,9 +15,11 @@
   enqueued with `execute_async_v3` on the backend's own (non-default) stream.
 - CUDA graphs: with full TensorRT each fixed-shape step (batch, Q, K, cache) is captured once with
   `torch.cuda.graph` around `execute_async_v3` (after one plain run, which flushes TensorRT's
-  deferred shape updates) and replayed with its inputs copied into static buffers; a context that
-  reports `is_stream_capturable() == False` runs without. TensorRT-RTX captures graphs itself
-  (`IRuntimeConfig.cuda_graph_strategy = WHOLE_GRAPH_CAPTURE`), so there the flag turns that on.
+  deferred shape updates) and replayed with its inputs copied into static buffers; a context
+  that reports `is_stream_capturable() == False` (TensorRT 10), or whose capture fails (TensorRT
+  11 has no such query), runs that shape without a graph (`capture_failures` says which, why).
+  TensorRT-RTX captures graphs itself (`IRuntimeConfig.cuda_graph_strategy =
+  WHOLE_GRAPH_CAPTURE`), so there the flag turns that on.
 
 tensorrt / tensorrt_rtx and torch are imported inside functions: `import specrt` works without them.
 """
@@ -133,6 +135,7 @@ class TrtBackend(StepBackend):
         self.max_graph_q = max_graph_q
         # (cache address, capacity, profile, B, Q, K) -> (graph, static inputs, outputs), or None
         self._graphs: dict = {}
+        self.capture_failures: list[str] = []  # shapes whose capture failed (they run without graphs)
         self.caps = Capabilities(
             max_context=engine_max_context(m),
             max_step=max(p["q_len"]["max"] for p in m["profiles"]),
@@ -253,12 +256,19 @@ class TrtBackend(StepBackend):
                 self._graphs.clear()
             static_in = self._inputs(arrays)
             out = self._run(profile, static_in, cache)  # plain run first: flushes deferred shape updates
-            if hasattr(self._contexts[profile], "is_stream_capturable") and not self._contexts[
-                profile
-            ].is_stream_capturable(self._handle):
+            # TensorRT 10 says whether a context can be captured; TensorRT 11 has no such call, so a
+            # capture is tried and a failed one (an exception from the capture) means: run plainly
+            capturable = getattr(self._contexts[profile], "is_stream_capturable", None)
+            if capturable is not None and not capturable(self._handle):
                 self._graphs[key] = None
                 return out
-            self._graphs[key] = (self._capture(profile), static_in, out)
+            try:
+                self._graphs[key] = (self._capture(profile), static_in, out)
+            except Exception as e:  # noqa: BLE001 - any capture failure is recoverable: run without graphs
+                self._graphs[key] = None
+                self.capture_failures.append(f"profile {profile}, batch {arrays[ids].shape[0]}, Q "
+                                             f"{arrays[ids].shape[1]}: {type(e).__name__}: {e}")  # fmt: skip
+                self._sync()  # the capture's stream must be idle before the next plain run
             return out
         entry = self._graphs[key]
         if entry is None:  # this context cannot be captured: run it plainly
@@ -268,6 +278,10 @@ class TrtBackend(StepBackend):
             static_in[name].copy_(torch.from_numpy(np.ascontiguousarray(a)), non_blocking=False)
         replay()
         return out
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def _capture(self, profile: int):
         """Capture the profile's context, as bound now, as a CUDA graph; returns its replay. The one
