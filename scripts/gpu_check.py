@@ -93,13 +93,15 @@ def step_ms(gen, q, device, past=512, repeats=20):
     return statistics.median(times[3:]) * 1e3
 
 
-def check_tensorrt(model, ckpt, device, measure) -> str:
-    """Export, build and run the TensorRT engine (with and without graphs) where TensorRT is installed."""
+def check_tensorrt(model, ckpt, device, measure, batch: int) -> tuple[str, bool | None]:
+    """Export, build and run the TensorRT engine (with and without graphs) where TensorRT is
+    installed; returns (what happened, passed: None when not checked). The engine is built for
+    `batch` rows: measure() runs that many prompts at once."""
     from specrt.engines.trt import available_flavours
 
     flavours = available_flavours()
     if not flavours or device != "cuda":
-        return "not installed: TensorRT path not checked" if not flavours else "skipped: needs --device cuda"
+        return ("not installed: TensorRT path not checked" if not flavours else "skipped: needs --device cuda"), None
     import tempfile
 
     from safetensors.torch import save_file
@@ -126,19 +128,21 @@ def check_tensorrt(model, ckpt, device, measure) -> str:
         build_trt_engine(
             tmp / "onnx",
             tmp / "engine",
-            TrtBuildSpec(flavour=flavour, shapes=EngineShapes(max_context=1024), compute_capabilities=caps),
+            TrtBuildSpec(
+                flavour=flavour, shapes=EngineShapes(max_batch=batch, max_context=1024), compute_capabilities=caps
+            ),
         )
-    except Exception as e:  # report and go on: the torch results above still stand
-        return f"{flavour}: export or build failed: {type(e).__name__}: {e}"
+    except Exception as e:  # report, count as a failure, and go on: the torch results above still stand
+        return f"{flavour}: export or build failed: {type(e).__name__}: {e}", False
     built = f"{flavour}: exported and built in {time.perf_counter() - t0:.0f} s"
     for graphs in (False, True):
         try:
             measure(
                 f"{flavour}{'+graphs' if graphs else ''}", TrtBackend(tmp / "engine", device="cuda", cuda_graphs=graphs)
             )
-        except Exception as e:  # report and go on: the torch results above still stand
-            return f"{built}; running it failed: {type(e).__name__}: {e}"
-    return built
+        except Exception as e:  # report, count as a failure, and go on
+            return f"{built}; running it failed: {type(e).__name__}: {e}", False
+    return built, True
 
 
 def main():
@@ -184,7 +188,9 @@ def main():
         if device == "cpu":
             backend.caps = dataclasses.replace(backend.caps, cache_device="cpu")  # the device-cache path, as on a GPU
         measure(f"torch {device}{'+graphs' if graphs else ''}", backend)
-    result["tensorrt"] = check_tensorrt(model, ckpt, device, measure)
+    result["tensorrt"], trt_ok = check_tensorrt(model, ckpt, device, measure, batch=len(ps))
+    if trt_ok is not None:  # an error while building or running the engine is a failed check, not a note
+        result["checks"]["tensorrt: exported, built and ran"] = trt_ok
 
     print(f"GPU: {result['gpu']}   model: {what}")
     for k, v in result["checks"].items():

@@ -11,5 +11,10 @@ PY=${PYTHON:-python3}
   || "$PY" -m pip install -q tokenizers jinja2 click tqdm onnx onnxruntime safetensors pytest \
   || echo "gpu_check: could not install missing packages (offline?); going on with what is installed"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 420 "$PY" scripts/gpu_check.py
-timeout 240 "$PY" -m pytest -q -rs tests/test_torch_device.py tests/test_trt_runtime.py -p no:cacheprovider
+# both parts run whatever the first one says (set -e would skip the tests after a failed check);
+# the exit status is non-zero when either failed
+status=0
+timeout 420 "$PY" scripts/gpu_check.py || status=$?
+timeout 240 "$PY" -m pytest -q -rs tests/test_torch_device.py tests/test_trt_runtime.py -p no:cacheprovider || status=$?
+echo "gpu_check: $([ "$status" -eq 0 ] && echo PASS || echo "FAIL (status $status)")"
+exit "$status"
