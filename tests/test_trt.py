@@ -74,6 +74,8 @@ def test_tiny_engine_built_with_both_profiles(tiny_engine, tiny_checkpoint):
     assert m["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": [-1, -1]}
     assert m["inputs"][2]["dtype"] == "bool" and m["outputs"][0]["name"] == "logits"
     assert (tiny_engine / "model.engine").stat().st_size > 100_000
+    # TF32 (TensorRT's default for float32 GEMMs) was off in the builder: exactness against float32
+    assert m["tf32"] is False
 
 
 def test_build_for_chosen_compute_capability(tiny_artifacts, tmp_path):
@@ -83,9 +85,10 @@ def test_build_for_chosen_compute_capability(tiny_artifacts, tmp_path):
         flavour="tensorrt-rtx",
         shapes=EngineShapes(max_context=128, max_prefill=32, max_verify=5),
         compute_capabilities=("SM89",),
+        tf32=True,  # asked for explicitly: the manifest records what the builder had
     )
     out = build_trt_engine(tiny_artifacts / "onnx", tmp_path / "sm89", spec, progress=False)
-    assert read_trt_manifest(out)["compute_capabilities"] == ["SM89"]
+    assert read_trt_manifest(out)["compute_capabilities"] == ["SM89"] and read_trt_manifest(out)["tf32"] is True
     with pytest.raises(SpecrtError, match="unknown compute capability 'SM1'"):
         build_trt_engine(
             tiny_artifacts / "onnx", tmp_path / "bad", TrtBuildSpec(compute_capabilities=("SM1",)), progress=False

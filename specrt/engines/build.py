@@ -238,7 +238,9 @@ def _build_tensorrt(
         raise SpecrtError(f"--tensorrt {flavour} was asked for, but it is not installed; pip install {flavour}")
     edir = ArtifactLayout(spec.out).trt_engine(flavour, scheme)
     current = None if spec.force or exported else _manifest_if_valid(read_trt_manifest, edir, onnx_files, ckpt_hash)
-    if current is not None and current["profiles"] == [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()]:
+    # an engine built before its manifest recorded tf32 (TensorRT's default: on) is rebuilt
+    wanted = {"profiles": [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()], "tf32": spec.trt.tf32}
+    if current is not None and {k: current.get(k) for k in wanted} == wanted:
         yield f"{flavour:<9} {edir}: up to date"
         return
     t0 = time.perf_counter()
