@@ -11,6 +11,7 @@ without CUDA graphs, against the PyTorch reference.
 import dataclasses
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,40 @@ def test_graph_path_with_emulated_capture(small_engine, model, spec):
         next(a), next(b)
     assert [r.token_ids for r in a.run()] == run(reference, PROMPTS[:1], spec, 30)
     assert [r.token_ids for r in b.run()] == run(reference, PROMPTS[1:], spec, 30)
+
+
+def test_graph_key_holds_every_bound_cache_buffer(small_engine, model):
+    """A graph bakes in the addresses of both cache tensors: a cache whose values buffer moved
+    (keys unchanged) must get a new capture, not a replay that reads the old values."""
+    import torch
+
+    backend, _ = fake_backend(small_engine, model)
+    captures = []
+
+    def capture(profile):
+        ctx = backend._contexts[profile]
+        shapes, addresses = dict(ctx.shapes), dict(ctx.addresses)
+        captures.append(profile)
+
+        def replay():
+            ctx.shapes, ctx.addresses = dict(shapes), dict(addresses)
+            backend._execute(profile)
+
+        return replay
+
+    backend.cuda_graphs, backend._capture = True, capture
+    session = Generator(backend).session
+    reference = Generator(TorchBackend(model), max_context=64).session
+    cache, ref_cache = session.new_cache(1, 32), reference.new_cache(1, 32)
+    prompt = PROMPTS[1][:8]
+    for c, s in ((cache, session), (ref_cache, reference)):
+        s.forward(c, [prompt])
+    assert np.allclose(session.forward(cache, [[7]]).logits, reference.forward(ref_cache, [[7]]).logits, atol=1e-4)
+    n = len(captures)
+    cache.values = torch.empty_like(cache.values).copy_(cache.values)  # same contents, another address
+    out = session.forward(cache, [[9]]).logits
+    assert len(captures) == n + 1  # captured again for the new binding
+    assert np.allclose(out, reference.forward(ref_cache, [[9]]).logits, atol=1e-4)
 
 
 def test_a_failed_capture_falls_back_to_plain_steps(small_engine, model):

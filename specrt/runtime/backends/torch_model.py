@@ -83,7 +83,14 @@ class TorchBackend(StepBackend):
     def _replay(self, inputs, cache):
         """Run the step through a CUDA graph captured for this (batch, Q, cache)."""
         # a graph is bound to the cache buffers' address and shape; pooled caches (reuse_cache) keep both
-        key = (cache.keys.data_ptr(), cache.capacity, tuple(inputs[0].shape), tuple(inputs[3].shape))
+        # every buffer the graph reads or writes is in the key: both cache tensors, not the keys alone
+        key = (
+            cache.keys.data_ptr(),
+            cache.values.data_ptr(),
+            cache.capacity,
+            tuple(inputs[0].shape),
+            tuple(inputs[3].shape),
+        )
         if key not in self._graphs:
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.clear()

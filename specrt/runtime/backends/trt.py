@@ -133,7 +133,7 @@ class TrtBackend(StepBackend):
             self._contexts.append(ctx)
         self.cuda_graphs = cuda_graphs and not rtx_graphs  # our own capture (full TensorRT)
         self.max_graph_q = max_graph_q
-        # (cache address, capacity, profile, B, Q, K) -> (graph, static inputs, outputs), or None
+        # (keys and values addresses, capacity, profile, B, Q, K) -> (graph, static inputs, outputs), or None
         self._graphs: dict = {}
         self.capture_failures: list[str] = []  # shapes whose capture failed (they run without graphs)
         self.caps = Capabilities(
@@ -250,7 +250,15 @@ class TrtBackend(StepBackend):
 
         # a graph is bound to the cache buffers' address and shape; pooled caches (reuse_cache) keep both
         ids, _, _, index = STEP_INPUTS
-        key = (cache.keys.data_ptr(), cache.capacity, profile, *arrays[ids].shape, arrays[index].shape[1])
+        # every bound cache address is in the key (keys and values: a graph bakes both in)
+        key = (
+            cache.keys.data_ptr(),
+            cache.values.data_ptr(),
+            cache.capacity,
+            profile,
+            *arrays[ids].shape,
+            arrays[index].shape[1],
+        )
         if key not in self._graphs:
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.clear()
