@@ -143,13 +143,13 @@ def test_training_lowers_the_held_out_loss_and_derives_the_tree(training_data, t
 
 
 def test_training_resumes_to_the_same_heads(training_data, tiny_checkpoint, tmp_path, monkeypatch):
-    import specrt.training.medusa as medusa
+    import specrt.training.eagle as loop  # the training loop every draft shares (run_training)
 
     target = load_model(tiny_checkpoint)
     cfg = MedusaTrainConfig(num_heads=2, draft_vocab=64, top_k=4, epochs=2, batch=64, checkpoint_every=1000)
     straight, _ = train_medusa(target, training_data, cfg, tmp_path / "straight", progress=False)
     clock = iter([0.0, *[1e6] * 10_000])
-    monkeypatch.setattr(medusa.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
     _, first = train_medusa(
         target, training_data, dataclasses.replace(cfg, max_minutes=1.0), tmp_path / "cut", progress=False
     )

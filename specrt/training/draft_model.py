@@ -26,7 +26,6 @@ import dataclasses
 import json
 import math
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +41,7 @@ from specrt.training.eagle import (
     TrainingData,
     choose_draft_vocab,
     length_batches,
+    run_training,
     save_checkpoint,
     warmup_cosine,
 )
@@ -154,7 +154,7 @@ class DistillTrainer:
         kl = F.kl_div(F.log_softmax(q, -1), F.log_softmax(p, -1), log_target=True, reduction="sum")
         return kl, q, p
 
-    def train_step(self) -> float:
+    def advance(self) -> float:
         epoch, within = divmod(self.step, len(self.batches))
         order = np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.batches))
         ids, feats, scored, _ = self.batch(self.data.train, self.batches[order[within]])
@@ -212,8 +212,6 @@ def train_draft_model(
     target: LlamaModel, data: TrainingData, cfg: DraftModelConfig, out_dir: str | Path, progress: bool = True
 ) -> tuple[LlamaModel, dict]:
     """Distil (or resume distilling) a draft model in out_dir; returns it and a report."""
-    from tqdm import tqdm
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -222,45 +220,6 @@ def train_draft_model(
     ids = choose_draft_vocab(data.answer_token_counts(V), min(cfg.draft_vocab, V), tuple(target.cfg.eos_token_id))
     draft = draft_from_target(target, layers, ids)
     trainer = DistillTrainer(draft, target, data, cfg)
-    ckpt = out_dir / CHECKPOINT
-    if ckpt.is_file():
-        trainer.load(ckpt)
-    evaluation = trainer.evaluate()
-    before = evaluation if trainer.step == 0 else None
-    history, stopped, t0 = [], "done", time.perf_counter()
-    bar = tqdm(total=trainer.planned, initial=trainer.step, desc="train draft-model", unit="step", disable=not progress)
-    draft.train()
-    while trainer.step < trainer.planned:
-        loss = trainer.train_step()
-        history.append({"step": trainer.step, "loss": round(loss, 4)})
-        if trainer.step % cfg.eval_every == 0:
-            draft.eval()
-            evaluation = trainer.evaluate()
-            draft.train()
-            history[-1]["held_out"] = evaluation
-        if trainer.step % cfg.checkpoint_every == 0:
-            trainer.save(ckpt)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{evaluation['acceptance'][0]:.3f}")
-        if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
-            stopped = "max_minutes"
-            break
-    bar.close()
-    draft.eval()
-    trainer.save(ckpt)
-    report = {
-        "method": "draft-model",
-        "stopped": stopped,
-        "steps": trainer.step,
-        "planned_steps": trainer.planned,
-        "train_seconds": round(time.perf_counter() - t0, 1),
-        "train_sequences": len(data.train),
-        "held_out_sequences": len(data.held_out),
-        "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data.train)),
-        "layers": list(layers),
-        "held_out_before": before,
-        "held_out": trainer.evaluate(),
-        "history": history,
-        "config": dataclasses.asdict(cfg),
-    }
+    run = run_training(trainer, draft, cfg, out_dir / CHECKPOINT, "train draft-model", progress)
+    report = run.report(trainer, data, cfg) | {"layers": list(layers)}
     return draft, report

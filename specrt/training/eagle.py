@@ -260,6 +260,11 @@ class Trainer:
             total = total + STEP_WEIGHT ** (k - 1) * step_loss
         return total
 
+    def advance(self) -> float:
+        """One training step on the next batch of the seeded order; returns its loss."""
+        epoch, within = divmod(self.step, len(self.batches))
+        return self.train_step(self.batch_of(self.data.train, self.batches[self.batch_order(epoch)[within]]))
+
     def train_step(self, batch: Batch) -> float:
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step)
@@ -338,6 +343,75 @@ class Trainer:
         self.step, self.planned = st["step"], st["planned"]
 
 
+@dataclasses.dataclass
+class Run:
+    """What run_training did: why it stopped, the loss history, the held-out figures."""
+
+    stopped: str  # "done" or "max_minutes"
+    history: list[dict]
+    before: dict | None  # held-out figures before the first step (None: resumed)
+    final: dict
+    seconds: float
+
+    def report(self, trainer, data: TrainingData, cfg) -> dict:
+        """The fields every draft's training report has (the method adds its own)."""
+        return {
+            "method": cfg.method,
+            "stopped": self.stopped,
+            "steps": trainer.step,
+            "planned_steps": trainer.planned,
+            "train_seconds": round(self.seconds, 1),
+            "train_sequences": len(data.train),
+            "held_out_sequences": len(data.held_out),
+            "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data.train)),
+            "held_out_before": self.before,
+            "held_out": self.final,
+            "history": self.history,
+            "config": dataclasses.asdict(cfg),
+        }
+
+
+def run_training(trainer, model: torch.nn.Module, cfg, ckpt: Path, desc: str, progress: bool = True) -> Run:
+    """The loop every draft trainer shares: resume from `ckpt` when it exists, train until
+    trainer.planned steps or cfg.max_minutes, evaluate the held-out data every cfg.eval_every
+    steps and at the last one (the progress bar shows the loss, the first draft step's
+    acceptance and the chain length), checkpoint every cfg.checkpoint_every steps and at the
+    stop. `trainer` has step, planned, advance() -> loss, evaluate() -> {acceptance,
+    mean_accepted, ...}, save(path) and load(path)."""
+    from tqdm import tqdm
+
+    if ckpt.is_file():
+        trainer.load(ckpt)
+    evaluation = trainer.evaluate()  # held-out figures for the progress bar, kept current below
+    evaluated_at = trainer.step
+    before = evaluation if trainer.step == 0 else None
+    history, stopped, t0 = [], "done", time.perf_counter()
+    bar = tqdm(total=trainer.planned, initial=trainer.step, desc=desc, unit="step", disable=not progress)
+    model.train()
+    while trainer.step < trainer.planned:
+        loss = trainer.advance()
+        history.append({"step": trainer.step, "loss": round(loss, 4)})
+        if trainer.step % cfg.eval_every == 0 or trainer.step == trainer.planned:
+            model.eval()
+            evaluation, evaluated_at = trainer.evaluate(), trainer.step
+            model.train()
+            history[-1]["held_out"] = evaluation
+        if trainer.step % cfg.checkpoint_every == 0:
+            trainer.save(ckpt)
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{loss:.3f}", acc=f"{evaluation['acceptance'][0]:.3f}", accepted=f"{evaluation['mean_accepted']:.2f}"
+        )
+        if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+            stopped = "max_minutes"
+            break
+    bar.close()
+    model.eval()
+    trainer.save(ckpt)
+    final = evaluation if evaluated_at == trainer.step else trainer.evaluate()
+    return Run(stopped, history, before, final, time.perf_counter() - t0)
+
+
 def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftHead:
     V = target.cfg.vocab_size
     if cfg.method in ("eagle", "mtp"):
@@ -356,64 +430,13 @@ def train_head(
 ) -> tuple[DraftHead, dict]:
     """Train (or resume training) a head in out_dir; returns the head and a report (losses,
     held-out acceptance, time, data size). Stops early at cfg.max_minutes, checkpointed."""
-    from tqdm import tqdm
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     head = new_head(target, data, cfg)
     trainer = Trainer(head, data, cfg)
-    ckpt = out_dir / CHECKPOINT
-    if ckpt.is_file():
-        trainer.load(ckpt)
-    evaluation = trainer.evaluate()  # held-out figures for the progress bar, kept current below
-    evaluated_at = trainer.step
-    before = evaluation if trainer.step == 0 else None
-    history = []
-    t0 = time.perf_counter()
-    bar = tqdm(
-        total=trainer.planned, initial=trainer.step, desc=f"train {cfg.method}", unit="step", disable=not progress
-    )
-    stopped = "done"
-    head.train()
-    while trainer.step < trainer.planned:
-        epoch, within = divmod(trainer.step, len(trainer.batches))
-        batch = trainer.batch_of(data.train, trainer.batches[trainer.batch_order(epoch)[within]])
-        loss = trainer.train_step(batch)
-        history.append({"step": trainer.step, "loss": round(loss, 4)})
-        if trainer.step % cfg.eval_every == 0 or trainer.step == trainer.planned:
-            head.eval()
-            evaluation, evaluated_at = trainer.evaluate(), trainer.step
-            head.train()
-            history[-1]["held_out"] = evaluation
-        if trainer.step % cfg.checkpoint_every == 0:
-            trainer.save(ckpt)
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{loss:.3f}", acc=f"{evaluation['acceptance'][0]:.3f}", accepted=f"{evaluation['mean_accepted']:.2f}"
-        )
-        if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
-            stopped = "max_minutes"
-            break
-    bar.close()
-    head.eval()
-    trainer.save(ckpt)
-    final = evaluation if evaluated_at == trainer.step else trainer.evaluate()
-    report = {
-        "method": cfg.method,
-        "stopped": stopped,
-        "steps": trainer.step,
-        "planned_steps": trainer.planned,
-        "train_seconds": round(time.perf_counter() - t0, 1),
-        "train_sequences": len(data.train),
-        "held_out_sequences": len(data.held_out),
-        "train_tokens": int(sum(len(s.tokens) for s in data.train)),
-        "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data.train)),
-        "held_out_before": before,
-        "held_out": final,
-        "history": history,
-        "config": dataclasses.asdict(cfg),
-    }
+    run = run_training(trainer, head, cfg, out_dir / CHECKPOINT, f"train {cfg.method}", progress)
+    report = run.report(trainer, data, cfg) | {"train_tokens": int(sum(len(s.tokens) for s in data.train))}
     if cfg.method == "eagle3":
         counts = data.answer_token_counts(head.hc.target.vocab_size)
         report["draft_vocab_coverage"] = round(float(counts[head.draft_to_target].sum() / max(1, counts.sum())), 4)

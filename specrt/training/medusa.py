@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +37,7 @@ from specrt.training.eagle import (
     Sequence,
     TrainingData,
     choose_draft_vocab,
+    run_training,
     save_checkpoint,
     warmup_cosine,
 )
@@ -116,7 +116,7 @@ class MedusaTrainer:
                 total = total + self.weights[k] * F.cross_entropy(logits[scored, k], labels[scored, k])
         return total
 
-    def train_step(self) -> float:
+    def advance(self) -> float:
         rows = self.batch_rows(self.step)
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step)
@@ -193,54 +193,14 @@ def train_medusa(
 ) -> tuple[MedusaHeads, dict]:
     """Train (or resume training) Medusa heads in out_dir; returns them and a report whose
     `tree` is the tree of choices derived from the held-out rank accuracies."""
-    from tqdm import tqdm
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     heads = new_medusa(target, data, cfg)
     trainer = MedusaTrainer(heads, data, cfg)
-    ckpt = out_dir / CHECKPOINT
-    if ckpt.is_file():
-        trainer.load(ckpt)
-    evaluation = trainer.evaluate()
-    before = evaluation if trainer.step == 0 else None
-    history, stopped, t0 = [], "done", time.perf_counter()
-    bar = tqdm(total=trainer.planned, initial=trainer.step, desc="train medusa", unit="step", disable=not progress)
-    heads.train()
-    while trainer.step < trainer.planned:
-        loss = trainer.train_step()
-        history.append({"step": trainer.step, "loss": round(loss, 4)})
-        if trainer.step % cfg.eval_every == 0:
-            heads.eval()
-            evaluation = trainer.evaluate()
-            heads.train()
-            history[-1]["held_out_top1"] = evaluation["top1"]
-        if trainer.step % cfg.checkpoint_every == 0:
-            trainer.save(ckpt)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", head1=f"{evaluation['top1'][0]:.3f}")
-        if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
-            stopped = "max_minutes"
-            break
-    bar.close()
-    heads.eval()
-    trainer.save(ckpt)
-    final = trainer.evaluate()
-    report = {
-        "method": "medusa",
-        "stopped": stopped,
-        "steps": trainer.step,
-        "planned_steps": trainer.planned,
-        "train_seconds": round(time.perf_counter() - t0, 1),
-        "train_sequences": len(data.train),
-        "held_out_sequences": len(data.held_out),
+    run = run_training(trainer, heads, cfg, out_dir / CHECKPOINT, "train medusa", progress)
+    report = run.report(trainer, data, cfg) | {
         "train_positions": int(len(trainer.x)),
-        "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data.train)),
-        "held_out_before": before,
-        "held_out": final,
-        "tree": [list(p) for p in derive_tree(final["rank_accuracy"], cfg.tree_size)],
-        "history": history,
-        "config": dataclasses.asdict(cfg),
+        "tree": [list(p) for p in derive_tree(run.final["rank_accuracy"], cfg.tree_size)],
     }
     return heads, report
