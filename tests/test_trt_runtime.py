@@ -92,14 +92,10 @@ def test_pooled_caches_fit_the_engine(small_engine, model):
     assert [c.capacity for c in gen.session.pooled_caches] == [69]
 
 
-@pytest.mark.parametrize("spec", [False, True])
-def test_graph_path_with_emulated_capture(small_engine, model, spec):
-    """The CUDA-graph path's bookkeeping on the CPU: a 'graph' re-binds the shapes and addresses
-    its context had when captured (what a real graph bakes in) and executes; steps of every shape
-    (per profile) replay from static buffers, a second generation replays the first one's graphs,
-    and two generations alive at once keep their caches apart."""
-
-    backend, _ = fake_backend(small_engine, model)
+def emulate_capture(backend) -> list[int]:
+    """Turn on the graph path with an emulated capture: a 'graph' re-binds the shapes and
+    addresses its context had when captured (what a real graph bakes in) and executes. Returns
+    the list the profile of every capture is appended to."""
     captures = []
 
     def capture(profile):
@@ -114,6 +110,18 @@ def test_graph_path_with_emulated_capture(small_engine, model, spec):
         return replay
 
     backend.cuda_graphs, backend._capture = True, capture
+    return captures
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_graph_path_with_emulated_capture(small_engine, model, spec):
+    """The CUDA-graph path's bookkeeping on the CPU: a 'graph' re-binds the shapes and addresses
+    its context had when captured (what a real graph bakes in) and executes; steps of every shape
+    (per profile) replay from static buffers, a second generation replays the first one's graphs,
+    and two generations alive at once keep their caches apart."""
+
+    backend, _ = fake_backend(small_engine, model)
+    captures = emulate_capture(backend)
     backend.caps = dataclasses.replace(backend.caps, reuse_cache=True)
     gen = Generator(backend)
     reference = Generator(TorchBackend(model), max_context=64)
@@ -137,20 +145,7 @@ def test_graph_key_holds_every_bound_cache_buffer(small_engine, model):
     import torch
 
     backend, _ = fake_backend(small_engine, model)
-    captures = []
-
-    def capture(profile):
-        ctx = backend._contexts[profile]
-        shapes, addresses = dict(ctx.shapes), dict(ctx.addresses)
-        captures.append(profile)
-
-        def replay():
-            ctx.shapes, ctx.addresses = dict(shapes), dict(addresses)
-            backend._execute(profile)
-
-        return replay
-
-    backend.cuda_graphs, backend._capture = True, capture
+    captures = emulate_capture(backend)
     session = Generator(backend).session
     reference = Generator(TorchBackend(model), max_context=64).session
     cache, ref_cache = session.new_cache(1, 32), reference.new_cache(1, 32)

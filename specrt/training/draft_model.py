@@ -41,6 +41,7 @@ from specrt.training.eagle import (
     TrainingData,
     choose_draft_vocab,
     length_batches,
+    load_checkpoint,
     run_training,
     save_checkpoint,
     warmup_cosine,
@@ -197,12 +198,7 @@ class DistillTrainer:
         save_checkpoint({**state, "identity": self.identity()}, path)
 
     def load(self, path: Path) -> None:
-        st = torch.load(path, weights_only=False)
-        if st["identity"] != self.identity():
-            raise SpecrtError(
-                f"{path} is a checkpoint of another training run (other data or settings); delete it to start again, "
-                "or give the same settings to resume"
-            )
+        st = load_checkpoint(path, self.identity())
         self.draft.load_state_dict(st["draft"])
         self.opt.load_state_dict(st["optimizer"])
         self.step = st["step"]

@@ -137,6 +137,18 @@ def save_checkpoint(state: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def load_checkpoint(path: Path, identity: dict) -> dict:
+    """A training checkpoint's state, refused when it belongs to another run (its recorded
+    identity: config, data, held-out split, ... differs from `identity`)."""
+    st = torch.load(path, weights_only=False)
+    if st["identity"] != identity:
+        raise SpecrtError(
+            f"{path} is a checkpoint of another training run (other data, method or settings); delete it "
+            "to start again, or give the same settings to resume"
+        )
+    return st
+
+
 def length_batches(seqs: list[Sequence], max_len: int, batch_tokens: int) -> list[list[int]]:
     """Batches of sequence indices of similar length (cut at max_len), at most batch_tokens
     padded tokens each."""
@@ -328,12 +340,7 @@ class Trainer:
         save_checkpoint(self.state(), path)
 
     def load(self, path: Path) -> None:
-        st = torch.load(path, weights_only=False)
-        if st["identity"] != self.identity():
-            raise SpecrtError(
-                f"{path} is a checkpoint of another training run (other data, method or settings); delete it "
-                "to start again, or give the same settings to resume"
-            )
+        st = load_checkpoint(path, self.identity())
         with torch.no_grad():
             params = dict(self.head.named_parameters())
             for n, w in st["head"].items():

@@ -37,6 +37,7 @@ from specrt.training.eagle import (
     Sequence,
     TrainingData,
     choose_draft_vocab,
+    load_checkpoint,
     run_training,
     save_checkpoint,
     warmup_cosine,
@@ -169,12 +170,7 @@ class MedusaTrainer:
         save_checkpoint(state, path)
 
     def load(self, path: Path) -> None:
-        st = torch.load(path, weights_only=False)
-        if st["identity"] != self.identity():
-            raise SpecrtError(
-                f"{path} is a checkpoint of another training run (other data or settings); delete it to start again, "
-                "or give the same settings to resume"
-            )
+        st = load_checkpoint(path, self.identity())
         self.heads.load_state_dict(st["heads"])
         self.opt.load_state_dict(st["optimizer"])
         self.step = st["step"]
