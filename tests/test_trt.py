@@ -168,3 +168,20 @@ def test_default_model_engine_built(real_artifacts):
     assert m["profiles"][0]["q_len"]["max"] == 17 and m["profiles"][1]["q_len"]["max"] == 512
     assert len([i for i in m["inputs"] if i["name"].startswith("past_key_values.")]) == 60
     assert (real_artifacts / "engines" / "trt-tensorrt-rtx" / "model.engine").stat().st_size > 100 << 20
+
+
+def test_engine_without_a_tf32_record_is_rebuilt(tiny_checkpoint, tiny_artifacts, tmp_path):
+    """Engines built before the manifest recorded TF32 were built with TensorRT's default (on):
+    build-engines rebuilds them; an engine that records it is kept."""
+    from specrt.engines.build import BuildSpec, build_all
+
+    art = copy(tiny_artifacts, tmp_path / "art")
+    spec = BuildSpec(checkpoint=tiny_checkpoint, out=art, tensorrt="tensorrt-rtx")
+    assert any("tensorrt-rtx" in line and "up to date" in line for line in build_all(spec))
+    manifest = art / "engines" / "trt-tensorrt-rtx" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    del m["tf32"]
+    manifest.write_text(json.dumps(m))
+    lines = list(build_all(spec))
+    assert any("tensorrt-rtx" in line and "built in" in line for line in lines), lines
+    assert json.loads(manifest.read_text())["tf32"] is False
