@@ -45,17 +45,27 @@ class SelfDraftProposer:
         self.features_checked = 0  # proposals whose handed-over features were compared
         self.rolled_back = 0  # drafted positions dropped from the own cache after verification
         self._hidden: dict[int, list[np.ndarray]] = {}  # row -> own hidden states of every cached position
+        self.live: set[int] = set()  # rows begun and not yet ended
 
     def begin(self, rows, prompts, prefilled):
-        # the context and one draft beyond it (drafts are at most a few dozen tokens)
-        self.cache = self.session.new_cache(len(rows), self.session.max_context + 64)
-        pre = self.session.prefill(self.cache, [list(p) for p in prompts], hidden=self.needs_features)
-        if self.needs_features:
-            for b, h in zip(rows, pre.hidden):
-                self._hidden[b] = list(h)
-            assert prefilled.hidden is not None and all(
-                np.allclose(a, b, atol=1e-4) for a, b in zip(prefilled.hidden, pre.hidden)
-            )
+        """Rows start (others may be running: continuous batching): the own cache grows to hold
+        them and each prompt is prefilled on its own row."""
+        B = max(rows) + 1
+        if self.cache is None or self.cache.batch < B:
+            old = self.cache
+            # the context and one draft beyond it (drafts are at most a few dozen tokens)
+            self.cache = self.session.new_cache(max(B, 0 if old is None else old.batch), self.session.max_context + 64)
+            if old is not None:
+                self.cache.keys[:, : old.batch], self.cache.values[:, : old.batch] = old.keys, old.values
+                self.cache.lengths[: old.batch] = old.lengths
+        for i, (b, p) in enumerate(zip(rows, prompts)):
+            self.cache.lengths[b] = 0
+            self._fed.pop(b, None)
+            pre = self.session.prefill(self.cache.rows(b, b + 1), [list(p)], hidden=self.needs_features)
+            if self.needs_features:
+                self._hidden[b] = list(pre.hidden[0])
+                assert prefilled.hidden is not None and np.allclose(prefilled.hidden[i], pre.hidden[0], atol=1e-4)
+        self.live.update(rows)
 
     def propose(self, inp):
         B = self.cache.batch
@@ -137,7 +147,8 @@ class SelfDraftProposer:
         self.cache.rollback(lengths)
 
     def end(self, rows, outputs):
-        if self.cache is not None:
+        self.live.difference_update(rows)
+        if self.cache is not None and not self.live:
             self.session.release(self.cache)
             self.cache = None
 

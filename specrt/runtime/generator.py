@@ -152,6 +152,11 @@ class Rows:
                 break
         return taken
 
+    def join(self, b: int, prompt_len: int, budget: int) -> None:
+        """Row b starts a new request (continuous batching reuses the rows of finished ones)."""
+        self.prompt_lens[b], self.budget[b] = prompt_len, budget
+        self.out[b], self.reason[b], self.active[b] = [], "length", True
+
     def results(self, prefill_s: float, step_times: list[float], metrics=None) -> list[GenerationResult]:
         decode_s = float(sum(step_times))
         return [

@@ -47,6 +47,17 @@ class KVCache:
         the attention mask hides every slot past a row's length."""
         self.lengths[:] = 0
 
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """Rows start..stop-1 as a cache of their own, sharing the buffers and the lengths (no
+        copy). Each layer's slice of a row range is still contiguous ([rows, Hkv, C, D] inside
+        [B, Hkv, C, D]), so a step can run on part of a batch: continuous batching prefills one
+        newcomer on its own row while the others wait, and steps only as many rows as are in use."""
+        view = object.__new__(KVCache)
+        view.keys, view.values = self.keys[:, start:stop], self.values[:, start:stop]
+        view.lengths = self.lengths[start:stop]
+        view.device, view.capacity, view.in_use = self.device, self.capacity, self.in_use
+        return view
+
     @property
     def batch(self) -> int:
         return self.keys.shape[1]
@@ -74,14 +85,14 @@ class KVCache:
                 if n:
                     self.keys[layer, b, :, start : start + n] = k[b, :, :n]
                     self.values[layer, b, :, start : start + n] = v[b, :, :n]
-        self.lengths = end
+        self.lengths[:] = end  # in place: views (`rows`) share the lengths
 
     def rollback(self, lengths: np.ndarray) -> None:
         """Forget everything past `lengths` (per row); slots are overwritten by later appends."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if (lengths > self.lengths).any() or (lengths < 0).any():
             raise ValueError(f"rollback to {lengths.tolist()} from {self.lengths.tolist()}: can only shorten")
-        self.lengths = lengths.copy()
+        self.lengths[:] = lengths
 
     def keep(self, row: int, start: int, slots: list[int]) -> None:
         """Keep, of the positions from `start` on in `row`, only the given slots, moved to start,

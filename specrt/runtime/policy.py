@@ -21,6 +21,17 @@ with everything measured online:
 N = 0 (plain decoding, speedup 1) is always a candidate, so speculation that does not pay is
 switched off; while off, every `probe_every`-th step drafts a little to keep the estimates current.
 
+In a batch (a static one, or the rows continuous batching runs together) `AutoPolicy.plan`
+goes one step further and gives each row its own length: the batch's N bounds it, and draft
+positions go to the rows most likely to accept them. With P_r(k) the chance that row r's draft
+reaches depth k accepted (its own decayed acceptance, the batch's as the prior), a step that
+drafts the set S of (row, depth) positions yields B + sum_S P_r(k) tokens for
+1 + beta + alpha_B |S| / B + T_draft(deepest) / T_decode decode steps; positions are taken in
+order of P while the ratio grows. So a row whose drafts keep failing stops drafting (its P drops
+below what a position costs) while the others go on, and as the batch grows alpha_B grows and
+fewer positions pay. A row's evidence decays with every step, drafted or not, so a row that
+stopped is tried again once the batch's prior outweighs its old failures.
+
 Robust to a noisy machine: contention only ever makes a step slower, and one slow step early in
 a request (another process took the core) must not switch speculation off for the rest of it.
 So each size's time is its median once it has `TRUST` observations, its fastest before; a size
@@ -97,18 +108,46 @@ class CostModel:
         self.alpha_prior, self.beta_prior = alpha_prior, beta_prior
         self.draft_per_token = draft_per_token
         self._fits: dict[int, StepCost | None] = {}  # per batch size, cleared by each new step
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # row -> (tried, hit, at step)
+        self._steps = 0  # target steps observed (a row's evidence decays per step)
 
-    def observe_acceptance(self, drafted_depth: int, accepted: int) -> None:
+    def observe_acceptance(self, drafted_depth: int, accepted: int, row: int | None = None) -> None:
+        """One verified draft: how deep it went and how many were accepted (of `row`, when given,
+        also into that row's own counts)."""
+        tested = min(drafted_depth, accepted + 1, self.max_draft)  # depths whose verdict we saw
         self.tried *= self.decay
         self.hit *= self.decay
-        tested = min(drafted_depth, accepted + 1, self.max_draft)  # depths whose verdict we saw
         self.tried[:tested] += 1
         self.hit[: min(accepted, self.max_draft)] += 1
+        if row is not None:
+            tried, hit = self._row_counts(row)
+            tried[:tested] += 1
+            hit[: min(accepted, self.max_draft)] += 1
+            self._rows[row] = (tried, hit, self._steps)
+
+    def _row_counts(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """A row's counts decayed to now (copies)."""
+        if row not in self._rows:
+            return np.zeros(self.max_draft), np.zeros(self.max_draft)
+        tried, hit, at = self._rows[row]
+        f = self.decay ** (self._steps - at)
+        return tried * f, hit * f
+
+    def forget_row(self, row: int) -> None:
+        """The row's request is over (continuous batching hands its slot to another)."""
+        self._rows.pop(row, None)
+
+    def row_acceptance(self, row: int) -> np.ndarray:
+        """(max_draft,) the row's acceptance rate per depth: its own counts, the batch's rates as a
+        prior worth two observations."""
+        tried, hit = self._row_counts(row)
+        return (hit + 2.0 * self.acceptance()) / (tried + 2.0)
 
     def observe_step(self, positions: int, batch: int, seconds: float) -> None:
         """One target step over `positions` positions for `batch` rows (positions == batch: no draft)."""
         (self.plain_steps if positions == batch else self.spec_steps).append((positions, seconds))
         self._fits.clear()
+        self._steps += 1
 
     def observe_draft(self, tokens_per_row: float, seconds: float) -> None:
         """One proposer call that drafted `tokens_per_row` tokens per row on average."""
@@ -194,12 +233,35 @@ class CostModel:
         return self.expected_tokens() / cost.relative(np.arange(self.max_draft + 1))
 
 
+def allocate(paths: dict[int, np.ndarray], cost: StepCost) -> dict[int, int]:
+    """Draft tokens per row that maximise the batch's tokens per step cost (module docstring).
+    paths: per row, P_r(k) for k = 1..n, the chance its draft reaches depth k accepted (not
+    increasing in k). Positions are taken best first, so each row's count is a prefix."""
+    batch = len(paths)
+    order = sorted((-float(p), k, row) for row, ps in paths.items() for k, p in enumerate(ps, 1))
+    tokens, best, best_m, deepest = float(batch), 1.0, 0, 0
+    for m, (neg_p, k, _) in enumerate(order, 1):
+        tokens -= neg_p
+        deepest = max(deepest, k)
+        relative = 1.0 + cost.beta + cost.alpha * m / batch + float(cost.draft_ratio(deepest))
+        if tokens / (batch * relative) > best:
+            best, best_m = tokens / (batch * relative), m
+    counts = dict.fromkeys(paths, 0)
+    for _, k, row in order[:best_m]:
+        counts[row] = max(counts[row], k)
+    return counts
+
+
 class FixedPolicy:
     def __init__(self, num_draft: int):
         self.max_draft = num_draft
 
     def num_draft(self, model: CostModel, batch: int) -> int:
         return self.max_draft
+
+    def plan(self, model: CostModel, rows: list[int]) -> dict[int, int]:
+        """Draft tokens per row: N for every row."""
+        return dict.fromkeys(rows, self.max_draft)
 
 
 class AutoPolicy:
@@ -217,3 +279,12 @@ class AutoPolicy:
         else:
             self._off_steps = 0
         return n
+
+    def plan(self, model: CostModel, rows: list[int]) -> dict[int, int]:
+        """Draft tokens per row: the batch's N (`num_draft`) bounds each row's, and the positions
+        go where they pay most (`allocate`); a probe drafts a little on every row."""
+        n = self.num_draft(model, len(rows))
+        if n == 0 or self._off_steps > 0:  # off, or probing while off
+            return dict.fromkeys(rows, n)
+        cost = model.cost(len(rows)) or StepCost(1.0, model.alpha_prior, model.beta_prior, 0.0)
+        return allocate({b: np.cumprod(model.row_acceptance(b)[:n]) for b in rows}, cost)

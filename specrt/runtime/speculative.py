@@ -27,7 +27,8 @@ from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.drafts.base import DraftInput, Proposer
-from specrt.runtime.generator import GenerationResult, Generator, Started, Stream, generation, text_stream
+from specrt.runtime.generator import GenerationResult, Generator, Rows, Started, Stream, generation, text_stream
+from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
@@ -65,10 +66,16 @@ def make_policy(num_draft: int | str, max_draft: int = 16):
 
 @dataclasses.dataclass
 class SpecState:
-    """One generation's speculative bookkeeping, beside `Started` (rows, cache, rng)."""
+    """The speculative bookkeeping of a batch: its rows (what each produced), its cache, each
+    row's sampling and randomness, the cost model. A static batch (`iter_generate`) builds one
+    from `Started` (its rows share the request's sampling and random generator); continuous
+    batching (batching.py) keeps one whose rows come and go, each with its own."""
 
-    st: Started
-    sampling: SamplingParams
+    prompts: list[list[int]]  # per row
+    rows: Rows
+    cache: KVCache  # the rows' cache (continuous batching: a view of the rows in use)
+    sampling: list[SamplingParams]  # per row
+    rng: list[np.random.Generator]  # per row (may be one shared generator)
     cost: CostModel
     metrics: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)
     # per row: the target's features at the positions committed since the proposer last saw the
@@ -76,6 +83,12 @@ class SpecState:
     pending: list[list[np.ndarray]] | None = None
     step_times: list[float] = dataclasses.field(default_factory=list)
     drafted_per_step: list[float] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, st: Started, sampling: SamplingParams, cost: CostModel) -> "SpecState":
+        B = len(st.prompts)
+        pending = None if st.prefilled.hidden is None else [[h] for h in st.prefilled.hidden]
+        return cls(st.prompts, st.rows, st.cache, [sampling] * B, [st.rng] * B, cost, pending=pending)
 
 
 @dataclasses.dataclass
@@ -132,13 +145,12 @@ class SpeculativeDecoder:
             hidden=self.proposer.needs_features,
         )
 
+    def new_cost_model(self) -> CostModel:
+        return CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token)
+
     def _loop(self, st: Started, sampling: SamplingParams):
         rows = list(range(len(st.prompts)))
-        state = SpecState(
-            st, sampling, CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token)
-        )
-        if st.prefilled.hidden is not None:
-            state.pending = [[h] for h in st.prefilled.hidden]
+        state = SpecState.of(st, sampling, self.new_cost_model())
         self.proposer.begin(rows, st.prompts, st.prefilled)
         try:
             yield [st.rows.emit(b, [st.first[b]]) for b in rows]
@@ -150,7 +162,7 @@ class SpeculativeDecoder:
 
     def step(self, state: SpecState) -> StepRecord:
         """One speculative step over the active rows: propose → verify → accept → commit."""
-        rows = [int(b) for b in np.flatnonzero(state.st.rows.active)]
+        rows = [int(b) for b in np.flatnonzero(state.rows.active)]
         t0 = time.perf_counter()
         trees = self.propose(state, rows)
         t1 = time.perf_counter()
@@ -166,42 +178,53 @@ class SpeculativeDecoder:
     # -- the verbs -------------------------------------------------------------------------------
 
     def propose(self, state: SpecState, rows: list[int]) -> dict[int, DraftTree]:
-        """A draft tree per row, at most N nodes, N chosen by the policy from the cost model."""
-        n = self.policy.num_draft(state.cost, len(rows))
-        if n <= 0:
-            return {b: DraftTree.empty() for b in rows}
-        st = state.st
-        features = None
-        if state.pending is not None:  # handed over once: the proposer keeps what it needs
-            features = [np.concatenate(state.pending[b]) for b in rows]
-            for b in rows:
-                state.pending[b] = []
-        inp = DraftInput(
-            rows,
-            [st.prompts[b] + st.rows.out[b] for b in rows],
-            n,
-            [int(st.rows.budget[b]) - len(st.rows.out[b]) for b in rows],
-            state.sampling,
-            st.rng,
-            features,
-        )
-        trees = self.proposer.propose(inp)
-        if len(trees) != len(rows):
-            raise SpecrtError(f"draft method {self.proposer.name!r} returned {len(trees)} trees for {len(rows)} rows")
-        return {b: tree.truncate(n) for b, tree in zip(rows, trees)}
+        """A draft tree per row, of as many nodes as the policy gives the row (0: no draft). Rows
+        that draft are proposed for together, one call per sampling setting (greedy rows
+        together; a sampled row with its own random generator alone, so its draws are the same
+        as when it runs by itself)."""
+        plan = self.policy.plan(state.cost, rows)
+        trees = {b: DraftTree.empty() for b in rows}
+        groups: dict[tuple, list[int]] = {}
+        for b in rows:
+            if plan[b] > 0:
+                sampling = state.sampling[b]
+                key = ("greedy",) if sampling.greedy else (id(sampling), id(state.rng[b]))
+                groups.setdefault(key, []).append(b)
+        for group in groups.values():
+            n = max(plan[b] for b in group)
+            features = None
+            if state.pending is not None:  # handed over once: the proposer keeps what it needs
+                features = [np.concatenate(state.pending[b]) for b in group]
+                for b in group:
+                    state.pending[b] = []
+            inp = DraftInput(
+                group,
+                [state.prompts[b] + state.rows.out[b] for b in group],
+                n,
+                [int(state.rows.budget[b]) - len(state.rows.out[b]) for b in group],
+                state.sampling[group[0]],
+                state.rng[group[0]],
+                features,
+            )
+            drafted = self.proposer.propose(inp)
+            if len(drafted) != len(group):
+                raise SpecrtError(
+                    f"draft method {self.proposer.name!r} returned {len(drafted)} trees for {len(group)} rows"
+                )
+            trees.update({b: tree.truncate(plan[b]) for b, tree in zip(group, drafted)})
+        return trees
 
     def verify(
         self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], depths: dict[int, np.ndarray]
     ) -> StepOutput:
         """One target step over [root, draft nodes...] of every active row (root at depth 0)."""
-        st = state.st
-        B = len(st.prompts)
+        B = state.cache.batch
         feed: list[list[int]] = [[] for _ in range(B)]
         shapes: list = [None] * B
         for b in rows:
-            feed[b] = [st.rows.out[b][-1], *trees[b].tokens.tolist()]
+            feed[b] = [state.rows.out[b][-1], *trees[b].tokens.tolist()]
             shapes[b] = (np.concatenate([[0], depths[b]]), trees[b].ancestor_mask())
-        return self.gen.session.forward(st.cache, feed, shapes, hidden=self.proposer.needs_features)
+        return self.gen.session.forward(state.cache, feed, shapes, hidden=self.proposer.needs_features)
 
     def accept(
         self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput
@@ -209,10 +232,11 @@ class SpeculativeDecoder:
         verdicts = {}
         for b in rows:
             logits = out.logits[b, : len(trees[b]) + 1]
-            if state.sampling.greedy:
+            sampling = state.sampling[b]
+            if sampling.greedy:
                 verdicts[b] = accept_greedy(trees[b], logits.argmax(axis=-1))
             else:
-                verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, state.sampling), state.st.rng)
+                verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, sampling), state.rng[b])
         return verdicts
 
     def commit(
@@ -225,12 +249,11 @@ class SpeculativeDecoder:
     ) -> list[list[int]]:
         """Keep the root and the accepted path in the cache, emit the tokens, tell the proposer;
         returns each row's new tokens."""
-        st = state.st
-        new_tokens: list[list[int]] = [[] for _ in range(len(st.prompts))]
+        new_tokens: list[list[int]] = [[] for _ in range(state.cache.batch)]
         for b in rows:
-            root = int(st.cache.lengths[b]) - len(trees[b]) - 1  # the step appended [root, nodes...]
-            st.cache.keep_path(b, root, verdicts[b].accepted)
-            new_tokens[b] = st.rows.emit(b, verdicts[b].tokens(trees[b]))
+            root = int(state.cache.lengths[b]) - len(trees[b]) - 1  # the step appended [root, nodes...]
+            state.cache.keep_path(b, root, verdicts[b].accepted)
+            new_tokens[b] = state.rows.emit(b, verdicts[b].tokens(trees[b]))
             if state.pending is not None:  # the root's and the accepted nodes' features
                 state.pending[b].append(out.hidden_states[b, [0, *(1 + i for i in verdicts[b].accepted)]])
         self.proposer.commit(rows, [trees[b] for b in rows], [verdicts[b] for b in rows], out)
@@ -246,7 +269,7 @@ class SpeculativeDecoder:
             depth = int(r.depths[b].max()) if len(tree) else 0
             metrics.observe_draft(len(tree), len(verdict.accepted), depth)
             if len(tree):
-                cost.observe_acceptance(depth, len(verdict.accepted))
+                cost.observe_acceptance(depth, len(verdict.accepted), row=b)
         drafted = sum(len(r.trees[b]) for b in r.rows) / len(r.rows)
         cost.observe_step(r.positions, len(r.rows), r.verify_seconds)
         cost.observe_draft(drafted, r.draft_seconds)
@@ -258,7 +281,7 @@ class SpeculativeDecoder:
     def finish(self, state: SpecState) -> SpecMetrics:
         """The metrics, with the cost model's fitted numbers and its predicted speedup."""
         metrics = state.metrics
-        fitted = state.cost.cost(len(state.st.prompts))
+        fitted = state.cost.cost(len(state.prompts))
         if fitted is not None and metrics.steps:
             drafted = np.array(state.drafted_per_step)
             metrics.alpha, metrics.beta = fitted.alpha, fitted.beta

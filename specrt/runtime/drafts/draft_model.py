@@ -61,20 +61,30 @@ class DraftModelProposer:
         self.cache = None
         self._fed: dict[int, int] = {}  # row -> draft tokens the last proposal left in the own cache
         self.calls = 0  # draft steps
+        self._live: set[int] = set()  # rows begun and not yet ended
 
     def begin(self, rows, prompts, prefilled):
+        """Rows start (others may be running: continuous batching): each prompt is prefilled on
+        its own row of the draft's cache, which grows to hold the rows."""
         width = prefilled.logits.shape[-1]
         if width != self.vocab_size:
             raise SpecrtError(
                 f"the draft model's vocabulary has {self.vocab_size} tokens, the target's {width}: a draft model must "
                 "share the target's tokenizer"
             )
-        self.cache = self.session.new_cache(max(rows) + 1, self.session.max_context + 64)
-        feed = [[] for _ in range(self.cache.batch)]
+        B = max(rows) + 1
+        if self.cache is None or self.cache.batch < B:
+            old = self.cache
+            self.cache = self.session.new_cache(max(B, 0 if old is None else old.batch), self.session.max_context + 64)
+            if old is not None:  # the running rows' entries move over
+                self.cache.keys[:, : old.batch], self.cache.values[:, : old.batch] = old.keys, old.values
+                self.cache.lengths[: old.batch] = old.lengths
+                self.session.release(old)
         for b, p in zip(rows, prompts):
-            feed[b] = list(p)
-        self.session.prefill(self.cache, feed)
-        self._fed.clear()
+            self.cache.lengths[b] = 0
+            self._fed.pop(b, None)
+            self.session.prefill(self.cache.rows(b, b + 1), [list(p)])
+        self._live.update(rows)
 
     def propose(self, inp) -> list[DraftTree]:
         B = self.cache.batch
@@ -115,6 +125,7 @@ class DraftModelProposer:
         self.cache.rollback(lengths)
 
     def end(self, rows, outputs):
-        if self.cache is not None:
+        self._live.difference_update(rows)
+        if self.cache is not None and not self._live:
             self.session.release(self.cache)
             self.cache = None

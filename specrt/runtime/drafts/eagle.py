@@ -77,17 +77,29 @@ class EagleProposer:
         self.k = self.v = None
         self.length = np.zeros(0, np.int64)  # per row: target-fed entries in the head's cache
         self._used: dict[int, int] = {}  # per row, during a proposal: slots used, draft entries included
+        self._live: set[int] = set()  # rows begun and not yet ended
         self.calls = 0  # head forwards
 
     # -- the proposer contract ------------------------------------------------------------
 
     def begin(self, rows, prompts, prefilled):
+        """Rows start (others may be running: continuous batching): the head's cache grows to
+        hold them, and their entries start empty."""
         B = max(rows) + 1
         Hkv, D = self.kv_shape
         cap = max(len(p) for p in prompts) + 64
-        self.k = np.zeros((B, Hkv, cap, D), np.float32)
-        self.v = np.zeros_like(self.k)
-        self.length = np.zeros(B, np.int64)
+        if self.k is None or self.k.shape[0] < B or self.k.shape[2] < cap:
+            old = self.k, self.v
+            keep = 0 if old[0] is None else old[0].shape[0]
+            cap = max(cap, 0 if old[0] is None else old[0].shape[2])
+            B = max(B, keep)
+            self.k = np.zeros((B, Hkv, cap, D), np.float32)
+            self.v = np.zeros_like(self.k)
+            if keep:
+                self.k[:keep, :, : old[0].shape[2]], self.v[:keep, :, : old[1].shape[2]] = old
+            self.length = np.concatenate([self.length[:keep], np.zeros(B - keep, np.int64)])
+        self.length[list(rows)] = 0
+        self._live.update(rows)
 
     def propose(self, inp):
         return self.draft(inp, self.catch_up(inp))
@@ -108,7 +120,10 @@ class EagleProposer:
         pass  # draft entries were already dropped; accepted tokens come back as committed positions
 
     def end(self, rows, outputs):
-        self.k = self.v = None
+        self._live.difference_update(rows)
+        if not self._live:
+            self.k = self.v = None
+            self.length = np.zeros(0, np.int64)
 
     # -- drafting -------------------------------------------------------------------------
 

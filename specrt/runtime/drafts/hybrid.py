@@ -59,7 +59,8 @@ class HybridProposer:
         self._unseen: collections.defaultdict[int, list[np.ndarray]] = collections.defaultdict(list)
 
     def begin(self, rows, prompts, prefilled):
-        self._unseen.clear()
+        for b in rows:
+            self._unseen.pop(b, None)
         self.eagle.begin(rows, prompts, prefilled)
         self.suffix.begin(rows, prompts, prefilled)
 
@@ -110,6 +111,7 @@ class HybridProposer:
         self.suffix.commit(rows, trees, verdicts, step)
 
     def end(self, rows, outputs):
-        self._unseen.clear()
+        for b in rows:
+            self._unseen.pop(b, None)
         self.eagle.end(rows, outputs)
         self.suffix.end(rows, outputs)

@@ -1,0 +1,196 @@
+"""Continuous batching: requests that join and leave a running batch get the output they get
+alone (greedy, and sampled with a seed), for plain and speculative decoding; a cancelled or
+finished request frees its slot at once; the cache follows the longest request; each row's draft
+length follows its own acceptance."""
+
+import numpy as np
+import pytest
+
+from specrt.errors import PromptError, SpecrtError
+from specrt.runtime.backends import TorchBackend
+from specrt.runtime.batching import BatchEngine, Request
+from specrt.runtime.drafts import make_proposer
+from specrt.runtime.generator import Generator
+from specrt.runtime.policy import AutoPolicy, CostModel, StepCost, allocate
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+from conftest import random_model, tiny_hf_config
+from self_draft import SelfDraftProposer
+from test_eagle import make_head_dir
+
+LOOPY = tiny_hf_config(vocab_size=32)  # greedy text repeats, so lookup drafts are accepted
+
+# prompts of different lengths (the 40-token one is prefilled in chunks beside decoding rows)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 3, 4, 9, 10], [20 + i % 7 for i in range(40)], [17], [3, 4]]
+BUDGETS = [30, 12, 25, 40, 8]
+ARRIVALS = [0, 0, 3, 5, 11]  # steps before which each request is submitted
+
+
+@pytest.fixture(scope="module")
+def ort_gen(tiny_artifacts):
+    return Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
+
+
+@pytest.fixture(scope="module")
+def loopy_gen():
+    return Generator(TorchBackend(random_model(LOOPY, seed=3, scale=0.3)))
+
+
+def alone(runner, sampling=SamplingParams()):
+    return [runner.generate_ids([p], n, sampling)[0].token_ids for p, n in zip(PROMPTS, BUDGETS)]
+
+
+def requests(sampling=SamplingParams()):
+    return [Request(p, n, sampling) for p, n in zip(PROMPTS, BUDGETS)]
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 8])
+def test_plain_requests_joining_and_leaving_get_their_output_alone(ort_gen, max_batch):
+    """Five requests, arriving at different steps into 1, 2 or 8 slots (so some wait and take
+    the slot of one that finished), with a prefill budget that chunks the long prompt."""
+    engine = BatchEngine(ort_gen, max_batch=max_batch, prefill_budget=8)
+    out = engine.run(requests(), ARRIVALS)
+    solo = [ort_gen.generate_ids([p], n)[0] for p, n in zip(PROMPTS, BUDGETS)]
+    assert [r.token_ids for r in out] == [r.token_ids for r in solo]
+    assert [r.finish_reason for r in out] == [r.finish_reason for r in solo]
+    assert engine.idle and engine.running == 0 and not engine.rows.active.any()
+    assert (engine.cache.lengths == 0).all()  # every slot was freed
+
+
+def speculative(gen, method):
+    if method == "self":
+        return SpeculativeDecoder(gen, SelfDraftProposer(gen.backend, check_features=True), make_policy(4))
+    if method.startswith("eagle3"):
+        return method  # built by the test, which has the head
+    name, n = method.split("-")
+    return SpeculativeDecoder(gen, make_proposer(name), make_policy(n if n == "auto" else int(n)))
+
+
+@pytest.mark.parametrize("method", ["ngram-3", "suffix-auto", "self"])
+def test_speculative_requests_joining_and_leaving_get_their_output_alone(loopy_gen, method):
+    """Speculative decoding in a continuous batch: output equals plain greedy alone, drafts were
+    accepted, and (self draft) the target features handed to a row that joined mid-batch are
+    the target's at that row's positions."""
+    spec = speculative(loopy_gen, method)
+    engine = BatchEngine(spec, max_batch=3, prefill_budget=8)
+    out = engine.run(requests(), ARRIVALS)
+    assert [r.token_ids for r in out] == alone(loopy_gen)
+    assert sum(r.metrics.accepted_tokens for r in out) > 0
+    if method == "self":
+        assert spec.proposer.features_checked > 0 and spec.proposer.cache is None  # all rows ended
+
+
+def test_eagle_tree_in_a_continuous_batch_equals_plain(ort_gen, tiny_checkpoint, tmp_path):
+    layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64)
+    prop = make_proposer("eagle3", draft_dir=layout.root, target=ort_gen.session.caps, tree=(3, 4))
+    engine = BatchEngine(SpeculativeDecoder(ort_gen, prop, make_policy(6)), max_batch=2, prefill_budget=16)
+    out = engine.run(requests(), ARRIVALS)
+    assert [r.token_ids for r in out] == alone(ort_gen)
+    assert sum(r.metrics.drafted_tokens for r in out) > 0 and prop.k is None  # the head's cache went back
+
+
+def test_sampled_rows_draw_what_they_draw_alone(loopy_gen):
+    """Each row has its own random generator from its seed: a seeded sampled request gives the
+    same tokens in a batch as alone, plain and speculative (fixed N, a stateless lookup draft:
+    the suffix draft learns from finished requests, so its drafts depend on their order)."""
+    rows = [Request(p, n, SamplingParams(temperature=1.0, top_p=0.9, seed=10 + i)) for i, (p, n) in
+            enumerate(zip(PROMPTS, BUDGETS))]
+    for runner in (loopy_gen, SpeculativeDecoder(loopy_gen, make_proposer("ngram"), make_policy(3))):
+        solo = [runner.generate_ids([r.prompt], r.max_new_tokens, r.sampling)[0].token_ids for r in rows]
+        out = BatchEngine(runner, max_batch=3, prefill_budget=8).run(rows, ARRIVALS)
+        assert [r.token_ids for r in out] == solo
+    greedy = alone(loopy_gen)
+    assert solo != greedy  # the test sampled something
+
+
+def test_eos_and_cancel_free_the_slot_at_once(loopy_gen):
+    """A row that reaches EOS and a cancelled row leave between steps; the waiting request takes
+    the slot in the very next step and its output is unaffected."""
+    plain = alone(loopy_gen)
+    gen = Generator(loopy_gen.backend)
+    stop = plain[0][6]
+    gen.eos_ids = frozenset({stop})
+    engine = BatchEngine(gen, max_batch=2, prefill_budget=64)
+    a = engine.submit(Request(PROMPTS[0], 30))
+    b = engine.submit(Request(PROMPTS[1], 12))
+    c = engine.submit(Request(PROMPTS[3], 10))
+    finished, got = {}, {a: [], b: [], c: []}
+    for _ in range(3):
+        for e in engine.step():
+            got[e.rid] += e.tokens
+    assert engine.running == 2 and len(engine.waiting) == 1
+    assert engine.cancel(b) and engine.running == 1 and engine.cache.lengths[1] == 0
+    assert engine.slots[1] is None
+    events = engine.step()
+    assert engine.slots[1] is not None and engine.slots[1].rid == c  # admitted in the next step
+    while True:
+        for e in events:
+            got[e.rid] += e.tokens
+            if e.result is not None:
+                finished[e.rid] = e.result
+        if engine.idle:
+            break
+        events = engine.step()
+    assert finished[a].finish_reason == "stop" and got[a] == plain[0][: plain[0].index(stop) + 1]
+    solo_c = gen.generate_ids([PROMPTS[3]], 10)[0].token_ids
+    assert got[c] == solo_c and b not in finished
+    assert not engine.cancel(b)  # gone
+
+
+def test_cache_capacity_follows_the_longest_request(ort_gen):
+    engine = BatchEngine(ort_gen, max_batch=2)
+    engine.submit(Request([5, 6], 3))
+    engine.step()
+    small = engine.cache.capacity
+    assert small < 64 * 2 and small >= 5
+    engine.submit(Request([5, 6], 150))  # joins: the cache grows, the running row's entries move
+    while not engine.idle:
+        engine.step()
+    assert engine.cache.capacity >= 152
+    engine.submit(Request([5, 6], 3))
+    engine.step()
+    assert engine.cache.capacity == small  # shrunk once the long one left
+
+
+def test_bad_requests_are_refused_with_a_reason(ort_gen):
+    engine = BatchEngine(ort_gen, max_batch=1, max_waiting=1)
+    with pytest.raises(PromptError, match="empty"):
+        engine.submit(Request([], 4))
+    with pytest.raises(SpecrtError, match="max_new_tokens"):
+        engine.submit(Request([1], 0))
+    engine.submit(Request([1], 4))
+    with pytest.raises(SpecrtError, match="wait for a slot"):
+        engine.submit(Request([2], 4))
+    with pytest.raises(SpecrtError, match="max_batch"):
+        BatchEngine(ort_gen, max_batch=0)
+
+
+# -- draft length per row ------------------------------------------------------------------------
+
+
+def test_allocate_gives_positions_to_the_rows_that_accept_them():
+    cost = StepCost(decode=1.0, alpha=0.2, beta=0.1, draft0=0.0)
+    good, bad = np.cumprod([0.9] * 6), np.cumprod([0.05] * 6)
+    n = allocate({0: good, 1: bad}, cost)
+    assert n[0] >= 4 and n[1] == 0  # the failing row stops drafting, the other goes on
+    assert allocate({0: bad, 1: bad}, cost) == {0: 0, 1: 0}  # nothing pays: plain decoding
+    dear = StepCost(decode=1.0, alpha=1.5, beta=0.1, draft0=0.0)  # a big batch: a position costs more
+    assert sum(allocate({0: good, 1: good}, dear).values()) < sum(allocate({0: good, 1: good}, cost).values())
+
+
+def test_auto_plan_stops_a_row_whose_drafts_keep_failing():
+    model = CostModel(max_draft=6)
+    for _ in range(40):
+        model.observe_step(2, 2, 0.010)  # plain steps of 2 rows
+        model.observe_step(8, 2, 0.012)  # verification steps: 6 draft positions
+        model.observe_acceptance(3, 3, row=0)
+        model.observe_acceptance(3, 0, row=1)
+    plan = AutoPolicy(max_draft=6).plan(model, [0, 1])
+    assert plan[0] > 0 and plan[1] == 0
+    assert model.row_acceptance(1)[0] < 0.3 < model.row_acceptance(0)[0]
+    model.forget_row(1)  # a new request in the slot starts from the batch's rates
+    assert model.row_acceptance(1)[0] == pytest.approx((2 * model.acceptance()[0]) / 2)
+    for _ in range(400):  # the failing row's evidence fades with every step, drafted or not
+        model.observe_step(2, 2, 0.010)
+    assert model.row_acceptance(0)[0] == pytest.approx(model.acceptance()[0], abs=0.01)
