@@ -16,6 +16,9 @@ import click
 from specrt.calibration import QUANT_SCHEMES as RECIPES
 from specrt.calibration import TRT_SCHEMES
 from specrt.errors import SpecrtError
+from specrt.server_limits import ServerLimits
+
+SERVER = ServerLimits()  # the server's defaults, shown in serve --help
 
 
 def _friendly_errors(fn):
@@ -636,10 +639,31 @@ def generate(
 )
 @click.option(
     "--max-queue",
-    default=8,
+    default=SERVER.max_queue,
     show_default=True,
     type=click.IntRange(min=0),
-    help="Requests that may wait while the engine is busy; more get 503.",
+    help="Requests that may wait for a slot; more get 503.",
+)
+@click.option(
+    "--max-batch",
+    default=SERVER.max_batch,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests generating together (continuous batching); 1 serves one at a time.",
+)
+@click.option(
+    "--prefill-budget",
+    default=SERVER.prefill_budget,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Prompt tokens prefilled per step while other requests decode (a newcomer's prompt in chunks).",
+)
+@click.option(
+    "--request-timeout",
+    default=SERVER.request_timeout,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a request may take from arrival; past it the request ends with 504.",
 )
 @_friendly_errors
 def serve(
@@ -650,6 +674,9 @@ def serve(
     max_tokens_limit,
     max_body_kb,
     max_queue,
+    max_batch,
+    prefill_budget,
+    request_timeout,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, streaming included), optionally with speculative decoding (--draft)."""
@@ -660,14 +687,21 @@ def serve(
         raise SpecrtError(
             "the server needs fastapi and uvicorn: pip install 'specrt[server]' (make setup installs them)"
         ) from None
-    from specrt.server import CompletionService, ServerLimits, bind_socket
+    from specrt.server import CompletionService, bind_socket
     from specrt.server import serve as run_server
 
     sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once
     try:
         gen, runner = _make_runner(choice)
         name = served_model_name or Path(gen.checkpoint or choice.checkpoint or choice.artifacts or choice.engine).name
-        limits = ServerLimits(max_body_bytes=max_body_kb << 10, max_tokens=max_tokens_limit, max_queue=max_queue)
+        limits = ServerLimits(
+            max_body_bytes=max_body_kb << 10,
+            max_tokens=max_tokens_limit,
+            max_queue=max_queue,
+            max_batch=max_batch,
+            prefill_budget=prefill_budget,
+            request_timeout=request_timeout,
+        )
         service = CompletionService(runner, name, limits)
     except BaseException:
         sock.close()

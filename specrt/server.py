@@ -12,12 +12,14 @@ OpenAI's error format naming the field and the fix; a body over the size limit i
 unknown model a 404, a full queue a 503) and runs it as a stream of text pieces with stop
 sequences applied; `create_app` is the thin FastAPI layer.
 
-One engine thread owns the generator and runs one request at a time; requests wait in a queue of
-at most `max_queue` (more get a 503 with Retry-After). Each request is a `Ticket`: the engine
-thread puts its pieces there and checks its cancel flag between model steps. The HTTP layer
-cancels the ticket as soon as it sees the client disconnect (streamed or not), so the generation
-ends within one step and the next request starts at once. Nothing waits for the garbage
-collector to close an abandoned generator, and no lock is held across an HTTP write.
+One engine thread owns the generator and runs a continuous batch (runtime/batching.py): up to
+`max_batch` requests generate together, joining and leaving between steps; more wait, at most
+`max_queue` of them (beyond that a 503 with Retry-After). Each request is a `Ticket`: the engine
+thread puts its pieces there; between steps it checks every ticket's cancel flag and age. The
+HTTP layer cancels a ticket as soon as it sees the client disconnect (streamed or not), and a
+stop sequence or the per-request time limit (`request_timeout`: a 504) ends it the same way: its
+slot and cache row are free for the next request within one step. Nothing waits for the garbage
+collector to close an abandoned generation, and no lock is held across an HTTP write.
 
 fastapi / uvicorn are imported only by `create_app` / `serve` (the `server` extra).
 """
@@ -33,10 +35,12 @@ import uuid
 from typing import AsyncIterator, Iterator
 
 from specrt.errors import PromptError, SpecrtError
+from specrt.runtime.batching import BatchEngine, Request
 from specrt.runtime.generator import GenerationResult, Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import SpeculativeDecoder
 from specrt.runtime.tokenizer import IncrementalDetokenizer
+from specrt.server_limits import ServerLimits
 from specrt.server_metrics import ServerMetrics
 
 
@@ -58,14 +62,6 @@ class RequestError(SpecrtError):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-    max_body_bytes: int = 1 << 20
-    max_tokens: int = 1024  # per request; also the default when a request names none
-    max_stop: int = 4
-    max_queue: int = 8  # requests that may wait while the engine is busy; more get a 503
 
 
 @dataclasses.dataclass
@@ -169,6 +165,53 @@ class Ticket:
             return item
 
 
+class _Reply:
+    """One request's text on its way out: tokens become text (incremental detokenizing), text
+    that could be the start of a stop sequence is held back, and the time to first token and
+    between tokens go to the metrics."""
+
+    def __init__(self, service: "CompletionService", ticket: Ticket):
+        self.ticket, self.service = ticket, service
+        self.detok = IncrementalDetokenizer(service.gen.tokenizer)
+        self.text, self.sent, self.count = "", 0, 0
+        self.stop = ticket.job.stop
+        self.hold = max((len(x) for x in self.stop), default=1) - 1  # text that may start a stop sequence
+        self.last_out: float | None = None  # when the previous tokens came out
+
+    def push(self, tokens: list[int]) -> bool:
+        """New tokens of a step: send what is safe to send; True when a stop sequence appeared
+        (the text is cut before it)."""
+        if not tokens:
+            return False
+        now, metrics = time.perf_counter(), self.service.metrics
+        if self.last_out is None:
+            metrics.ttft.observe(now - self.ticket.received)
+            if len(tokens) > 1:
+                metrics.tokens_out(now - self.ticket.received, len(tokens) - 1)
+        else:
+            metrics.tokens_out(now - self.last_out, len(tokens))
+        self.last_out = now
+        eos = self.service.gen.eos_ids
+        for t in tokens:
+            self.count += 1
+            if t not in eos:
+                self.text += self.detok.push(t)
+        start = max(0, self.sent - self.hold)
+        cut = min((i for i in (self.text.find(x, start) for x in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            return True
+        safe = len(self.text) - self.hold if self.stop else len(self.text)
+        if safe > self.sent:
+            self.ticket.put(Piece(self.text[self.sent : safe]))
+            self.sent = safe
+        return False
+
+    def last(self, finish: str, result: GenerationResult | None) -> Piece:
+        """The last piece: the rest of the text, why it ended, the token counts."""
+        return Piece(self.text[self.sent :], finish, len(self.ticket.job.prompt_ids), self.count, result)
+
+
 class CompletionService:
     def __init__(self, runner, model_id: str, limits: ServerLimits = ServerLimits()):
         """runner: a Generator or a SpeculativeDecoder over one."""
@@ -178,17 +221,21 @@ class CompletionService:
             raise SpecrtError("the server needs a generator with a tokenizer")
         self.model_id = model_id
         self.limits = limits
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _waiting, _busy and the worker's start
-        self._waiting = 0  # tickets in the queue, not yet started
-        self._busy = False  # the engine thread is running a ticket
+        self.engine = BatchEngine(runner, max_batch=limits.max_batch, prefill_budget=limits.prefill_budget)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # tickets for the engine thread; None: close
+        self._lock = threading.Lock()  # guards the counts below and the worker's start
+        self._inbox_count = 0  # tickets in the inbox
+        self._engine_waiting = 0  # tickets the engine holds without a slot (published after each step)
+        self._running = 0  # tickets in slots (published after each step)
         self._worker: threading.Thread | None = None
+        self._live: dict[int, _Reply] = {}  # engine request id -> its reply (engine thread only)
         self.metrics = ServerMetrics()
         self.draft_method = runner.proposer.name if isinstance(runner, SpeculativeDecoder) else None
         self.stats = {
             "requests": 0,
             "refused": 0,
             "cancelled": 0,
+            "timed_out": 0,
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "busy_seconds": 0.0,
@@ -196,18 +243,24 @@ class CompletionService:
 
     @property
     def busy(self) -> bool:
-        return self._busy
+        """Some request is generating (or prefilling)."""
+        return self._running > 0
+
+    @property
+    def running(self) -> int:
+        return self._running
 
     @property
     def waiting(self) -> int:
-        return self._waiting
+        """Requests accepted and not yet in a slot."""
+        return self._inbox_count + self._engine_waiting
 
     def close(self) -> None:
-        """Stop the engine thread once the queue is empty (tickets still queued are run first)."""
+        """Stop the engine thread once every accepted request is done (queued ones are run first)."""
         with self._lock:
             worker, self._worker = self._worker, None
         if worker is not None:
-            self._queue.put(None)
+            self._inbox.put(None)
             worker.join()
 
     # -- parsing --------------------------------------------------------------------------------
@@ -323,26 +376,27 @@ class CompletionService:
     # -- running --------------------------------------------------------------------------------
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
-        """Queue a request for the engine thread (a 503 when `max_queue` requests already wait
-        behind a busy engine); its pieces arrive on the returned ticket."""
+        """Hand a request to the engine thread (a 503 when `max_queue` requests already wait for a
+        slot); its pieces arrive on the returned ticket."""
         ticket = Ticket(job, loop)
         with self._lock:
-            if (self._busy or self._waiting) and self._waiting >= self.limits.max_queue:
+            full = self._running + self.waiting >= self.limits.max_batch
+            if full and self.waiting >= self.limits.max_queue:
                 self.stats["refused"] += 1
                 self.metrics.requests.labels("refused").inc()
                 raise RequestError(
-                    f"the server is busy ({self._waiting} requests waiting); retry later",
+                    f"the server is busy ({self.waiting} requests waiting); retry later",
                     status=503,
                     code="server_busy",
                     kind="server_error",
                     headers={"Retry-After": "1"},
                 )
-            self._waiting += 1
-            self.metrics.queue_depth.set(self._waiting)
+            self._inbox_count += 1
+            self.metrics.queue_depth.set(self.waiting)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="specrt-engine", daemon=True)
                 self._worker.start()
-        self._queue.put(ticket)
+        self._inbox.put(ticket)
         return ticket
 
     def run(self, job: Job) -> Iterator[Piece]:
@@ -350,93 +404,128 @@ class CompletionService:
         Closing the iterator (or leaving it unread) cancels the generation."""
         return iter(self.submit(job))
 
+    # -- the engine thread ----------------------------------------------------------------------
+
     def _work(self) -> None:
-        """The engine thread: runs tickets one at a time until `close`."""
-        while (ticket := self._queue.get()) is not None:
-            with self._lock:
-                self._waiting -= 1
-                self._busy = True
-                self.metrics.queue_depth.set(self._waiting)
+        """The engine thread: takes tickets into the batch, steps it, hands out the pieces, ends
+        cancelled and overdue requests; until `close` and every accepted request is done."""
+        closing = False
+        while True:
+            closing = self._take_tickets(block=not self._live and not closing) or closing
+            if closing and not self._live:
+                return
+            self._end_cancelled()
+            if not self._live:
+                continue
             t0 = time.perf_counter()
             try:
-                if ticket.cancelled:
-                    self.stats["cancelled"] += 1
-                    self.metrics.requests.labels("cancelled").inc()
-                    continue
-                self.metrics.batch_size.set(1)
-                pieces = self._generate(ticket.job, lambda: ticket.cancelled, ticket.received)
-                try:
-                    for piece in pieces:
-                        ticket.put(piece)
-                finally:
-                    pieces.close()  # here, on this thread: the cache is released before the next ticket
-            except Exception as e:  # handed to the request's consumer, which answers with it
-                self.metrics.requests.labels("refused" if isinstance(e, RequestError) else "error").inc()
-                ticket.put(e)
+                events = self.engine.step()
+            except Exception as e:  # a failed step fails the requests in it; the server goes on
+                for rid in list(self._live):
+                    self._end(rid, error=e)
+                continue
             finally:
-                self.metrics.batch_size.set(0)
-                ticket.put(_END)
-                ticket.done.set()
-                with self._lock:
-                    self._busy = False
+                self._publish()
                 self.stats["busy_seconds"] += time.perf_counter() - t0
+            self.metrics.batch_size.set(int(self.engine.rows.active.sum()))
+            for ev in events:
+                reply = self._live.get(ev.rid)
+                if reply is None:
+                    continue
+                stopped = reply.push(ev.tokens)
+                if stopped or ev.result is not None:
+                    if stopped:
+                        self.engine.cancel(ev.rid)
+                    self._end(ev.rid, "stop" if stopped else ev.result.finish_reason, ev.result)
+            self.metrics.batch_size.set(int(self.engine.rows.active.sum()))
 
-    def _generate(self, job: Job, cancelled=lambda: False, received: float | None = None) -> Iterator[Piece]:
-        """received: when the request arrived (time.perf_counter), for the time to first token."""
-        gen = self.gen
-        received = time.perf_counter() if received is None else received
-        try:
-            gen.check_prompts([job.prompt_ids])
-        except PromptError as e:
-            raise RequestError(str(e), code="context_length_exceeded") from None
-        self.stats["requests"] += 1
-        steps = self.runner.iter_generate([job.prompt_ids], job.max_tokens, job.sampling)
-        detok = IncrementalDetokenizer(gen.tokenizer)
-        text, sent, count = "", 0, 0
-        hold = max((len(s) for s in job.stop), default=1) - 1  # text that may start a stop sequence is held back
-        result, finish = None, "length"
-        last_out = None  # when the previous tokens came out
-        try:
-            for new in steps:
-                now = time.perf_counter()
-                if new[0]:
-                    if last_out is None:
-                        self.metrics.ttft.observe(now - received)
-                        if len(new[0]) > 1:
-                            self.metrics.tokens_out(now - received, len(new[0]) - 1)
-                    else:
-                        self.metrics.tokens_out(now - last_out, len(new[0]))
-                    last_out = now
-                for t in new[0]:
-                    count += 1
-                    if t not in gen.eos_ids:
-                        text += detok.push(t)
-                cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in job.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-                    break
-                safe = len(text) - hold if job.stop else len(text)
-                if safe > sent:
-                    yield Piece(text[sent:safe])
-                    sent = safe
-                if cancelled():  # checked before every model step
-                    self.stats["cancelled"] += 1
-                    finish = "cancelled"
-                    break
-            else:
-                result = steps.result[0]
-                finish = result.finish_reason
-        finally:
-            steps.close()  # a stop sequence or a gone client: end the generation, free its cache
+    def _take_tickets(self, block: bool) -> bool:
+        """Move tickets from the inbox into the engine; True once `close` was asked."""
+        closing = False
+        while True:
+            try:
+                ticket = self._inbox.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            if ticket is None:
+                closing = True
+                continue
+            with self._lock:
+                self._inbox_count -= 1
+            if ticket.cancelled:  # the client left before its request started
+                self.stats["cancelled"] += 1
+                self.metrics.requests.labels("cancelled").inc()
+                self._close_ticket(ticket)
+                continue
+            job = ticket.job
+            try:
+                rid = self.engine.submit(Request(job.prompt_ids, job.max_tokens, job.sampling))
+            except PromptError as e:
+                self.metrics.requests.labels("refused").inc()
+                self._close_ticket(ticket, RequestError(str(e), code="context_length_exceeded"))
+                continue
+            self.stats["requests"] += 1
+            self._live[rid] = _Reply(self, ticket)
+        self._publish()
+        return closing
+
+    def _end_cancelled(self) -> None:
+        """End the requests whose client left and those past the time limit."""
+        now = time.perf_counter()
+        for rid, reply in list(self._live.items()):
+            if reply.ticket.cancelled:
+                self.engine.cancel(rid)
+                self._end(rid, "cancelled")
+            elif now - reply.ticket.received > self.limits.request_timeout:
+                self.engine.cancel(rid)
+                self.stats["timed_out"] += 1
+                limit = self.limits.request_timeout
+                self._end(
+                    rid,
+                    error=RequestError(
+                        f"the request ran past the server's time limit of {limit:g} s; ask for fewer tokens "
+                        "(max_tokens) or retry when the server is less busy",
+                        status=504,
+                        code="timeout",
+                        kind="server_error",
+                    ),
+                )
+        self._publish()
+
+    def _end(self, rid: int, finish: str = "error", result: GenerationResult | None = None, error=None) -> None:
+        """A request is over: its last piece (or its error) goes out and its ticket closes."""
+        reply = self._live.pop(rid)
+        job = reply.ticket.job
         self.stats["prompt_tokens"] += len(job.prompt_ids)
-        self.stats["completion_tokens"] += count
+        self.stats["completion_tokens"] += reply.count
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-        self.metrics.completion_tokens.inc(count)
+        self.metrics.completion_tokens.inc(reply.count)
+        if error is not None:
+            self.metrics.requests.labels("error").inc()
+            self._close_ticket(reply.ticket, error)
+            return
+        if finish == "cancelled":
+            self.stats["cancelled"] += 1
         self.metrics.requests.labels("cancelled" if finish == "cancelled" else "ok").inc()
         m = result.metrics if result is not None else None
         if m is not None and self.draft_method is not None:
             self.metrics.speculation(self.draft_method, m.drafted_tokens, m.accepted_tokens, m.steps)
-        yield Piece(text[sent:], finish, len(job.prompt_ids), count, result)
+        reply.ticket.put(reply.last(finish, result))
+        self._close_ticket(reply.ticket)
+
+    @staticmethod
+    def _close_ticket(ticket: Ticket, error: Exception | None = None) -> None:
+        if error is not None:
+            ticket.put(error)
+        ticket.put(_END)
+        ticket.done.set()
+
+    def _publish(self) -> None:
+        with self._lock:
+            self._engine_waiting = len(self.engine.waiting)
+            self._running = self.engine.running
+            self.metrics.queue_depth.set(self.waiting)
 
     # -- OpenAI response shapes -----------------------------------------------------------------
 

@@ -94,8 +94,10 @@ def test_sampled_rows_draw_what_they_draw_alone(loopy_gen):
     """Each row has its own random generator from its seed: a seeded sampled request gives the
     same tokens in a batch as alone, plain and speculative (fixed N, a stateless lookup draft:
     the suffix draft learns from finished requests, so its drafts depend on their order)."""
-    rows = [Request(p, n, SamplingParams(temperature=1.0, top_p=0.9, seed=10 + i)) for i, (p, n) in
-            enumerate(zip(PROMPTS, BUDGETS))]
+    rows = [
+        Request(p, n, SamplingParams(temperature=1.0, top_p=0.9, seed=10 + i))
+        for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))
+    ]
     for runner in (loopy_gen, SpeculativeDecoder(loopy_gen, make_proposer("ngram"), make_policy(3))):
         solo = [runner.generate_ids([r.prompt], r.max_new_tokens, r.sampling)[0].token_ids for r in rows]
         out = BatchEngine(runner, max_batch=3, prefill_budget=8).run(rows, ARRIVALS)

@@ -251,7 +251,7 @@ def test_body_too_large_and_busy(gen):
     c = client(gen, max_body_bytes=200)
     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5 " * 100}]})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    service = CompletionService(slow_generator(gen), "tiny", ServerLimits(max_queue=0))
+    service = CompletionService(slow_generator(gen), "tiny", ServerLimits(max_queue=0, max_batch=1))
     c = TestClient(create_app(service))
     assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200  # idle: served
     long = service.run(
@@ -322,7 +322,7 @@ def live_server(gen, request):
         runner = slow_generator(gen)
     else:  # up to 5 tokens a step: a slower step keeps the generation as long
         runner = SpeculativeDecoder(slow_generator(gen, 0.2), make_proposer("suffix"), make_policy(4))
-    service = CompletionService(runner, "tiny")
+    service = CompletionService(runner, "tiny", ServerLimits(max_batch=1))  # one at a time: others queue
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -406,11 +406,13 @@ def test_default_model_served_with_speculation(real_artifacts):
     assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == expected
 
 
-def test_concurrent_requests_are_served_in_turn(gen):
-    """Requests arriving together wait for the engine and each gets its own, correct answer."""
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_concurrent_requests_each_get_their_own_answer(gen, max_batch):
+    """Requests arriving together wait for a slot (max_batch 1) or generate together (3); each
+    gets the answer it gets alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    c = client(gen)
+    c = client(gen, max_batch=max_batch)
     prompts = ["w5 w6 w7", "w9 w10", "w20 w21 w22 w23"]
     expected = [gen.decode(gen.generate_ids([gen.tokenizer.encode(p)], 16)[0].token_ids) for p in prompts]
 
@@ -453,3 +455,41 @@ def test_port_in_use_is_refused_before_serving(tiny_artifacts):
     held.close()
     assert r.returncode == 1 and "serving" not in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"Error: port {port} on 127.0.0.1 is already in use")
+
+
+def test_requests_join_a_running_batch_and_a_gone_client_frees_its_slot(gen):
+    """Continuous batching behind the API: three long requests in two slots (the third waits);
+    one client leaves and the waiting request takes its slot at once; the answers of the others
+    equal their answers alone, and the engine took fewer steps than tokens (it batched)."""
+    service = CompletionService(slow_generator(gen, 0.02), "tiny", ServerLimits(max_batch=2))
+
+    def parse(prompt, n, **extra):
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, **extra}
+        return service.parse(json.dumps(body).encode(), chat=False)
+
+    first = service.run(parse("w5 w6", 60))
+    second = service.run(parse("w9", 200, stream=True))
+    head = next(first).text
+    next(second)
+    third = service.run(parse("w20 w21 w22", 40))
+    assert wait_until(lambda: service.running == 2 and service.waiting == 1)
+    second.close()  # the client left
+    assert wait_until(lambda: service.waiting == 0 and service.running == 2, 2.0), "the slot was not handed on"
+    texts = [head + "".join(p.text for p in first), "".join(p.text for p in third)]
+    solo = slow_generator(gen, 0)
+    expected = [
+        solo.decode(solo.generate_ids([gen.tokenizer.encode(p)], n)[0].token_ids)
+        for p, n in (("w5 w6", 60), ("w20 w21 w22", 40))
+    ]
+    assert texts == expected
+    assert service.stats["cancelled"] == 1 and service.engine.steps < service.stats["completion_tokens"]
+    assert wait_until(lambda: not service.busy) and service.engine.idle
+    service.close()
+
+
+def test_a_request_past_the_time_limit_gets_504(gen):
+    c = client(slow_generator(gen, 0.05), request_timeout=0.3)
+    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 200})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    chunks = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 200, "stream": True}).text
+    assert '"code": "timeout"' in chunks and chunks.rstrip().endswith("data: [DONE]")
