@@ -665,6 +665,9 @@ def generate(
     type=click.FloatRange(min=0, min_open=True),
     help="Seconds a request may take from arrival; past it the request ends with 504.",
 )
+@click.option("--ray", "use_ray", is_flag=True, help="Serve --replicas engines behind Ray Serve (the ray extra).")
+@click.option("--replicas", default=2, show_default=True, type=click.IntRange(min=1), help="With --ray: engines.")
+@click.option("--ray-address", default=None, help="With --ray: a running Ray cluster to join (default: start one).")
 @_friendly_errors
 def serve(
     choice,
@@ -677,9 +680,13 @@ def serve(
     max_batch,
     prefill_budget,
     request_timeout,
+    use_ray,
+    replicas,
+    ray_address,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/models, streaming included), optionally with speculative decoding (--draft)."""
+    /v1/models, streaming included), optionally with speculative decoding (--draft), on one
+    engine or on several behind Ray Serve (--ray --replicas N)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -687,32 +694,73 @@ def serve(
         raise SpecrtError(
             "the server needs fastapi and uvicorn: pip install 'specrt[server]' (make setup installs them)"
         ) from None
-    from specrt.server import CompletionService, bind_socket
-    from specrt.server import serve as run_server
+    from specrt.server import bind_socket
 
+    limits = ServerLimits(
+        max_body_bytes=max_body_kb << 10,
+        max_tokens=max_tokens_limit,
+        max_queue=max_queue,
+        max_batch=max_batch,
+        prefill_budget=prefill_budget,
+        request_timeout=request_timeout,
+    )
     sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once
+    if use_ray:
+        sock.close()  # Ray Serve's proxy listens; it was only checked to be free
+        _serve_ray(choice, served_model_name, limits, host, port, replicas, ray_address)
+        return
     try:
         gen, runner = _make_runner(choice)
-        name = served_model_name or Path(gen.checkpoint or choice.checkpoint or choice.artifacts or choice.engine).name
-        limits = ServerLimits(
-            max_body_bytes=max_body_kb << 10,
-            max_tokens=max_tokens_limit,
-            max_queue=max_queue,
-            max_batch=max_batch,
-            prefill_budget=prefill_budget,
-            request_timeout=request_timeout,
-        )
-        service = CompletionService(runner, name, limits)
+        service = _service(gen, runner, choice, served_model_name, limits)
     except BaseException:
         sock.close()
         raise
     url_host = f"[{host}]" if ":" in host else host
-    click.echo(
-        f"serving {name!r} on http://{url_host}:{port} "
-        f"[{gen.backend.description}{', ' + choice.draft + ' draft' if choice.draft != 'none' else ''}]",
-        err=True,
-    )
+    click.echo(f"serving {service.model_id!r} on http://{url_host}:{port} [{_served(gen, choice)}]", err=True)
+    from specrt.server import serve as run_server
+
     run_server(service, sock)
+
+
+def _service(gen, runner, choice: EngineChoice, served_model_name, limits):
+    from specrt.server import CompletionService
+
+    name = served_model_name or Path(gen.checkpoint or choice.checkpoint or choice.artifacts or choice.engine).name
+    return CompletionService(runner, name, limits)
+
+
+def _served(gen, choice: EngineChoice) -> str:
+    return f"{gen.backend.description}{', ' + choice.draft + ' draft' if choice.draft != 'none' else ''}"
+
+
+def _serve_ray(choice: EngineChoice, served_model_name, limits, host, port, replicas, address) -> None:
+    """`serve --ray`: replicas of the engine behind Ray Serve's proxy (server_ray.py)."""
+    import os
+
+    try:
+        import ray  # noqa: F401
+        from ray import serve as _  # noqa: F401
+    except ImportError:
+        raise SpecrtError("--ray needs Ray Serve: pip install 'specrt[ray]' (or pip install 'ray[serve]')") from None
+    from specrt.server_ray import serve_ray
+
+    cpus = max(1, (os.cpu_count() or 1) // replicas)  # per replica; its ONNX Runtime threads match
+    if choice.threads == 0:
+        choice = dataclasses.replace(choice, threads=cpus)
+    if address is None:  # one machine: load the engine here first, so a bad option fails before Ray starts
+        gen, _ = _make_runner(choice)
+        what = _served(gen, choice)
+        del gen
+    else:
+        what = choice.draft
+
+    def make_service():
+        gen, runner = _make_runner(choice)
+        return _service(gen, runner, choice, served_model_name, limits)
+
+    url_host = f"[{host}]" if ":" in host else host
+    click.echo(f"serving {replicas} replicas on http://{url_host}:{port} via Ray Serve [{what}]", err=True)
+    serve_ray(make_service, replicas, host, port, cpus, limits.max_batch + limits.max_queue, address=address)
 
 
 @main.command()

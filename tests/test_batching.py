@@ -1,7 +1,7 @@
 """Continuous batching: requests that join and leave a running batch get the output they get
 alone (greedy, and sampled with a seed), for plain and speculative decoding; a cancelled or
 finished request frees its slot at once; the cache follows the longest request; each row's draft
-length follows its own acceptance."""
+stops drafting when its drafts keep failing."""
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from specrt.runtime.backends import TorchBackend
 from specrt.runtime.batching import BatchEngine, Request
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
-from specrt.runtime.policy import AutoPolicy, CostModel, StepCost, allocate
+from specrt.runtime.policy import AutoPolicy, CostModel
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
@@ -169,16 +169,6 @@ def test_bad_requests_are_refused_with_a_reason(ort_gen):
 
 
 # -- draft length per row ------------------------------------------------------------------------
-
-
-def test_allocate_gives_positions_to_the_rows_that_accept_them():
-    cost = StepCost(decode=1.0, alpha=0.2, beta=0.1, draft0=0.0)
-    good, bad = np.cumprod([0.9] * 6), np.cumprod([0.05] * 6)
-    n = allocate({0: good, 1: bad}, cost)
-    assert n[0] >= 4 and n[1] == 0  # the failing row stops drafting, the other goes on
-    assert allocate({0: bad, 1: bad}, cost) == {0: 0, 1: 0}  # nothing pays: plain decoding
-    dear = StepCost(decode=1.0, alpha=1.5, beta=0.1, draft0=0.0)  # a big batch: a position costs more
-    assert sum(allocate({0: good, 1: good}, dear).values()) < sum(allocate({0: good, 1: good}, cost).values())
 
 
 def test_auto_plan_stops_a_row_whose_drafts_keep_failing():

@@ -21,24 +21,15 @@ with everything measured online:
 N = 0 (plain decoding, speedup 1) is always a candidate, so speculation that does not pay is
 switched off; while off, every `probe_every`-th step drafts a little to keep the estimates current.
 
-In a batch (a static one, or the rows continuous batching runs together) `AutoPolicy.plan`
-goes one step further and gives each row its own length: the batch's N bounds it, and draft
-positions go to the rows most likely to accept them. With P_r(k) the chance that row r's draft
-reaches depth k accepted (its own decayed acceptance, the batch's as the prior), a step that
-drafts the set S of (row, depth) positions yields B + sum_S P_r(k) tokens for
-1 + beta + alpha_B |S| / B + T_draft(deepest) / T_decode decode steps; positions are taken in
-order of P while the ratio grows. So a row whose drafts keep failing stops drafting (its P drops
-below what a position costs) while the others go on, and as the batch grows alpha_B grows and
-fewer positions pay. A row's evidence decays with every step, drafted or not, so a row that
-stopped is tried again once the batch's prior outweighs its old failures.
-
-Robust to a noisy machine: contention only ever makes a step slower, and one slow step early in
-a request (another process took the core) must not switch speculation off for the rest of it.
-So each size's time is its median once it has `TRUST` observations, its fastest before; a size
-seen fewer times whose time is over `SPIKE` times what the priors predict is left out until it
-is confirmed; the line is fitted through the sizes' values weighted by their counts. Before any
-verification step the priors alpha = 0.05 and beta = 0.1 stand in; with one size seen, its
-measured cost is split between alpha and beta in the ratio of the priors.
+In a batch (a static one, or the rows continuous batching runs together) the step is dense: the
+graph computes B x Q positions, Q the longest row's, so the verification steps are observed at
+B x Q positions and every drafting row drafts the batch's N (a shorter draft in one row saves
+nothing while another row sets Q). A larger batch makes alpha_B larger, so N shrinks and then
+speculation turns itself off. What a row can still do is stop drafting when its drafts keep
+failing while its batch's succeed (`CostModel.failing`: its own decayed depth-1 rate, the batch's
+as a prior worth two observations, under a third of the batch's): its drafts cost host work and
+draft-model time for nothing. A row's evidence decays with every step, drafted or not, so a row
+that stopped is tried again once its old failures have faded.
 """
 
 from __future__ import annotations
@@ -50,6 +41,8 @@ import statistics
 import numpy as np
 
 TRUST = 3  # observations of a size before its median is believed
+ROW_EVIDENCE = 4.0  # a row's decayed depth-1 drafts before it may be judged failing
+ROW_FAILING = 1 / 3  # ... failing: its rate under this share of the batch's
 SPIKE = 3.0  # a less-observed size this many times dearer than the priors predict is a spike
 
 
@@ -143,6 +136,11 @@ class CostModel:
         tried, hit = self._row_counts(row)
         return (hit + 2.0 * self.acceptance()) / (tried + 2.0)
 
+    def failing(self, row: int) -> bool:
+        """The row's drafts keep failing where the batch's succeed (module docstring)."""
+        tried, _ = self._row_counts(row)
+        return bool(tried[0] >= ROW_EVIDENCE and self.row_acceptance(row)[0] < ROW_FAILING * self.acceptance()[0])
+
     def observe_step(self, positions: int, batch: int, seconds: float) -> None:
         """One target step over `positions` positions for `batch` rows (positions == batch: no draft)."""
         (self.plain_steps if positions == batch else self.spec_steps).append((positions, seconds))
@@ -233,25 +231,6 @@ class CostModel:
         return self.expected_tokens() / cost.relative(np.arange(self.max_draft + 1))
 
 
-def allocate(paths: dict[int, np.ndarray], cost: StepCost) -> dict[int, int]:
-    """Draft tokens per row that maximise the batch's tokens per step cost (module docstring).
-    paths: per row, P_r(k) for k = 1..n, the chance its draft reaches depth k accepted (not
-    increasing in k). Positions are taken best first, so each row's count is a prefix."""
-    batch = len(paths)
-    order = sorted((-float(p), k, row) for row, ps in paths.items() for k, p in enumerate(ps, 1))
-    tokens, best, best_m, deepest = float(batch), 1.0, 0, 0
-    for m, (neg_p, k, _) in enumerate(order, 1):
-        tokens -= neg_p
-        deepest = max(deepest, k)
-        relative = 1.0 + cost.beta + cost.alpha * m / batch + float(cost.draft_ratio(deepest))
-        if tokens / (batch * relative) > best:
-            best, best_m = tokens / (batch * relative), m
-    counts = dict.fromkeys(paths, 0)
-    for _, k, row in order[:best_m]:
-        counts[row] = max(counts[row], k)
-    return counts
-
-
 class FixedPolicy:
     def __init__(self, num_draft: int):
         self.max_draft = num_draft
@@ -281,10 +260,9 @@ class AutoPolicy:
         return n
 
     def plan(self, model: CostModel, rows: list[int]) -> dict[int, int]:
-        """Draft tokens per row: the batch's N (`num_draft`) bounds each row's, and the positions
-        go where they pay most (`allocate`); a probe drafts a little on every row."""
+        """Draft tokens per row: the batch's N (`num_draft`), except for rows whose drafts keep
+        failing (`CostModel.failing`), which draft nothing; a probe drafts a little on every row."""
         n = self.num_draft(model, len(rows))
         if n == 0 or self._off_steps > 0:  # off, or probing while off
             return dict.fromkeys(rows, n)
-        cost = model.cost(len(rows)) or StepCost(1.0, model.alpha_prior, model.beta_prior, 0.0)
-        return allocate({b: np.cumprod(model.row_acceptance(b)[:n]) for b in rows}, cost)
+        return {b: 0 if model.failing(b) else n for b in rows}

@@ -99,7 +99,7 @@ class StepRecord:
     trees: dict[int, DraftTree]
     depths: dict[int, np.ndarray]  # per row, each node's depth
     verdicts: dict[int, Verdict]
-    positions: int  # fed to the target step, over the batch
+    positions: int  # computed by the target step: rows x the longest row's positions
     draft_seconds: float
     verify_seconds: float
     new_tokens: list[list[int]]
@@ -170,7 +170,8 @@ class SpeculativeDecoder:
         out = self.verify(state, rows, trees, depths)
         verdicts = self.accept(state, rows, trees, out)
         new_tokens = self.commit(state, rows, trees, verdicts, out)
-        positions = sum(len(trees[b]) + 1 for b in rows)
+        # the step is dense: every row is computed at the longest row's length
+        positions = len(rows) * max(len(trees[b]) + 1 for b in rows)
         record = StepRecord(rows, trees, depths, verdicts, positions, t1 - t0, time.perf_counter() - t1, new_tokens)
         self.observe(state, record)
         return record
