@@ -3,7 +3,6 @@ alone (greedy, and sampled with a seed), for plain and speculative decoding; a c
 finished request frees its slot at once; the cache follows the longest request; each row's draft
 stops drafting when its drafts keep failing."""
 
-import numpy as np
 import pytest
 
 from specrt.errors import PromptError, SpecrtError
