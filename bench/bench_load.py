@@ -2,6 +2,7 @@
 
     python bench/bench_load.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--draft suffix]
                                [--rates 0.25,0.5,1] [--minutes 5] [--disconnect 0.1]
+                               [--max-batch 8] [--serve-args '--ray --replicas 2'] [--name load]
 
 Starts a server (a subprocess on a free port), answers every benchmark prompt of the classes
 chat, code editing and JSON once alone (greedy: the reference answers), then offers load for
@@ -47,9 +48,10 @@ def start_server(args, port: int, log: Path) -> subprocess.Popen:
     import urllib.request
 
     cmd = [str(ROOT / ".venv" / "bin" / "specrt"), "serve", "--artifacts", str(args.artifacts), "--port", str(port)]
-    cmd += ["--served-model-name", "specrt", "--max-queue", str(args.max_queue)]
+    cmd += ["--served-model-name", "specrt", "--max-queue", str(args.max_queue), "--max-batch", str(args.max_batch)]
     if args.draft != "none":
         cmd += ["--draft", args.draft]
+    cmd += args.serve_args.split()
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -150,9 +152,12 @@ def main():
     ap.add_argument("--minutes", type=float, default=5.0, help="total load time, split over the rates")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-queue", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=8, help="the server's continuous batch (1: one at a time)")
+    ap.add_argument("--serve-args", default="", help="more `specrt serve` options, e.g. '--ray --replicas 2'")
     ap.add_argument("--disconnect", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--name", default="load", help="the result file's name: NAME-DATE.json")
     args = ap.parse_args()
 
     from specrt.artifacts import cpu_model, package_versions
@@ -197,7 +202,13 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": cpu_model()},
         "versions": package_versions("onnxruntime", "openai", "fastapi", "uvicorn"),
-        "server": {"artifacts": str(args.artifacts), "draft": args.draft, "max_queue": args.max_queue},
+        "server": {
+            "artifacts": str(args.artifacts),
+            "draft": args.draft,
+            "max_queue": args.max_queue,
+            "max_batch": args.max_batch,
+            "serve_args": args.serve_args,
+        },
         "load": {
             "minutes": args.minutes,
             "max_tokens": args.max_tokens,
@@ -208,7 +219,7 @@ def main():
         },  # fmt: skip
         "rates": {str(k): v for k, v in results.items()},
     }
-    print(f"wrote {write_result_json(result, args.out, 'load')}")
+    print(f"wrote {write_result_json(result, args.out, args.name)}")
 
 
 async def offer_alone(base: str, prompt: str, max_tokens: int) -> dict:

@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -754,7 +755,9 @@ def create_app(service: CompletionService):
             "model": service.model_id,
             "backend": service.gen.backend.description,
             "busy": service.busy,
+            "running": service.running,
             "waiting": service.waiting,
+            "pid": os.getpid(),  # which process answered (replicas behind Ray Serve each have their own)
         }
 
     @app.get("/metrics")

@@ -66,13 +66,29 @@ def serve_ray(
 ) -> None:
     """Start (or join, with `address`) a Ray cluster and run the replicas behind Ray Serve's
     proxy on host:port; with blocking=True, until interrupted."""
+    import signal
+
     import ray
     from ray import serve
 
+    def stop(*_):  # SIGTERM (a process manager, a benchmark) ends it like Ctrl-C: Ray is shut down
+        raise KeyboardInterrupt
+
     ray.init(address=address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
-    app = ray_application(make_service, replicas, cpus_per_replica, max_ongoing_requests)
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        app = ray_application(make_service, replicas, cpus_per_replica, max_ongoing_requests)
+        if not blocking:
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            return
+        signal.signal(signal.SIGTERM, stop)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        shutdown()
+        raise
+    shutdown()  # blocking: the server was stopped
 
 
 def shutdown() -> None:

@@ -185,3 +185,27 @@ def test_auto_plan_stops_a_row_whose_drafts_keep_failing():
     for _ in range(400):  # the failing row's evidence fades with every step, drafted or not
         model.observe_step(2, 2, 0.010)
     assert model.row_acceptance(0)[0] == pytest.approx(model.acceptance()[0], abs=0.01)
+
+
+def test_a_batch_that_always_drafts_learns_its_decode_cost_from_the_line():
+    """No plain step at batch 8 (it always drafted): T_decode(8) comes from the verification
+    line at P = 8 less the jump measured at batch 1, so alpha_8 is right. Backing it out through
+    the priors had made a dear batch look cheap (measured: the server drafted more at 8 and 16
+    clients than at 1 and lost 18 % to plain)."""
+
+    def t(positions, q):  # a dense step: linear in the positions computed, a jump when Q > 1
+        return 0.02 + 0.001 * positions + (0.002 if q > 1 else 0.0)
+
+    model = CostModel(max_draft=16)
+    for _ in range(10):
+        model.observe_step(1, 1, t(1, 1))
+        for q in (5, 17, 9):
+            model.observe_step(8 * q, 8, t(8 * q, q))
+    cost = model.cost(8)
+    assert cost.decode == pytest.approx(t(8, 1), rel=0.05)
+    assert cost.alpha == pytest.approx(0.001 * 8 / t(8, 1), rel=0.05)
+    for i in range(60):
+        model.observe_acceptance(16, int(i % 4 == 0))  # one in four first drafts accepted
+    # at batch 1 a draft position costs ~5 % of a step and pays; at batch 8 ~29 % and does not
+    assert AutoPolicy(max_draft=16).num_draft(model, 1) >= 1
+    assert AutoPolicy(max_draft=16).num_draft(model, 8) == 0

@@ -180,14 +180,22 @@ class CostModel:
         # priors): noise only ever makes a step slower
         guess = decode or min((t / self._prior(z, batch) for z, t in self.spec_steps), default=None)
         sizes, times, counts = self._sizes(guess, batch)
+        line = None
+        if len(sizes) >= 2:  # a line through the verification steps (of every batch size)
+            c1, c0 = np.polyfit(sizes, times, 1, w=np.sqrt(counts))
+            line = float(c0), max(float(c1), 0.0)
         if decode is None:
             if not len(sizes):
                 return None
-            # no plain step yet: back out T_decode from the verification steps with the priors
-            decode = statistics.median(t / self._prior(z, batch) for z, t in zip(sizes, times))
-        if len(sizes) >= 2:  # a line through the verification steps
-            c1, c0 = np.polyfit(sizes, times, 1, w=np.sqrt(counts))
-            c1 = max(float(c1), 0.0)
+            if line is not None:
+                # no plain step at this batch size (a batch that always drafts): the line at P = B,
+                # less the verification jump where plain steps were seen (the prior's if nowhere).
+                # Backing out through the priors instead let a dear batch look cheap and draft more.
+                decode = (line[0] + line[1] * batch) / (1.0 + self._jump(line))
+            else:  # no plain step yet: back out T_decode from the verification steps with the priors
+                decode = statistics.median(t / self._prior(z, batch) for z, t in zip(sizes, times))
+        if line is not None:
+            c0, c1 = line
             alpha = c1 * batch / decode
             beta = max((c0 + c1 * batch) / decode - 1.0, 0.0)
         elif len(sizes) == 1 and plain and sizes[0] > batch:
@@ -201,6 +209,15 @@ class CostModel:
             alpha, beta = self.alpha_prior, self.beta_prior
         d0, d1 = self._draft_line()
         return StepCost(decode, alpha, beta, d0 / decode, d1 / decode)
+
+    def _jump(self, line: tuple[float, float]) -> float:
+        """beta where it was measured: the verification line at P = B over the plain step, at the
+        batch sizes that have plain steps (median); the prior where none has."""
+        plain: dict[int, list[float]] = collections.defaultdict(list)
+        for b, t in self.plain_steps:
+            plain[b].append(t)
+        jumps = [max((line[0] + line[1] * b) / _robust(ts) - 1.0, 0.0) for b, ts in plain.items()]
+        return statistics.median(jumps) if jumps else self.beta_prior
 
     def _draft_line(self) -> tuple[float, float]:
         """T_draft(n) = d0 + d1 * n in seconds."""

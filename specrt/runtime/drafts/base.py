@@ -15,6 +15,12 @@ A generation tells its proposer, for the rows of its batch:
     end(rows, outputs)                  the rows finished; methods that learn across requests
                                         (suffix) keep the outputs
 
+Rows come and go independently under continuous batching (runtime/batching.py): `begin` and
+`end` may name single rows while others are running, and a row number that ended may begin
+again for a new request, so a method keeps its state per row. `propose` gets the rows that draft
+this step (those the policy gives a length); rows of one call share their sampling settings
+and random generator (greedy rows together, a seeded sampled row alone).
+
 and declares two facts about itself:
 
     needs_features   whether DraftInput.features is filled (it costs a host copy of the target's
