@@ -198,7 +198,11 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     help="TensorRT verify profile: max draft tokens (or tree size) + 1.",
 )
 @click.option(
-    "--max-batch", default=1, show_default=True, type=click.IntRange(min=1), help="TensorRT profiles: largest batch."
+    "--max-batch",
+    default=SERVER.max_batch,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="TensorRT profiles: largest batch (serve's continuous batch needs at least its --max-batch).",
 )
 @click.option(
     "--compute-capability",

@@ -4,7 +4,11 @@ It lets the CPU suite test TrtBackend's glue: the profile chosen per step, the i
 tensor addresses (the KV cache bound in place), output allocation and dtypes. Every input is read
 from the raw address the backend bound, with the shape it set, and every output is written to
 the address it bound, so a wrong address, shape, dtype or profile gives wrong tokens or an error.
-Shapes outside the active profile are refused, as TensorRT does (set_input_shape -> False).
+Shapes outside the active profile are refused, as TensorRT does (set_input_shape -> False), and
+so are KV-cache addresses that are not 256-byte aligned (set_tensor_address -> False): TensorRT
+requires every bound address to be; the runtime controls the KV slices' (offsets into one cache
+buffer), while every other tensor is an allocation of its own, which CUDA aligns (on the CPU
+torch aligns only to 64 bytes, so those are not checked here).
 It is not TensorRT: real engines run only on a GPU (the tests marked gpu).
 """
 
@@ -83,6 +87,8 @@ class FakeContext:
         return True
 
     def set_tensor_address(self, name, ptr):
+        if name in self.engine.io.past_names and ptr % 256:
+            return False
         self.addresses[name] = ptr
         return True
 

@@ -220,7 +220,7 @@ def test_inspect_artifacts(tiny_artifacts, tmp_path):
     assert "[onnx-step-graph]" in out and "[ort-engine]" in out and "status      usable here" in out
     assert "LlamaForCausalLM: 2 layers, hidden 64, vocab 128" in out
     if (tiny_artifacts / "engines" / "trt-tensorrt-rtx").is_dir():
-        assert "[trt-engine]" in out and "verify         1..1       1..17       0..2065" in out and "prefill" in out
+        assert "[trt-engine]" in out and "verify         1..1       1..17       0..2112" in out and "prefill" in out
         if not torch.cuda.is_available():
             assert "running it needs an NVIDIA GPU and there is none here" in out and r.exit_code == 1
     art = shutil.copytree(tiny_artifacts, tmp_path / "art")

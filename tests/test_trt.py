@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
+from specrt.engines.profiles import CACHE_ALIGN, EngineShapes, ProfileSpec, Range
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 
 # -- profiles (no TensorRT needed) ---------------------------------------------------------------
@@ -26,7 +26,9 @@ def test_default_profiles_and_selection():
     verify, prefill = EngineShapes(max_context=1024, max_prefill=256, max_verify=9).profiles()
     assert (verify.name, verify.q_len) == ("verify", Range(1, 4, 9))
     assert (prefill.name, prefill.q_len.max) == ("prefill", 256)
-    assert verify.past_len.max == 1024 + 9  # the runtime feeds its whole cache
+    # the runtime feeds its whole cache (context + one verification), rounded up so that the
+    # largest cache's layer slices are 256-byte aligned too
+    assert verify.past_len.max == 1088 and verify.past_len.max % CACHE_ALIGN == 0 and 1088 - 64 < 1024 + 9
     assert verify.holds(1, 1, 500) and not verify.holds(1, 10, 500) and prefill.holds(1, 10, 500)
 
 

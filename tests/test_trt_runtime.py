@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from specrt.engines.profiles import EngineShapes
+from specrt.engines.profiles import CACHE_ALIGN, EngineShapes
 from specrt.errors import ArtifactError, ManifestMismatchError, PromptError, SpecrtError
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
+from specrt.runtime.kv_cache import aligned_zeros
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
 from fake_tensorrt import fake_tensorrt
@@ -43,6 +44,17 @@ def small_engine(tiny_artifacts, tmp_path_factory):
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx is not installed (make setup installs it)")
     spec = TrtBuildSpec(flavour="tensorrt-rtx", shapes=EngineShapes(max_context=64, max_prefill=16, max_verify=5))
     return build_trt_engine(tiny_artifacts / "onnx", tmp_path_factory.mktemp("trt") / "small", spec, progress=False)
+
+
+@pytest.fixture(scope="module")
+def batch_engine(tiny_artifacts, tmp_path_factory):
+    """The small engine's shapes for up to 3 rows at once."""
+    from specrt.engines.trt import TrtBuildSpec, build_trt_engine
+
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx is not installed (make setup installs it)")
+    shapes = EngineShapes(max_batch=3, max_context=64, max_prefill=16, max_verify=5)
+    spec = TrtBuildSpec(flavour="tensorrt-rtx", shapes=shapes)
+    return build_trt_engine(tiny_artifacts / "onnx", tmp_path_factory.mktemp("trt") / "batch", spec, progress=False)
 
 
 def fake_backend(engine_dir, model, **kw):
@@ -83,19 +95,22 @@ def test_engine_steps_equal_the_reference(small_engine, model, spec):
 
 def test_pooled_caches_fit_the_engine(small_engine, model):
     """With graphs the generator pools caches rounded up to 256 positions; for an engine the
-    rounding stops at the profiles' largest past (context 64 + verify 5)."""
+    rounding stops at the profiles' largest past (context 64 + verify 5, rounded up to 128 so
+    that the largest cache's slices are aligned too)."""
     backend, _ = fake_backend(small_engine, model)
     backend.caps = dataclasses.replace(backend.caps, reuse_cache=True)  # as with cuda_graphs on a GPU
     gen = Generator(backend)
     expected = run(Generator(TorchBackend(model), max_context=64), PROMPTS[1:], spec=True)
     assert run(gen, PROMPTS[1:], spec=True) == expected and run(gen, PROMPTS[1:], spec=True) == expected
-    assert [c.capacity for c in gen.session.pooled_caches] == [69]
+    assert [c.capacity for c in gen.session.pooled_caches] == [128]
 
 
 def emulate_capture(backend) -> list[int]:
-    """Turn on the graph path with an emulated capture: a 'graph' re-binds the shapes and
-    addresses its context had when captured (what a real graph bakes in) and executes. Returns
-    the list the profile of every capture is appended to."""
+    """Turn on the graph path with an emulated capture: a 'graph' executes with the shapes and
+    addresses its context had when captured (what a real graph bakes in), and refuses to replay
+    on a context since bound to anything else (TensorRT promises nothing for that; the backend
+    must give the context its captured binding back first). Returns the list the profile of
+    every capture is appended to."""
     captures = []
 
     def capture(profile):
@@ -104,7 +119,7 @@ def emulate_capture(backend) -> list[int]:
         captures.append(profile)
 
         def replay():
-            ctx.shapes, ctx.addresses = dict(shapes), dict(addresses)
+            assert (ctx.shapes, ctx.addresses) == (shapes, addresses), "replayed on a context bound otherwise"
             backend._execute(profile)
 
         return replay
@@ -142,7 +157,6 @@ def test_graph_path_with_emulated_capture(small_engine, model, spec):
 def test_graph_key_holds_every_bound_cache_buffer(small_engine, model):
     """A graph bakes in the addresses of both cache tensors: a cache whose values buffer moved
     (keys unchanged) must get a new capture, not a replay that reads the old values."""
-    import torch
 
     backend, _ = fake_backend(small_engine, model)
     captures = emulate_capture(backend)
@@ -154,7 +168,7 @@ def test_graph_key_holds_every_bound_cache_buffer(small_engine, model):
         s.forward(c, [prompt])
     assert np.allclose(session.forward(cache, [[7]]).logits, reference.forward(ref_cache, [[7]]).logits, atol=1e-4)
     n = len(captures)
-    cache.values = torch.empty_like(cache.values).copy_(cache.values)  # same contents, another address
+    cache.values = aligned_zeros(tuple(cache.values.shape), "cpu").copy_(cache.values)  # same contents, moved
     out = session.forward(cache, [[9]]).logits
     assert len(captures) == n + 1  # captured again for the new binding
     assert np.allclose(out, reference.forward(ref_cache, [[9]]).logits, atol=1e-4)
@@ -181,6 +195,43 @@ def test_a_failed_capture_falls_back_to_plain_steps(small_engine, model):
     assert shapes > 0 and all(entry is None for entry in backend._graphs.values())
     assert len(tries) == shapes == len(backend.capture_failures)  # each shape tried once
     assert "RuntimeError: operation not permitted" in backend.capture_failures[0]
+
+
+def test_kv_slices_are_bound_at_aligned_addresses(small_engine, model):
+    """TensorRT requires 256-byte aligned addresses, and layer i's slice of a cache starts at
+    i * B * Hkv * C * D * 4 bytes: the session rounds capacities to multiples of 64 positions,
+    the engine's largest past is one, and a cache that is not (made by hand) is refused with the
+    reason, not bound (the stand-in refuses it the way TensorRT does: a False return)."""
+    from specrt.runtime.kv_cache import KVCache
+
+    backend, _ = fake_backend(small_engine, model)
+    session = Generator(backend).session
+    cfg = backend.config
+    assert (cfg.num_key_value_heads * cfg.head_dim * 4 * 69) % 256  # capacity 69 would misalign layer 1
+    cache = session.new_cache(1, 69)
+    assert cache.capacity % CACHE_ALIGN == 0 and cache.capacity >= 69
+    assert all(cache.keys[i].data_ptr() % 256 == 0 for i in range(cfg.num_hidden_layers))
+    session.forward(cache, [PROMPTS[1]])
+    odd = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 69, cfg.head_dim, device="cpu")
+    with pytest.raises(SpecrtError, match="past a 256-byte boundary"):
+        session.forward(odd, [PROMPTS[1]])
+
+
+def test_continuous_batching_on_the_engine(batch_engine, model):
+    """Requests joining and leaving a batch on the TensorRT backend: each newcomer is prefilled on
+    its own row (a slice bound at an aligned offset inside the cache), and every answer equals
+    the reference's alone; a batch larger than the engine's profiles is refused up front."""
+    from specrt.runtime.batching import BatchEngine, Request
+
+    backend, _ = fake_backend(batch_engine, model)
+    gen = Generator(backend)
+    reference = Generator(TorchBackend(model), max_context=64)
+    prompts = [PROMPTS[1], PROMPTS[0][:9], [40, 41], PROMPTS[0][:14]]
+    expected = [reference.generate_ids([p], 12)[0].token_ids for p in prompts]
+    out = BatchEngine(gen, max_batch=3, prefill_budget=4).run([Request(p, 12) for p in prompts], [0, 1, 1, 4])
+    assert [r.token_ids for r in out] == expected
+    with pytest.raises(SpecrtError, match="at most 3 rows"):
+        BatchEngine(gen, max_batch=4)
 
 
 def test_prompt_longer_than_the_engine_context(small_engine, model):

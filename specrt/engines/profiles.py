@@ -14,6 +14,11 @@ import dataclasses
 from specrt.errors import SpecrtError
 from specrt.export.step_io import STEP_INPUTS, StepIO
 
+# TensorRT requires every bound address to be 256-byte aligned. A KV cache is one buffer
+# [L, B, Hkv, C, D] whose layer and row slices are bound in place, at multiples of Hkv * C * D * 4
+# bytes: with C a multiple of 64 positions that is a multiple of 256 for any Hkv and D (float32).
+CACHE_ALIGN = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class Range:
@@ -93,8 +98,10 @@ class EngineShapes:
                 f"({self.max_context})."
             )
         batch = Range(1, 1, self.max_batch)
-        # the runtime feeds its whole preallocated cache: the context plus room for one draft
-        past = Range(0, self.max_context // 2, self.max_context + self.max_verify)
+        # the runtime feeds its whole preallocated cache: the context plus room for one draft, up to
+        # a multiple of CACHE_ALIGN (the largest cache must still have aligned slices)
+        most = -(-(self.max_context + self.max_verify) // CACHE_ALIGN) * CACHE_ALIGN
+        past = Range(0, self.max_context // 2, most)
         verify = ProfileSpec("verify", batch, Range(1, min(4, self.max_verify), self.max_verify), past)
         prefill = ProfileSpec("prefill", batch, Range(1, self.max_prefill // 2 or 1, self.max_prefill), past)
         for p in (verify, prefill):

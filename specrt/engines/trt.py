@@ -211,6 +211,7 @@ def build_serialized(onnx_file: Path, shapes: list[tuple[str, dict]], spec: TrtB
         "inputs": [_io(network.get_input(i)) for i in range(network.num_inputs)],
         "outputs": [_io(network.get_output(i)) for i in range(network.num_outputs)],
         "workspace_mib": spec.workspace_mib,
+        "max_context": spec.shapes.max_context,  # the profiles' past length is this, rounded up (CACHE_ALIGN)
         "tf32": bool(config.get_flag(trt.BuilderFlag.TF32)),  # as the builder had it, not as asked
         "build_seconds": round(time.perf_counter() - t0, 2),
         "versions": package_versions("onnx"),
@@ -356,6 +357,9 @@ def check_engine_gpu(
 
 def engine_max_context(manifest: dict) -> int:
     """Longest context (prompt + output) the engine's profiles serve: the runtime binds the whole
-    cache, which holds the context plus one verification step."""
+    cache, which holds the context plus one verification step (as built; older manifests: from
+    the verify profile)."""
+    if "max_context" in manifest:
+        return int(manifest["max_context"])
     verify = manifest["profiles"][0]
     return int(verify["past_len"]["max"] - verify["q_len"]["max"])

@@ -103,6 +103,12 @@ class BatchEngine:
         self.spec = runner if isinstance(runner, SpeculativeDecoder) else None
         self.gen: Generator = runner.gen
         self.session = self.gen.session
+        most = self.session.caps.max_batch
+        if most is not None and max_batch > most:
+            raise SpecrtError(
+                f"this engine steps at most {most} rows at once (its profiles), but max_batch is {max_batch}; use "
+                f"--max-batch {most} or less, or rebuild the engine with a larger --max-batch"
+            )
         self.max_batch, self.prefill_budget, self.max_waiting = max_batch, prefill_budget, max_waiting
         self.headroom = self.spec.policy.max_draft + 1 if self.spec else 0  # one unverified draft
         self.waiting: collections.deque[_Slot] = collections.deque()

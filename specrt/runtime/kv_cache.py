@@ -33,10 +33,8 @@ class KVCache:
             self.keys = np.zeros(shape, dtype=dtype)
             self.values = np.zeros(shape, dtype=dtype)
         else:
-            import torch
-
-            self.keys = torch.zeros(shape, dtype=torch.float32, device=device)
-            self.values = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.keys = aligned_zeros(shape, device)
+            self.values = aligned_zeros(shape, device)
         self.device = device
         self.lengths = np.zeros(batch, dtype=np.int64)  # committed positions per row
         self.capacity = capacity
@@ -118,3 +116,15 @@ class KVCache:
     def attention_mask(self, q_len: int, new_mask: np.ndarray | None = None) -> np.ndarray:
         """(B, Q, C + Q) bool mask for a step of Q new positions (step_io.attention_mask)."""
         return attention_mask(self.lengths, self.capacity, q_len, new_mask)
+
+
+def aligned_zeros(shape: tuple[int, ...], device: str):
+    """A float32 torch tensor of zeros whose data starts at a 256-byte boundary (TensorRT binds the
+    cache's slices in place and requires aligned addresses; CUDA allocations are aligned already,
+    the CPU allocator only to 64 bytes, which the CPU stand-in of TensorRT would refuse)."""
+    import torch
+
+    n = int(np.prod(shape))
+    buf = torch.zeros(n + 64, dtype=torch.float32, device=device)
+    skip = (-buf.data_ptr() % 256) // 4
+    return buf[skip : skip + n].view(shape)

@@ -1,12 +1,20 @@
 """Speculation length: a fixed N, or `auto`, which picks N each step from the cost model
 
-    speedup(N) = E[tokens per step | N] / (1 + beta_B + alpha_B * N + T_draft(N) / T_decode)
+    speedup(N) = E[tokens per step | N] / (1 + beta_B + alpha_B * positions_B(N) + T_draft(N) / T_decode)
 
 with everything measured online:
-    E[tokens | N] = 1 + sum_{i<=N} prod_{j<=i} a_j, a_j the acceptance rate at depth j given
-                    depth j-1 was accepted (exponentially decayed counts; the prior of depth j is
-                    two pseudo-observations at the rate of depth j-1, so depths not yet drafted
-                    are expected to behave like the deepest one seen, and N can grow into them);
+    E[tokens | N] = 1 + sum_{i<=N} prod_{j<=i} a_j, a_j the rate at which depth j is accepted
+                    when asked for and depth j-1 was accepted; a depth the draft did not fill
+                    (a lookup without a match, a chain cut short) counts as not accepted, since
+                    what is asked for is N (exponentially decayed counts; the prior of depth j
+                    is two pseudo-observations at the rate of depth j-1, so depths not yet
+                    drafted are expected to behave like the deepest one seen, and N can grow
+                    into them);
+    the positions a step verifies: a row asked for N drafts f_j of the time at least j tokens
+                    (f: the fill rates, decayed counts, prior 1), and the step is dense (every
+                    row is computed at the longest row's length), so B rows verify
+                    E[max len] = sum_{j<=N} (1 - (1 - f_j)^B) positions past the root: one row
+                    alone pays for what it drafted, a batch for its longest draft;
     T_decode      time of a plain step (no draft) at this batch size B;
     alpha, beta   a line t(P) = c0 + c1 * P through the verification steps (P = positions in the
                     step over the whole batch): alpha_B = c1 * B / T_decode is the cost of one
@@ -35,6 +43,7 @@ that stopped is tried again once its old failures have faded.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import statistics
 
@@ -93,8 +102,10 @@ class CostModel:
     ):
         self.max_draft = max_draft
         self.decay = decay
-        self.tried = np.zeros(max_draft)  # decayed counts: depth j was drafted and j-1 accepted
+        self.tried = np.zeros(max_draft)  # decayed counts: depth j was asked for and j-1 accepted
         self.hit = np.zeros(max_draft)  # ... and depth j was accepted
+        self.reach = np.zeros(max_draft)  # decayed counts: a row was asked for depth j or more
+        self.fill = np.zeros(max_draft)  # ... and drafted at least j positions
         self.plain_steps: collections.deque = collections.deque(maxlen=window)  # (batch, seconds)
         self.spec_steps: collections.deque = collections.deque(maxlen=window)  # (positions, seconds)
         self.drafts: collections.deque = collections.deque(maxlen=window)  # (draft tokens per row, seconds)
@@ -103,20 +114,51 @@ class CostModel:
         self._fits: dict[int, StepCost | None] = {}  # per batch size, cleared by each new step
         self._rows: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # row -> (tried, hit, at step)
         self._steps = 0  # target steps observed (a row's evidence decays per step)
+        self._batched = False  # inside batched_step
 
-    def observe_acceptance(self, drafted_depth: int, accepted: int, row: int | None = None) -> None:
-        """One verified draft: how deep it went and how many were accepted (of `row`, when given,
-        also into that row's own counts)."""
-        tested = min(drafted_depth, accepted + 1, self.max_draft)  # depths whose verdict we saw
-        self.tried *= self.decay
-        self.hit *= self.decay
+    def observe_acceptance(
+        self,
+        drafted_depth: int,
+        accepted: int,
+        row: int | None = None,
+        asked: int | None = None,
+        positions: int | None = None,
+    ) -> None:
+        """One row's verified draft: how many tokens were asked for (default: the depth), how deep
+        the draft went, how many positions it had (a tree: its nodes; default: the depth) and how
+        many were accepted (of `row`, when given, also into that row's own counts)."""
+        asked = drafted_depth if asked is None else asked
+        positions = drafted_depth if positions is None else positions
+        tested = min(asked, accepted + 1, self.max_draft)  # depths asked for whose verdict we know
+        if not self._batched:  # one row's draft per step: it is the step
+            self.decay_acceptance()
         self.tried[:tested] += 1
         self.hit[: min(accepted, self.max_draft)] += 1
+        self.reach[: min(asked, self.max_draft)] += 1
+        self.fill[: min(positions, asked, self.max_draft)] += 1
         if row is not None:
             tried, hit = self._row_counts(row)
             tried[:tested] += 1
             hit[: min(accepted, self.max_draft)] += 1
             self._rows[row] = (tried, hit, self._steps)
+
+    def decay_acceptance(self) -> None:
+        """Age the acceptance counts by one step. A batch calls this once per step before its rows'
+        `observe_acceptance` (`batched_step`), so the memory is ~1 / (1 - decay) steps whatever
+        the batch size (per row it would be a few steps of a large batch: noisy estimates, and
+        the largest of noisy estimates is the one the policy picks)."""
+        for counts in (self.tried, self.hit, self.reach, self.fill):
+            counts *= self.decay
+
+    @contextlib.contextmanager
+    def batched_step(self):
+        """The rows' observations of one step, aged once (see `decay_acceptance`)."""
+        self.decay_acceptance()
+        self._batched = True
+        try:
+            yield
+        finally:
+            self._batched = False
 
     def _row_counts(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         """A row's counts decayed to now (copies)."""
@@ -243,9 +285,32 @@ class CostModel:
         """(max_draft + 1,) E[tokens per step] for N = 0 .. max_draft."""
         return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()))])
 
-    def speedups(self, batch: int) -> np.ndarray:
+    def fill_rates(self) -> np.ndarray:
+        """(max_draft,) f_j: how often a row asked for depth j or more drafted at least j positions."""
+        return (self.fill + 2.0) / (self.reach + 2.0)
+
+    def expected_positions(self, batch: int) -> np.ndarray:
+        """(max_draft + 1,) draft positions a dense step of `batch` rows verifies per row, for
+        N = 0 .. max_draft: the expected longest draft (module docstring)."""
+        some = 1.0 - (1.0 - self.fill_rates()) ** batch  # some row drafted depth j
+        return np.concatenate([[0.0], np.cumsum(some)])
+
+    def row_expected_tokens(self, rows: list[int]) -> np.ndarray:
+        """(max_draft + 1,) E[tokens per row | N], the mean over the rows of each row's own
+        (its acceptance: its counts, the batch's rates as the prior; a failing row drafts nothing,
+        so it brings one token whatever N is)."""
+        rates = np.stack([np.zeros(self.max_draft) if self.failing(b) else self.row_acceptance(b) for b in rows])
+        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates, axis=1).mean(axis=0))])
+
+    def speedups(self, batch: int, rows: list[int] | None = None) -> np.ndarray:
+        """speedup(N) for N = 0 .. max_draft; with `rows`, E[tokens] from each row's own acceptance."""
         cost = self.cost(batch) or StepCost(1.0, self.alpha_prior, self.beta_prior, 0.0)
-        return self.expected_tokens() / cost.relative(np.arange(self.max_draft + 1))
+        n = np.arange(self.max_draft + 1)
+        positions = self.expected_positions(batch)
+        drafts = np.where(n > 0, 1.0 - (1.0 - self.fill_rates()[0]) ** batch, 0.0)  # some row drafted at all
+        relative = 1.0 + cost.beta * drafts + cost.alpha * positions + cost.draft_ratio(n)
+        expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows)
+        return expected / relative
 
 
 class FixedPolicy:
@@ -266,8 +331,8 @@ class AutoPolicy:
         self.probe_every, self.probe_draft = probe_every, probe_draft
         self._off_steps = 0
 
-    def num_draft(self, model: CostModel, batch: int) -> int:
-        n = int(np.argmax(model.speedups(batch)))
+    def num_draft(self, model: CostModel, batch: int, rows: list[int] | None = None) -> int:
+        n = int(np.argmax(model.speedups(batch, rows)))
         if n == 0:
             self._off_steps += 1
             if self._off_steps % self.probe_every == 0:
@@ -279,7 +344,7 @@ class AutoPolicy:
     def plan(self, model: CostModel, rows: list[int]) -> dict[int, int]:
         """Draft tokens per row: the batch's N (`num_draft`), except for rows whose drafts keep
         failing (`CostModel.failing`), which draft nothing; a probe drafts a little on every row."""
-        n = self.num_draft(model, len(rows))
+        n = self.num_draft(model, len(rows), rows)
         if n == 0 or self._off_steps > 0:  # off, or probing while off
             return dict.fromkeys(rows, n)
         return {b: 0 if model.failing(b) else n for b in rows}

@@ -56,12 +56,16 @@ class StepSession:
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """A KV cache of at least `capacity` positions for `batch` rows.
 
+        The capacity is rounded up to a multiple of `caps.cache_align` (TensorRT binds every layer's
+        and row's slice in place, and each must start 256-byte aligned).
+
         Backends that bind cache buffers (`caps.reuse_cache`: CUDA graphs) get caches from a small
         pool, with the capacity rounded up to a multiple of CACHE_BUCKET (but not past
         `caps.max_cache`): a graph is bound to its cache's buffers, so reusing them across
         generations lets each step shape be captured once, not once per generation. A pooled cache
         is handed out again only after `release`."""
         c, caps = self.config, self.caps
+        capacity = -(-capacity // caps.cache_align) * caps.cache_align
         if not caps.reuse_cache:
             return KVCache(
                 c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device

@@ -96,6 +96,7 @@ class StepRecord:
     """What one speculative step did, for `observe`."""
 
     rows: list[int]
+    asked: dict[int, int]  # per row, the draft length the policy asked for
     trees: dict[int, DraftTree]
     depths: dict[int, np.ndarray]  # per row, each node's depth
     verdicts: dict[int, Verdict]
@@ -164,7 +165,8 @@ class SpeculativeDecoder:
         """One speculative step over the active rows: propose → verify → accept → commit."""
         rows = [int(b) for b in np.flatnonzero(state.rows.active)]
         t0 = time.perf_counter()
-        trees = self.propose(state, rows)
+        plan = self.policy.plan(state.cost, rows)
+        trees = self.propose(state, rows, plan)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
         out = self.verify(state, rows, trees, depths)
@@ -172,18 +174,18 @@ class SpeculativeDecoder:
         new_tokens = self.commit(state, rows, trees, verdicts, out)
         # the step is dense: every row is computed at the longest row's length
         positions = len(rows) * max(len(trees[b]) + 1 for b in rows)
-        record = StepRecord(rows, trees, depths, verdicts, positions, t1 - t0, time.perf_counter() - t1, new_tokens)
+        elapsed = time.perf_counter() - t1
+        record = StepRecord(rows, plan, trees, depths, verdicts, positions, t1 - t0, elapsed, new_tokens)
         self.observe(state, record)
         return record
 
     # -- the verbs -------------------------------------------------------------------------------
 
-    def propose(self, state: SpecState, rows: list[int]) -> dict[int, DraftTree]:
-        """A draft tree per row, of as many nodes as the policy gives the row (0: no draft). Rows
+    def propose(self, state: SpecState, rows: list[int], plan: dict[int, int]) -> dict[int, DraftTree]:
+        """A draft tree per row, of at most as many nodes as the plan gives the row (0: none). Rows
         that draft are proposed for together, one call per sampling setting (greedy rows
         together; a sampled row with its own random generator alone, so its draws are the same
         as when it runs by itself)."""
-        plan = self.policy.plan(state.cost, rows)
         trees = {b: DraftTree.empty() for b in rows}
         groups: dict[tuple, list[int]] = {}
         for b in rows:
@@ -265,12 +267,13 @@ class SpeculativeDecoder:
     def observe(self, state: SpecState, r: StepRecord) -> None:
         """The step's cost and acceptance, into the metrics and the cost model."""
         cost, metrics = state.cost, state.metrics
-        for b in r.rows:
-            tree, verdict = r.trees[b], r.verdicts[b]
-            depth = int(r.depths[b].max()) if len(tree) else 0
-            metrics.observe_draft(len(tree), len(verdict.accepted), depth)
-            if len(tree):
-                cost.observe_acceptance(depth, len(verdict.accepted), row=b)
+        with cost.batched_step():  # the rows' verdicts age the estimates by one step, not one per row
+            for b in r.rows:
+                tree, verdict = r.trees[b], r.verdicts[b]
+                depth = int(r.depths[b].max()) if len(tree) else 0
+                metrics.observe_draft(len(tree), len(verdict.accepted), depth)
+                if r.asked[b] > 0:  # asked and not drafted counts too: the cost model plans by what it asks
+                    cost.observe_acceptance(depth, len(verdict.accepted), b, asked=r.asked[b], positions=len(tree))
         drafted = sum(len(r.trees[b]) for b in r.rows) / len(r.rows)
         cost.observe_step(r.positions, len(r.rows), r.verify_seconds)
         cost.observe_draft(drafted, r.draft_seconds)

@@ -28,8 +28,10 @@ class Capabilities:
     max_step: int | None = None  # most new positions one step may have (prefill chunks are cut to it)
     max_verify: int | None = None  # most positions of a verification step (root + draft nodes)
     max_cache: int | None = None  # largest KV cache capacity it accepts
+    max_batch: int | None = None  # most rows one step may have (an engine's profiles); None: any
     cache_device: str | None = None  # where KV caches live; None: host numpy arrays
     reuse_cache: bool = False  # it binds cache buffers (CUDA graphs): the session pools caches across generations
+    cache_align: int = 1  # cache capacities are multiples of this (TensorRT: slices bound at aligned addresses)
     batch_invariance: dict | None = None  # measured at build: how logits move between 1- and multi-position steps
     # what a draft head trained on this target must match (its features are these layers'
     # hidden states, at this precision, of this checkpoint); hash None: unknown (built in memory)

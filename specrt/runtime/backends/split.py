@@ -46,6 +46,7 @@ class SplitBackend(StepBackend):
             max_step=b.max_step,
             max_verify=b.max_verify,
             max_cache=_least(a.max_cache, b.max_cache),
+            max_batch=_least(a.max_batch, b.max_batch),
             cache_device=b.cache_device,
             batch_invariance=max(inv, key=lambda d: d["relative"]) if len(inv) == 2 else None,
             hidden_layers=b.hidden_layers,

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.engines.profiles import CACHE_ALIGN
 from specrt.engines.trt import (
     ENGINE_FILE,
     check_engine_gpu,
@@ -136,13 +137,17 @@ class TrtBackend(StepBackend):
         # (keys and values addresses, capacity, profile, B, Q, K) -> (graph, static inputs, outputs), or None
         self._graphs: dict = {}
         self.capture_failures: list[str] = []  # shapes whose capture failed (they run without graphs)
+        self._applied: dict[int, dict | None] = {}  # per profile: the graph binding its context holds now
+        self._input_names = set(StepIO(self.config.num_hidden_layers).input_names)
         self.caps = Capabilities(
             max_context=engine_max_context(m),
             max_step=max(p["q_len"]["max"] for p in m["profiles"]),
             max_verify=int(m["profiles"][0]["q_len"]["max"]),  # the verify profile: root + draft nodes
             max_cache=int(m["profiles"][0]["past_len"]["max"]),  # pooled caches must still fit the profiles
+            max_batch=min(int(p["batch"]["max"]) for p in m["profiles"]),
             cache_device=str(self.device),
             reuse_cache=cuda_graphs,  # pooled caches, so graphs (ours or TensorRT-RTX's) outlive one generation
+            cache_align=CACHE_ALIGN,  # every layer's and row's slice bound at a 256-byte aligned address
             hidden_layers=tuple(m["hidden_layers"]),
             checkpoint_hash=m["checkpoint"]["hash"],
         )
@@ -210,17 +215,14 @@ class TrtBackend(StepBackend):
         import torch
 
         ctx = self._contexts[profile]
+        self._applied[profile] = None  # bound anew: no captured graph's binding any more
         bound = dict(inputs)
         io = StepIO(cache.num_layers)
         for i in range(cache.num_layers):
             bound.update(zip(io.past(i), cache.past(i)))
         for name, t in bound.items():
-            if not ctx.set_input_shape(name, tuple(t.shape)):
-                raise SpecrtError(
-                    f"TensorRT refused shape {tuple(t.shape)} for {name} in profile {profile} of {self.engine_dir}; "
-                    "its manifest does not describe the engine, rebuild it."
-                )
-            ctx.set_tensor_address(name, t.data_ptr())
+            self._shape(ctx, profile, name, tuple(t.shape))
+            self._address(ctx, name, t)
         out = {}
         for name, dtype in self._io_dtypes.items():
             if name in bound:
@@ -232,8 +234,28 @@ class TrtBackend(StepBackend):
                     "profiles."
                 )
             out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            ctx.set_tensor_address(name, out[name].data_ptr())
+            self._address(ctx, name, out[name])
         return out
+
+    def _shape(self, ctx, profile: int, name: str, shape: tuple) -> None:
+        if not ctx.set_input_shape(name, shape):
+            raise SpecrtError(
+                f"TensorRT refused shape {shape} for {name} in profile {profile} of {self.engine_dir}; "
+                "its manifest does not describe the engine, rebuild it."
+            )
+
+    def _address(self, ctx, name: str, t) -> None:
+        """Bind a tensor's address; TensorRT refuses an address that is not 256-byte aligned (and
+        says so only through the return value)."""
+        if not ctx.set_tensor_address(name, t.data_ptr()):
+            misaligned = t.data_ptr() % 256
+            why = (
+                f"its address is {misaligned} bytes past a 256-byte boundary (a KV cache whose capacity is not a "
+                f"multiple of {CACHE_ALIGN} positions: make caches through StepSession.new_cache, which rounds them)"
+                if misaligned
+                else "see the TensorRT log above"
+            )
+            raise SpecrtError(f"TensorRT refused the address of {name} ({tuple(t.shape)}): {why}")
 
     def _execute(self, profile: int) -> None:
         if not self._contexts[profile].execute_async_v3(self._handle):
@@ -262,6 +284,7 @@ class TrtBackend(StepBackend):
         if key not in self._graphs:
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.clear()
+                self._applied.clear()
             static_in = self._inputs(arrays)
             out = self._run(profile, static_in, cache)  # plain run first: flushes deferred shape updates
             # TensorRT 10 says whether a context can be captured; TensorRT 11 has no such call, so a
@@ -271,7 +294,8 @@ class TrtBackend(StepBackend):
                 self._graphs[key] = None
                 return out
             try:
-                self._graphs[key] = (self._capture(profile), static_in, out)
+                replay = self._capture(profile)
+                self._graphs[key] = (replay, static_in, out, self._snapshot(static_in, cache, out))
             except Exception as e:  # noqa: BLE001 - any capture failure is recoverable: run without graphs
                 self._graphs[key] = None
                 self.capture_failures.append(f"profile {profile}, batch {arrays[ids].shape[0]}, Q "
@@ -281,11 +305,34 @@ class TrtBackend(StepBackend):
         entry = self._graphs[key]
         if entry is None:  # this context cannot be captured: run it plainly
             return self._run(profile, self._inputs(arrays), cache)
-        replay, static_in, out = entry
+        replay, static_in, out, snapshot = entry
         for name, a in arrays.items():
             static_in[name].copy_(torch.from_numpy(np.ascontiguousarray(a)), non_blocking=False)
+        self._rebind(profile, snapshot)
         replay()
         return out
+
+    @staticmethod
+    def _snapshot(inputs: dict, cache, out: dict) -> dict:
+        """{tensor name: (shape, address)} of a binding: what a graph captured on it baked in."""
+        io = StepIO(cache.num_layers)
+        tensors = dict(inputs, **out)
+        for i in range(cache.num_layers):
+            tensors.update(zip(io.past(i), cache.past(i)))
+        return {name: (tuple(t.shape), t) for name, t in tensors.items()}
+
+    def _rebind(self, profile: int, snapshot: dict) -> None:
+        """Before a graph replays, its context gets back the exact binding it was captured with
+        (TensorRT promises nothing for a graph whose context was since bound to other shapes or
+        addresses, as it is after any other step of that profile); skipped when it still has it."""
+        if self._applied.get(profile) is snapshot:
+            return
+        ctx = self._contexts[profile]
+        for name, (shape, t) in snapshot.items():
+            if name in self._input_names:
+                self._shape(ctx, profile, name, shape)
+            self._address(ctx, name, t)
+        self._applied[profile] = snapshot
 
     def _sync(self) -> None:
         if self._stream is not None:
