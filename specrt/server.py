@@ -423,6 +423,7 @@ class CompletionService:
                 events = self.engine.step()
             except Exception as e:  # a failed step fails the requests in it; the server goes on
                 for rid in list(self._live):
+                    self.engine.cancel(rid)  # their slots are free again
                     self._end(rid, error=e)
                 continue
             finally:

@@ -493,3 +493,29 @@ def test_a_request_past_the_time_limit_gets_504(gen):
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     chunks = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 200, "stream": True}).text
     assert '"code": "timeout"' in chunks and chunks.rstrip().endswith("data: [DONE]")
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(gen):
+    """A step that raises (a backend error) ends every request in the batch with a 500 that says
+    what failed; their slots are free and the next request is answered."""
+
+    class Flaky(SlowBackend):
+        fail = False
+
+        def step(self, *args, **kwargs):
+            if Flaky.fail:
+                raise RuntimeError("device lost")
+            return super().step(*args, **kwargs)
+
+    flaky = Generator(Flaky(gen.backend, 0.0), gen.tokenizer)
+    flaky.eos_ids = frozenset()
+    service = CompletionService(flaky, "tiny", ServerLimits(max_batch=2))
+    c = TestClient(create_app(service))
+    Flaky.fail = True
+    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4})
+    assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+    Flaky.fail = False
+    assert wait_until(lambda: service.engine.idle)
+    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    service.close()

@@ -12,10 +12,16 @@
   the verify profile and long prompt chunks on the prefill profile.
 - I/O is bound to PyTorch CUDA tensors: the KV cache lives on the GPU (`cache_device`), each
   layer's full-capacity slice is bound as `past_key_values.i.*` without a copy, and the step is
-  enqueued with `execute_async_v3` on the backend's own (non-default) stream.
+  enqueued with `execute_async_v3` on the backend's own (non-default) stream. TensorRT requires
+  256-byte aligned addresses: cache capacities are multiples of CACHE_ALIGN positions
+  (`cache_align`; the engines' largest past is one too), so every layer's and row's slice is
+  aligned, and a refused binding (TensorRT says so only by a False return) raises with the reason.
 - CUDA graphs: with full TensorRT each fixed-shape step (batch, Q, K, cache) is captured once with
   `torch.cuda.graph` around `execute_async_v3` (after one plain run, which flushes TensorRT's
-  deferred shape updates) and replayed with its inputs copied into static buffers; a context
+  deferred shape updates) and replayed with its inputs copied into static buffers. Every step of
+  a profile rebinds that profile's one context, and TensorRT promises nothing for a graph whose
+  context was bound otherwise since its capture, so before a replay the context gets the graph's
+  captured binding (shapes and addresses) back, unless it still has it; a context
   that reports `is_stream_capturable() == False` (TensorRT 10), or whose capture fails (TensorRT
   11 has no such query), runs that shape without a graph (`capture_failures` says which, why).
   TensorRT-RTX captures graphs itself (`IRuntimeConfig.cuda_graph_strategy =
