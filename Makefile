@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[convert,test,server]"
+	$(PY) -m pip install -q -e ".[convert,test,server,ray]"
 	touch $@
 
 model: $(MODEL_DIR)/config.json

@@ -349,7 +349,9 @@ def tensorrt_engine(model, ckpt, device: str) -> tuple[Path | None, str]:
     flavour = flavours[0]
     caps = ("CURRENT",) if flavour == "tensorrt-rtx" else ()
     shapes = EngineShapes(max_batch=3, max_context=1024)
-    build_trt_engine(tmp / "onnx", tmp / "engine", TrtBuildSpec(flavour=flavour, shapes=shapes, compute_capabilities=caps))
+    build_trt_engine(
+        tmp / "onnx", tmp / "engine", TrtBuildSpec(flavour=flavour, shapes=shapes, compute_capabilities=caps)
+    )
     return tmp / "engine", flavour
 
 

@@ -72,6 +72,7 @@ def serve_ray(
     from ray import serve
 
     def stop(*_):  # SIGTERM (a process manager, a benchmark) ends it like Ctrl-C: Ray is shut down
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the shutdown short
         raise KeyboardInterrupt
 
     ray.init(address=address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
@@ -86,14 +87,18 @@ def serve_ray(
     except KeyboardInterrupt:
         pass
     except BaseException:
-        shutdown()
+        shutdown(address)
         raise
-    shutdown()  # blocking: the server was stopped
+    shutdown(address)  # blocking: the server was stopped
 
 
-def shutdown() -> None:
+def shutdown(address: str | None = None) -> None:
+    """Stop serving: on a cluster this process started, stop the cluster (its processes go with
+    it; Serve's graceful shutdown is not waited for: nothing else uses it); on a cluster it
+    joined, remove only this application and disconnect."""
     import ray
     from ray import serve
 
-    serve.shutdown()
+    if address is not None:
+        serve.delete(APP_NAME)
     ray.shutdown()
