@@ -422,9 +422,10 @@ class CompletionService:
             try:
                 events = self.engine.step()
             except Exception as e:  # a failed step fails the requests in it; the server goes on
+                error = RequestError(f"generation failed: {type(e).__name__}: {e}", status=500, kind="server_error")
                 for rid in list(self._live):
                     self.engine.cancel(rid)  # their slots are free again
-                    self._end(rid, error=e)
+                    self._end(rid, error=error)
                 continue
             finally:
                 self._publish()

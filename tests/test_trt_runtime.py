@@ -130,9 +130,10 @@ def emulate_capture(backend) -> list[int]:
 
 @pytest.mark.parametrize("spec", [False, True])
 def test_graph_path_with_emulated_capture(small_engine, model, spec):
-    """The CUDA-graph path's bookkeeping on the CPU: a 'graph' re-binds the shapes and addresses
-    its context had when captured (what a real graph bakes in) and executes; steps of every shape
-    (per profile) replay from static buffers, a second generation replays the first one's graphs,
+    """The CUDA-graph path's bookkeeping on the CPU: a 'graph' executes with the shapes and
+    addresses its context had when captured (what a real graph bakes in) and refuses a context
+    bound otherwise; decode and verification steps replay from static buffers (prefill chunks,
+    on the prefill profile, run eagerly), a second generation replays the first one's graphs,
     and two generations alive at once keep their caches apart."""
 
     backend, _ = fake_backend(small_engine, model)
@@ -145,7 +146,8 @@ def test_graph_path_with_emulated_capture(small_engine, model, spec):
         for prompt in PROMPTS:
             assert run(gen, [prompt], spec) == run(reference, [prompt], spec)
         counts.append(len(captures))
-    assert counts[0] > 0 and counts[1] == counts[0] and set(captures) == {0, 1}  # round 2 captured nothing new
+    assert counts[0] > 0 and counts[1] == counts[0]  # round 2 captured nothing new
+    assert set(captures) == {0}  # the verify profile's shapes only: prefill chunks are not captured
     runner = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4, 4)) if spec else gen
     a, b = runner.iter_generate(PROMPTS[:1], 30), runner.iter_generate(PROMPTS[1:], 30)
     for _ in range(4):

@@ -68,3 +68,10 @@ def gather_rows(x, index: np.ndarray):
     import torch
 
     return x[torch.as_tensor(rows, device=x.device), torch.as_tensor(index, device=x.device)]
+
+
+def graphable(cuda_graphs: bool, q_len: int, logits_positions: int, max_graph_q: int) -> bool:
+    """Whether a step of this shape runs through a CUDA graph: decode (Q = 1) and verification
+    steps (logits at every one of their Q <= max_graph_q positions), not prefill chunks (logits at
+    the last position only): those are one-off shapes, run eagerly rather than captured."""
+    return cuda_graphs and q_len <= max_graph_q and (q_len == 1 or logits_positions == q_len)

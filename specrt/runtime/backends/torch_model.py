@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.runtime.backends.base import MAX_GRAPHS, Capabilities, StepBackend, StepOutput, gather_rows
+from specrt.runtime.backends.base import (
+    MAX_GRAPHS,
+    Capabilities,
+    StepBackend,
+    StepOutput,
+    gather_rows,
+    graphable,
+)
 
 
 class TorchBackend(StepBackend):
@@ -14,8 +21,9 @@ class TorchBackend(StepBackend):
     device="cpu" (default) is the reference: the KV cache stays in numpy and is shared without a
     copy. On another device (cuda) the cache is allocated there (`cache_device`), inputs go over
     once per step and only logits and hidden states come back. With cuda_graphs=True every
-    fixed-shape step (batch, Q <= max_graph_q, cache buffers) is captured once as a CUDA graph and
-    replayed with its inputs copied into static buffers; prefill chunks run eagerly. The generator
+    fixed-shape step (batch, Q <= max_graph_q, cache buffers) is captured once as a CUDA graph, into
+    one memory pool shared by all graphs, and replayed with its inputs copied into static buffers;
+    prefill chunks run eagerly (`graphable`). The generator
     then pools its caches (`reuse_cache`), so a shape is captured once, not once per generation.
     """
 
@@ -40,6 +48,8 @@ class TorchBackend(StepBackend):
         self.config = model.cfg
         self.cuda_graphs, self.max_graph_q = cuda_graphs, max_graph_q
         self._graphs: dict = {}  # (cache address, capacity, (B, Q), (B, K)) -> (graph, static inputs, static outputs)
+        self._pool = None  # the memory pool every graph is captured into (one, shared)
+        self._stream = None  # the side stream graphs are captured on
         # a graph is bound to its cache: pooled caches (reuse_cache) let graphs outlive one generation
         self.caps = Capabilities(
             cache_device=None if self.device.type == "cpu" else str(self.device),
@@ -69,7 +79,7 @@ class TorchBackend(StepBackend):
         arrays = (input_ids, position_ids, attention_mask, logits_index)
         inputs = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True) for a in arrays]
         with torch.inference_mode():
-            if self.cuda_graphs and input_ids.shape[1] <= self.max_graph_q:
+            if graphable(self.cuda_graphs, input_ids.shape[1], logits_index.shape[1], self.max_graph_q):
                 outs = self._replay(inputs, cache)
             else:
                 outs = self._forward(*inputs, self._past(cache))
@@ -94,6 +104,7 @@ class TorchBackend(StepBackend):
         if key not in self._graphs:
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.clear()
+                self._pool = None  # the old pool goes with its graphs
             static_in = [t.clone() for t in inputs]
             past = self._past(cache)
             replay, static_out = self._capture(lambda: self._forward(*static_in, past))
@@ -109,12 +120,19 @@ class TorchBackend(StepBackend):
         (replay, the outputs it writes). The one seam the CPU tests replace with an emulation."""
         import torch
 
-        stream = torch.cuda.Stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graphs requires
             fn()
         torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # every graph in one memory pool (captured on one stream, as sharing asks): their
+        # temporaries overlap, which is safe because graphs replay one at a time and a step's
+        # outputs are read (logits to the host, keys and values into the cache) before the next
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             out = fn()
         return graph.replay, out

@@ -49,7 +49,14 @@ from specrt.engines.trt import (
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
-from specrt.runtime.backends.base import MAX_GRAPHS, Capabilities, StepBackend, StepOutput, gather_rows
+from specrt.runtime.backends.base import (
+    MAX_GRAPHS,
+    Capabilities,
+    StepBackend,
+    StepOutput,
+    gather_rows,
+    graphable,
+)
 
 # TensorRT DataType member name -> torch dtype name
 _TORCH_DTYPES = {
@@ -196,7 +203,7 @@ class TrtBackend(StepBackend):
         with stream:
             if caller is not None:
                 self._stream.wait_stream(caller)  # the cache's last appends come first
-            if self.cuda_graphs and Q <= self.max_graph_q:
+            if graphable(self.cuda_graphs, Q, arrays[STEP_INPUTS[3]].shape[1], self.max_graph_q):
                 out = self._replay(profile, arrays, cache)
             else:
                 out = self._run(profile, self._inputs(arrays), cache)
