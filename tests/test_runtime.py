@@ -35,6 +35,34 @@ def test_kv_append_writes_only_new_positions_per_row():
     assert c.lengths.tolist() == [3, 3] and (c.values[0, 1, 0, 1:3] == -1.0).all()
 
 
+@pytest.mark.parametrize(
+    "batch, most, device",
+    [(1, 3, None), (4, 3, None), (4, 40, None), (4, 3, "cpu"), (4, 40, "cpu")],
+    ids=["host 1 row (slices)", "host 4 rows (scatter)", "host long chunks (slices)", "torch", "torch long"],
+)
+def test_kv_append_of_ragged_rows_equals_a_row_by_row_copy(batch, most, device):
+    """Both ways of appending (slice copies, one scatter for all layers and rows) and both kinds of
+    buffer (host arrays, torch tensors as on a GPU) write exactly what a row-by-row copy writes."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    c = KVCache(3, batch, 2, 256, 5, device=device)
+    ref = np.zeros((2, 3, batch, 2, 256, 5), np.float32)
+    lengths = np.zeros(batch, np.int64)
+    for _ in range(5):
+        counts = rng.integers(0, most + 1, batch)
+        q = max(1, int(counts.max()))
+        present = [tuple(rng.standard_normal((batch, 2, q, 5)).astype(np.float32) for _ in "kv") for _ in range(3)]
+        c.append(present if device is None else [tuple(map(torch.from_numpy, kv)) for kv in present], counts)
+        for layer, kv in enumerate(present):
+            for b in range(batch):
+                for i in (0, 1):
+                    ref[i, layer, b, :, lengths[b] : lengths[b] + counts[b]] = kv[i][b, :, : counts[b]]
+        lengths += counts
+    got = [np.asarray(c.keys), np.asarray(c.values)]
+    assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1]) and c.lengths.tolist() == lengths.tolist()
+
+
 def test_kv_past_is_a_view_not_a_copy():
     c = KVCache(2, 1, 1, 8, 2)
     k, v = c.past(1)

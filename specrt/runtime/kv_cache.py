@@ -77,12 +77,33 @@ class KVCache:
         end = self.lengths + counts
         if (end > self.capacity).any():
             raise ValueError(f"KV cache overflow: rows need {end.max()} positions, capacity is {self.capacity}")
-        for layer, (k, v) in enumerate(present):
-            for b in range(self.batch):
-                n, start = int(counts[b]), int(self.lengths[b])
-                if n:
+        if self.device is None and (self.batch <= 2 or counts.max() > 32):
+            # host arrays, few rows or long chunks: slice copies are the fastest (measured, 30
+            # layers: a 512-token chunk 1.2 ms as slices, 12.7 ms as one scatter)
+            for layer, (k, v) in enumerate(present):
+                for b in np.flatnonzero(counts):
+                    n, start = int(counts[b]), int(self.lengths[b])
                     self.keys[layer, b, :, start : start + n] = k[b, :, :n]
                     self.values[layer, b, :, start : start + n] = v[b, :, :n]
+        elif counts.any():
+            # one scatter for all layers and rows (keys, then values), not 2 x layers x rows slice
+            # copies: on a GPU each copy is a kernel launch, more than a decode step's own work;
+            # on the host it pays from a few rows up (16 rows, 1 position: 0.95 -> 0.16 ms)
+            rows = np.repeat(np.arange(self.batch), counts)
+            src = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)  # 0..n-1 per row
+            dst = np.repeat(self.lengths, counts) + src
+            if self.device is None:
+                stack = np.stack
+            else:
+                import torch
+
+                stack = torch.stack
+                rows, src, dst = (torch.from_numpy(a).to(self.device) for a in (rows, src, dst))
+            for buffer, new in (
+                (self.keys, stack([k for k, _ in present])),
+                (self.values, stack([v for _, v in present])),
+            ):
+                buffer[:, rows, :, dst] = new[:, rows, :, src]  # [L, B, Hkv, Q, D] -> [L, B, Hkv, C, D]
         self.lengths[:] = end  # in place: views (`rows`) share the lengths
 
     def rollback(self, lengths: np.ndarray) -> None:
