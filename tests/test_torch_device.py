@@ -152,3 +152,21 @@ def test_graph_path_bookkeeping_with_emulated_capture(reference, spec):
     assert a == expected[spec]
     if not spec:
         assert b == [r.token_ids for r in Generator(TorchBackend(model)).generate_ids(PROMPTS[::-1], 40)]
+
+
+def test_greedy_steps_copy_tokens_not_logits_from_a_device_cache_backend(reference):
+    """want_logits=False (greedy): the backend takes the argmax where the logits are and hands
+    back (B, K) tokens, no (B, K, V) logits; they equal the reference's argmax."""
+    import numpy as np
+
+    model, _ = reference
+    backend = TorchBackend(model)
+    backend.caps = dataclasses.replace(backend.caps, cache_device="cpu")  # the device-cache path, as on a GPU
+    session, ref = Generator(backend).session, Generator(TorchBackend(model)).session
+    cache, ref_cache = session.new_cache(2, 32), ref.new_cache(2, 32)
+    for s, c in ((session, cache), (ref, ref_cache)):
+        s.forward(c, PROMPTS)
+    out = session.forward(cache, [[3, 4, 5], [6]], want_logits=False)
+    expected = ref.forward(ref_cache, [[3, 4, 5], [6]]).logits.argmax(-1)
+    assert out.logits is None and out.top1.shape == (2, 3)
+    assert np.array_equal(out.argmax()[0], expected[0]) and out.argmax()[1, 0] == expected[1, 0]

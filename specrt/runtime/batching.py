@@ -278,11 +278,17 @@ class BatchEngine:
     def _plain_step(self, view: KVCache, rows: list[int]) -> list[list[int]]:
         active = self.rows.active[: view.batch].copy()
         last = np.array([self.rows.out[b][-1] if active[b] else 0 for b in range(view.batch)])
-        logits = self.gen.decode_one_token(view, last, active)
+        greedy = all(self.slots[b].request.sampling.greedy for b in rows)
+        out = self.gen.decode_step(view, last, active, want_logits=not greedy)
         new: list[list[int]] = [[] for _ in range(view.batch)]
+        top = out.argmax()[:, 0]  # (B,): on a device backend computed there
         for b in rows:
             s = self.slots[b]
-            new[b] = self.rows.emit(b, [next_tokens(logits[b : b + 1], s.request.sampling, s.rng)[0]])
+            if s.request.sampling.greedy:
+                token = int(top[b])
+            else:
+                token = next_tokens(out.logits[b : b + 1, 0], s.request.sampling, s.rng)[0]
+            new[b] = self.rows.emit(b, [token])
         return new
 
     def _finish(self, b: int) -> GenerationResult:

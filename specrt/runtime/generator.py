@@ -307,8 +307,14 @@ class Generator:
 
     def decode_one_token(self, cache: KVCache, tokens: np.ndarray, active: np.ndarray) -> np.ndarray:
         """Feed one token per active row; returns logits (B, V)."""
-        out = self.session.forward(cache, [[int(t)] if a else [] for t, a in zip(tokens, active)])
-        return out.logits[:, 0]
+        return self.decode_step(cache, tokens, active).logits[:, 0]
+
+    def decode_step(self, cache: KVCache, tokens: np.ndarray, active: np.ndarray, want_logits: bool = True):
+        """Feed one token per active row; the StepOutput (want_logits=False: greedy rows only, read
+        `argmax()`; a device backend then copies tokens, not logits, to the host)."""
+        return self.session.forward(
+            cache, [[int(t)] if a else [] for t, a in zip(tokens, active)], want_logits=want_logits
+        )
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -369,8 +375,9 @@ class Generator:
         while rows.active.any():
             ts = time.perf_counter()
             active = rows.active.copy()
-            logits = self.decode_one_token(st.cache, tokens, active)
-            tokens = np.where(active, next_tokens(logits, sampling, st.rng), tokens)
+            out = self.decode_step(st.cache, tokens, active, want_logits=not sampling.greedy)
+            new = out.argmax()[:, 0] if sampling.greedy else next_tokens(out.logits[:, 0], sampling, st.rng)
+            tokens = np.where(active, new, tokens)
             steps.append(time.perf_counter() - ts)
             yield [rows.emit(b, [tokens[b]]) if active[b] else [] for b in range(len(st.prompts))]
         return rows.results(st.prefill_seconds, steps)

@@ -105,11 +105,14 @@ class StepSession:
         trees: list[tuple[np.ndarray, np.ndarray] | None] | None = None,
         last_only: bool = False,
         hidden: bool = False,
+        want_logits: bool = True,
     ) -> StepOutput:
         """One step over new tokens per row (rows may differ in count, even be empty); their KV is
         appended to the cache. Returns the StepOutput (B, Q = longest row, ...): logits at every
         position, or with last_only=True at each row's last token only (B, 1, V); with
-        hidden=True also the hidden states of every position (B, Q, H*).
+        hidden=True also the hidden states of every position (B, Q, H*); with want_logits=False
+        (greedy: only the argmax is read, `StepOutput.argmax()`) a device backend copies tokens to
+        the host instead of logits.
 
         trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
         sequence: position = committed length + depth, and each token sees what its mask allows."""
@@ -130,7 +133,7 @@ class StepSession:
         every = np.broadcast_to(np.arange(Q, dtype=np.int64), (B, Q)).copy()
         index = np.maximum(counts - 1, 0)[:, None] if last_only else every
         out = self.backend.step(
-            ids, positions, cache.attention_mask(Q, new_mask), index, cache, every if hidden else None
+            ids, positions, cache.attention_mask(Q, new_mask), index, cache, every if hidden else None, want_logits
         )
         cache.append(out.present, counts)
         return out

@@ -227,19 +227,21 @@ class SpeculativeDecoder:
         for b in rows:
             feed[b] = [state.rows.out[b][-1], *trees[b].tokens.tolist()]
             shapes[b] = (np.concatenate([[0], depths[b]]), trees[b].ancestor_mask())
-        return self.gen.session.forward(state.cache, feed, shapes, hidden=self.proposer.needs_features)
+        sampled = any(not state.sampling[b].greedy for b in rows)  # greedy: the argmax is all accept reads
+        return self.gen.session.forward(
+            state.cache, feed, shapes, hidden=self.proposer.needs_features, want_logits=sampled
+        )
 
     def accept(
         self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput
     ) -> dict[int, Verdict]:
         verdicts = {}
         for b in rows:
-            logits = out.logits[b, : len(trees[b]) + 1]
-            sampling = state.sampling[b]
+            n, sampling = len(trees[b]) + 1, state.sampling[b]
             if sampling.greedy:
-                verdicts[b] = accept_greedy(trees[b], logits.argmax(axis=-1))
+                verdicts[b] = accept_greedy(trees[b], out.argmax()[b, :n])
             else:
-                verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, sampling), state.rng[b])
+                verdicts[b] = accept_sampling(trees[b], probs_from_logits(out.logits[b, :n], sampling), state.rng[b])
         return verdicts
 
     def commit(

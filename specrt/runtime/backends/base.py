@@ -15,9 +15,14 @@ MAX_GRAPHS = 128  # captured step graphs kept per backend before they are droppe
 
 @dataclasses.dataclass
 class StepOutput:
-    logits: np.ndarray  # (B, K, V) float32, at the positions logits_index asked for
+    logits: np.ndarray | None  # (B, K, V) float32 at the positions logits_index asked for; None if not wanted
     hidden_states: np.ndarray | None  # (B, Kh, H*) float32 at the positions hidden_index asked for; None if not asked
     present: list[tuple[np.ndarray, np.ndarray]]  # per layer (key, value), each (B, Hkv, Q, D)
+    top1: np.ndarray | None = None  # (B, K) int64 argmax of the logits, where the backend computed it
+
+    def argmax(self) -> np.ndarray:
+        """(B, K) the greedy token at every position logits were asked for."""
+        return self.top1 if self.top1 is not None else self.logits.argmax(axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +61,11 @@ class StepBackend(abc.ABC):
         logits_index: np.ndarray,
         cache: KVCache,
         hidden_index: np.ndarray | None = None,
+        want_logits: bool = True,
     ) -> StepOutput:
-        """One step over Q new positions per row; hidden states only at `hidden_index` (B, Kh)."""
+        """One step over Q new positions per row; hidden states only at `hidden_index` (B, Kh).
+        want_logits=False: only the argmax is needed (greedy), so a device backend computes it
+        there and copies (B, K) tokens to the host instead of (B, K, V) logits (`top1`)."""
 
 
 def gather_rows(x, index: np.ndarray):
@@ -75,3 +83,11 @@ def graphable(cuda_graphs: bool, q_len: int, logits_positions: int, max_graph_q:
     steps (logits at every one of their Q <= max_graph_q positions), not prefill chunks (logits at
     the last position only): those are one-off shapes, run eagerly rather than captured."""
     return cuda_graphs and q_len <= max_graph_q and (q_len == 1 or logits_positions == q_len)
+
+
+def device_logits(logits, want_logits: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(logits, top1) on the host from a torch tensor of logits: the logits when wanted, else only
+    their argmax, computed where the logits are."""
+    if want_logits:
+        return logits.float().cpu().numpy(), None
+    return None, logits.argmax(dim=-1).cpu().numpy()

@@ -49,7 +49,8 @@ class OrtBackend(StepBackend):
             checkpoint_hash=manifest["checkpoint"]["hash"],
         )
 
-    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None):
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None, want_logits=True):
+        # the logits are host arrays already: returned whether wanted or not
         feeds = dict(zip(STEP_INPUTS, (input_ids, position_ids, attention_mask, logits_index)))
         for i in range(cache.num_layers):
             feeds.update(zip(self._io.past(i), cache.past(i)))

@@ -54,9 +54,11 @@ class SplitBackend(StepBackend):
             checkpoint_hash=b.checkpoint_hash,
         )
 
-    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None) -> StepOutput:
+    def step(
+        self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None, want_logits=True
+    ) -> StepOutput:
         backend = self.single if input_ids.shape[1] == 1 else self.multi
-        return backend.step(input_ids, position_ids, attention_mask, logits_index, cache, hidden_index)
+        return backend.step(input_ids, position_ids, attention_mask, logits_index, cache, hidden_index, want_logits)
 
 
 def _least(x, y):

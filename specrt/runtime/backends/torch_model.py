@@ -10,6 +10,7 @@ from specrt.runtime.backends.base import (
     Capabilities,
     StepBackend,
     StepOutput,
+    device_logits,
     gather_rows,
     graphable,
 )
@@ -73,7 +74,7 @@ class TorchBackend(StepBackend):
         logits, hidden, present = self.model(ids, pos, mask, past, index)
         return [logits, hidden, *[t for kv in present for t in kv]]
 
-    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None):
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None, want_logits=True):
         import torch
 
         arrays = (input_ids, position_ids, attention_mask, logits_index)
@@ -88,7 +89,10 @@ class TorchBackend(StepBackend):
         if cache.device is None:
             present = [(k.numpy(), v.numpy()) for k, v in present]
         hidden = None if hidden_index is None else gather_rows(hidden, hidden_index).float().cpu().numpy()
-        return StepOutput(logits.float().cpu().numpy(), hidden, present)
+        if cache.device is None:  # the reference: host tensors, nothing to save
+            return StepOutput(logits.float().numpy(), hidden, present)
+        logits, top1 = device_logits(logits, want_logits)
+        return StepOutput(logits, hidden, present, top1=top1)
 
     def _replay(self, inputs, cache):
         """Run the step through a CUDA graph captured for this (batch, Q, cache)."""

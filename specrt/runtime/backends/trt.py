@@ -54,6 +54,7 @@ from specrt.runtime.backends.base import (
     Capabilities,
     StepBackend,
     StepOutput,
+    device_logits,
     gather_rows,
     graphable,
 )
@@ -190,7 +191,7 @@ class TrtBackend(StepBackend):
 
     # -- one step -------------------------------------------------------------------------------
 
-    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None):
+    def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None, want_logits=True):
         import torch
 
         B, Q = input_ids.shape
@@ -207,13 +208,13 @@ class TrtBackend(StepBackend):
                 out = self._replay(profile, arrays, cache)
             else:
                 out = self._run(profile, self._inputs(arrays), cache)
-            logits = out[LOGITS].float().cpu().numpy()  # waits for the step on this stream
+            logits, top1 = device_logits(out[LOGITS], want_logits)  # waits for the step on this stream
             hidden = None if hidden_index is None else gather_rows(out[HIDDEN], hidden_index).float().cpu().numpy()
         if caller is not None:
             caller.wait_stream(self._stream)  # the caller's appends of `present` wait for the step
         io = StepIO(self.config.num_hidden_layers)
         present = [tuple(out[n] for n in io.present(i)) for i in range(self.config.num_hidden_layers)]
-        return StepOutput(logits, hidden, present)
+        return StepOutput(logits, hidden, present, top1=top1)
 
     def _inputs(self, arrays: dict) -> dict:
         import torch

@@ -95,7 +95,7 @@ class LookaheadProposer:
             row, tree = self._rows[b], trees[i]
             emitted = verdicts[i].tokens(tree)
             if row.window_nodes:  # the step was a Jacobi update too: read it along the window
-                argmax = step.logits[b, : len(tree) + 1].argmax(-1)
+                argmax = step.argmax()[b, : len(tree) + 1]
                 self._iterate(row, [int(argmax[0]), *(int(argmax[n + 1]) for n in row.window_nodes)])
                 row.window_nodes = []
             seq = row.tail + emitted
