@@ -209,3 +209,17 @@ def test_a_batch_that_always_drafts_learns_its_decode_cost_from_the_line():
     # at batch 1 a draft position costs ~5 % of a step and pays; at batch 8 ~29 % and does not
     assert AutoPolicy(max_draft=16).num_draft(model, 1) >= 1
     assert AutoPolicy(max_draft=16).num_draft(model, 8) == 0
+
+
+def test_predictions_that_run_high_are_scaled_by_what_the_steps_gave():
+    """The cost model compares, each drafting step, the extra tokens its estimates predicted for
+    the lengths asked with what the rows got, and scales its predictions by that ratio."""
+    model = CostModel(max_draft=4)
+    assert model.calibration() == 1.0
+    for _ in range(20):
+        model.observe_acceptance(4, 4, row=0)  # the estimates say: everything is accepted
+    before = model.speedups(1).max()
+    for _ in range(30):
+        model.observe_gain([0], {0: 4}, {0: 1})  # ... while the steps gave one extra token of four
+    assert model.calibration() < 0.4
+    assert model.speedups(1).max() < before

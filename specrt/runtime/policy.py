@@ -115,6 +115,8 @@ class CostModel:
         self._rows: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # row -> (tried, hit, at step)
         self._steps = 0  # target steps observed (a row's evidence decays per step)
         self._batched = False  # inside batched_step
+        self.gain_predicted = 0.0  # decayed sums over drafting steps: extra tokens per row predicted
+        self.gain_realized = 0.0  # ... and got
 
     def observe_acceptance(
         self,
@@ -281,6 +283,22 @@ class CostModel:
             prior = rates[j]
         return rates
 
+    def observe_gain(self, rows: list[int], asked: dict[int, int], accepted: dict[int, int]) -> None:
+        """One drafting step's extra tokens per row (beyond the one every step brings): what the
+        acceptance estimates predicted for the lengths asked, and what the rows got. Call before
+        the step's verdicts go into the estimates."""
+        rates = np.stack([self.row_acceptance(b) for b in rows])
+        reach = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # E[accepted | asked n] at column n - 1
+        predicted = np.mean([reach[i, asked[b] - 1] if asked[b] > 0 else 0.0 for i, b in enumerate(rows)])
+        self.gain_predicted = self.gain_predicted * self.decay + float(predicted)
+        self.gain_realized = self.gain_realized * self.decay + float(np.mean([accepted[b] for b in rows]))
+
+    def calibration(self) -> float:
+        """Realized over predicted extra tokens (a prior of 1 worth two tokens): the estimates run
+        high in a batch (the policy picks N where they happen to be highest, and the rows that copy
+        keep them up), so predictions are scaled by what the steps really gave."""
+        return min((self.gain_realized + 2.0) / (self.gain_predicted + 2.0), 1.5)
+
     def expected_tokens(self) -> np.ndarray:
         """(max_draft + 1,) E[tokens per step] for N = 0 .. max_draft."""
         return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()))])
@@ -310,7 +328,7 @@ class CostModel:
         drafts = np.where(n > 0, 1.0 - (1.0 - self.fill_rates()[0]) ** batch, 0.0)  # some row drafted at all
         relative = 1.0 + cost.beta * drafts + cost.alpha * positions + cost.draft_ratio(n)
         expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows)
-        return expected / relative
+        return (1.0 + self.calibration() * (expected - 1.0)) / relative
 
 
 class FixedPolicy:

@@ -269,6 +269,8 @@ class SpeculativeDecoder:
     def observe(self, state: SpecState, r: StepRecord) -> None:
         """The step's cost and acceptance, into the metrics and the cost model."""
         cost, metrics = state.cost, state.metrics
+        if any(r.asked[b] > 0 for b in r.rows):  # how far the estimates were off, before they move
+            cost.observe_gain(r.rows, r.asked, {b: len(r.verdicts[b].accepted) for b in r.rows})
         with cost.batched_step():  # the rows' verdicts age the estimates by one step, not one per row
             for b in r.rows:
                 tree, verdict = r.trees[b], r.verdicts[b]
