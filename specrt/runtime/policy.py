@@ -38,6 +38,11 @@ failing while its batch's succeed (`CostModel.failing`: its own decayed depth-1 
 as a prior worth two observations, under a third of the batch's): its drafts cost host work and
 draft-model time for nothing. A row's evidence decays with every step, drafted or not, so a row
 that stopped is tried again once its old failures have faded.
+
+The estimates run high in a batch of mixed requests (the policy asks for N where they happen to
+be highest, and the rows that copy their context keep them up), so each drafting step also
+compares the extra tokens they predicted for the lengths asked with what the rows got, and
+predictions are scaled by that decayed ratio (`calibration`, prior 1).
 """
 
 from __future__ import annotations
