@@ -4,8 +4,10 @@
     result = spec.generate("Rewrite this code ...", max_new_tokens=256)
     print(result.text, result.metrics.summary())
 
-One step of `SpeculativeDecoder.step`, for the active rows of a static batch:
-    propose  the policy picks N from the cost model; the proposer drafts a tree per row
+One step of `SpeculativeDecoder.step`, for the active rows of a batch (a static one here, or the
+rows continuous batching runs together: runtime/batching.py, on the same `SpecState`):
+    propose  the policy picks each row's N from the cost model; the proposer drafts a tree per
+             row (greedy rows in one call, a seeded sampled row with its own generator)
     verify   one target step over [root, draft nodes...] per row, at positions length + depth
              with the tree's ancestor mask (rows may draft different amounts)
     accept   greedy: the path matching the target's argmax; sampling: recursive rejection
