@@ -440,7 +440,6 @@ class CompletionService:
                     if stopped:
                         self.engine.cancel(ev.rid)
                     self._end(ev.rid, "stop" if stopped else ev.result.finish_reason, ev.result)
-            self.metrics.batch_size.set(int(self.engine.rows.active.sum()))
 
     def _take_tickets(self, block: bool) -> bool:
         """Move tickets from the inbox into the engine; True once `close` was asked."""

@@ -145,13 +145,10 @@ class BatchEngine:
     def submit(self, request: Request) -> int:
         """Queue a request; returns its id. The prompt is checked here (PromptError names the
         problem); a full waiting line is a SpecrtError."""
-        if request.max_new_tokens < 1:
-            raise SpecrtError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        self.gen.check_prompts([request.prompt])
+        budget = int(self.gen.budgets([request.prompt], request.max_new_tokens)[0])
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise SpecrtError(f"{len(self.waiting)} requests already wait for a slot; retry later")
         rid, self._next_rid = self._next_rid, self._next_rid + 1
-        budget = min(request.max_new_tokens, self.gen.max_context - len(request.prompt))
         self.waiting.append(_Slot(rid, request, budget, np.random.default_rng(request.sampling.seed)))
         return rid
 

@@ -333,6 +333,14 @@ class Generator:
                     f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
                 )
 
+    def budgets(self, prompts: list[list[int]], max_new_tokens: int) -> np.ndarray:
+        """Check a request (its prompts, max_new_tokens); each row's token budget, bounded by the
+        context (PromptError / SpecrtError name the problem)."""
+        if max_new_tokens < 1:
+            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.check_prompts(prompts)
+        return np.minimum(max_new_tokens, self.max_context - np.array([len(p) for p in prompts]))
+
     def start(
         self,
         prompts: list[list[int]],
@@ -343,11 +351,8 @@ class Generator:
     ) -> Started:
         """Check the prompts, take a cache (output plus `headroom` positions) and prefill; with
         hidden=True the prefill also returns every prompt position's features."""
-        if max_new_tokens < 1:
-            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.check_prompts(prompts)
         lens = np.array([len(p) for p in prompts])
-        rows = Rows(lens, np.minimum(max_new_tokens, self.max_context - lens), self.eos_ids)
+        rows = Rows(lens, self.budgets(prompts, max_new_tokens), self.eos_ids)
         cache = self.session.new_cache(len(prompts), int((lens + rows.budget).max()) + headroom)
         try:
             rng = np.random.default_rng(sampling.seed)

@@ -120,6 +120,7 @@ class CostModel:
         self._rows: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # row -> (tried, hit, at step)
         self._steps = 0  # target steps observed (a row's evidence decays per step)
         self._batched = False  # inside batched_step
+        self._acceptance: np.ndarray | None = None  # acceptance() of the current counts
         self.gain_predicted = 0.0  # decayed sums over drafting steps: extra tokens per row predicted
         self.gain_realized = 0.0  # ... and got
 
@@ -141,6 +142,7 @@ class CostModel:
             self.decay_acceptance()
         self.tried[:tested] += 1
         self.hit[: min(accepted, self.max_draft)] += 1
+        self._acceptance = None
         self.reach[: min(asked, self.max_draft)] += 1
         self.fill[: min(positions, asked, self.max_draft)] += 1
         if row is not None:
@@ -156,6 +158,7 @@ class CostModel:
         the largest of noisy estimates is the one the policy picks)."""
         for counts in (self.tried, self.hit, self.reach, self.fill):
             counts *= self.decay
+        self._acceptance = None
 
     @contextlib.contextmanager
     def batched_step(self):
@@ -281,12 +284,17 @@ class CostModel:
         return 0.0, float(ts[0] / ns[0])  # one length seen: all of it per token
 
     def acceptance(self) -> np.ndarray:
-        rates = np.empty(self.max_draft)
-        prior = 0.5
-        for j in range(self.max_draft):
-            rates[j] = (self.hit[j] + 2.0 * prior) / (self.tried[j] + 2.0)
-            prior = rates[j]
-        return rates
+        """(max_draft,) the batch's acceptance rate per depth (read-only; computed once per change
+        of the counts: a batch's policy reads it for every row, several times a step)."""
+        if self._acceptance is None:
+            rates = np.empty(self.max_draft)
+            prior = 0.5
+            for j in range(self.max_draft):
+                rates[j] = (self.hit[j] + 2.0 * prior) / (self.tried[j] + 2.0)
+                prior = rates[j]
+            rates.flags.writeable = False
+            self._acceptance = rates
+        return self._acceptance
 
     def observe_gain(self, rows: list[int], asked: dict[int, int], accepted: dict[int, int]) -> None:
         """One drafting step's extra tokens per row (beyond the one every step brings): what the
@@ -330,7 +338,7 @@ class CostModel:
         cost = self.cost(batch) or StepCost(1.0, self.alpha_prior, self.beta_prior, 0.0)
         n = np.arange(self.max_draft + 1)
         positions = self.expected_positions(batch)
-        drafts = np.where(n > 0, 1.0 - (1.0 - self.fill_rates()[0]) ** batch, 0.0)  # some row drafted at all
+        drafts = np.where(n > 0, positions[1], 0.0)  # the chance some row drafted at all
         relative = 1.0 + cost.beta * drafts + cost.alpha * positions + cost.draft_ratio(n)
         expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows)
         return (1.0 + self.calibration() * (expected - 1.0)) / relative

@@ -86,11 +86,9 @@ class TorchBackend(StepBackend):
                 outs = self._forward(*inputs, self._past(cache))
         logits, hidden, flat = outs[0], outs[1], outs[2:]
         present = list(zip(flat[0::2], flat[1::2]))
-        if cache.device is None:
-            present = [(k.numpy(), v.numpy()) for k, v in present]
         hidden = None if hidden_index is None else gather_rows(hidden, hidden_index).float().cpu().numpy()
         if cache.device is None:  # the reference: host tensors, nothing to save
-            return StepOutput(logits.float().numpy(), hidden, present)
+            return StepOutput(logits.float().numpy(), hidden, [(k.numpy(), v.numpy()) for k, v in present])
         logits, top1 = device_logits(logits, want_logits)
         return StepOutput(logits, hidden, present, top1=top1)
 

@@ -230,13 +230,8 @@ class TrtBackend(StepBackend):
 
         ctx = self._contexts[profile]
         self._applied[profile] = None  # bound anew: no captured graph's binding any more
-        bound = dict(inputs)
-        io = StepIO(cache.num_layers)
-        for i in range(cache.num_layers):
-            bound.update(zip(io.past(i), cache.past(i)))
-        for name, t in bound.items():
-            self._shape(ctx, profile, name, tuple(t.shape))
-            self._address(ctx, name, t)
+        bound = self._with_cache(inputs, cache)
+        self._apply(profile, bound)
         out = {}
         for name, dtype in self._io_dtypes.items():
             if name in bound:
@@ -250,6 +245,22 @@ class TrtBackend(StepBackend):
             out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
             self._address(ctx, name, out[name])
         return out
+
+    @staticmethod
+    def _with_cache(inputs: dict, cache) -> dict:
+        """The step's inputs with the cache's per-layer slices (bound in place)."""
+        bound, io = dict(inputs), StepIO(cache.num_layers)
+        for i in range(cache.num_layers):
+            bound.update(zip(io.past(i), cache.past(i)))
+        return bound
+
+    def _apply(self, profile: int, tensors: dict) -> None:
+        """Bind tensors on the profile's context: the shape of each input, the address of each."""
+        ctx = self._contexts[profile]
+        for name, t in tensors.items():
+            if name in self._input_names:
+                self._shape(ctx, profile, name, tuple(t.shape))
+            self._address(ctx, name, t)
 
     def _shape(self, ctx, profile: int, name: str, shape: tuple) -> None:
         if not ctx.set_input_shape(name, shape):
@@ -309,7 +320,8 @@ class TrtBackend(StepBackend):
                 return out
             try:
                 replay = self._capture(profile)
-                self._graphs[key] = (replay, static_in, out, self._snapshot(static_in, cache, out))
+                # what the graph baked in: every tensor bound when it was captured
+                self._graphs[key] = (replay, static_in, out, dict(self._with_cache(static_in, cache), **out))
             except Exception as e:  # noqa: BLE001 - any capture failure is recoverable: run without graphs
                 self._graphs[key] = None
                 self.capture_failures.append(f"profile {profile}, batch {arrays[ids].shape[0]}, Q "
@@ -326,27 +338,13 @@ class TrtBackend(StepBackend):
         replay()
         return out
 
-    @staticmethod
-    def _snapshot(inputs: dict, cache, out: dict) -> dict:
-        """{tensor name: (shape, address)} of a binding: what a graph captured on it baked in."""
-        io = StepIO(cache.num_layers)
-        tensors = dict(inputs, **out)
-        for i in range(cache.num_layers):
-            tensors.update(zip(io.past(i), cache.past(i)))
-        return {name: (tuple(t.shape), t) for name, t in tensors.items()}
-
     def _rebind(self, profile: int, snapshot: dict) -> None:
         """Before a graph replays, its context gets back the exact binding it was captured with
         (TensorRT promises nothing for a graph whose context was since bound to other shapes or
         addresses, as it is after any other step of that profile); skipped when it still has it."""
-        if self._applied.get(profile) is snapshot:
-            return
-        ctx = self._contexts[profile]
-        for name, (shape, t) in snapshot.items():
-            if name in self._input_names:
-                self._shape(ctx, profile, name, shape)
-            self._address(ctx, name, t)
-        self._applied[profile] = snapshot
+        if self._applied.get(profile) is not snapshot:
+            self._apply(profile, snapshot)
+            self._applied[profile] = snapshot
 
     def _sync(self) -> None:
         if self._stream is not None:
