@@ -64,3 +64,17 @@ def test_two_replicas_answer_the_openai_routes(ray_server, tiny_artifacts):
     while len(pids) < 2 and time.monotonic() < t_end:  # the proxy spreads requests over the replicas
         pids.add(httpx.get(f"{ray_server}/health", timeout=30).json()["pid"])
     assert len(pids) == 2, "every request reached the same replica"
+
+
+def test_serve_ray_without_ray_says_how_to_install_it(tiny_artifacts, monkeypatch):
+    """Where Ray Serve is not installed, `serve --ray` is one line naming the extra to install
+    (checked before any engine loads)."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    r = CliRunner().invoke(main, ["serve", "--artifacts", str(tiny_artifacts), "--ray", "--port", str(free_port())])
+    assert r.exit_code != 0 and "pip install 'specrt[ray]'" in r.output and "Traceback" not in r.output
