@@ -74,9 +74,36 @@ def read_json_object(path: str | Path, error: type[Exception], fix: str) -> dict
         value = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise error(f"{path} is not valid JSON ({e}); {fix}.") from None
+    except FileNotFoundError:
+        raise error(f"{path} does not exist; {fix}.") from None
     if not isinstance(value, dict):
         raise error(f"{path} must hold a JSON object, not {type(value).__name__}; {fix}.")
     return value
+
+
+def read_json_lines(path: str | Path, error: type[Exception], fix: str, fields: tuple[str, ...] = ()) -> list[dict]:
+    """The objects of a JSON-lines file (blank lines skipped), each holding `fields`, or `error`
+    naming the file, the first bad line and `fix`."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise error(f"{path} does not exist; {fix}.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{path} cannot be read ({e}); {fix}.") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise error(f"{path}:{i} is not a JSON line ({e}); {fix}.") from None
+        lacking = [f for f in fields if not isinstance(value, dict) or f not in value]
+        if lacking:
+            raise error(f"{path}:{i} is not a JSON object with {', '.join(map(repr, lacking))}; {fix}.")
+        out.append(value)
+    return out
 
 
 def now_iso() -> str:

@@ -133,7 +133,9 @@ def _parse_fixed_n(value: str) -> tuple[int, ...]:
     type=click.Path(path_type=Path),
     help="Directory for model.onnx, its weights and manifest.json.",
 )
-@click.option("--opset", default=17, show_default=True, help="ONNX opset.")
+@click.option(
+    "--opset", default=17, show_default=True, type=int, help="ONNX opset (9 up to the newest torch's exporter writes)."
+)
 @click.option(
     "--hidden-layers",
     default=None,
@@ -359,6 +361,7 @@ def _make_runner(choice: EngineChoice):
             "float32 verifies)"
         )
     draft, verify_artifacts = choice.draft, choice.verify_artifacts
+    _check_draft_options(choice)
 
     verify = "full" if verify_artifacts else "auto"
 
@@ -420,7 +423,7 @@ def _make_runner(choice: EngineChoice):
             warnings.simplefilter("ignore")  # said once, plainly, below
             runner = SpeculativeDecoder(
                 gen,
-                make_proposer(draft, **_draft_options(draft, choice.draft_dir, choice.draft_tree, gen)),
+                make_proposer(draft, **_draft_options(choice, gen)),
                 make_policy(choice.num_draft, choice.max_draft),
             )
         if runner.exactness_warning:
@@ -428,34 +431,58 @@ def _make_runner(choice: EngineChoice):
     return gen, runner
 
 
-def _draft_options(draft: str, draft_dir, draft_tree: str, gen) -> dict:
-    """make_proposer's options for a draft method: heads need their directory and the target."""
-    from specrt.runtime.drafts import NEEDS_DRAFT_DIR
+def _check_draft_options(choice: EngineChoice) -> None:
+    """Usage errors of the draft options, before any engine loads: a draft option that the
+    chosen draft (or plain decoding) would silently leave unused is refused."""
+    from specrt.runtime.drafts import NEEDS_DRAFT_DIR, TAKES_TREE
 
-    if draft not in NEEDS_DRAFT_DIR:
-        if draft_dir is not None:
+    draft = choice.draft
+    if draft == "none":
+        ctx = click.get_current_context(silent=True)
+        options = (("--draft-dir", "draft_dir"), ("--draft-tree", "draft_tree"), ("--num-draft", "num_draft"))
+        given = [
+            name
+            for name, field in (*options, ("--max-draft", "max_draft"))
+            if ctx is not None and ctx.get_parameter_source(field) not in (None, click.core.ParameterSource.DEFAULT)
+        ]
+        if given:
             raise click.UsageError(
-                f"--draft-dir is for a draft with weights (--draft {', '.join(NEEDS_DRAFT_DIR)}), not --draft {draft}"
+                f"{', '.join(given)}: for speculative decoding, so give --draft too (e.g. --draft suffix, or --draft "
+                "eagle3 with a head's --draft-dir), or leave it out for plain decoding"
             )
-        return {}
-    if draft_dir is None:
+        return
+    if choice.draft_tree != "chain" and draft not in TAKES_TREE:
+        own = " (Medusa drafts its own tree of choices)" if draft == "medusa" else ""
+        raise click.UsageError(f"--draft-tree is for --draft {', '.join(TAKES_TREE)}, not --draft {draft}{own}")
+    if draft not in NEEDS_DRAFT_DIR and choice.draft_dir is not None:
+        raise click.UsageError(
+            f"--draft-dir is for a draft with weights (--draft {', '.join(NEEDS_DRAFT_DIR)}), not --draft {draft}"
+        )
+    if draft in NEEDS_DRAFT_DIR and choice.draft_dir is None:
         raise click.UsageError(
             f"--draft {draft} needs --draft-dir DIR: a head from `make drafts` (e.g. "
             "drafts/SmolLM2-135M-Instruct/eagle3) or `specrt train-draft`"
         )
-    options = {"draft_dir": draft_dir, "target": gen.session.caps}
-    if draft in ("medusa", "draft-model"):
-        if draft_tree != "chain":
-            raise click.UsageError(f"--draft-tree is for EAGLE heads and MTP modules, not --draft {draft}")
-        return options
-    if draft_tree != "chain":
-        try:
-            top_k, depth = (int(v) for v in draft_tree.split(","))
-        except ValueError:
-            raise click.BadParameter(
-                f"{draft_tree!r}: give 'chain' or TOP_K,DEPTH, e.g. 4,6", param_hint="--draft-tree"
-            )
-        options["tree"] = (top_k, depth)
+    if choice.draft_tree != "chain":
+        _parse_tree(choice.draft_tree)
+
+
+def _parse_tree(value: str) -> tuple[int, int]:
+    try:
+        top_k, depth = (int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give 'chain' or TOP_K,DEPTH, e.g. 4,6", param_hint="--draft-tree")
+    return top_k, depth
+
+
+def _draft_options(choice: EngineChoice, gen) -> dict:
+    """make_proposer's options for a draft method (checked by _check_draft_options): heads need
+    their directory and the target."""
+    if choice.draft_dir is None:
+        return {}
+    options = {"draft_dir": choice.draft_dir, "target": gen.session.caps}
+    if choice.draft_tree != "chain":
+        options["tree"] = _parse_tree(choice.draft_tree)
     return options
 
 
@@ -503,7 +530,11 @@ def _engine_options(fn):
             "verification) on the float32 engine, which is faster for them here; both compute the same model.",
         ),
         click.option(
-            "--threads", default=0, show_default=True, help="ORT intra-op threads (0: one per physical core)."
+            "--threads",
+            default=0,
+            show_default=True,
+            type=click.IntRange(min=0),
+            help="ORT intra-op threads (0: one per physical core).",
         ),
         click.option(
             "--device",
@@ -666,7 +697,7 @@ def generate(
     "--request-timeout",
     default=SERVER.request_timeout,
     show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(0.0, lo_open=True),
     help="Seconds a request may take from arrival; past it the request ends with 504.",
 )
 @click.option("--ray", "use_ray", is_flag=True, help="Serve --replicas engines behind Ray Serve (the ray extra).")
@@ -851,13 +882,15 @@ def calibrate(
         unknown = [s for s in chosen if s not in RECIPES]
         if unknown:
             raise click.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(RECIPES)}", param_hint="--schemes")
-    _calibration_set(engine, checkpoint, layout.calibration, prompts, max_new_tokens, hold_out)
-    if not report:
-        return
-    import datetime
-
-    from specrt.benchmark import write_result_json
-    from specrt.report import ReportSpec, format_report, plot_report, quant_report
+    ctx = click.get_current_context()
+    unused = [
+        f"--{name.replace('_', '-')}"
+        for name in ("schemes", "report_out", "heads", "report_tokens")
+        if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
+    ]
+    if unused and not report:
+        raise click.UsageError(f"{', '.join(unused)}: options of the report; give --report too, or leave them out")
+    from specrt.report import ReportSpec, report_inputs
 
     spec = ReportSpec(
         artifacts,
@@ -867,6 +900,16 @@ def calibrate(
         new_tokens=report_tokens,
         heads=heads,
     )
+    if report:
+        report_inputs(spec)  # a scheme not built, a --heads that is no head: said before any work
+    _calibration_set(engine, checkpoint, layout.calibration, prompts, max_new_tokens, hold_out)
+    if not report:
+        return
+    import datetime
+
+    from specrt.benchmark import write_result_json
+    from specrt.report import format_report, plot_report, quant_report
+
     result = quant_report(spec, log=lambda line: click.echo(line, err=True))
     click.echo(format_report(result))
     out = report_out or layout.calibration

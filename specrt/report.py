@@ -138,18 +138,51 @@ def _step_ms(gen: Generator, prefix: list[int], q: int, repeats: int) -> float:
 
 
 def _head_method(head: Path) -> str:
-    """A head directory's method (eagle or eagle3), from its engine's manifest."""
-    import json
-
+    """A head directory's method (eagle, eagle3, mtp, medusa), from its engine's manifest; a
+    directory of another kind says which kind it is."""
+    from specrt.artifacts import MANIFEST, ArtifactError, read_json_object
+    from specrt.engines.head import HEAD_ENGINE_KIND
+    from specrt.engines.ort import ENGINE_KIND
     from specrt.layout import HeadLayout
 
-    manifest = HeadLayout(head).ort_engine("cpu") / "manifest.json"
-    try:
-        return json.loads(manifest.read_text())["head"]["method"]
-    except (OSError, ValueError, KeyError):
+    manifest = HeadLayout(head).ort_engine("cpu") / MANIFEST
+    fix = "give a head's directory (specrt train-draft --out DIR, or one of make drafts' drafts/MODEL/*)"
+    if not manifest.is_file():
+        own = head / MANIFEST
+        what = "a checkpoint" if (head / "config.json").is_file() else "no built draft head"
+        if own.is_file():
+            what = f"an artifact of kind {read_json_object(own, ArtifactError, fix).get('kind')!r}"
+        raise SpecrtError(f"--heads {head} is {what}, not a built draft head (no {manifest}); {fix}")
+    m = read_json_object(manifest, ArtifactError, fix)
+    if m.get("kind") != HEAD_ENGINE_KIND or not isinstance(m.get("head"), dict):
+        what = f"an artifact of kind {m.get('kind')!r}"
+        if m.get("kind") == ENGINE_KIND:  # build-engines output: a target's, or a draft model's
+            what = "a model's engine (build-engines output)"
+        raise SpecrtError(f"--heads {head}: {manifest.parent} is {what}, not a draft head's engine; {fix}")
+    return m["head"]["method"]
+
+
+def report_inputs(spec: ReportSpec) -> tuple[dict[str, Path], dict[str, tuple[str, dict]]]:
+    """(engines by name, draft methods by name: (method, options)) that the report runs, or a
+    SpecrtError naming a scheme asked for and not built, or a --heads entry that is no head:
+    cheap, so a caller can check before it spends minutes on anything else."""
+    layout = ArtifactLayout(spec.artifacts)
+    schemes = spec.schemes if spec.schemes is not None else QUANT_SCHEMES
+    engines = {"float32": layout.ort_engine("cpu")}
+    engines.update({s: layout.ort_engine("cpu", s) for s in schemes if layout.ort_engine("cpu", s).is_dir()})
+    missing = [s for s in spec.schemes or () if s not in engines]
+    if missing:  # asked for by name: a report without them would answer another question
         raise SpecrtError(
-            f"{head}: not a built draft head (no {manifest}); train one with specrt train-draft"
-        ) from None
+            f"{spec.artifacts} has no engine of {', '.join(missing)} (no {layout.ort_engine('cpu', missing[0])}); "
+            f"build it with: specrt build-engines --model CHECKPOINT --out {spec.artifacts} --quantize {missing[0]}"
+            + (", or leave --schemes out to report on the engines built" if len(engines) > 1 else "")
+        )
+    # draft methods: the lookups, and each head under its method's name and directory
+    methods = {d: (d, {}) for d in spec.drafts}
+    for head in spec.heads:
+        method = _head_method(Path(head))
+        methods[f"{method} ({Path(head).name})"] = (method, {"draft_dir": head})
+    return engines, methods
 
 
 def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
@@ -158,10 +191,7 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
     from specrt.training.prompts import benchmark_prompts
 
-    layout = ArtifactLayout(spec.artifacts)
-    schemes = spec.schemes if spec.schemes is not None else QUANT_SCHEMES
-    engines = {"float32": layout.ort_engine("cpu")}
-    engines.update({s: layout.ort_engine("cpu", s) for s in schemes if layout.ort_engine("cpu", s).is_dir()})
+    engines, methods = report_inputs(spec)
     gens, memory = {}, {}
     for name, engine in engines.items():
         before = _rss_mib()
@@ -182,11 +212,6 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
 
     prefix = (texts[-1] * 4)[:128]
     speed = {n: {"decode": [], "step_ms": {}} for n in gens}
-    # draft methods: the lookups, and each head under its method's name and directory
-    methods = {d: (d, {}) for d in spec.drafts}
-    for head in spec.heads:
-        method = _head_method(Path(head))
-        methods[f"{method} ({Path(head).name})"] = (method, {"draft_dir": head})
     drafts = {n: {d: {"tok_s": [], "accepted": [], "rate": [], "equal": 0, "runs": 0} for d in methods} for n in gens}
     refused = {n: {} for n in gens}
     for chat in chats[:4]:

@@ -41,6 +41,7 @@ from specrt.runtime.generator import GenerationResult, Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import SpeculativeDecoder
 from specrt.runtime.tokenizer import IncrementalDetokenizer
+from specrt.server_fields import refused_field
 from specrt.server_limits import ServerLimits
 from specrt.server_metrics import ServerMetrics
 
@@ -225,6 +226,7 @@ class CompletionService:
         self.engine = BatchEngine(runner, max_batch=limits.max_batch, prefill_budget=limits.prefill_budget)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # tickets for the engine thread; None: close
         self._lock = threading.Lock()  # guards the counts below and the worker's start
+        self._open = 0  # tickets accepted and not yet closed: what admission counts
         self._inbox_count = 0  # tickets in the inbox
         self._engine_waiting = 0  # tickets the engine holds without a slot (published after each step)
         self._running = 0  # tickets in slots (published after each step)
@@ -289,13 +291,9 @@ class CompletionService:
                 param="model",
                 code="model_not_found",
             )
-        if body.get("n", 1) != 1:
-            raise RequestError("only n = 1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if body.get(name) not in (None, 0, 0.0):
-                raise RequestError(f"'{name}' is not supported (only 0)", param=name)
-        if body.get("logprobs") not in (None, False) or body.get("echo") not in (None, False):
-            raise RequestError("'logprobs' and 'echo' are not supported", param="logprobs")
+        refused = refused_field(body, chat)  # a field not implemented is a 400 naming it, never ignored
+        if refused is not None:
+            raise RequestError(refused[1], param=refused[0])
         prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body)
         limit = self.limits.max_tokens
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -377,21 +375,25 @@ class CompletionService:
     # -- running --------------------------------------------------------------------------------
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
-        """Hand a request to the engine thread (a 503 when `max_queue` requests already wait for a
-        slot); its pieces arrive on the returned ticket."""
+        """Hand a request to the engine thread; its pieces arrive on the returned ticket. The
+        server holds `max_batch` requests in slots and `max_queue` more waiting: every request
+        accepted and not yet answered counts, whether the engine thread has taken it yet or not
+        (a burst into an idle server fills the slots first), and one more gets a 503."""
         ticket = Ticket(job, loop)
+        limits = self.limits
         with self._lock:
-            full = self._running + self.waiting >= self.limits.max_batch
-            if full and self.waiting >= self.limits.max_queue:
+            if self._open >= limits.max_batch + limits.max_queue:
                 self.stats["refused"] += 1
                 self.metrics.requests.labels("refused").inc()
                 raise RequestError(
-                    f"the server is busy ({self.waiting} requests waiting); retry later",
+                    f"the server is busy ({limits.max_batch} requests generating, {self._open - limits.max_batch} "
+                    "waiting); retry later",
                     status=503,
                     code="server_busy",
                     kind="server_error",
                     headers={"Retry-After": "1"},
                 )
+            self._open += 1
             self._inbox_count += 1
             self.metrics.queue_depth.set(self.waiting)
             if self._worker is None:
@@ -516,11 +518,13 @@ class CompletionService:
         reply.ticket.put(reply.last(finish, result))
         self._close_ticket(reply.ticket)
 
-    @staticmethod
-    def _close_ticket(ticket: Ticket, error: Exception | None = None) -> None:
+    def _close_ticket(self, ticket: Ticket, error: Exception | None = None) -> None:
+        """The ticket's last item; its place counts for admission no more."""
         if error is not None:
             ticket.put(error)
         ticket.put(_END)
+        with self._lock:
+            self._open -= 1
         ticket.done.set()
 
     def _publish(self) -> None:

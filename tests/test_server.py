@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,6 +24,7 @@ from specrt.runtime.speculative import SpeculativeDecoder, make_policy  # noqa: 
 from specrt.server import CompletionService, ServerLimits, create_app  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w5 w6 w7 w5 w6 w7 w5"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +195,7 @@ def test_prometheus_metrics(gen, speculative):
         ({"messages": MESSAGES, "max_tokens": "many"}, 400, "max_tokens", "must be an integer"),
         ({"messages": MESSAGES, "temperature": 3}, 400, "temperature", "must be in [0.0, 2.0]"),
         ({"messages": MESSAGES, "top_p": 0}, 400, "top_p", "must be in (0.0, 1.0]"),
-        ({"messages": MESSAGES, "n": 2}, 400, "n", "only n = 1"),
+        ({"messages": MESSAGES, "n": 2}, 400, "n", "it takes only 1"),
         ({"messages": MESSAGES, "stop": ["a", ""]}, 400, "stop", "non-empty strings"),
         ({"messages": MESSAGES, "stream": "yes"}, 400, "stream", "true or false"),
         ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
@@ -205,6 +207,27 @@ def test_prometheus_metrics(gen, speculative):
         ({"messages": MESSAGES, "temperature": float("-inf")}, 400, "temperature", "must be a finite number, got -inf"),
         ({"messages": MESSAGES, "seed": -1}, 400, "seed", "must be in [0, 9223372036854775807], got -1"),
         (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nests JSON too deeply"),
+        # fields the server does not implement: a 400 naming them, never a 200 that ignored them
+        ({"messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs", "logprobs are not implemented"),
+        ({"messages": MESSAGES, "logprobs": True}, 400, "logprobs", "logprobs are not implemented"),
+        (
+            {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "required"},
+            400,
+            "tool_choice",
+            "tool calls are not implemented",
+        ),
+        ({"messages": MESSAGES, "tools": [TOOL]}, 400, "tools", 'tools with tool_choice "none"'),
+        (
+            {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            400,
+            "response_format",
+            "structured output is not implemented",
+        ),
+        ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format", "json_object"),
+        ({"messages": MESSAGES, "logit_bias": {"5": 100}}, 400, "logit_bias", "only {} (no bias)"),
+        ({"messages": MESSAGES, "store": True}, 400, "store", "nothing is stored"),
+        ({"messages": MESSAGES, "max_tokenz": 5}, 400, "max_tokenz", "not a chat completion field"),
+        ({"messages": MESSAGES, "best_of": 1}, 400, "best_of", "not a chat completion field"),
     ],
 )
 def test_bad_requests_get_openai_errors(gen, body, status, param, message):
@@ -217,6 +240,64 @@ def test_bad_requests_get_openai_errors(gen, body, status, param, message):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({"best_of": 3}, "best_of", "only 1"),
+        ({"echo": True}, "echo", "only false"),
+        ({"logprobs": 2}, "logprobs", "logprobs are not implemented"),
+        ({"suffix": "def f():"}, "suffix", 'only null or ""'),
+        ({"messages": MESSAGES}, "messages", "not a completion field"),
+    ],
+)
+def test_completions_fields_not_implemented_are_refused(gen, body, param, message):
+    r = client(gen).post("/v1/completions", json={"prompt": "w5", "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] == param
+
+
+def test_openai_defaults_and_ids_are_accepted(gen):
+    """Fields whose values ask nothing of this server (OpenAI's defaults, ids, tags, hints) are
+    taken, and the answer is the one without them."""
+    c = client(gen)
+    plain = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    extra = {
+        "tools": [TOOL],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "n": 1,
+        "logprobs": False,
+        "logit_bias": {},
+        "parallel_tool_calls": True,
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+    }
+    want = c.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]["content"]
+    r = c.post("/v1/chat/completions", json={**plain, **extra})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2, "best_of": 1, "echo": False, "user": "u"})
+    assert r.status_code == 200, r.text
+
+
+def test_readme_lists_the_request_fields_the_server_follows():
+    """The README's table of request fields is the server's own (server_fields.field_table)."""
+    from pathlib import Path
+
+    from specrt.server_fields import field_table
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    head = "| field | endpoint | taken |"
+    assert head in text, "README: the table of OpenAI request fields is missing"
+    rows = text[text.index(head) :].split("\n\n")[0].splitlines()[2:]
+    got = [tuple(c.strip() for c in row.strip("|").split("|")) for row in rows]
+    assert got == [(f"`{n}`", ep, what) for n, ep, what in field_table()]
 
 
 class SlowBackend:
@@ -390,6 +471,46 @@ def test_client_that_leaves_while_queued_is_never_run(live_server):
     assert service.stats["requests"] == 2 and service.stats["cancelled"] == 2  # the queued one never started
 
 
+def test_a_burst_fills_the_slots_and_the_queue_before_any_refusal(gen):
+    """12 requests at once into an idle server of 2 slots and 2 queue places (a real server on
+    loopback): exactly 4 are admitted and answered (before, requests about to take a free slot
+    counted as waiting: 2 were), the 8 others get 503 with Retry-After; once a place is free again
+    a request is answered."""
+    import httpx
+    import uvicorn
+
+    from specrt.server import bind_socket
+
+    service = CompletionService(slow_generator(gen, 0.04), "tiny", ServerLimits(max_batch=2, max_queue=2))
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, 10)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    start = threading.Barrier(12)
+
+    def ask(i):
+        start.wait()  # all at once
+        return httpx.post(url, json={"prompt": f"w{5 + i}", "max_tokens": 30, "temperature": 0}, timeout=60)
+
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, range(12)))
+        codes = sorted(r.status_code for r in answers)
+        assert codes == [200] * 4 + [503] * 8, codes
+        refused = [r for r in answers if r.status_code == 503]
+        assert all(r.headers["retry-after"] == "1" and "server is busy" in r.text for r in refused)
+        assert all(r.json()["usage"]["completion_tokens"] == 30 for r in answers if r.status_code == 200)
+        assert service.stats["refused"] == 8 and service.stats["requests"] == 4
+        r = httpx.post(url, json={"prompt": "w5", "max_tokens": 2}, timeout=60)  # all answered: room again
+        assert r.status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        service.close()
+
+
 @pytest.mark.real_model
 def test_default_model_served_with_speculation(real_artifacts):
     """The default model behind the server with the suffix draft answers exactly what plain
@@ -410,8 +531,6 @@ def test_default_model_served_with_speculation(real_artifacts):
 def test_concurrent_requests_each_get_their_own_answer(gen, max_batch):
     """Requests arriving together wait for a slot (max_batch 1) or generate together (3); each
     gets the answer it gets alone."""
-    from concurrent.futures import ThreadPoolExecutor
-
     c = client(gen, max_batch=max_batch)
     prompts = ["w5 w6 w7", "w9 w10", "w20 w21 w22 w23"]
     expected = [gen.decode(gen.generate_ids([gen.tokenizer.encode(p)], 16)[0].token_ids) for p in prompts]

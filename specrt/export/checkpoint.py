@@ -45,7 +45,7 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
     if index.exists():
         try:
             needed = set(json.loads(index.read_text())["weight_map"].values())
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index} is corrupt ({e}); restore it from the original checkpoint.") from None
         missing = sorted(needed - {f.name for f in files})
         if missing:

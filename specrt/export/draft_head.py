@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specrt.artifacts import atomic_write_text
+from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
@@ -319,9 +319,20 @@ def load_head(directory: str | Path):
     directory = Path(directory)
     if not (directory / CONFIG_FILE).is_file():
         raise SpecrtError(f"{directory} holds no draft head ({CONFIG_FILE} missing); train one with specrt train-draft")
-    d = json.loads((directory / CONFIG_FILE).read_text())
-    head = MedusaHeads(MedusaConfig.from_dict(d)) if d["method"] == MEDUSA else DraftHead(HeadConfig.from_dict(d))
-    head.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
+    fix = f"train the head again (specrt train-draft --out {directory.parent}), or restore the file from a copy"
+    d = read_json_object(directory / CONFIG_FILE, SpecrtError, fix)
+    try:
+        head = MedusaHeads(MedusaConfig.from_dict(d)) if d["method"] == MEDUSA else DraftHead(HeadConfig.from_dict(d))
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecrtError(f"{directory / CONFIG_FILE} is not a head's configuration ({e!r}); {fix}") from None
+    try:
+        state = load_file(str(directory / WEIGHTS_FILE))
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a damaged file
+        raise SpecrtError(f"{directory / WEIGHTS_FILE} is damaged or missing ({e}); {fix}") from None
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as e:  # weights of other shapes than the configuration says
+        raise SpecrtError(f"{directory / WEIGHTS_FILE} does not fit {CONFIG_FILE} ({str(e)[:160]}); {fix}") from None
     return head.eval()
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig, rope_inv_freq
 
 
@@ -128,6 +129,12 @@ class LlamaModel(nn.Module):
         # -1 is the final normed state (EAGLE-1, Medusa); layer indices i give the output of
         # decoder layer i (EAGLE-3 reads a low, a middle and a high layer).
         self.hidden_layers = tuple(hidden_layers)
+        wrong = [i for i in self.hidden_layers if not (i == -1 or 0 <= i < cfg.num_hidden_layers)]
+        if wrong or not self.hidden_layers:
+            raise SpecrtError(
+                f"hidden layers {list(self.hidden_layers)}: this model has layers 0 to {cfg.num_hidden_layers - 1} "
+                "(and -1, the final normed state); give indices in that range"
+            )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from specrt.artifacts import read_json_object
 from specrt.errors import CheckpointError, SpecrtError
 from specrt.export.checkpoint import load_config, read_state_dict, require_checkpoint_dir
 from specrt.export.draft_head import DraftHead, HeadConfig
@@ -43,7 +44,16 @@ def mtp_modules(checkpoint: str | Path) -> int:
     """How many MTP modules the checkpoint's config declares (0 when none)."""
     checkpoint = Path(checkpoint)
     require_checkpoint_dir(checkpoint)
-    return int(json.loads((checkpoint / "config.json").read_text()).get(MTP_CONFIG_KEY) or 0)
+    config = checkpoint / "config.json"
+    n = read_json_object(config, CheckpointError, "restore it from the original checkpoint").get(MTP_CONFIG_KEY)
+    if n is None:
+        return 0
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise CheckpointError(
+            f"{config}: {MTP_CONFIG_KEY} must be a whole number >= 0 (how many MTP modules the checkpoint carries), "
+            f"got {json.dumps(n)[:40]}; correct it, or restore the file from the original checkpoint"
+        )
+    return n
 
 
 def mtp_head(checkpoint: str | Path, index: int = 0) -> DraftHead:

@@ -28,7 +28,7 @@ from specrt.artifacts import (
     require_same_checkpoint,
     write_manifest,
 )
-from specrt.errors import ArtifactError
+from specrt.errors import ArtifactError, SpecrtError
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel, causal_mask
@@ -40,6 +40,19 @@ GRAPH_VERSION = 2
 ONNX_FILE = "model.onnx"
 ONNX_DATA = "model.onnx.data"
 DEFAULT_OPSET = 17
+MIN_OPSET = 9  # the graph's Where needs 9 (the exporter fails below); the newest is torch's own limit
+
+
+def check_opset(opset: int) -> None:
+    """Refuse an opset torch's exporter cannot write, before anything is traced."""
+    from torch.onnx import _constants
+
+    newest = getattr(_constants, "ONNX_MAX_OPSET", DEFAULT_OPSET)
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= newest:
+        raise SpecrtError(
+            f"ONNX opset {opset!r} cannot be exported here: torch {torch.__version__} writes opsets {MIN_OPSET} to "
+            f"{newest}; give --opset in that range (default {DEFAULT_OPSET})"
+        )
 
 
 # the compute dtypes an export may have (`--quantize fp16|bf16` asks for the 16-bit ones)
@@ -120,6 +133,7 @@ def export_step_graph(
     from tqdm import tqdm
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    check_opset(opset)
     steps = tqdm(total=5, desc="export", unit="step", disable=not progress)
     steps.set_postfix_str("hash checkpoint")
     ckpt_hash = checkpoint_hash(checkpoint)

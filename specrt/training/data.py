@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.artifacts import atomic_write_text
+from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.errors import SpecrtError
 from specrt.runtime.generator import Generator
 from specrt.runtime.sampling import SamplingParams
@@ -54,13 +54,21 @@ def _read(path: Path) -> tuple[list[Answer], bool]:
     """(complete answers, whether the file holds nothing else)."""
     if not path.is_file():
         return [], True
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecrtError(f"{path} cannot be read ({e}); delete it to make the answers again") from None
     out = []
-    for line in lines:
+    for i, line in enumerate(lines):
         try:
             out.append(Answer(**json.loads(line)))
-        except (ValueError, TypeError):
-            break  # the last line of an interrupted run
+        except (ValueError, TypeError, RecursionError):
+            if i == len(lines) - 1:
+                break  # the last line of an interrupted run
+            raise SpecrtError(
+                f"{path}:{i + 1} is damaged (not an answer; only the last line can be cut short by an interruption); "
+                f"delete that line to keep the other answers, or the file to make them all again"
+            ) from None
     return out, len(out) == len(lines)
 
 
@@ -120,10 +128,11 @@ class FeatureCache:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        index = json.loads((self.directory / "index.json").read_text())
+        index, self.done = _read_index(self.directory), _read_done(self.directory)
         self.offsets, self.lengths = index["offsets"], index["lengths"]
-        self.done = json.loads((self.directory / "done.json").read_text())["sequences"]
-        self.array = np.load(self.directory / "features.npy", mmap_mode="r")
+        self.array = _open_features(self.directory, "r")
+        if self.done > len(self.lengths) or self.array.shape[0] != sum(self.lengths):
+            raise SpecrtError(f"{self.directory}: done.json, index.json and features.npy disagree; {_REDO}")
 
     def __len__(self) -> int:
         return self.done
@@ -148,12 +157,12 @@ def cache_features(
     width = _feature_width(session)
     done = 0
     if (directory / "index.json").is_file() and (directory / "features.npy").is_file():
-        if json.loads((directory / "index.json").read_text()) != index:
+        if _read_index(directory) != index:
             raise FeatureCacheMismatch(
                 f"{directory} caches features of other sequences; delete it or choose another directory"
             )
-        done = json.loads((directory / "done.json").read_text())["sequences"]
-        array = np.lib.format.open_memmap(directory / "features.npy", mode="r+")
+        done = _read_done(directory)
+        array = _open_features(directory, "r+")
         if array.shape[1] != width:
             raise SpecrtError(f"{directory} caches features of width {array.shape[1]}, this target returns {width}")
     else:
@@ -183,6 +192,42 @@ def cache_features(
     bar.close()
     del array
     return FeatureCache(directory)
+
+
+_REDO = "delete the directory and run again: the features are computed again from the answers, which are kept"
+
+
+def _read_index(directory: Path) -> dict:
+    index = read_json_object(directory / "index.json", SpecrtError, _REDO)
+    fields = ("ids", "offsets", "lengths")
+    if not all(isinstance(index.get(k), list) for k in fields) or len({len(index[k]) for k in fields}) != 1:
+        raise SpecrtError(f"{directory / 'index.json'} is not a feature index (ids, offsets, lengths); {_REDO}")
+    return index
+
+
+def _read_done(directory: Path) -> int:
+    """How many sequences are complete (done.json)."""
+    done = read_json_object(directory / "done.json", SpecrtError, _REDO).get("sequences")
+    if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+        raise SpecrtError(f'{directory / "done.json"} should hold {{"sequences": N}}, got {done!r}; {_REDO}')
+    return done
+
+
+def _open_features(directory: Path, mode: str) -> np.ndarray:
+    """features.npy memory-mapped, its size checked first: numpy maps a file cut short in "r+"
+    mode by growing it with zeros, which would train on zeros in silence."""
+    path = directory / "features.npy"
+    try:
+        with open(path, "rb") as fh:
+            fmt = np.lib.format
+            read = fmt.read_array_header_1_0 if fmt.read_magic(fh) == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(fh)
+            need = fh.tell() + int(np.prod(shape)) * dtype.itemsize
+        if path.stat().st_size != need:
+            raise ValueError(f"{path.stat().st_size} bytes, its header says {need}")
+        return np.lib.format.open_memmap(path, mode=mode)
+    except (OSError, ValueError) as e:
+        raise SpecrtError(f"{path} is damaged ({e}); {_REDO}") from None
 
 
 def _feature_width(session: StepSession) -> int:

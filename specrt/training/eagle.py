@@ -140,7 +140,15 @@ def save_checkpoint(state: dict, path: Path) -> None:
 def load_checkpoint(path: Path, identity: dict) -> dict:
     """A training checkpoint's state, refused when it belongs to another run (its recorded
     identity: config, data, held-out split, ... differs from `identity`)."""
-    st = torch.load(path, weights_only=False)
+    try:
+        st = torch.load(path, weights_only=False)
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
+        raise SpecrtError(
+            f"{path} is damaged ({type(e).__name__}: {str(e)[:120]}), so training cannot resume from it; delete it "
+            f"to start training over (rm {path}), or restore it from a copy"
+        ) from None
+    if not isinstance(st, dict) or "identity" not in st:
+        raise SpecrtError(f"{path} is not a specrt training checkpoint; delete it to start training over (rm {path})")
     if st["identity"] != identity:
         raise SpecrtError(
             f"{path} is a checkpoint of another training run (other data, method or settings); delete it "

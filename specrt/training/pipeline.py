@@ -25,7 +25,7 @@ import shutil
 import time
 from pathlib import Path
 
-from specrt.artifacts import atomic_write_text
+from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.engines.head import build_head_engine
 from specrt.engines.trt import available_flavours
 from specrt.errors import SpecrtError
@@ -70,8 +70,19 @@ def target_generator(spec: TrainDraftSpec) -> Generator:
     return Generator.from_checkpoint(spec.checkpoint)
 
 
+def _require_directory(path: Path, option: str) -> None:
+    """`path` is a directory or can become one (nothing in the way)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"lies under {p}, which is a file"
+                raise SpecrtError(f"{option} {path} {where}; give the path of a directory (new or existing)")
+            return
+
+
 def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
     layout = TrainingDataLayout(spec.data or Path(spec.out) / "data")
+    _require_directory(layout.root, "--data" if spec.data else "--out")
     layout.root.mkdir(parents=True, exist_ok=True)
     prompts = build_prompt_set(spec.prompts, spec.seed, exclude=spec.hold_out)
     caps = gen.session.caps
@@ -90,7 +101,8 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
     }
     marker = layout.root / DATA_MANIFEST
     if marker.is_file():
-        recorded = json.loads(marker.read_text())
+        fix = f"delete it and run again: it is written anew, and the answers in {layout.root} are kept where they fit"
+        recorded = read_json_object(marker, SpecrtError, fix)
         if recorded != identity:
             changed = sorted(k for k in identity if recorded.get(k) != identity[k])
             raise SpecrtError(
@@ -116,6 +128,9 @@ def train_draft(spec: TrainDraftSpec) -> dict:
     <out>/head/training.json."""
     t0 = time.perf_counter()
     layout = HeadLayout(spec.out)
+    _require_directory(Path(spec.out), "--out")  # before the target loads
+    if spec.data is not None:
+        _require_directory(Path(spec.data), "--data")
     gen = target_generator(spec)  # an engine of another checkpoint is refused here (its manifest)
     caps = gen.session.caps
     data = prepare_data(gen, spec)
@@ -175,7 +190,10 @@ def build_draft(
     if report is None:
         if not layout.report.is_file():
             raise SpecrtError(f"{layout.report} is missing; train the head with: specrt train-draft --out {draft_dir}")
-        report = json.loads(layout.report.read_text())
+        report = read_json_object(
+            layout.report, SpecrtError, f"train the head again: specrt train-draft --out {draft_dir}"
+        )
+        _require_trained_for(layout, report, checkpoint)
     keys = ("steps", "train_sequences", "answer_tokens", "held_out", "data_hash", "tree")
     summary = {k: report.get(k) for k in keys}
     precision = report.get("target", {}).get("precision", "float32")
@@ -188,6 +206,32 @@ def build_draft(
         flavour = load_tensorrt(tensorrt)[0]
         built.append(build_head_trt_engine(layout.onnx, layout.trt_engine(flavour), TrtBuildSpec(flavour=flavour)))
     return built
+
+
+def _require_trained_for(layout: HeadLayout, report: dict, checkpoint: str | Path) -> None:
+    """Refuse to export a head for another checkpoint than the one it was trained on: its
+    widths and its features are that target's, and the new manifests would name the wrong one."""
+    from specrt.export.checkpoint import checkpoint_hash
+
+    target = report.get("target")
+    theirs = target.get("checkpoint_hash") if isinstance(target, dict) else None
+    if not isinstance(theirs, str):
+        raise SpecrtError(
+            f"{layout.report} names no target checkpoint (a damaged or hand-edited file); train the head again: "
+            f"specrt train-draft --out {layout.root}"
+        )
+    ours = checkpoint_hash(checkpoint)
+    if theirs != ours:
+        try:  # the path the earlier export recorded, for the advice
+            path = read_json_object(layout.onnx / "manifest.json", SpecrtError, "")["checkpoint"]["path"]
+        except (SpecrtError, OSError, KeyError, TypeError):
+            path = "THE_CHECKPOINT_IT_WAS_TRAINED_ON"
+        raise SpecrtError(
+            f"draft head {layout.root} was trained for the target checkpoint {theirs[:19]}..., but --model "
+            f"{checkpoint} is another one ({ours[:19]}...); a head reads its own target's hidden states. Give its target: specrt "
+            f"build-draft --draft-dir {layout.root} --model {path}, or train a head for this target with specrt "
+            f"train-draft --model {checkpoint}"
+        )
 
 
 def import_mtp(checkpoint: str | Path, out: str | Path, index: int = 0, tensorrt: str = "auto") -> list[Path]:

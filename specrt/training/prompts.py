@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.artifacts import atomic_write_text
+from specrt.artifacts import atomic_write_text, read_json_lines
 from specrt.errors import SpecrtError
 
 PROMPT_SET_VERSION = 2
@@ -441,4 +441,9 @@ def read_prompt_set(path: str | Path) -> list[Prompt]:
 
 def benchmark_prompts(path: str | Path) -> tuple[str, ...]:
     """The prompts of a benchmark file (JSON lines with 'prompt'), to hold out of training."""
-    return tuple(json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip())
+    fix = "give --hold-out a JSON-lines file with a 'prompt' on each line, like bench/prompts.jsonl"
+    rows = read_json_lines(path, SpecrtError, fix, fields=("prompt",))
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r["prompt"], str)), None)
+    if bad is not None:
+        raise SpecrtError(f"{path}: prompt {bad + 1} is not a string; {fix}.")
+    return tuple(r["prompt"] for r in rows)

@@ -43,6 +43,7 @@ class Capabilities:
     hidden_layers: tuple[int, ...] = (-1,)  # the layers `hidden_states` carries, in order
     precision: str = "float32"  # "float32", or the quantization scheme of the engine
     checkpoint_hash: str | None = None
+    vocab_size: int | None = None  # the ids its logits cover: a draft model must share them
 
 
 class StepBackend(abc.ABC):

@@ -30,6 +30,7 @@ class OrtBackend(StepBackend):
             hidden_layers=tuple(hidden_layers),
             precision=precision,
             checkpoint_hash=checkpoint_hash,
+            vocab_size=config.vocab_size,
         )
         self._io = StepIO(config.num_hidden_layers)
         # fetching hidden_states only when asked saves its host copy on every other step

@@ -52,6 +52,7 @@ class SplitBackend(StepBackend):
             hidden_layers=b.hidden_layers,
             precision=b.precision,
             checkpoint_hash=b.checkpoint_hash,
+            vocab_size=b.vocab_size,
         )
 
     def step(

@@ -57,6 +57,7 @@ class TorchBackend(StepBackend):
             reuse_cache=cuda_graphs,
             hidden_layers=tuple(model.hidden_layers),
             checkpoint_hash=checkpoint_hash,
+            vocab_size=self.config.vocab_size,
         )
         kind = (
             "reference, cpu" if self.device.type == "cpu" else f"{self.device}{', CUDA graphs' if cuda_graphs else ''}"

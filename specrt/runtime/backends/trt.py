@@ -164,6 +164,7 @@ class TrtBackend(StepBackend):
             cache_align=CACHE_ALIGN,  # every layer's and row's slice bound at a 256-byte aligned address
             hidden_layers=tuple(m["hidden_layers"]),
             checkpoint_hash=m["checkpoint"]["hash"],
+            vocab_size=self.config.vocab_size,
         )
         graphs = ", CUDA graphs (TensorRT-RTX built-in)" if rtx_graphs else ", CUDA graphs" if cuda_graphs else ""
         self.description = f"{m['flavour']} {m['tensorrt_version']} ({self.device}{graphs})"

@@ -43,8 +43,9 @@ NEEDS_DRAFT_DIR = (
     "medusa",
     "draft-model",
 )  # methods with weights: they need --draft-dir
+TAKES_TREE = ("eagle", "eagle3", "mtp", "hybrid")  # methods that draft EAGLE-2 trees (--draft-tree TOP_K,DEPTH)
 
-__all__ = ["DRAFT_METHODS", "NEEDS_DRAFT_DIR", "DraftInput", "Proposer", "make_proposer"]
+__all__ = ["DRAFT_METHODS", "NEEDS_DRAFT_DIR", "TAKES_TREE", "DraftInput", "Proposer", "make_proposer"]
 
 
 def make_proposer(name: str, **options) -> Proposer:

@@ -15,11 +15,11 @@ vocabulary is not the target's, or a distilled draft made for another target, is
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from specrt.artifacts import read_json_object
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout, HeadLayout
 from specrt.runtime.backends.base import Capabilities
@@ -47,9 +47,16 @@ class DraftModelProposer:
             )
         session, manifest, provider = load_ort_session(engine, OrtOptions(intra_op_threads=threads), verify=verify)
         backend = OrtBackend.from_manifest(session, manifest, provider)
+        if target.vocab_size is not None and backend.config.vocab_size != target.vocab_size:
+            raise SpecrtError(
+                f"draft model {draft_dir} has a vocabulary of {backend.config.vocab_size} tokens, the target's has "
+                f"{target.vocab_size}: a draft model must share the target's tokenizer. Give a smaller model of the "
+                "target's family, or distil one: specrt train-draft --method draft-model --model CHECKPOINT --out DIR"
+            )
         report = HeadLayout(draft_dir).report  # a distilled draft's: names the target it was made for
-        made_for = json.loads(report.read_text()).get("target", {}) if report.is_file() else {}
-        theirs = made_for.get("checkpoint_hash")
+        fix = f"train the draft again with specrt train-draft --method draft-model --out {draft_dir}"
+        made_for = read_json_object(report, SpecrtError, fix).get("target", {}) if report.is_file() else {}
+        theirs = made_for.get("checkpoint_hash") if isinstance(made_for, dict) else None
         if theirs and target.checkpoint_hash and theirs != target.checkpoint_hash:
             raise SpecrtError(
                 f"draft model {draft_dir} was distilled for the target checkpoint {theirs[:19]}..., but the target "

@@ -1,0 +1,148 @@
+"""Files the draft pipeline reads back, damaged the way a disk, an interrupted copy or a person
+would: each is one line naming the file and the fix (exit 1), never a traceback, and nothing
+already made is lost (the refusal leaves every file as it was).
+
+One finished train-draft run of the tiny target is copied for each case; the case damages one
+file and runs the command that reads it again (train-draft resumes, build-draft re-exports).
+"""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from specrt.cli import main
+
+
+def train_args(tiny_checkpoint, tiny_artifacts, out):
+    args = ["train-draft", "--method", "eagle3", "--model", tiny_checkpoint, "--out", out]
+    args += ["--artifacts", tiny_artifacts, "--prompts", "12", "--max-new-tokens", "8", "--epochs", "1"]
+    return [str(a) for a in [*args, "--draft-vocab", "64", "--tensorrt", "off"]]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_checkpoint, tiny_artifacts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "eagle3"
+    r = CliRunner().invoke(main, train_args(tiny_checkpoint, tiny_artifacts, out))
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def run(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    assert not (r.exception and not isinstance(r.exception, SystemExit)), f"{r.output}\n{r.exception!r}"
+    assert "Traceback" not in r.output
+    return r
+
+
+def snapshot(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def cut_in_half(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def garbage(path):
+    path.write_bytes(b"\x00garbage{")
+
+
+def damage_second_answer(path):
+    lines = path.read_text().splitlines(keepends=True)
+    lines[1] = "{not an answer\n"
+    path.write_text("".join(lines))
+
+
+CASES = [
+    # (file under the head's directory, damage, what the one line says)
+    ("data/data.json", cut_in_half, "data.json is not valid JSON"),
+    ("data/features/done.json", garbage, "done.json is not valid JSON"),
+    ("data/features/index.json", garbage, "index.json is not valid JSON"),
+    ("data/features/features.npy", cut_in_half, "features.npy is damaged"),
+    ("data/answers.jsonl", damage_second_answer, "answers.jsonl:2 is damaged"),
+    ("checkpoint.pt", cut_in_half, "checkpoint.pt is damaged"),
+    ("checkpoint.pt", garbage, "training cannot resume from it; delete it to start training over"),
+]
+
+
+@pytest.mark.parametrize("name, damage, message", CASES, ids=[f"{c[0]}-{c[1].__name__}" for c in CASES])
+def test_a_damaged_file_of_a_resumable_run_is_one_line(
+    trained, tiny_checkpoint, tiny_artifacts, tmp_path, name, damage, message
+):
+    out = shutil.copytree(trained, tmp_path / "eagle3")
+    damage(out / name)
+    before = snapshot(out)
+    r = run(*train_args(tiny_checkpoint, tiny_artifacts, out))
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and message in line and str(out / name) in line, r.output
+    assert snapshot(out) == before, "the refusal changed files"
+
+
+@pytest.mark.parametrize(
+    "name, damage, message",
+    [
+        ("head/head.json", cut_in_half, "head.json is not valid JSON"),
+        ("head/head.safetensors", cut_in_half, "head.safetensors is damaged or missing"),
+        ("head/training.json", cut_in_half, "training.json is not valid JSON"),
+    ],
+)
+def test_a_damaged_head_is_one_line_in_build_draft(trained, tiny_checkpoint, tmp_path, name, damage, message):
+    out = shutil.copytree(trained, tmp_path / "eagle3")
+    damage(out / name)
+    before = snapshot(out)
+    r = run("build-draft", "--draft-dir", out, "--model", tiny_checkpoint, "--tensorrt", "off")
+    assert r.exit_code == 1 and message in r.output.strip().splitlines()[-1], r.output
+    assert snapshot(out) == before
+
+
+def test_build_draft_for_another_checkpoint_is_refused(trained, tiny_checkpoint, tmp_path):
+    """It rewrote the head's manifests to name the other checkpoint, whose widths the head does
+    not have; generating was then refused with the wrong advice."""
+    from conftest import random_model, save_checkpoint, tiny_hf_config
+
+    cfg = tiny_hf_config(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1)
+    other = save_checkpoint(random_model(cfg, seed=5), cfg, tmp_path / "other")
+    out = shutil.copytree(trained, tmp_path / "eagle3")
+    before = snapshot(out)
+    r = run("build-draft", "--draft-dir", out, "--model", other, "--tensorrt", "off")
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "was trained for the target checkpoint" in line, r.output
+    assert f"--model {tiny_checkpoint.resolve()}" in line  # the checkpoint it was trained for
+    assert snapshot(out) == before
+
+
+def test_train_draft_out_and_data_that_are_files(tiny_checkpoint, tiny_artifacts, tmp_path):
+    (tmp_path / "a-file").write_text("mine")
+    r = run(*train_args(tiny_checkpoint, tiny_artifacts, tmp_path / "a-file"))  # a NotADirectoryError before
+    assert r.exit_code == 1 and "--out" in r.output and "is a file; give the path of a directory" in r.output
+    r = run(*train_args(tiny_checkpoint, tiny_artifacts, tmp_path / "h"), "--data", tmp_path / "a-file" / "d")
+    assert r.exit_code == 1 and "lies under" in r.output and "which is a file" in r.output
+    assert (tmp_path / "a-file").read_text() == "mine" and not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("command", ["train-draft", "calibrate"])
+def test_hold_out_that_is_not_json_lines(tiny_checkpoint, tiny_artifacts, tmp_path, command):
+    bad = tmp_path / "held.jsonl"
+    bad.write_text('{"prompt": "fine"}\nnot json\n')
+    if command == "train-draft":
+        args = train_args(tiny_checkpoint, tiny_artifacts, tmp_path / "h")
+    else:
+        args = ["calibrate", "--model", tiny_checkpoint, "--artifacts", tiny_artifacts]
+    r = run(*args, "--hold-out", bad)  # a JSONDecodeError before
+    assert r.exit_code == 1 and f"{bad}:2 is not a JSON line" in r.output and "--hold-out" in r.output, r.output
+    bad.write_text('{"text": "no prompt"}\n')
+    r = run(*args, "--hold-out", bad)
+    assert r.exit_code == 1 and "is not a JSON object with 'prompt'" in r.output
+
+
+@pytest.mark.parametrize("value", ["one", -1, 1.5, True])
+def test_import_mtp_with_a_malformed_module_count(tiny_checkpoint, tmp_path, value):
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": value}))
+    r = run("import-mtp", "--model", ckpt, "--out", tmp_path / "mtp", "--tensorrt", "off")  # a ValueError before
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "num_nextn_predict_layers must be a whole number >= 0" in line, r.output
+    assert not (tmp_path / "mtp").exists()
