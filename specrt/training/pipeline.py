@@ -229,8 +229,8 @@ def _require_trained_for(layout: HeadLayout, report: dict, checkpoint: str | Pat
         raise SpecrtError(
             f"draft head {layout.root} was trained for the target checkpoint {theirs[:19]}..., but --model "
             f"{checkpoint} is another one ({ours[:19]}...); a head reads its own target's hidden states. Give its "
-            f"target: specrt build-draft --draft-dir {layout.root} --model {path}, or train a head for this target with specrt "
-            f"train-draft --model {checkpoint}"
+            f"target: specrt build-draft --draft-dir {layout.root} --model {path}, or train a head for this target "
+            f"with specrt train-draft --model {checkpoint}"
         )
 
 
