@@ -97,18 +97,24 @@ def test_a_damaged_head_is_one_line_in_build_draft(trained, tiny_checkpoint, tmp
     assert snapshot(out) == before
 
 
-def test_build_draft_for_another_checkpoint_is_refused(trained, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("widths", ["other", "same"])
+def test_build_draft_for_another_checkpoint_is_refused(trained, tiny_checkpoint, tmp_path, widths):
     """It rewrote the head's manifests to name the other checkpoint, whose widths the head does
-    not have; generating was then refused with the wrong advice."""
-    from conftest import random_model, save_checkpoint, tiny_hf_config
+    not have; generating was then refused with the wrong advice. Refused by the widths head.json
+    records, and by the hash training.json records where the widths agree."""
+    from conftest import TINY_HF, random_model, save_checkpoint, tiny_hf_config
 
-    cfg = tiny_hf_config(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1)
+    if widths == "other":
+        cfg = tiny_hf_config(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1)
+    else:
+        cfg = TINY_HF
     other = save_checkpoint(random_model(cfg, seed=5), cfg, tmp_path / "other")
     out = shutil.copytree(trained, tmp_path / "eagle3")
     before = snapshot(out)
     r = run("build-draft", "--draft-dir", out, "--model", other, "--tensorrt", "off")
     line = r.output.strip().splitlines()[-1]
-    assert r.exit_code == 1 and "was trained for the target checkpoint" in line, r.output
+    assert r.exit_code == 1 and "was trained for another target checkpoint" in line, r.output
+    assert ("hidden_size 64 vs 32" if widths == "other" else "sha256:") in line
     assert f"--model {tiny_checkpoint.resolve()}" in line  # the checkpoint it was trained for
     assert snapshot(out) == before
 

@@ -208,29 +208,35 @@ def build_draft(
     return built
 
 
-def _require_trained_for(layout: HeadLayout, report: dict, checkpoint: str | Path) -> None:
-    """Refuse to export a head for another checkpoint than the one it was trained on: its
-    widths and its features are that target's, and the new manifests would name the wrong one."""
-    from specrt.export.checkpoint import checkpoint_hash
+WIDTHS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
 
+
+def _require_trained_for(layout: HeadLayout, report: dict, checkpoint: str | Path) -> None:
+    """Refuse to export a head for another checkpoint than the one it was trained on (by the
+    hash training.json records, and by the widths head.json records): its features are that
+    target's, and the new manifests would name the wrong one."""
+    from specrt.export.checkpoint import checkpoint_hash, load_config
+    from specrt.export.draft_head import CONFIG_FILE
+
+    fix = f"train the head again: specrt train-draft --out {layout.root}"
     target = report.get("target")
     theirs = target.get("checkpoint_hash") if isinstance(target, dict) else None
-    if not isinstance(theirs, str):
-        raise SpecrtError(
-            f"{layout.report} names no target checkpoint (a damaged or hand-edited file); train the head again: "
-            f"specrt train-draft --out {layout.root}"
-        )
     ours = checkpoint_hash(checkpoint)
-    if theirs != ours:
+    trained_on = read_json_object(layout.weights / CONFIG_FILE, SpecrtError, fix).get("target")
+    if not isinstance(trained_on, dict):
+        raise SpecrtError(f"{layout.weights / CONFIG_FILE} names no target configuration; {fix}")
+    given = load_config(checkpoint).to_dict()
+    differ = [f"{k} {trained_on.get(k)} vs {given.get(k)}" for k in WIDTHS if trained_on.get(k) != given.get(k)]
+    if differ or (isinstance(theirs, str) and theirs != ours):
         try:  # the path the earlier export recorded, for the advice
             path = read_json_object(layout.onnx / "manifest.json", SpecrtError, "")["checkpoint"]["path"]
         except (SpecrtError, OSError, KeyError, TypeError):
             path = "THE_CHECKPOINT_IT_WAS_TRAINED_ON"
+        what = f"widths {', '.join(differ)}" if differ else f"{ours[:19]}..., not {str(theirs)[:19]}..."
         raise SpecrtError(
-            f"draft head {layout.root} was trained for the target checkpoint {theirs[:19]}..., but --model "
-            f"{checkpoint} is another one ({ours[:19]}...); a head reads its own target's hidden states. Give its "
-            f"target: specrt build-draft --draft-dir {layout.root} --model {path}, or train a head for this target "
-            f"with specrt train-draft --model {checkpoint}"
+            f"draft head {layout.root} was trained for another target checkpoint than --model {checkpoint} ({what}); "
+            f"a head reads its own target's hidden states. Give its target: specrt build-draft --draft-dir "
+            f"{layout.root} --model {path}, or train a head for this target: specrt train-draft --model {checkpoint}"
         )
 
 
