@@ -438,13 +438,7 @@ def _check_draft_options(choice: EngineChoice) -> None:
 
     draft = choice.draft
     if draft == "none":
-        ctx = click.get_current_context(silent=True)
-        options = (("--draft-dir", "draft_dir"), ("--draft-tree", "draft_tree"), ("--num-draft", "num_draft"))
-        given = [
-            name
-            for name, field in (*options, ("--max-draft", "max_draft"))
-            if ctx is not None and ctx.get_parameter_source(field) not in (None, click.core.ParameterSource.DEFAULT)
-        ]
+        given = _given("draft_dir", "draft_tree", "num_draft", "max_draft")
         if given:
             raise click.UsageError(
                 f"{', '.join(given)}: for speculative decoding, so give --draft too (e.g. --draft suffix, or --draft "
@@ -465,6 +459,15 @@ def _check_draft_options(choice: EngineChoice) -> None:
         )
     if choice.draft_tree != "chain":
         _parse_tree(choice.draft_tree)
+
+
+def _given(*names: str) -> list[str]:
+    """The options among `names` (parameter names) given on the command line, as flags."""
+    ctx = click.get_current_context(silent=True)  # none: called as a library (a Ray replica)
+    if ctx is None:
+        return []
+    default = (None, click.core.ParameterSource.DEFAULT)
+    return [f"--{n.replace('_', '-')}" for n in names if ctx.get_parameter_source(n) not in default]
 
 
 def _parse_tree(value: str) -> tuple[int, int]:
@@ -882,12 +885,7 @@ def calibrate(
         unknown = [s for s in chosen if s not in RECIPES]
         if unknown:
             raise click.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(RECIPES)}", param_hint="--schemes")
-    ctx = click.get_current_context()
-    unused = [
-        f"--{name.replace('_', '-')}"
-        for name in ("schemes", "report_out", "heads", "report_tokens")
-        if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
-    ]
+    unused = _given("schemes", "report_out", "heads", "report_tokens")
     if unused and not report:
         raise click.UsageError(f"{', '.join(unused)}: options of the report; give --report too, or leave them out")
     from specrt.report import ReportSpec, report_inputs
