@@ -1,9 +1,23 @@
 """The step graph's I/O: the one definition of its tensor names, dtypes and dynamic axes.
 
+The portable graph (export/step_graph.py, every backend):
+
     inputs   input_ids [B, Q] int64, position_ids [B, Q] int64, attention_mask [B, Q, P+Q] bool,
              logits_index [B, K] int64, past_key_values.{i}.key/value [B, Hkv, P, D] float32
     outputs  logits [B, K, V] float32, hidden_states [B, Q, H*] float32,
              present.{i}.key/value [B, Hkv, Q, D] float32 (the Q new positions only)
+
+The fused graph (export/fused_graph.py, ONNX Runtime) takes the cache's bookkeeping instead of
+the mask and writes the new positions into the cache buffer itself (past and present are one
+buffer of capacity C, bound to both):
+
+    inputs   input_ids, position_ids, logits_index as above; attention_bias [B or 1, 1, Q, T]
+             float32 (0 / -inf: the tree among the new positions, T = longest row + Q),
+             seqlens_k [B] int32 (each row's length after the step - 1), total_sequence_length []
+             int32 (T), query_seqlens [B] int32 (new positions per row),
+             past_key_values.{i}.key/value [B, Hkv, C, D] float32
+    outputs  logits, hidden_states as above; present.{i}.key/value [B, Hkv, C, D]: the same
+             buffers, with row b's Q new positions written at [length_b, length_b + Q)
 
 The exporter, every step backend, the TensorRT profiles and the tests' TensorRT stand-in derive
 their names from `StepIO`; nothing else spells them. No heavy imports: backends and engine
@@ -21,8 +35,28 @@ import numpy as np
 
 # the four per-step inputs, in the graph's order (the past KV follows them)
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index")
+# the fused graph's, in its order
+FUSED_INPUTS = (
+    "input_ids",
+    "position_ids",
+    "attention_bias",
+    "seqlens_k",
+    "total_sequence_length",
+    "query_seqlens",
+    "logits_index",
+)
 LOGITS, HIDDEN = "logits", "hidden_states"
-INPUT_DTYPES = {"input_ids": "int64", "position_ids": "int64", "attention_mask": "bool", "logits_index": "int64"}
+INPUT_DTYPES = {
+    "input_ids": "int64",
+    "position_ids": "int64",
+    "attention_mask": "bool",
+    "logits_index": "int64",
+    "attention_bias": "float32",
+    "seqlens_k": "int32",
+    "total_sequence_length": "int32",
+    "query_seqlens": "int32",
+}
+GRAPH_FLAVOURS = ("portable", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +64,11 @@ class StepIO:
     """Names and dynamic axes of the step graph of a model with `num_layers` layers."""
 
     num_layers: int
+    flavour: str = "portable"  # or "fused"
+
+    @property
+    def step_inputs(self) -> tuple[str, ...]:
+        return FUSED_INPUTS if self.flavour == "fused" else STEP_INPUTS
 
     def past(self, layer: int) -> tuple[str, str]:
         return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
@@ -47,7 +86,7 @@ class StepIO:
 
     @property
     def input_names(self) -> list[str]:
-        return [*STEP_INPUTS, *self.past_names]
+        return [*self.step_inputs, *self.past_names]
 
     @property
     def output_names(self) -> list[str]:
@@ -62,11 +101,21 @@ class StepIO:
         axes = {
             "input_ids": {0: "batch", 1: "q_len"},
             "position_ids": {0: "batch", 1: "q_len"},
-            "attention_mask": {0: "batch", 1: "q_len", 2: "kv_len"},
             "logits_index": {0: "batch", 1: "n_logits"},
             LOGITS: {0: "batch", 1: "n_logits"},
             HIDDEN: {0: "batch", 1: "q_len"},
         }
+        if self.flavour == "fused":
+            axes.update(
+                {
+                    "attention_bias": {0: "bias_batch", 2: "q_len", 3: "total_len"},
+                    "seqlens_k": {0: "batch"},
+                    "query_seqlens": {0: "batch"},
+                }
+            )
+            axes.update({n: {0: "batch", 2: "capacity"} for n in (*self.past_names, *self.present_names)})
+            return axes
+        axes["attention_mask"] = {0: "batch", 1: "q_len", 2: "kv_len"}
         axes.update({n: {0: "batch", 2: "past_len"} for n in self.past_names})
         axes.update({n: {0: "batch", 2: "q_len"} for n in self.present_names})
         return axes
@@ -82,3 +131,28 @@ def attention_mask(lengths: np.ndarray, capacity: int, q_len: int, new_mask: np.
     mask[:, :, :capacity] = (np.arange(capacity)[None, :] < lengths[:, None])[:, None, :]
     mask[:, :, capacity:] = np.tril(np.ones((q_len, q_len), dtype=bool)) if new_mask is None else new_mask
     return mask
+
+
+def fused_inputs(lengths: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The fused graph's attention inputs for a step whose portable mask is `attention_mask`
+    (B, Q, C + Q) over rows of `lengths` committed positions: the past is each row's first
+    `lengths[b]` slots (as `attention_mask` builds it), the new positions go to
+    [lengths[b], lengths[b] + Q) and see each other as the mask's last Q columns say. A chain is
+    the graph's own causal order (a zero bias); a tree adds -inf where a node may not look."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    B, Q, width = attention_mask.shape
+    new = attention_mask[:, :, width - Q :]
+    T = int(lengths.max()) + Q
+    if np.array_equal(new, np.broadcast_to(np.tri(Q, dtype=bool), new.shape)):
+        bias = np.zeros((1, 1, Q, T), np.float32)  # every row causal
+    else:
+        bias = np.zeros((B, 1, Q, T), np.float32)
+        cols = lengths[:, None, None] + np.arange(Q)[None, None, :]  # (B, 1, Q): the new slots
+        rows = np.arange(B)[:, None, None], np.arange(Q)[None, :, None]
+        bias[rows[0], 0, rows[1], cols] = np.where(new, 0.0, -np.inf)
+    return {
+        "attention_bias": bias,
+        "seqlens_k": (lengths + Q - 1).astype(np.int32),
+        "total_sequence_length": np.array(T, np.int32),
+        "query_seqlens": np.full(B, Q, np.int32),
+    }

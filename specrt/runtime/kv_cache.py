@@ -27,8 +27,11 @@ class KVCache:
         head_dim: int,
         dtype=np.float32,
         device: str | None = None,
+        slack: int = 0,
     ):
-        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        """slack: slots the buffers hold beyond `capacity`, which rows never commit into (a
+        backend that writes each row's whole padded step in place needs them: Capabilities)."""
+        shape = (num_layers, batch, kv_heads, capacity + slack, head_dim)
         if device is None:
             self.keys = np.zeros(shape, dtype=dtype)
             self.values = np.zeros(shape, dtype=dtype)
@@ -65,8 +68,16 @@ class KVCache:
         return self.keys.shape[0]
 
     def past(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Full-capacity views (B, Hkv, C, D) of one layer; no copy."""
+        """Full-capacity views (B, Hkv, C, D) of one layer (C + slack where there is slack); no copy."""
         return self.keys[layer], self.values[layer]
+
+    def commit(self, counts: np.ndarray) -> None:
+        """The step wrote its new positions into the buffers itself (in place): commit the first
+        counts[b] of each row."""
+        end = self.lengths + np.asarray(counts, dtype=np.int64)
+        if (end > self.capacity).any():
+            raise ValueError(f"KV cache overflow: rows need {end.max()} positions, capacity is {self.capacity}")
+        self.lengths[:] = end
 
     def append(self, present: list[tuple[np.ndarray, np.ndarray]], counts: np.ndarray) -> None:
         """Write the first counts[b] new positions of each row after its committed length and commit them.

@@ -68,7 +68,13 @@ class StepSession:
         capacity = -(-capacity // caps.cache_align) * caps.cache_align
         if not caps.reuse_cache:
             return KVCache(
-                c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device
+                c.num_hidden_layers,
+                batch,
+                c.num_key_value_heads,
+                capacity,
+                c.head_dim,
+                device=caps.cache_device,
+                slack=caps.cache_slack,
             )
         limit = caps.max_cache or capacity + CACHE_BUCKET
         capacity = max(capacity, min(-(-capacity // CACHE_BUCKET) * CACHE_BUCKET, limit))
@@ -78,7 +84,13 @@ class StepSession:
                 cache.in_use = True
                 return cache
         cache = KVCache(
-            c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim, device=caps.cache_device
+            c.num_hidden_layers,
+            batch,
+            c.num_key_value_heads,
+            capacity,
+            c.head_dim,
+            device=caps.cache_device,
+            slack=caps.cache_slack,
         )
         cache.in_use = True
         idle = [k for k in self._pool if not k.in_use]
@@ -135,7 +147,10 @@ class StepSession:
         out = self.backend.step(
             ids, positions, cache.attention_mask(Q, new_mask), index, cache, every if hidden else None, want_logits
         )
-        cache.append(out.present, counts)
+        if out.present is None:  # the backend wrote the positions in place (caps.writes_cache)
+            cache.commit(counts)
+        else:
+            cache.append(out.present, counts)
         return out
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], hidden: bool = False) -> Prefilled:

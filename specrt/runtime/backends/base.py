@@ -17,7 +17,7 @@ MAX_GRAPHS = 128  # captured step graphs kept per backend before they are droppe
 class StepOutput:
     logits: np.ndarray | None  # (B, K, V) float32 at the positions logits_index asked for; None if not wanted
     hidden_states: np.ndarray | None  # (B, Kh, H*) float32 at the positions hidden_index asked for; None if not asked
-    present: list[tuple[np.ndarray, np.ndarray]]  # per layer (key, value), each (B, Hkv, Q, D)
+    present: list[tuple[np.ndarray, np.ndarray]] | None  # per layer (key, value), each (B, Hkv, Q, D); None: in place
     top1: np.ndarray | None = None  # (B, K) int64 argmax of the logits, where the backend computed it
 
     def argmax(self) -> np.ndarray:
@@ -37,6 +37,10 @@ class Capabilities:
     cache_device: str | None = None  # where KV caches live; None: host numpy arrays
     reuse_cache: bool = False  # it binds cache buffers (CUDA graphs): the session pools caches across generations
     cache_align: int = 1  # cache capacities are multiples of this (TensorRT: slices bound at aligned addresses)
+    # the step writes the new positions into the cache itself (StepOutput.present is None), all
+    # Q of every row from its length on: caches get this many slots beyond their capacity
+    writes_cache: bool = False
+    cache_slack: int = 0
     batch_invariance: dict | None = None  # measured at build: how logits move between 1- and multi-position steps
     # what a draft head trained on this target must match (its features are these layers'
     # hidden states, at this precision, of this checkpoint); hash None: unknown (built in memory)

@@ -1,12 +1,23 @@
-"""An ONNX Runtime session on a built engine as a step backend."""
+"""An ONNX Runtime session on a built engine as a step backend.
+
+Two graph flavours (step_io): the portable graph takes the cache's past as inputs and returns
+the new positions (appended by the session); the fused graph writes them into the cache buffers
+itself (engines/ort_inplace.py binds them in place), so its caches carry room for a whole
+verification step beyond their capacity (`FUSED_STEP_ROOM`).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from specrt.export.config import ModelConfig
-from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
+from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO, fused_inputs
 from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput, gather_rows
+
+# most positions a verification step of the fused graph has: its attention op writes all Q of
+# every row (padding included) from the row's length on, so a cache holds this many slots past
+# its capacity (for a row near its end beside a row verifying a long draft)
+FUSED_STEP_ROOM = 64
 
 
 class OrtBackend(StepBackend):
@@ -19,23 +30,33 @@ class OrtBackend(StepBackend):
         hidden_layers=(-1,),
         precision: str = "float32",
         checkpoint_hash: str | None = None,
+        flavour: str = "portable",
     ):
         import onnxruntime
 
         self.session = session
         self.config = config
-        self.description = f"onnxruntime {onnxruntime.__version__} {provider}"
+        self.flavour = flavour
+        fused = flavour == "fused"
+        self.description = f"onnxruntime {onnxruntime.__version__} {provider}" + (", fused graph" if fused else "")
         self.caps = Capabilities(
+            max_verify=FUSED_STEP_ROOM if fused else None,
             batch_invariance=batch_invariance,
             hidden_layers=tuple(hidden_layers),
             precision=precision,
             checkpoint_hash=checkpoint_hash,
             vocab_size=config.vocab_size,
+            writes_cache=fused,
+            cache_slack=FUSED_STEP_ROOM if fused else 0,
         )
         self._io = StepIO(config.num_hidden_layers)
         # fetching hidden_states only when asked saves its host copy on every other step
         self._fetch = [LOGITS, *self._io.present_names]
         self._fetch_hidden = [LOGITS, *self._io.present_names, HIDDEN]
+        if fused:
+            from specrt.engines.ort_inplace import InPlaceRunner
+
+            self._runner = InPlaceRunner(session, config.num_hidden_layers)
 
     @classmethod
     def from_manifest(cls, session, manifest: dict, provider: str) -> "OrtBackend":
@@ -48,10 +69,13 @@ class OrtBackend(StepBackend):
             hidden_layers=manifest["hidden_layers"],
             precision=manifest.get("precision", "float32"),
             checkpoint_hash=manifest["checkpoint"]["hash"],
+            flavour=manifest.get("graph_flavour", "portable"),
         )
 
     def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None, want_logits=True):
         # the logits are host arrays already: returned whether wanted or not
+        if self.flavour == "fused":
+            return self._fused_step(input_ids, position_ids, attention_mask, logits_index, cache, hidden_index)
         feeds = dict(zip(STEP_INPUTS, (input_ids, position_ids, attention_mask, logits_index)))
         for i in range(cache.num_layers):
             feeds.update(zip(self._io.past(i), cache.past(i)))
@@ -60,3 +84,19 @@ class OrtBackend(StepBackend):
         present = list(zip(out[1 : 2 * L + 1 : 2], out[2 : 2 * L + 1 : 2]))
         hidden = None if hidden_index is None else np.ascontiguousarray(gather_rows(out[-1], hidden_index))
         return StepOutput(out[0], hidden, present)
+
+    def _fused_step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index):
+        """The new positions go into the cache's buffers at each row's length (not committed:
+        the session commits each row's count); StepOutput.present is None."""
+        Q = input_ids.shape[1]
+        if int(cache.lengths.max()) + Q > cache.keys.shape[3]:
+            raise ValueError(
+                f"a step of {Q} positions does not fit the cache's buffers ({cache.keys.shape[3]} slots) after "
+                f"{int(cache.lengths.max())} committed positions; give the cache room for it (Capabilities.cache_slack)"
+            )
+        feeds = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index}
+        feeds |= fused_inputs(cache.lengths, attention_mask)
+        logits, hidden = self._runner.run(feeds, cache.keys, cache.values, want_hidden=hidden_index is not None)
+        if hidden is not None:
+            hidden = np.ascontiguousarray(gather_rows(hidden, hidden_index))
+        return StepOutput(logits, hidden, None)

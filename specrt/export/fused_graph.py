@@ -1,0 +1,244 @@
+"""The fused step graph: ONNX Runtime's fused operators, the KV cache written in place.
+
+    export_fused_graph(checkpoint, out_dir)   # model.onnx, model.onnx.data, manifest.json
+
+The same model as the portable step graph (export/step_graph.py), written node by node from the
+checkpoint's weights rather than traced, so each layer is what ORT's CPU kernels run best:
+
+    SkipSimplifiedLayerNormalization   norm and residual add in one (layer 0: the plain norm)
+    MatMul q, k, v                     (a 4-bit rewrite runs them as one product)
+    GroupQueryAttention                rotary at the given positions, grouped KV heads, causal
+                                       order plus a bias for trees; past and present are one
+                                       buffer, so each row's new keys are written in place at
+                                       its length and no step copies the cache
+    MatMul o
+    SkipSimplifiedLayerNormalization
+    MatMul gate, up; Sigmoid, Mul, Mul (SiLU(gate) * up); MatMul down
+
+14 nodes a layer (the portable graph runs ~83 after ORT's own optimizations), 12 once a 4-bit
+recipe has fused q/k/v and gate/up. The I/O is step_io's fused flavour: the runtime passes its
+lengths rather than a mask (step_io.fused_inputs converts one into the other) and binds each
+layer's cache buffer as both past and present (runtime/backends/ort.py).
+
+A tree needs only its bias: nodes come in topological order, so a node's ancestors stand before
+it and causal order plus -inf on the non-ancestors is the tree mask. Ragged rows are the
+attention op's own (seqlens_k, query_seqlens per row).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_manifest
+from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.export.llama import LlamaModel, rotary
+from specrt.export.step_graph import (
+    DEFAULT_OPSET,
+    GRAPH_VERSION,
+    ONNX_DATA,
+    ONNX_FILE,
+    ONNX_KIND,
+    check_opset,
+    save_graph,
+)
+from specrt.export.step_io import HIDDEN, INPUT_DTYPES, LOGITS, StepIO
+
+MS = "com.microsoft"
+
+
+class _Builder:
+    """Nodes and initializers of one graph; names are the tensors'."""
+
+    def __init__(self):
+        self.nodes, self.inits = [], []
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs) -> list[str]:
+        from onnx import helper
+
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs
+
+    def matmul(self, x: str, weight: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> str:
+        """x @ W^T for a torch Linear weight W (N, K): the MatMul's constant is W^T (K, N), the
+        form the 4-bit recipes find by content."""
+        out = self.node("MatMul", [x, self.init(f"{name}.weight_t", _f32(weight).T)], [f"{name}/out"], name)[0]
+        if bias is None:
+            return out
+        return self.node("Add", [out, self.init(f"{name}.bias", _f32(bias))], [f"{name}/biased"], f"{name}/Add")[0]
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).numpy()
+
+
+def build_fused_graph(model: LlamaModel, opset: int = DEFAULT_OPSET):
+    """The fused step graph of `model` (float32 weights) as an onnx ModelProto."""
+    from onnx import TensorProto, helper
+
+    cfg = model.cfg
+    L, Hkv, D, C = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    io = StepIO(L, "fused")
+    g = _Builder()
+    eps = float(cfg.rms_norm_eps)
+
+    # embedding lookup; a tied table is stored once, as the head's W^T (C, V)
+    embed = model.embed_tokens.weight
+    if cfg.tie_word_embeddings:
+        table = g.init("lm_head.weight_t", _f32(embed).T)
+        cbq = g.node("Gather", [table, "input_ids"], ["embed/cbq"], "embed/Gather", axis=1)[0]
+        x = g.node("Transpose", [cbq], ["embed/out"], "embed/to_bqc", perm=[1, 2, 0])[0]
+    else:
+        x = g.node("Gather", [g.init("embed_tokens.weight", _f32(embed)), "input_ids"], ["embed/out"], "embed/Gather")[
+            0
+        ]
+
+    # the rotary tables at every position the model takes, as the portable graph computes them
+    positions = torch.arange(cfg.max_position_embeddings)[None]
+    cos, sin = (t[0, 0, :, : D // 2].numpy() for t in rotary(positions, model.inv_freq))
+    cos_cache, sin_cache = g.init("rotary.cos", cos), g.init("rotary.sin", sin)
+
+    taps = {}  # layer index -> the residual stream after that layer (hidden_layers reads them)
+    residual, pending = x, None  # pending: the last block's output, not yet added to the residual
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}"
+        h, residual = _norm(g, pending, residual, layer.input_layernorm.weight, eps, f"{p}.input_norm")
+        if i > 0:
+            taps[i - 1] = residual
+        att = layer.self_attn
+        bias = cfg.attention_bias
+        q = g.matmul(h, att.q_proj.weight, f"{p}.q_proj", att.q_proj.bias if bias else None)
+        k = g.matmul(h, att.k_proj.weight, f"{p}.k_proj", att.k_proj.bias if bias else None)
+        v = g.matmul(h, att.v_proj.weight, f"{p}.v_proj", att.v_proj.bias if bias else None)
+        past_k, past_v = io.past(i)
+        present_k, present_v = io.present(i)
+        a = g.node(
+            "GroupQueryAttention",
+            [q, k, v, past_k, past_v, "seqlens_k", "total_sequence_length", cos_cache, sin_cache, "position_ids"]
+            + ["attention_bias", "", "", "", "", "", "query_seqlens"],
+            [f"{p}.attn/out", present_k, present_v],
+            f"{p}.attn",
+            MS,
+            num_heads=cfg.num_attention_heads,
+            kv_num_heads=Hkv,
+            do_rotary=1,
+            rotary_interleaved=0,
+            causal=1,
+            scale=float(D**-0.5),
+        )[0]
+        o = g.matmul(a, att.o_proj.weight, f"{p}.o_proj")
+        h, residual = _norm(g, o, residual, layer.post_attention_layernorm.weight, eps, f"{p}.post_norm")
+        mlp = layer.mlp
+        gate = g.matmul(h, mlp.gate_proj.weight, f"{p}.gate_proj")
+        up = g.matmul(h, mlp.up_proj.weight, f"{p}.up_proj")
+        sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
+        act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
+        prod = g.node("Mul", [act, up], [f"{p}.mlp/gated"], f"{p}.mlp/Mul")[0]
+        pending = g.matmul(prod, mlp.down_proj.weight, f"{p}.down_proj")
+    final, residual = _norm(g, pending, residual, model.norm.weight, eps, "norm")
+    taps[L - 1], taps[-1] = residual, final
+
+    feats = [taps[j] for j in model.hidden_layers]
+    if len(feats) > 1:
+        g.node("Concat", feats, [HIDDEN], "hidden/Concat", axis=-1)
+    else:
+        g.node("Identity", feats, [HIDDEN], "hidden/Identity")
+    index = g.node("Unsqueeze", ["logits_index", g.init("axes.2", np.array([2], np.int64))], ["index/bk1"], "index")[0]
+    picked = g.node("GatherND", [final, index], ["head/in"], "head/GatherND", batch_dims=1)[0]
+    if cfg.tie_word_embeddings:
+        g.node("MatMul", [picked, "lm_head.weight_t"], [LOGITS], "lm_head")
+    else:
+        head = model.lm_head.weight
+        g.node("MatMul", [picked, g.init("lm_head.weight_t", _f32(head).T)], [LOGITS], "lm_head")
+
+    dims = {"input_ids": ["batch", "q_len"], "position_ids": ["batch", "q_len"], "logits_index": ["batch", "n_logits"]}
+    dims |= {"attention_bias": ["bias_batch", 1, "q_len", "total_len"], "seqlens_k": ["batch"]}
+    dims |= {"total_sequence_length": [], "query_seqlens": ["batch"]}
+    kv = {n: ["batch", Hkv, "capacity", D] for n in io.past_names}
+    elem = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "int64": TensorProto.INT64}
+    inputs = [helper.make_tensor_value_info(n, elem[INPUT_DTYPES[n]], dims[n]) for n in io.step_inputs]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in kv.items()]
+    width = C * len(model.hidden_layers)
+    outputs = [
+        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["batch", "n_logits", cfg.vocab_size]),
+        helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, ["batch", "q_len", width]),
+    ]
+    outputs += [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", Hkv, "capacity", D]) for n in io.present_names
+    ]
+    graph = helper.make_graph(g.nodes, "specrt-fused-step", inputs, outputs, g.inits)
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
+    return helper.make_model(graph, opset_imports=opsets, producer_name="specrt")
+
+
+def _norm(g: _Builder, block: str | None, residual: str, weight: torch.Tensor, eps: float, name: str):
+    """(normed, residual + block): one SkipSimplifiedLayerNormalization; the first layer, with
+    no block before it, normalizes the embedding alone."""
+    w = g.init(f"{name}.weight", _f32(weight))
+    if block is None:
+        out = g.node("SimplifiedLayerNormalization", [residual, w], [f"{name}/out"], name, axis=-1, epsilon=eps)
+        return out[0], residual
+    outs = [f"{name}/out", "", "", f"{name}/residual"]
+    out = g.node("SkipSimplifiedLayerNormalization", [block, residual, w], outs, name, MS, epsilon=eps)
+    return out[0], out[3]
+
+
+def export_fused_graph(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    hidden_layers: tuple[int, ...] | None = None,
+    opset: int = DEFAULT_OPSET,
+) -> Path:
+    """Write the fused step graph of `checkpoint` to `out_dir` (replaced atomically) with a
+    manifest like the portable export's, its `graph_flavour` "fused"."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    check_opset(opset)
+    t0 = time.perf_counter()
+    ckpt_hash = checkpoint_hash(checkpoint)
+    if hidden_layers is None:
+        from specrt.export.checkpoint import load_config
+        from specrt.export.draft_head import default_target_layers
+
+        hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
+    model = load_model(checkpoint, hidden_layers=hidden_layers)
+    cfg = model.cfg
+    io = StepIO(cfg.num_hidden_layers, "fused")
+    with torch.no_grad():
+        proto = build_fused_graph(model, opset)
+    with atomic_dir(out_dir) as tmp:
+        save_graph(proto, tmp)
+        del proto
+        # no onnx.checker: ORT's SimplifiedLayerNormalization is in the default domain, which the
+        # checker refuses; the engine build loads the graph in ORT, the check that matters
+        write_manifest(
+            tmp,
+            ONNX_KIND,
+            {
+                "graph_version": GRAPH_VERSION,
+                "graph_flavour": "fused",
+                "checkpoint": {"path": str(checkpoint.resolve()), "hash": ckpt_hash},
+                "config": cfg.to_dict(),
+                "hidden_layers": list(hidden_layers),
+                "hidden_size_out": cfg.hidden_size * len(hidden_layers),
+                "opset": opset,
+                "exporter": "specrt fused graph builder",
+                "inputs": io.input_names,
+                "outputs": io.output_names,
+                "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
+                "dtypes": {**{n: INPUT_DTYPES[n] for n in io.step_inputs}, "kv": "float32", "logits": "float32"},
+                "compute_dtype": "float32",
+                "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
+                "export_seconds": round(time.perf_counter() - t0, 2),
+                "versions": package_versions("torch", "onnx", "onnxruntime"),
+            },
+        )
+    return out_dir
