@@ -6,19 +6,23 @@ The same model as the portable step graph (export/step_graph.py), written node b
 checkpoint's weights rather than traced, so each layer is what ORT's CPU kernels run best:
 
     SkipSimplifiedLayerNormalization   norm and residual add in one (layer 0: the plain norm)
-    MatMul q, k, v                     (a 4-bit rewrite runs them as one product)
+    MatMul q|k|v                       one product over the three weights, packed for the op
     GroupQueryAttention                rotary at the given positions, grouped KV heads, causal
                                        order plus a bias for trees; past and present are one
                                        buffer, so each row's new keys are written in place at
                                        its length and no step copies the cache
     MatMul o
     SkipSimplifiedLayerNormalization
-    MatMul gate, up; Sigmoid, Mul, Mul (SiLU(gate) * up); MatMul down
+    MatMul gate|up, Split; Sigmoid, Mul, Mul (SiLU(gate) * up); MatMul down
 
-14 nodes a layer (the portable graph runs ~83 after ORT's own optimizations), 12 once a 4-bit
-recipe has fused q/k/v and gate/up. The I/O is step_io's fused flavour: the runtime passes its
-lengths rather than a mask (step_io.fused_inputs converts one into the other) and binds each
-layer's cache buffer as both past and present (runtime/backends/ort.py).
+Every product goes through a `products` object: FloatProducts writes MatMuls over the float
+weights; a 4-bit recipe passes its own (calibration/blocks.py), which writes MatMulNBits over
+the same weights' blocks, so the fused 4-bit graph is written directly, not rewritten.
+
+8 nodes a layer besides the products (the portable graph runs ~83 after ORT's own
+optimizations). The I/O is step_io's fused flavour: the runtime passes its lengths rather than
+a mask (step_io.fused_inputs converts one into the other) and binds each layer's cache buffer as
+both past and present (engines/ort_inplace.py).
 
 A tree needs only its bias: nodes come in topological order, so a node's ancestors stand before
 it and causal order plus -inf on the non-ancestors is the tree mask. Ragged rows are the
@@ -68,23 +72,30 @@ class _Builder:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs
 
-    def matmul(self, x: str, weight: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> str:
-        """x @ W^T for a torch Linear weight W (N, K): the MatMul's constant is W^T (K, N), the
-        form the 4-bit recipes find by content."""
-        out = self.node("MatMul", [x, self.init(f"{name}.weight_t", _f32(weight).T)], [f"{name}/out"], name)[0]
-        if bias is None:
-            return out
-        return self.node("Add", [out, self.init(f"{name}.bias", _f32(bias))], [f"{name}/biased"], f"{name}/Add")[0]
+
+class FloatProducts:
+    """The products x @ W^T of the float graph: one MatMul over weights side by side (q/k/v and
+    gate/up each run as one product). A 4-bit recipe gives its own (calibration/blocks.py
+    BlockProducts: the same products on MatMulNBits), with the same `product` call."""
+
+    scheme = "none"
+
+    def product(self, g: _Builder, x: str, weights: list[torch.Tensor], name: str) -> str:
+        """The name of x @ [W_1; W_2; ...]^T (outputs of the weights (N_i, K) concatenated)."""
+        w = np.concatenate([_f32(w) for w in weights], axis=0).T  # (K, sum N_i)
+        return g.node("MatMul", [x, g.init(f"{name}.weight_t", w)], [f"{name}/out"], name)[0]
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).numpy()
 
 
-def build_fused_graph(model: LlamaModel, opset: int = DEFAULT_OPSET):
-    """The fused step graph of `model` (float32 weights) as an onnx ModelProto."""
+def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPSET):
+    """The fused step graph of `model` (float32 weights) as an onnx ModelProto; `products`
+    computes its matrix products (FloatProducts by default)."""
     from onnx import TensorProto, helper
 
+    products = products or FloatProducts()
     cfg = model.cfg
     L, Hkv, D, C = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     io = StepIO(L, "fused")
@@ -106,6 +117,8 @@ def build_fused_graph(model: LlamaModel, opset: int = DEFAULT_OPSET):
     positions = torch.arange(cfg.max_position_embeddings)[None]
     cos, sin = (t[0, 0, :, : D // 2].numpy() for t in rotary(positions, model.inv_freq))
     cos_cache, sin_cache = g.init("rotary.cos", cos), g.init("rotary.sin", sin)
+    inter = cfg.intermediate_size
+    halves = g.init("mlp.split", np.array([inter, inter], np.int64))
 
     taps = {}  # layer index -> the residual stream after that layer (hidden_layers reads them)
     residual, pending = x, None  # pending: the last block's output, not yet added to the residual
@@ -115,15 +128,15 @@ def build_fused_graph(model: LlamaModel, opset: int = DEFAULT_OPSET):
         if i > 0:
             taps[i - 1] = residual
         att = layer.self_attn
-        bias = cfg.attention_bias
-        q = g.matmul(h, att.q_proj.weight, f"{p}.q_proj", att.q_proj.bias if bias else None)
-        k = g.matmul(h, att.k_proj.weight, f"{p}.k_proj", att.k_proj.bias if bias else None)
-        v = g.matmul(h, att.v_proj.weight, f"{p}.v_proj", att.v_proj.bias if bias else None)
+        qkv = products.product(g, h, [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], f"{p}.qkv_proj")
+        if cfg.attention_bias:
+            b = np.concatenate([_f32(att.q_proj.bias), _f32(att.k_proj.bias), _f32(att.v_proj.bias)])
+            qkv = g.node("Add", [qkv, g.init(f"{p}.qkv_proj.bias", b)], [f"{p}.qkv_proj/biased"], f"{p}.qkv/Add")[0]
         past_k, past_v = io.past(i)
         present_k, present_v = io.present(i)
         a = g.node(
             "GroupQueryAttention",
-            [q, k, v, past_k, past_v, "seqlens_k", "total_sequence_length", cos_cache, sin_cache, "position_ids"]
+            [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", cos_cache, sin_cache, "position_ids"]
             + ["attention_bias", "", "", "", "", "", "query_seqlens"],
             [f"{p}.attn/out", present_k, present_v],
             f"{p}.attn",
@@ -135,15 +148,15 @@ def build_fused_graph(model: LlamaModel, opset: int = DEFAULT_OPSET):
             causal=1,
             scale=float(D**-0.5),
         )[0]
-        o = g.matmul(a, att.o_proj.weight, f"{p}.o_proj")
+        o = products.product(g, a, [att.o_proj.weight], f"{p}.o_proj")
         h, residual = _norm(g, o, residual, layer.post_attention_layernorm.weight, eps, f"{p}.post_norm")
         mlp = layer.mlp
-        gate = g.matmul(h, mlp.gate_proj.weight, f"{p}.gate_proj")
-        up = g.matmul(h, mlp.up_proj.weight, f"{p}.up_proj")
+        gate_up = products.product(g, h, [mlp.gate_proj.weight, mlp.up_proj.weight], f"{p}.gate_up_proj")
+        gate, up = g.node("Split", [gate_up, halves], [f"{p}.mlp/gate", f"{p}.mlp/up"], f"{p}.mlp/Split", axis=-1)
         sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
         act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
         prod = g.node("Mul", [act, up], [f"{p}.mlp/gated"], f"{p}.mlp/Mul")[0]
-        pending = g.matmul(prod, mlp.down_proj.weight, f"{p}.down_proj")
+        pending = products.product(g, prod, [mlp.down_proj.weight], f"{p}.down_proj")
     final, residual = _norm(g, pending, residual, model.norm.weight, eps, "norm")
     taps[L - 1], taps[-1] = residual, final
 
@@ -154,11 +167,11 @@ def build_fused_graph(model: LlamaModel, opset: int = DEFAULT_OPSET):
         g.node("Identity", feats, [HIDDEN], "hidden/Identity")
     index = g.node("Unsqueeze", ["logits_index", g.init("axes.2", np.array([2], np.int64))], ["index/bk1"], "index")[0]
     picked = g.node("GatherND", [final, index], ["head/in"], "head/GatherND", batch_dims=1)[0]
-    if cfg.tie_word_embeddings:
-        g.node("MatMul", [picked, "lm_head.weight_t"], [LOGITS], "lm_head")
+    if cfg.tie_word_embeddings and products.scheme == "none":  # the lookup's table is the head's W^T
+        logits = g.node("MatMul", [picked, "lm_head.weight_t"], ["lm_head/out"], "lm_head")[0]
     else:
-        head = model.lm_head.weight
-        g.node("MatMul", [picked, g.init("lm_head.weight_t", _f32(head).T)], [LOGITS], "lm_head")
+        logits = products.product(g, picked, [model.lm_head.weight], "lm_head")
+    g.node("Identity", [logits], [LOGITS], "logits")
 
     dims = {"input_ids": ["batch", "q_len"], "position_ids": ["batch", "q_len"], "logits_index": ["batch", "n_logits"]}
     dims |= {"attention_bias": ["bias_batch", 1, "q_len", "total_len"], "seqlens_k": ["batch"]}
@@ -197,9 +210,12 @@ def export_fused_graph(
     out_dir: str | Path,
     hidden_layers: tuple[int, ...] | None = None,
     opset: int = DEFAULT_OPSET,
+    products=None,
+    manifest_extra: dict | None = None,
 ) -> Path:
     """Write the fused step graph of `checkpoint` to `out_dir` (replaced atomically) with a
-    manifest like the portable export's, its `graph_flavour` "fused"."""
+    manifest like the portable export's, its `graph_flavour` "fused"; `products` as in
+    build_fused_graph, `manifest_extra` added to the manifest (a 4-bit recipe's quantization)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     check_opset(opset)
     t0 = time.perf_counter()
@@ -213,7 +229,7 @@ def export_fused_graph(
     cfg = model.cfg
     io = StepIO(cfg.num_hidden_layers, "fused")
     with torch.no_grad():
-        proto = build_fused_graph(model, opset)
+        proto = build_fused_graph(model, products, opset)
     with atomic_dir(out_dir) as tmp:
         save_graph(proto, tmp)
         del proto
@@ -239,6 +255,7 @@ def export_fused_graph(
                 "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
                 "export_seconds": round(time.perf_counter() - t0, 2),
                 "versions": package_versions("torch", "onnx", "onnxruntime"),
+                **(manifest_extra or {}),
             },
         )
     return out_dir
