@@ -157,6 +157,55 @@ class _Rewriter:
         ]
 
 
+class BlockProducts:
+    """The fused step graph's products (export/fused_graph.py) computed from blocks: the weights
+    of one product side by side as one MatMulNBits computation per layout (q/k/v, gate/up: one
+    product each), the same nodes the portable graph's rewrite writes. `blocks_of` gives a
+    weight's blocks (the float weight (N, K) in, its Blocks out, or None: not in this recipe)."""
+
+    def __init__(self, scheme: str, blocks_of, prefix: str, quantization: dict, t0: float):
+        self.scheme, self.blocks_of, self.prefix = scheme, blocks_of, prefix
+        self.quantization, self.t0 = quantization, t0
+        self.rewriter = _Rewriter(prefix)
+        self.counts: collections.Counter = collections.Counter()
+
+    def manifest(self) -> dict:
+        """What the graph's manifest says of the products: the recipe and what it computed."""
+        done = {
+            "rewritten_matmuls": dict(sorted(self.counts.items())),
+            "seconds": round(time.perf_counter() - self.t0, 2),
+        }
+        return {"quantization": {**self.quantization, **done}}
+
+    def product(self, g, x: str, weights: list, name: str) -> str:
+        from onnx import helper
+
+        parts = []
+        for w in weights:
+            b = self.blocks_of(w.detach().float().numpy())
+            if b is None:
+                raise SpecrtError(f"{name}: a weight has no blocks in the {self.scheme} recipe")
+            parts.append(b)
+            self.counts[b.layout] += 1
+        # consecutive weights of one layout run as one computation; layouts side by side are concatenated
+        runs: list[list[Blocks]] = []
+        for b in parts:
+            if runs and runs[-1][0].layout == b.layout:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        outs = []
+        for j, run in enumerate(runs):
+            out = f"{name}/out" if len(runs) == 1 else f"{name}/part{j}"
+            g.nodes.extend(self.rewriter._compute(x, out, Blocks.concat(run), f"{self.prefix}.{name}.{j}"))
+            outs.append(out)
+        g.inits.extend(self.rewriter.inits)
+        self.rewriter.inits = []
+        if len(outs) > 1:
+            g.nodes.append(helper.make_node("Concat", outs, [f"{name}/out"], name=f"{name}/Concat", axis=-1))
+        return f"{name}/out"
+
+
 def float_source(onnx_dir: str | Path) -> dict:
     """The manifest of the float32 step graph a recipe starts from; a graph already quantized is
     refused (every recipe computes from the float weights)."""

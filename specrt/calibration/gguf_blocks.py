@@ -149,3 +149,42 @@ def quantize_from_gguf(
     steps.update()
     steps.close()
     return out_dir
+
+
+def fused_from_gguf(
+    checkpoint: str | Path, out_dir: str | Path, gguf_path: str | Path, hidden_layers: tuple[int, ...] | None = None
+) -> Path:
+    """The fused step graph (export/fused_graph.py) of `checkpoint` with every product computed
+    from `gguf_path`'s own blocks (found by content, as quantize_from_gguf finds them), written
+    to `out_dir` with the quantization in its manifest."""
+    from specrt.calibration.blocks import BlockProducts
+    from specrt.export.fused_graph import export_fused_graph
+
+    gguf_path = Path(gguf_path)
+    t0 = time.perf_counter()
+    blocks = {_digest(b.dequantize()): b for _, b in gguf_blocks(gguf_path)}  # by the weight (N, K)
+    if not blocks:
+        raise SpecrtError(
+            f"{gguf_path} stores no tensor as {', '.join(SUPPORTED)}; the gguf scheme rewrites those block types only"
+        )
+
+    def blocks_of(weight: np.ndarray) -> Blocks:
+        b = blocks.get(_digest(weight))
+        if b is None:
+            raise SpecrtError(
+                f"a weight of {checkpoint} is not the dequantization of a block tensor of {gguf_path}: the checkpoint "
+                "was not converted from this GGUF file; give --gguf the file `specrt convert` read, or convert again"
+            )
+        return b
+
+    quantization = {
+        "scheme": SCHEME,
+        "method": "the GGUF's own blocks (no second rounding)",
+        "bits": 4,
+        "block_size": BLOCK,
+        "accuracy_level": 0,
+        "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
+        "fused": True,
+    }
+    products = BlockProducts(SCHEME, blocks_of, "gguf", quantization, t0)
+    return export_fused_graph(checkpoint, out_dir, hidden_layers, products=products)

@@ -80,6 +80,9 @@ class FloatProducts:
 
     scheme = "none"
 
+    def manifest(self) -> dict:
+        return {}
+
     def product(self, g: _Builder, x: str, weights: list[torch.Tensor], name: str) -> str:
         """The name of x @ [W_1; W_2; ...]^T (outputs of the weights (N_i, K) concatenated)."""
         w = np.concatenate([_f32(w) for w in weights], axis=0).T  # (K, sum N_i)
@@ -211,11 +214,11 @@ def export_fused_graph(
     hidden_layers: tuple[int, ...] | None = None,
     opset: int = DEFAULT_OPSET,
     products=None,
-    manifest_extra: dict | None = None,
 ) -> Path:
     """Write the fused step graph of `checkpoint` to `out_dir` (replaced atomically) with a
     manifest like the portable export's, its `graph_flavour` "fused"; `products` as in
-    build_fused_graph, `manifest_extra` added to the manifest (a 4-bit recipe's quantization)."""
+    build_fused_graph (what its `manifest()` says goes into the manifest: a 4-bit recipe's
+    quantization)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     check_opset(opset)
     t0 = time.perf_counter()
@@ -229,6 +232,7 @@ def export_fused_graph(
     cfg = model.cfg
     io = StepIO(cfg.num_hidden_layers, "fused")
     with torch.no_grad():
+        products = products or FloatProducts()
         proto = build_fused_graph(model, products, opset)
     with atomic_dir(out_dir) as tmp:
         save_graph(proto, tmp)
@@ -255,7 +259,7 @@ def export_fused_graph(
                 "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
                 "export_seconds": round(time.perf_counter() - t0, 2),
                 "versions": package_versions("torch", "onnx", "onnxruntime"),
-                **(manifest_extra or {}),
+                **products.manifest(),
             },
         )
     return out_dir
