@@ -2,8 +2,9 @@
 
     <root>/onnx/                          the step graph (model.onnx, model.onnx.data, manifest.json)
     <root>/onnx-<scheme>/                 a quantized step graph (build-engines --quantize)
-    <root>/engines/ort-<provider>/        an ONNX Runtime engine of onnx/
-    <root>/engines/ort-<provider>-<scheme>/  ... of onnx-<scheme>/
+    <root>/onnx-fused[-<scheme>]/         the fused step graph, float32 or 4-bit (ONNX Runtime's engines)
+    <root>/engines/ort-<provider>/        an ONNX Runtime engine of onnx-fused/ (or of onnx/: --graph portable)
+    <root>/engines/ort-<provider>-<scheme>/  ... of onnx-fused-<scheme>/ or onnx-<scheme>/
     <root>/engines/trt-<flavour>/         a TensorRT / TensorRT-RTX engine
     <root>/engines/timing.cache           TensorRT's timing cache, reused across builds
 
@@ -40,8 +41,14 @@ class ArtifactLayout(_Layout):
     def quant_onnx(self, scheme: str) -> Path:
         return self.root / f"onnx-{scheme}"
 
-    def source_onnx(self, scheme: str = "none") -> Path:
-        """The step graph an engine of this scheme is built from."""
+    def fused_onnx(self, scheme: str = "none") -> Path:
+        """The fused step graph (export/fused_graph.py), float32 or of a 4-bit scheme."""
+        return self.root / ("onnx-fused" if scheme == "none" else f"onnx-fused-{scheme}")
+
+    def source_onnx(self, scheme: str = "none", flavour: str = "portable") -> Path:
+        """The step graph an engine of this scheme and graph flavour is built from."""
+        if flavour == "fused":
+            return self.fused_onnx(scheme)
         return self.onnx if scheme == "none" else self.quant_onnx(scheme)
 
     @property

@@ -152,7 +152,11 @@ def quantize_from_gguf(
 
 
 def fused_from_gguf(
-    checkpoint: str | Path, out_dir: str | Path, gguf_path: str | Path, hidden_layers: tuple[int, ...] | None = None
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    gguf_path: str | Path,
+    hidden_layers: tuple[int, ...] | None = None,
+    opset: int = 17,
 ) -> Path:
     """The fused step graph (export/fused_graph.py) of `checkpoint` with every product computed
     from `gguf_path`'s own blocks (found by content, as quantize_from_gguf finds them), written
@@ -187,4 +191,4 @@ def fused_from_gguf(
         "fused": True,
     }
     products = BlockProducts(SCHEME, blocks_of, "gguf", quantization, t0)
-    return export_fused_graph(checkpoint, out_dir, hidden_layers, products=products)
+    return export_fused_graph(checkpoint, out_dir, hidden_layers, opset, products=products)

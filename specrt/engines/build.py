@@ -30,11 +30,17 @@ class BuildSpec:
         "none"  # none, gguf or a calibration.weight_only scheme: also build that quantized graph and its ORT engine
     )
     quant_block_size: int = 32
+    # the ORT engines' step graph: "fused" (export/fused_graph.py: ORT's fused operators, the
+    # cache written in place) where a recipe writes one (FUSED_SCHEMES), else "portable"
+    graph: str = "fused"
     gguf: Path | None = None  # --quantize gguf: the GGUF file (default: the one the checkpoint was converted from)
     # --quantize gptq: the calibration set (calibration.data.CalibrationSet), or a function that
     # makes it from the float ORT engine just built (the CLI's, which runs the target)
     calibration: Path | None = None
     make_calibration: Callable[[Path], Path] | None = None
+
+
+FUSED_SCHEMES = ("none", "gguf")  # schemes with a fused graph; the others build their portable graph
 
 
 def _manifest_if_valid(read, *args) -> dict | None:
@@ -80,14 +86,56 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
         onnx_manifest = read_onnx_manifest(odir)
     onnx_files = onnx_manifest["files"]
 
-    yield from _build_ort(spec, odir, onnx_files, ckpt_hash, stale=exported)
+    if spec.graph not in ("fused", "portable"):
+        raise SpecrtError(f"graph flavour {spec.graph!r}: choose fused or portable")
+    if spec.graph == "fused":
+        yield from _build_fused(spec, ckpt_hash, layers)
+    else:
+        yield from _build_ort(spec, odir, onnx_files, ckpt_hash, stale=exported)
     yield from _build_tensorrt(spec, odir, onnx_files, ckpt_hash, exported)
     if spec.quantize != "none":
         yield from _build_quantized(spec, odir, onnx_files, ckpt_hash)
 
 
+def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str = "none") -> Iterator[str]:
+    """The fused step graph of a scheme (float32: "none") and its ORT engine, each reused when
+    current."""
+    from specrt.export.fused_graph import FUSED_VERSION, export_fused_graph
+    from specrt.export.step_graph import read_onnx_manifest
+
+    fdir = ArtifactLayout(spec.out).fused_onnx(scheme)
+    current = None if spec.force else _manifest_if_valid(read_onnx_manifest, fdir, ckpt_hash)
+    wanted = {"graph_flavour": "fused", "fused_version": FUSED_VERSION, "hidden_layers": layers}
+    make = lambda: export_fused_graph(spec.checkpoint, fdir, tuple(layers), spec.opset)  # noqa: E731
+    if scheme == "gguf":
+        from specrt.calibration.gguf_blocks import fused_from_gguf
+
+        gguf_fields, gguf = _gguf_source(spec)
+        quant = (current or {}).get("quantization", {})
+        if {k: quant.get(k) for k in gguf_fields} != gguf_fields:
+            current = None
+        make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset)  # noqa: E731
+    fresh = current is None or {k: current.get(k) for k in wanted} != wanted
+    label = "fused" if scheme == "none" else f"{scheme}-fused"
+    if fresh:
+        t0 = time.perf_counter()
+        make()
+        yield f"{label:<9} {fdir}: written in {time.perf_counter() - t0:.1f} s"
+    else:
+        yield f"{label:<9} {fdir}: up to date"
+    files = read_onnx_manifest(fdir)["files"]
+    note = " (TensorRT takes no MatMulNBits graph: none built for gguf)" if scheme == "gguf" else ""
+    yield from _build_ort(spec, fdir, files, ckpt_hash, stale=fresh, quantize=scheme, note=note)
+
+
 def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str) -> Iterator[str]:
     from specrt.export.step_graph import read_onnx_manifest
+
+    if spec.graph == "fused" and spec.quantize in FUSED_SCHEMES:
+        yield from _build_fused(
+            spec, ckpt_hash, read_onnx_manifest(odir, verify="none")["hidden_layers"], spec.quantize
+        )
+        return
 
     qdir = ArtifactLayout(spec.out).quant_onnx(spec.quantize)
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, qdir, ckpt_hash)
@@ -127,19 +175,9 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
 def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
     """(the quantization fields an up-to-date graph has, a function that makes it)."""
     if spec.quantize == "gguf":
-        from specrt.artifacts import file_sha256
         from specrt.calibration.gguf_blocks import quantize_from_gguf
-        from specrt.export.gguf import gguf_origin
 
-        gguf = spec.gguf or gguf_origin(spec.checkpoint)
-        if gguf is None:
-            raise SpecrtError(
-                f"--quantize gguf computes from the GGUF file's own blocks, and {spec.checkpoint} records no GGUF file "
-                "it was converted from (or the file moved or changed); give it with --gguf FILE"
-            )
-        if not Path(gguf).is_file():
-            raise SpecrtError(f"--gguf {gguf}: no such file")
-        wanted = {"scheme": "gguf", "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)}}
+        wanted, gguf = _gguf_source(spec)
         return wanted, lambda: quantize_from_gguf(odir, qdir, gguf)
 
     if spec.quantize == "hqq":
@@ -180,6 +218,22 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
     return {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}, lambda: quantize_weight_only(
         odir, qdir, wspec
     )
+
+
+def _gguf_source(spec: BuildSpec) -> tuple[dict, Path]:
+    """(the quantization fields a current gguf graph records, the GGUF file) of --quantize gguf."""
+    from specrt.artifacts import file_sha256
+    from specrt.export.gguf import gguf_origin
+
+    gguf = spec.gguf or gguf_origin(spec.checkpoint)
+    if gguf is None:
+        raise SpecrtError(
+            f"--quantize gguf computes from the GGUF file's own blocks, and {spec.checkpoint} records no GGUF file "
+            "it was converted from (or the file moved or changed); give it with --gguf FILE"
+        )
+    if not Path(gguf).is_file():
+        raise SpecrtError(f"--gguf {gguf}: no such file")
+    return {"scheme": "gguf", "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)}}, Path(gguf)
 
 
 def _calibration(spec: BuildSpec, odir: Path):

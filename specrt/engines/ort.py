@@ -97,7 +97,12 @@ def _check_provider_loaded(session, provider: str) -> str:
 
 
 def batch_invariance(
-    session, config: dict, provider: str, prefix: int = 12, steps: int = EngineShapes.max_verify
+    session,
+    config: dict,
+    provider: str,
+    prefix: int = 12,
+    steps: int = EngineShapes.max_verify,
+    flavour: str = "portable",
 ) -> dict:
     """How much a position's logits depend on how many positions one step computes: the same
     tokens fed one per step and as one multi-position step (as speculative verification does).
@@ -123,6 +128,31 @@ def batch_invariance(
     def fresh():
         return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(cfg.num_hidden_layers)], [0]
 
+    if flavour == "fused":  # the cache written in place, as the runtime runs it
+        from specrt.engines.ort_inplace import InPlaceRunner
+        from specrt.export.step_io import fused_inputs
+
+        runner, room = InPlaceRunner(session, cfg.num_hidden_layers), capacity + steps  # room: the cache's slack
+        buffers = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, room, cfg.head_dim)  # (L, B, Hkv, C, D)
+
+        def fresh():
+            return np.zeros(buffers, np.float32), np.zeros(buffers, np.float32), [0]
+
+        def run(tokens, cache):
+            keys, values, length = cache
+            P, Q = length[0], len(tokens)
+            feeds = {
+                "input_ids": np.array([tokens], np.int64),
+                "position_ids": np.arange(P, P + Q, dtype=np.int64)[None],
+                "logits_index": np.arange(Q, dtype=np.int64)[None],
+                **fused_inputs(np.array([P]), attention_mask([P], room, Q)),
+            }
+            logits, _ = runner.run(feeds, keys, values)
+            length[0] += Q
+            return logits[0]
+
+        return _compare(fresh, run, cfg, prefix, steps)
+
     def run(tokens, cache):
         """Feed `tokens` after the cache's committed length; returns their logits (Q, V)."""
         past, length = cache
@@ -146,6 +176,13 @@ def batch_invariance(
             k[:, :, P : P + Q], v[:, :, P : P + Q] = out[1 + 2 * i], out[2 + 2 * i]
         length[0] += Q
         return out[0][0]
+
+    return _compare(fresh, run, cfg, prefix, steps)
+
+
+def _compare(fresh, run, cfg, prefix: int, steps: int) -> dict:
+    """The same tokens one per step and as one multi-position step: how far their logits differ."""
+    import numpy as np
 
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, prefix + steps).tolist()
     one, many = fresh(), fresh()
@@ -237,7 +274,8 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
         session, active = optimizing_session(
             onnx_dir / ONNX_FILE, tmp / OPT_FILE, OPT_DATA, options, "re-export it with `specrt export`."
         )
-        invariance = batch_invariance(session, onnx_manifest["config"], active)
+        flavour = onnx_manifest.get("graph_flavour", "portable")
+        invariance = batch_invariance(session, onnx_manifest["config"], active, flavour=flavour)
         del session
         write_manifest(
             tmp,
@@ -247,6 +285,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "checkpoint": onnx_manifest["checkpoint"],
                 "config": onnx_manifest["config"],
                 "hidden_layers": onnx_manifest["hidden_layers"],
+                "graph_flavour": flavour,
                 # what draft heads trained on this target must have been trained against
                 "precision": precision_of(onnx_manifest.get("quantization", {}).get("scheme")),
                 "provider": active,

@@ -52,6 +52,7 @@ from specrt.export.step_graph import (
 from specrt.export.step_io import HIDDEN, INPUT_DTYPES, LOGITS, StepIO
 
 MS = "com.microsoft"
+FUSED_VERSION = 1  # the fused graph's layout; a graph of another version is written again
 
 
 class _Builder:
@@ -245,6 +246,7 @@ def export_fused_graph(
             {
                 "graph_version": GRAPH_VERSION,
                 "graph_flavour": "fused",
+                "fused_version": FUSED_VERSION,
                 "checkpoint": {"path": str(checkpoint.resolve()), "hash": ckpt_hash},
                 "config": cfg.to_dict(),
                 "hidden_layers": list(hidden_layers),

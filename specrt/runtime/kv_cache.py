@@ -147,8 +147,9 @@ class KVCache:
         self.keep(row, root + 1, [root + 1 + i for i in accepted])
 
     def attention_mask(self, q_len: int, new_mask: np.ndarray | None = None) -> np.ndarray:
-        """(B, Q, C + Q) bool mask for a step of Q new positions (step_io.attention_mask)."""
-        return attention_mask(self.lengths, self.capacity, q_len, new_mask)
+        """(B, Q, C + Q) bool mask for a step of Q new positions (step_io.attention_mask); C is
+        the buffers' width (the capacity and any slack), as `past` gives them."""
+        return attention_mask(self.lengths, self.keys.shape[3], q_len, new_mask)
 
 
 def aligned_zeros(shape: tuple[int, ...], device: str):

@@ -12,7 +12,8 @@ Only engines that compute the same model may be split: the same checkpoint, feat
 precision class (`gguf` computes the float32 model within float rounding; its manifest precision
 is float32), so a position's logits differ between the two by float rounding, as they do between
 a one- and a multi-position step of either; speculative output stays equal to plain output. Both
-read and extend the same host KV cache.
+read and extend the same host KV cache, whichever graph flavour each runs (a fused graph writes
+its positions in place, a portable one returns them for the session to append).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class SplitBackend(StepBackend):
             precision=b.precision,
             checkpoint_hash=b.checkpoint_hash,
             vocab_size=b.vocab_size,
+            # either may write the cache in place (a fused graph): a step says which (its present)
+            writes_cache=a.writes_cache or b.writes_cache,
+            cache_slack=max(a.cache_slack, b.cache_slack),
         )
 
     def step(
