@@ -171,6 +171,14 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
 )
 @click.option("--force", is_flag=True, help="Rebuild even when up-to-date artifacts exist.")
 @click.option(
+    "--graph",
+    default="fused",
+    show_default=True,
+    type=click.Choice(["fused", "portable"]),
+    help="The ORT engines' step graph: fused (ORT's fused attention, norm and 4-bit kernels, the KV cache written "
+    "in place: onnx-fused/; float32 and gguf) or portable (the traced graph TensorRT also reads: onnx/).",
+)
+@click.option(
     "--tensorrt",
     "tensorrt",
     default="auto",
@@ -262,6 +270,7 @@ def build_engines(
     out: Path,
     provider: str,
     force: bool,
+    graph: str,
     tensorrt: str,
     max_context: int,
     max_prefill: int,
@@ -293,6 +302,7 @@ def build_engines(
         out=out,
         provider=provider,
         force=force,
+        graph=graph,
         tensorrt=tensorrt,
         trt=trt_spec,
         quantize=quantize,

@@ -114,11 +114,22 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_artifacts(tiny_checkpoint, tmp_path_factory) -> Path:
-    """build-engines output for the tiny checkpoint: onnx/ and engines/ort-cpu/."""
+    """build-engines output for the tiny checkpoint: onnx/, onnx-fused/ and engines/ort-cpu/ (of the fused graph)."""
     from specrt.engines.build import BuildSpec, build_all
 
     out = tmp_path_factory.mktemp("tiny-artifacts") / "art"
     list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_portable_artifacts(tiny_checkpoint, tmp_path_factory) -> Path:
+    """build-engines --graph portable for the tiny checkpoint: its ORT engine runs onnx/ (the
+    traced graph TensorRT reads), where tiny_artifacts' runs the fused graph."""
+    from specrt.engines.build import BuildSpec, build_all
+
+    out = tmp_path_factory.mktemp("tiny-portable") / "art"
+    list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out, graph="portable", tensorrt="off")))
     return out
 
 

@@ -277,7 +277,7 @@ def test_build_and_generate_with_the_gguf_engine(tmp_path):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 1 and "records no GGUF file" in r.output and "--gguf FILE" in r.output, r.output
     r = CliRunner().invoke(main, [*args, "--gguf", str(tmp_path / "m.gguf")])
-    assert r.exit_code == 0 and "onnx-gguf: quantized" in r.output, r.output
+    assert r.exit_code == 0 and "onnx-fused-gguf: quantized" in r.output, r.output
     r = CliRunner().invoke(
         main, ["generate", "--artifacts", str(art), "--quantize", "gguf", "--prompt", "w5 w6", "--max-new-tokens", "6"]
     )

@@ -43,7 +43,7 @@ def test_build_all_rebuilds_when_checkpoint_changes(tiny_checkpoint, tiny_artifa
     out = copy_artifacts(tiny_artifacts, tmp_path / "art")
     other = save_checkpoint(random_model(tiny_hf_config(), seed=7), tiny_hf_config(), tmp_path / "other")
     lines = list(build_all(BuildSpec(checkpoint=other, out=out)))
-    assert "exported" in lines[0] and "built" in lines[1]
+    assert "exported" in lines[0] and "onnx-fused: written" in lines[1] and "built" in lines[2]
     assert json.loads((out / "engines/ort-cpu/manifest.json").read_text())["checkpoint"]["hash"] == checkpoint_hash(
         other
     )
@@ -75,7 +75,7 @@ def test_engine_optimized_on_other_cpu_is_refused(tiny_artifacts, tmp_path):
         load_ort_session(art / "engines/ort-cpu")
     # build-engines notices the stale engine and rebuilds it
     lines = list(build_all(BuildSpec(checkpoint=Path(m["checkpoint"]["path"]), out=art)))
-    assert "built" in lines[1]
+    assert "onnx-fused: up to date" in lines[1] and "built" in lines[2]
     load_ort_session(art / "engines/ort-cpu")
 
 

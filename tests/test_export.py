@@ -21,8 +21,10 @@ ATOL_KV = 1e-5
 
 
 @pytest.fixture(scope="module")
-def backends(tiny_checkpoint, tiny_artifacts):
-    session, manifest, provider = load_ort_session(tiny_artifacts / "engines" / "ort-cpu")
+def backends(tiny_checkpoint, tiny_portable_artifacts):
+    """The portable graph's engine (its I/O is what these tests feed; the fused graph has its own
+    tests, test_fused_graph.py) and the PyTorch model."""
+    session, manifest, provider = load_ort_session(tiny_portable_artifacts / "engines" / "ort-cpu")
     ort_backend = OrtBackend.from_manifest(session, manifest, provider)
     return ort_backend, TorchBackend(load_model(tiny_checkpoint))
 

@@ -31,18 +31,27 @@ TYPES = {  # every supported block type, on every kind of projection
 }
 
 
-@pytest.fixture(scope="module")
-def gguf_target(tmp_path_factory):
-    """(GGUF file, the checkpoint converted from it, build-engines output with --quantize gguf)."""
+@pytest.fixture(scope="module", params=["fused", "portable"])
+def gguf_target(tmp_path_factory, request):
+    """(GGUF file, the checkpoint converted from it, build-engines output with --quantize gguf,
+    the graph flavour): both flavours, the fused graph written from the blocks and the portable
+    one rewritten onto them."""
     d = tmp_path_factory.mktemp("gguf")
     hf = tiny_hf_config()
     write_gguf(random_model(hf, seed=11), hf, d / "tiny.gguf", TYPES)
     # the checkpoint is the GGUF's dequantization, as `specrt convert` writes it
     ckpt = save_checkpoint(load_model(d / "tiny.gguf"), hf, d / "ckpt")
     out = d / "art"
-    lines = list(build_all(BuildSpec(checkpoint=ckpt, out=out, quantize="gguf", gguf=d / "tiny.gguf", tensorrt="off")))
+    spec = BuildSpec(
+        checkpoint=ckpt, out=out, quantize="gguf", gguf=d / "tiny.gguf", tensorrt="off", graph=request.param
+    )
+    lines = list(build_all(spec))
     assert any("gguf" in line and "quantized" in line for line in lines)
-    return d / "tiny.gguf", ckpt, out
+    return d / "tiny.gguf", ckpt, out, request.param
+
+
+def gguf_graph(out, flavour):
+    return ArtifactLayout(out).source_onnx("gguf", flavour)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -58,18 +67,19 @@ def test_block_fields_dequantize_as_the_gguf_package_does(kind):
 
 
 def test_gguf_engine_is_the_float_model(gguf_target):
-    path, ckpt, out = gguf_target
+    path, ckpt, out, flavour = gguf_target
     layout = ArtifactLayout(out)
-    q = json.loads((layout.quant_onnx("gguf") / "manifest.json").read_text())["quantization"]
+    q = json.loads((gguf_graph(out, flavour) / "manifest.json").read_text())["quantization"]
     assert q["rewritten_matmuls"] == {"Q4_0": 4, "Q4_1": 8, "Q8_0": 3}  # per layer: q, up / k, v, gate, down / o
     assert q["block_tensors_unused"] == ["token_embd.weight"]  # untied: the embedding is only looked up
     import onnx
 
-    graph = onnx.load(str(layout.quant_onnx("gguf") / "model.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(gguf_graph(out, flavour) / "model.onnx"), load_external_data=False).graph
     # per layer q, k + v (one input, both Q4_1: fused), o (Q8_0: two), gate, up, down; the head (two)
     assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 2 * 7 + 2
     engine = json.loads((layout.ort_engine("cpu", "gguf") / "manifest.json").read_text())
     assert engine["batch_invariance"]["relative"] <= 1e-4 and engine["precision"] == "float32"
+    assert engine["graph_flavour"] == flavour
 
     flt, q4 = Generator.from_engine(layout.ort_engine("cpu")), Generator.from_engine(layout.ort_engine("cpu", "gguf"))
     rng = np.random.default_rng(1)
@@ -83,18 +93,19 @@ def test_gguf_engine_is_the_float_model(gguf_target):
 
 
 def test_a_gguf_the_checkpoint_did_not_come_from_is_refused(gguf_target, tmp_path):
-    _, ckpt, out = gguf_target
+    _, ckpt, out, flavour = gguf_target
     hf = tiny_hf_config()
     write_gguf(random_model(hf, seed=12), hf, tmp_path / "other.gguf", TYPES)
-    spec = BuildSpec(checkpoint=ckpt, out=out, quantize="gguf", gguf=tmp_path / "other.gguf", tensorrt="off")
+    other = tmp_path / "other.gguf"
+    spec = BuildSpec(checkpoint=ckpt, out=out, quantize="gguf", gguf=other, tensorrt="off", graph=flavour)
     with pytest.raises(SpecrtError, match="not converted from this GGUF file"):
         list(build_all(spec))
-    assert json.loads((ArtifactLayout(out).quant_onnx("gguf") / "manifest.json").read_text())  # the old one intact
+    assert json.loads((gguf_graph(out, flavour) / "manifest.json").read_text())  # the old one intact
 
 
 def test_the_gguf_file_comes_from_the_checkpoints_record(gguf_target, tmp_path):
-    path, ckpt, out = gguf_target
-    spec = BuildSpec(checkpoint=ckpt, out=out, quantize="gguf", tensorrt="off")
+    path, ckpt, out, flavour = gguf_target
+    spec = BuildSpec(checkpoint=ckpt, out=out, quantize="gguf", tensorrt="off", graph=flavour)
     with pytest.raises(SpecrtError, match="records no GGUF file"):
         list(build_all(spec))
     from specrt.artifacts import file_sha256
@@ -102,7 +113,7 @@ def test_the_gguf_file_comes_from_the_checkpoints_record(gguf_target, tmp_path):
     (ckpt / GGUF_SOURCE).write_text(json.dumps({"file": str(path), "sha256": file_sha256(path)}))
     try:
         assert gguf_origin(ckpt) == path
-        assert any("up to date" in line and "onnx-gguf" in line for line in build_all(spec))
+        assert any("up to date" in line and str(gguf_graph(out, flavour)) in line for line in build_all(spec))
     finally:
         (ckpt / GGUF_SOURCE).unlink()
 
@@ -114,7 +125,7 @@ def test_split_backend_decodes_on_gguf_and_verifies_on_float(gguf_target):
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
-    _, _, out = gguf_target
+    _, _, out, _ = gguf_target
     layout = ArtifactLayout(out)
     split = Generator.from_engine(layout.ort_engine("cpu", "gguf"), multi_engine=layout.ort_engine("cpu"))
     flt = Generator.from_engine(layout.ort_engine("cpu"))
@@ -144,8 +155,8 @@ def test_split_backend_decodes_on_gguf_and_verifies_on_float(gguf_target):
 def test_split_refuses_engines_of_different_models(gguf_target, tmp_path):
     from specrt.runtime.backends import SplitBackend
 
-    _, ckpt, out = gguf_target
-    list(build_all(BuildSpec(checkpoint=ckpt, out=out, quantize="hqq", tensorrt="off")))
+    _, ckpt, out, flavour = gguf_target
+    list(build_all(BuildSpec(checkpoint=ckpt, out=out, quantize="hqq", tensorrt="off", graph=flavour)))
     layout = ArtifactLayout(out)
     hqq = Generator.from_engine(layout.ort_engine("cpu", "hqq")).backend
     flt = Generator.from_engine(layout.ort_engine("cpu")).backend

@@ -102,12 +102,18 @@ def test_swapped_graph_is_refused_before_onnxruntime_sees_it(art, other_art):
     assert "usable here" in r.output  # the intact onnx/ export beside it still is
 
 
-def test_swapped_onnx_export_is_refused_and_rebuilt(art, other_art, tiny_checkpoint):
-    shutil.copy(other_art / "onnx/model.onnx.data", art / "onnx/model.onnx.data")
-    assert not inspect_artifact(art / "onnx").usable
+@pytest.mark.parametrize("export", ["onnx", "onnx-fused"])
+def test_swapped_onnx_export_is_refused_and_rebuilt(art, other_art, tiny_checkpoint, export):
+    """A damaged export is made again, not reused; the ORT engine is rebuilt when it is the
+    export it was built from (the fused one; TensorRT reads onnx/)."""
+    shutil.copy(other_art / export / "model.onnx.data", art / export / "model.onnx.data")
+    assert not inspect_artifact(art / export).usable
     lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=art, tensorrt="off")))
-    assert "exported" in lines[0] and "built" in lines[1]  # the damaged export is made again, not reused
-    assert inspect_artifact(art / "onnx").usable and inspect_artifact(art / ENGINE).usable
+    if export == "onnx":
+        assert "exported" in lines[0] and "onnx-fused: up to date" in lines[1] and "up to date" in lines[2]
+    else:
+        assert "up to date" in lines[0] and "onnx-fused: written" in lines[1] and "built" in lines[2]
+    assert all(inspect_artifact(art / d).usable for d in ("onnx", "onnx-fused", ENGINE))
 
 
 def test_a_fresh_build_is_not_hashed_again_on_load(tiny_artifacts, count_hashes):
@@ -155,7 +161,7 @@ def test_engine_without_file_hashes_is_rebuilt(art, tiny_checkpoint):
     ):
         Generator.from_engine(art / ENGINE)
     lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=art, tensorrt="off")))
-    assert "up to date" in lines[0] and "built" in lines[1]
+    assert "up to date" in lines[0] and "up to date" in lines[1] and "built" in lines[2]
     Generator.from_engine(art / ENGINE)
 
 

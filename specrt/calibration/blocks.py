@@ -163,9 +163,11 @@ class BlockProducts:
     product each), the same nodes the portable graph's rewrite writes. `blocks_of` gives a
     weight's blocks (the float weight (N, K) in, its Blocks out, or None: not in this recipe)."""
 
-    def __init__(self, scheme: str, blocks_of, prefix: str, quantization: dict, t0: float):
+    def __init__(self, scheme: str, blocks_of, prefix: str, quantization: dict, t0: float, extra=None):
+        """quantization: what the manifest says of the recipe; extra(): more of it, once every
+        product is written."""
         self.scheme, self.blocks_of, self.prefix = scheme, blocks_of, prefix
-        self.quantization, self.t0 = quantization, t0
+        self.quantization, self.t0, self.extra = quantization, t0, extra
         self.rewriter = _Rewriter(prefix)
         self.counts: collections.Counter = collections.Counter()
 
@@ -175,7 +177,7 @@ class BlockProducts:
             "rewritten_matmuls": dict(sorted(self.counts.items())),
             "seconds": round(time.perf_counter() - self.t0, 2),
         }
-        return {"quantization": {**self.quantization, **done}}
+        return {"quantization": {**self.quantization, **done, **(self.extra() if self.extra else {})}}
 
     def product(self, g, x: str, weights: list, name: str) -> str:
         from onnx import helper

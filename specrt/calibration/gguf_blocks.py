@@ -166,20 +166,26 @@ def fused_from_gguf(
 
     gguf_path = Path(gguf_path)
     t0 = time.perf_counter()
-    blocks = {_digest(b.dequantize()): b for _, b in gguf_blocks(gguf_path)}  # by the weight (N, K)
+    named = gguf_blocks(gguf_path)
+    blocks = {_digest(b.dequantize()): (name, b) for name, b in named}  # by the weight (N, K)
+    used: set[str] = set()
     if not blocks:
         raise SpecrtError(
             f"{gguf_path} stores no tensor as {', '.join(SUPPORTED)}; the gguf scheme rewrites those block types only"
         )
 
     def blocks_of(weight: np.ndarray) -> Blocks:
-        b = blocks.get(_digest(weight))
-        if b is None:
+        hit = blocks.get(_digest(weight))
+        if hit is None:
             raise SpecrtError(
                 f"a weight of {checkpoint} is not the dequantization of a block tensor of {gguf_path}: the checkpoint "
                 "was not converted from this GGUF file; give --gguf the file `specrt convert` read, or convert again"
             )
-        return b
+        used.add(hit[0])
+        return hit[1]
+
+    def unused() -> dict:  # e.g. an embedding that is only looked up
+        return {"block_tensors_unused": sorted(name for name, _ in named if name not in used)}
 
     quantization = {
         "scheme": SCHEME,
@@ -190,5 +196,5 @@ def fused_from_gguf(
         "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
         "fused": True,
     }
-    products = BlockProducts(SCHEME, blocks_of, "gguf", quantization, t0)
+    products = BlockProducts(SCHEME, blocks_of, "gguf", quantization, t0, extra=unused)
     return export_fused_graph(checkpoint, out_dir, hidden_layers, opset, products=products)

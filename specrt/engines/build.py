@@ -116,11 +116,11 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
             current = None
         make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset)  # noqa: E731
     fresh = current is None or {k: current.get(k) for k in wanted} != wanted
-    label = "fused" if scheme == "none" else f"{scheme}-fused"
+    label = "fused" if scheme == "none" else scheme
     if fresh:
         t0 = time.perf_counter()
         make()
-        yield f"{label:<9} {fdir}: written in {time.perf_counter() - t0:.1f} s"
+        yield f"{label:<9} {fdir}: {'written' if scheme == 'none' else 'quantized'} in {time.perf_counter() - t0:.1f} s"
     else:
         yield f"{label:<9} {fdir}: up to date"
     files = read_onnx_manifest(fdir)["files"]

@@ -175,6 +175,8 @@ def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPS
         logits = g.node("MatMul", [picked, "lm_head.weight_t"], ["lm_head/out"], "lm_head")[0]
     else:
         logits = products.product(g, picked, [model.lm_head.weight], "lm_head")
+    if cfg.output_vocab is not None:
+        logits = _scatter_into_vocabulary(g, logits, model.output_ids.numpy(), cfg.vocab_size)
     g.node("Identity", [logits], [LOGITS], "logits")
 
     dims = {"input_ids": ["batch", "q_len"], "position_ids": ["batch", "q_len"], "logits_index": ["batch", "n_logits"]}
@@ -195,6 +197,27 @@ def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPS
     graph = helper.make_graph(g.nodes, "specrt-fused-step", inputs, outputs, g.inits)
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
     return helper.make_model(graph, opset_imports=opsets, producer_name="specrt")
+
+
+def _scatter_into_vocabulary(g: _Builder, logits: str, ids: np.ndarray, vocab: int) -> str:
+    """A reduced head's logits (B, K, Vo) at their token ids in (B, K, V); every other token gets
+    the most negative float (probability 0), as the portable graph does."""
+    from onnx import TensorProto, helper
+
+    shape = g.node("Shape", [logits], ["scatter/shape"], "scatter/Shape")[0]
+    bk = g.node(
+        "Slice",
+        [shape, g.init("scatter.0", np.array([0])), g.init("scatter.2", np.array([2]))],
+        ["scatter/bk"],
+        "scatter/BK",
+    )[0]
+    full_shape = g.node("Concat", [bk, g.init("scatter.V", np.array([vocab]))], ["scatter/bkv"], "scatter/BKV", axis=0)[
+        0
+    ]
+    low = helper.make_tensor("low", TensorProto.FLOAT, [1], [float(np.finfo(np.float32).min)])
+    full = g.node("ConstantOfShape", [full_shape], ["scatter/full"], "scatter/Full", value=low)[0]
+    index = g.node("Expand", [g.init("output_ids", ids.astype(np.int64)), shape], ["scatter/ids"], "scatter/Ids")[0]
+    return g.node("ScatterElements", [full, index, logits], ["scatter/out"], "scatter/Scatter", axis=-1)[0]
 
 
 def _norm(g: _Builder, block: str | None, residual: str, weight: torch.Tensor, eps: float, name: str):
