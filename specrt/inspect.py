@@ -129,10 +129,15 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
         lines.append(f"  checkpoint  {ckpt.get('path')} ({str(ckpt.get('hash', ''))[:19]}…)")
     lines.append(f"  size        {_size(path)}")
     if kind == "onnx-step-graph":
+        flavour = manifest.get("graph_flavour", "portable")
         lines.append(
-            f"  graph       version {manifest.get('graph_version')}, opset {manifest.get('opset')}, hidden layers "
-            f"{manifest.get('hidden_layers')}, "
-            f"tied embedding stored once: {manifest.get('tied_embedding_shared', False)}"
+            f"  graph       {flavour} (version {manifest.get('graph_version')}), opset {manifest.get('opset')}, hidden "
+            f"layers {manifest.get('hidden_layers')}, "
+            + (
+                "ORT's fused operators, the KV cache written in place"
+                if flavour == "fused"
+                else f"tied embedding stored once: {manifest.get('tied_embedding_shared', False)}"
+            )
         )
         q = manifest.get("quantization")
         if q and q["scheme"] == "gguf":
@@ -174,7 +179,8 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
     elif kind == "ort-engine":
         lines.append(
             f"  runtime     onnxruntime {manifest.get('versions', {}).get('onnxruntime')} "
-            f"{manifest.get('provider')}, optimized on {manifest.get('host_cpu')!r}"
+            f"{manifest.get('provider')}, optimized on {manifest.get('host_cpu')!r}, "
+            f"{manifest.get('graph_flavour', 'portable')} graph"
         )
         inv = manifest.get("batch_invariance")
         if inv:

@@ -134,3 +134,17 @@ def test_model_variants_equal_pytorch(tmp_path, overrides):
     fused = Generator.from_engine(tmp_path / "art" / "engines" / "ort-cpu")
     assert fused.backend.flavour == "fused"
     compare(steps(fused.session)[0], steps(Generator(TorchBackend(load_model(ckpt))).session)[0])
+
+
+def test_inspect_names_the_flavour_and_tensorrt_refuses_the_fused_graph(tiny_artifacts, tmp_path):
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+    from specrt.engines.trt import build_trt_engine
+    from specrt.errors import SpecrtError
+
+    r = CliRunner().invoke(main, ["inspect", str(tiny_artifacts)])
+    assert "graph       fused (version" in r.output and "CPUExecutionProvider, optimized on" in r.output
+    assert "portable graph" not in r.output.split("[ort-engine]")[1].split("\n\n")[0]
+    with pytest.raises(SpecrtError, match="TensorRT builds from the portable one"):
+        build_trt_engine(ArtifactLayout(tiny_artifacts).fused_onnx(), tmp_path / "trt")

@@ -118,6 +118,11 @@ def build_trt_engine(
     """Build a TensorRT engine of the step graph with the verify and prefill profiles; returns out_dir."""
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     onnx_manifest = read_onnx_manifest(onnx_dir)
+    if onnx_manifest.get("graph_flavour", "portable") != "portable":
+        raise SpecrtError(
+            f"{onnx_dir} holds the {onnx_manifest['graph_flavour']} step graph (ONNX Runtime's own operators); "
+            "TensorRT builds from the portable one: give its onnx/ directory (build-engines does)"
+        )
     cfg = onnx_manifest["config"]
     profiles = spec.shapes.profiles()  # validated before TensorRT is touched
     shapes = [
