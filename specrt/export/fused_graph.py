@@ -94,6 +94,14 @@ def _f32(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).numpy()
 
 
+# GroupQueryAttention's inputs in its order (ORT 1.32); the graph names the ones it gives
+GQA_INPUTS = (
+    "query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
+    "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight",
+    "k_norm_weight", "query_seqlens",
+)  # fmt: skip
+
+
 def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPSET):
     """The fused step graph of `model` (float32 weights) as an onnx ModelProto; `products`
     computes its matrix products (FloatProducts by default)."""
@@ -113,54 +121,24 @@ def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPS
         cbq = g.node("Gather", [table, "input_ids"], ["embed/cbq"], "embed/Gather", axis=1)[0]
         x = g.node("Transpose", [cbq], ["embed/out"], "embed/to_bqc", perm=[1, 2, 0])[0]
     else:
-        x = g.node("Gather", [g.init("embed_tokens.weight", _f32(embed)), "input_ids"], ["embed/out"], "embed/Gather")[
-            0
-        ]
+        table = g.init("embed_tokens.weight", _f32(embed))
+        x = g.node("Gather", [table, "input_ids"], ["embed/out"], "embed/Gather")[0]
 
     # the rotary tables at every position the model takes, as the portable graph computes them
     positions = torch.arange(cfg.max_position_embeddings)[None]
     cos, sin = (t[0, 0, :, : D // 2].numpy() for t in rotary(positions, model.inv_freq))
-    cos_cache, sin_cache = g.init("rotary.cos", cos), g.init("rotary.sin", sin)
-    inter = cfg.intermediate_size
-    halves = g.init("mlp.split", np.array([inter, inter], np.int64))
-
+    shared = {
+        "cos_cache": g.init("rotary.cos", cos),
+        "sin_cache": g.init("rotary.sin", sin),
+        "mlp_split": g.init("mlp.split", np.array([cfg.intermediate_size] * 2, np.int64)),
+    }
     taps = {}  # layer index -> the residual stream after that layer (hidden_layers reads them)
     residual, pending = x, None  # pending: the last block's output, not yet added to the residual
     for i, layer in enumerate(model.layers):
-        p = f"layers.{i}"
-        h, residual = _norm(g, pending, residual, layer.input_layernorm.weight, eps, f"{p}.input_norm")
+        h, residual = _norm(g, pending, residual, layer.input_layernorm.weight, eps, f"layers.{i}.input_norm")
         if i > 0:
             taps[i - 1] = residual
-        att = layer.self_attn
-        qkv = products.product(g, h, [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], f"{p}.qkv_proj")
-        if cfg.attention_bias:
-            b = np.concatenate([_f32(att.q_proj.bias), _f32(att.k_proj.bias), _f32(att.v_proj.bias)])
-            qkv = g.node("Add", [qkv, g.init(f"{p}.qkv_proj.bias", b)], [f"{p}.qkv_proj/biased"], f"{p}.qkv/Add")[0]
-        past_k, past_v = io.past(i)
-        present_k, present_v = io.present(i)
-        a = g.node(
-            "GroupQueryAttention",
-            [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", cos_cache, sin_cache, "position_ids"]
-            + ["attention_bias", "", "", "", "", "", "query_seqlens"],
-            [f"{p}.attn/out", present_k, present_v],
-            f"{p}.attn",
-            MS,
-            num_heads=cfg.num_attention_heads,
-            kv_num_heads=Hkv,
-            do_rotary=1,
-            rotary_interleaved=0,
-            causal=1,
-            scale=float(D**-0.5),
-        )[0]
-        o = products.product(g, a, [att.o_proj.weight], f"{p}.o_proj")
-        h, residual = _norm(g, o, residual, layer.post_attention_layernorm.weight, eps, f"{p}.post_norm")
-        mlp = layer.mlp
-        gate_up = products.product(g, h, [mlp.gate_proj.weight, mlp.up_proj.weight], f"{p}.gate_up_proj")
-        gate, up = g.node("Split", [gate_up, halves], [f"{p}.mlp/gate", f"{p}.mlp/up"], f"{p}.mlp/Split", axis=-1)
-        sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
-        act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
-        prod = g.node("Mul", [act, up], [f"{p}.mlp/gated"], f"{p}.mlp/Mul")[0]
-        pending = products.product(g, prod, [mlp.down_proj.weight], f"{p}.down_proj")
+        pending, residual = _layer(g, products, model, i, h, residual, io, shared)
     final, residual = _norm(g, pending, residual, model.norm.weight, eps, "norm")
     taps[L - 1], taps[-1] = residual, final
 
@@ -197,6 +175,45 @@ def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPS
     graph = helper.make_graph(g.nodes, "specrt-fused-step", inputs, outputs, g.inits)
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
     return helper.make_model(graph, opset_imports=opsets, producer_name="specrt")
+
+
+def _layer(g: _Builder, products, model: LlamaModel, i: int, h: str, residual: str, io: StepIO, shared: dict):
+    """Decoder layer i after its input norm `h`: attention, the second norm, the MLP. Returns
+    (its MLP's output, the residual stream after attention); the next norm adds the two."""
+    cfg, layer, p = model.cfg, model.layers[i], f"layers.{i}"
+    att, mlp = layer.self_attn, layer.mlp
+    qkv = products.product(g, h, [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], f"{p}.qkv_proj")
+    if cfg.attention_bias:
+        b = np.concatenate([_f32(att.q_proj.bias), _f32(att.k_proj.bias), _f32(att.v_proj.bias)])
+        qkv = g.node("Add", [qkv, g.init(f"{p}.qkv_proj.bias", b)], [f"{p}.qkv_proj/biased"], f"{p}.qkv/Add")[0]
+    (past_k, past_v), (present_k, present_v) = io.past(i), io.present(i)
+    given = dict(query=qkv, past_key=past_k, past_value=past_v, cos_cache=shared["cos_cache"])
+    given |= dict(sin_cache=shared["sin_cache"], attention_bias="attention_bias", query_seqlens="query_seqlens")
+    given |= {n: n for n in ("seqlens_k", "total_sequence_length", "position_ids")}
+    a = g.node(
+        "GroupQueryAttention",
+        [given.get(n, "") for n in GQA_INPUTS],  # key and value empty: the query is q|k|v packed
+        [f"{p}.attn/out", present_k, present_v],
+        f"{p}.attn",
+        MS,
+        num_heads=cfg.num_attention_heads,
+        kv_num_heads=cfg.num_key_value_heads,
+        do_rotary=1,
+        rotary_interleaved=0,
+        causal=1,
+        scale=float(cfg.head_dim**-0.5),
+    )[0]
+    o = products.product(g, a, [att.o_proj.weight], f"{p}.o_proj")
+    h, residual = _norm(
+        g, o, residual, layer.post_attention_layernorm.weight, float(cfg.rms_norm_eps), f"{p}.post_norm"
+    )
+    gate_up = products.product(g, h, [mlp.gate_proj.weight, mlp.up_proj.weight], f"{p}.gate_up_proj")
+    halves = [f"{p}.mlp/gate", f"{p}.mlp/up"]
+    gate, up = g.node("Split", [gate_up, shared["mlp_split"]], halves, f"{p}.mlp/Split", axis=-1)
+    sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
+    act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
+    prod = g.node("Mul", [act, up], [f"{p}.mlp/gated"], f"{p}.mlp/Mul")[0]
+    return products.product(g, prod, [mlp.down_proj.weight], f"{p}.down_proj"), residual
 
 
 def _scatter_into_vocabulary(g: _Builder, logits: str, ids: np.ndarray, vocab: int) -> str:
