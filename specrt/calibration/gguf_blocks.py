@@ -86,6 +86,18 @@ def gguf_blocks(path: str | Path) -> list[tuple[str, Blocks]]:
     return out
 
 
+def _recipe(gguf_path: Path) -> dict:
+    """What a gguf graph's manifest says of how it was made (both flavours)."""
+    return {
+        "scheme": SCHEME,
+        "method": "the GGUF's own blocks (no second rounding)",
+        "bits": 4,
+        "block_size": BLOCK,
+        "accuracy_level": 0,
+        "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
+    }
+
+
 def _digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
 
@@ -135,12 +147,7 @@ def quantize_from_gguf(
     steps.update()
     steps.set_postfix_str("save")
     quantization = {
-        "scheme": SCHEME,
-        "method": "the GGUF's own blocks (no second rounding)",
-        "bits": 4,
-        "block_size": BLOCK,
-        "accuracy_level": 0,
-        "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
+        **_recipe(gguf_path),
         "rewritten_matmuls": counts,
         "fused": fuse,
         "block_tensors_unused": missing,  # e.g. an embedding that is only looked up
@@ -187,14 +194,6 @@ def fused_from_gguf(
     def unused() -> dict:  # e.g. an embedding that is only looked up
         return {"block_tensors_unused": sorted(name for name, _ in named if name not in used)}
 
-    quantization = {
-        "scheme": SCHEME,
-        "method": "the GGUF's own blocks (no second rounding)",
-        "bits": 4,
-        "block_size": BLOCK,
-        "accuracy_level": 0,
-        "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
-        "fused": True,
-    }
+    quantization = {**_recipe(gguf_path), "fused": True}
     products = BlockProducts(SCHEME, blocks_of, "gguf", quantization, t0, extra=unused)
     return export_fused_graph(checkpoint, out_dir, hidden_layers, opset, products=products)

@@ -117,12 +117,7 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
         make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset)  # noqa: E731
     fresh = current is None or {k: current.get(k) for k in wanted} != wanted
     label = "fused" if scheme == "none" else scheme
-    if fresh:
-        t0 = time.perf_counter()
-        make()
-        yield f"{label:<9} {fdir}: {'written' if scheme == 'none' else 'quantized'} in {time.perf_counter() - t0:.1f} s"
-    else:
-        yield f"{label:<9} {fdir}: up to date"
+    yield _made_or_kept(label, fdir, fresh, make, "written" if scheme == "none" else "quantized")
     files = read_onnx_manifest(fdir)["files"]
     note = " (TensorRT takes no MatMulNBits graph: none built for gguf)" if scheme == "gguf" else ""
     yield from _build_ort(spec, fdir, files, ckpt_hash, stale=fresh, quantize=scheme, note=note)
@@ -145,12 +140,7 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
         or current.get("source_onnx", {}).get("files") != onnx_files
         or {k: current["quantization"].get(k) for k in wanted} != wanted
     )
-    if fresh:
-        t0 = time.perf_counter()
-        make()
-        yield f"{spec.quantize:<9} {qdir}: quantized in {time.perf_counter() - t0:.1f} s"
-    else:
-        yield f"{spec.quantize:<9} {qdir}: up to date"
+    yield _made_or_kept(spec.quantize, qdir, fresh, make, "quantized")
     qfiles = read_onnx_manifest(qdir)["files"]
     if spec.quantize in TRT_SCHEMES:  # for TensorRT; the ORT engine lets the CPU check it
         from specrt.calibration.half import NO_ORT
@@ -170,6 +160,15 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
         quantize=spec.quantize,
         note=f" (TensorRT takes no MatMulNBits graph: none built for {spec.quantize})",
     )
+
+
+def _made_or_kept(label: str, path: Path, fresh: bool, make, verb: str) -> str:
+    """Make the artifact at `path` when it is not current (`fresh`); the line that says so."""
+    if not fresh:
+        return f"{label:<9} {path}: up to date"
+    t0 = time.perf_counter()
+    make()
+    return f"{label:<9} {path}: {verb} in {time.perf_counter() - t0:.1f} s"
 
 
 def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):

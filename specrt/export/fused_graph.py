@@ -37,18 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_manifest
+from specrt.artifacts import atomic_dir, write_manifest
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.llama import LlamaModel, rotary
-from specrt.export.step_graph import (
-    DEFAULT_OPSET,
-    GRAPH_VERSION,
-    ONNX_DATA,
-    ONNX_FILE,
-    ONNX_KIND,
-    check_opset,
-    save_graph,
-)
+from specrt.export.step_graph import DEFAULT_OPSET, ONNX_KIND, check_opset, graph_manifest, save_graph
 from specrt.export.step_io import HIDDEN, INPUT_DTYPES, LOGITS, StepIO
 
 MS = "com.microsoft"
@@ -280,28 +272,7 @@ def export_fused_graph(
         del proto
         # no onnx.checker: ORT's SimplifiedLayerNormalization is in the default domain, which the
         # checker refuses; the engine build loads the graph in ORT, the check that matters
-        write_manifest(
-            tmp,
-            ONNX_KIND,
-            {
-                "graph_version": GRAPH_VERSION,
-                "graph_flavour": "fused",
-                "fused_version": FUSED_VERSION,
-                "checkpoint": {"path": str(checkpoint.resolve()), "hash": ckpt_hash},
-                "config": cfg.to_dict(),
-                "hidden_layers": list(hidden_layers),
-                "hidden_size_out": cfg.hidden_size * len(hidden_layers),
-                "opset": opset,
-                "exporter": "specrt fused graph builder",
-                "inputs": io.input_names,
-                "outputs": io.output_names,
-                "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
-                "dtypes": {**{n: INPUT_DTYPES[n] for n in io.step_inputs}, "kv": "float32", "logits": "float32"},
-                "compute_dtype": "float32",
-                "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
-                "export_seconds": round(time.perf_counter() - t0, 2),
-                "versions": package_versions("torch", "onnx", "onnxruntime"),
-                **products.manifest(),
-            },
-        )
+        body = graph_manifest(tmp, checkpoint, ckpt_hash, cfg, hidden_layers, io, opset, time.perf_counter() - t0)
+        body |= {"graph_flavour": "fused", "fused_version": FUSED_VERSION, "exporter": "specrt fused graph builder"}
+        write_manifest(tmp, ONNX_KIND, body | {"compute_dtype": "float32"} | products.manifest())
     return out_dir

@@ -182,32 +182,34 @@ def export_step_graph(
         steps.set_postfix_str("onnx.checker full check")
         onnx.checker.check_model(str(tmp / ONNX_FILE), full_check=True)
         export_s = time.perf_counter() - t0
-        write_manifest(
-            tmp,
-            ONNX_KIND,
-            {
-                "graph_version": GRAPH_VERSION,
-                "checkpoint": {"path": str(checkpoint.resolve()), "hash": ckpt_hash},
-                "config": cfg.to_dict(),
-                "hidden_layers": list(hidden_layers),
-                "hidden_size_out": cfg.hidden_size * len(hidden_layers),
-                "opset": opset,
-                "exporter": "torch.onnx (TorchScript)",
-                "tied_embedding_shared": bool(shared),
-                "inputs": io.input_names,
-                "outputs": io.output_names,
-                "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
-                "dtypes": {**INPUT_DTYPES, "kv": "float32", "logits": "float32"},
-                "compute_dtype": dtype,
-                "files": {ONNX_FILE: file_sha256(tmp / ONNX_FILE), ONNX_DATA: file_sha256(tmp / ONNX_DATA)},
-                "export_seconds": round(export_s, 2),
-                "versions": package_versions("torch", "onnx", "onnxruntime"),
-                **(manifest_extra or {}),
-            },
-        )
+        body = graph_manifest(tmp, checkpoint, ckpt_hash, cfg, hidden_layers, io, opset, export_s)
+        body |= {"exporter": "torch.onnx (TorchScript)", "tied_embedding_shared": bool(shared), "compute_dtype": dtype}
+        write_manifest(tmp, ONNX_KIND, body | (manifest_extra or {}))
         steps.update()
     steps.close()
     return out_dir
+
+
+def graph_manifest(
+    directory: Path, checkpoint: Path, ckpt_hash: str, cfg, hidden_layers, io: StepIO, opset: int, seconds: float
+) -> dict:
+    """What every step graph's manifest says (either flavour; the exporter adds its own): the
+    checkpoint, the model, the features, the I/O and the hashes of the files in `directory`."""
+    return {
+        "graph_version": GRAPH_VERSION,
+        "checkpoint": {"path": str(checkpoint.resolve()), "hash": ckpt_hash},
+        "config": cfg.to_dict(),
+        "hidden_layers": list(hidden_layers),
+        "hidden_size_out": cfg.hidden_size * len(hidden_layers),
+        "opset": opset,
+        "inputs": io.input_names,
+        "outputs": io.output_names,
+        "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in io.dynamic_axes.items()},
+        "dtypes": {**{n: INPUT_DTYPES[n] for n in io.step_inputs}, "kv": "float32", "logits": "float32"},
+        "files": {ONNX_FILE: file_sha256(directory / ONNX_FILE), ONNX_DATA: file_sha256(directory / ONNX_DATA)},
+        "export_seconds": round(seconds, 2),
+        "versions": package_versions("torch", "onnx", "onnxruntime"),
+    }
 
 
 HOW_TO_EXPORT = "specrt export --model CHECKPOINT --out DIR"

@@ -66,16 +66,13 @@ class StepSession:
         is handed out again only after `release`."""
         c, caps = self.config, self.caps
         capacity = -(-capacity // caps.cache_align) * caps.cache_align
+
+        def fresh(capacity: int) -> KVCache:
+            shape = (c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim)
+            return KVCache(*shape, device=caps.cache_device, slack=caps.cache_slack)
+
         if not caps.reuse_cache:
-            return KVCache(
-                c.num_hidden_layers,
-                batch,
-                c.num_key_value_heads,
-                capacity,
-                c.head_dim,
-                device=caps.cache_device,
-                slack=caps.cache_slack,
-            )
+            return fresh(capacity)
         limit = caps.max_cache or capacity + CACHE_BUCKET
         capacity = max(capacity, min(-(-capacity // CACHE_BUCKET) * CACHE_BUCKET, limit))
         for cache in self._pool:
@@ -83,15 +80,7 @@ class StepSession:
                 cache.reset()
                 cache.in_use = True
                 return cache
-        cache = KVCache(
-            c.num_hidden_layers,
-            batch,
-            c.num_key_value_heads,
-            capacity,
-            c.head_dim,
-            device=caps.cache_device,
-            slack=caps.cache_slack,
-        )
+        cache = fresh(capacity)
         cache.in_use = True
         idle = [k for k in self._pool if not k.in_use]
         if len(self._pool) >= CACHE_POOL_SIZE and idle:
