@@ -69,6 +69,8 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
     from specrt.export.draft_head import default_target_layers
     from specrt.export.step_graph import export_step_graph, read_onnx_manifest
 
+    if spec.graph not in ("fused", "portable"):
+        raise SpecrtError(f"graph flavour {spec.graph!r}: choose fused or portable")
     ckpt_hash = checkpoint_hash(spec.checkpoint)
     odir = ArtifactLayout(spec.out).onnx
     onnx_manifest = None if spec.force else _manifest_if_valid(read_onnx_manifest, odir, ckpt_hash)
@@ -86,8 +88,6 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
         onnx_manifest = read_onnx_manifest(odir)
     onnx_files = onnx_manifest["files"]
 
-    if spec.graph not in ("fused", "portable"):
-        raise SpecrtError(f"graph flavour {spec.graph!r}: choose fused or portable")
     if spec.graph == "fused":
         yield from _build_fused(spec, ckpt_hash, layers)
     else:

@@ -121,37 +121,14 @@ def batch_invariance(
     from specrt.export.config import ModelConfig
 
     cfg = ModelConfig.from_dict(config)
+    if flavour == "fused":
+        return _fused_invariance(session, cfg, prefix, steps)
     io = StepIO(cfg.num_hidden_layers)
     capacity = prefix + steps
     shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
 
     def fresh():
         return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(cfg.num_hidden_layers)], [0]
-
-    if flavour == "fused":  # the cache written in place, as the runtime runs it
-        from specrt.engines.ort_inplace import InPlaceRunner
-        from specrt.export.step_io import fused_inputs
-
-        runner, room = InPlaceRunner(session, cfg.num_hidden_layers), capacity + steps  # room: the cache's slack
-        buffers = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, room, cfg.head_dim)  # (L, B, Hkv, C, D)
-
-        def fresh():
-            return np.zeros(buffers, np.float32), np.zeros(buffers, np.float32), [0]
-
-        def run(tokens, cache):
-            keys, values, length = cache
-            P, Q = length[0], len(tokens)
-            feeds = {
-                "input_ids": np.array([tokens], np.int64),
-                "position_ids": np.arange(P, P + Q, dtype=np.int64)[None],
-                "logits_index": np.arange(Q, dtype=np.int64)[None],
-                **fused_inputs(np.array([P]), attention_mask([P], room, Q)),
-            }
-            logits, _ = runner.run(feeds, keys, values)
-            length[0] += Q
-            return logits[0]
-
-        return _compare(fresh, run, cfg, prefix, steps)
 
     def run(tokens, cache):
         """Feed `tokens` after the cache's committed length; returns their logits (Q, V)."""
@@ -176,6 +153,35 @@ def batch_invariance(
             k[:, :, P : P + Q], v[:, :, P : P + Q] = out[1 + 2 * i], out[2 + 2 * i]
         length[0] += Q
         return out[0][0]
+
+    return _compare(fresh, run, cfg, prefix, steps)
+
+
+def _fused_invariance(session, cfg, prefix: int, steps: int) -> dict:
+    """batch_invariance of the fused graph: its cache written in place, as the runtime runs it."""
+    import numpy as np
+
+    from specrt.engines.ort_inplace import InPlaceRunner
+    from specrt.export.step_io import fused_inputs
+
+    runner, room = InPlaceRunner(session, cfg.num_hidden_layers), prefix + 2 * steps  # the steps and slack
+    buffers = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, room, cfg.head_dim)  # (L, B, Hkv, C, D)
+
+    def fresh():
+        return np.zeros(buffers, np.float32), np.zeros(buffers, np.float32), [0]
+
+    def run(tokens, cache):
+        keys, values, length = cache
+        P, Q = length[0], len(tokens)
+        feeds = {
+            "input_ids": np.array([tokens], np.int64),
+            "position_ids": np.arange(P, P + Q, dtype=np.int64)[None],
+            "logits_index": np.arange(Q, dtype=np.int64)[None],
+            **fused_inputs(np.array([P]), attention_mask([P], room, Q)),
+        }
+        logits, _ = runner.run(feeds, keys, values)
+        length[0] += Q
+        return logits[0]
 
     return _compare(fresh, run, cfg, prefix, steps)
 

@@ -47,9 +47,8 @@ class InPlaceRunner:
 
         root = _root(buffer)
         key = (buffer.__array_interface__["data"][0], buffer.shape, buffer.strides)
-        entry = self._wrapped.pop(id(root), None)
-        if entry is None or entry[0] is not root:
-            entry = (root, {})
+        # held here, a root stays alive, so its id names it alone
+        entry = self._wrapped.pop(id(root), None) or (root, {})
         self._wrapped[id(root)] = entry  # most recent last
         while len(self._wrapped) > KEEP_CACHES:
             self._wrapped.pop(next(iter(self._wrapped)))

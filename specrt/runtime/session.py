@@ -136,7 +136,7 @@ class StepSession:
         out = self.backend.step(
             ids, positions, cache.attention_mask(Q, new_mask), index, cache, every if hidden else None, want_logits
         )
-        if out.present is None:  # the backend wrote the positions in place (caps.writes_cache)
+        if out.present is None:  # the backend wrote the positions in place (caps.cache_slack)
             cache.commit(counts)
         else:
             cache.append(out.present, counts)

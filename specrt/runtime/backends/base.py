@@ -37,9 +37,8 @@ class Capabilities:
     cache_device: str | None = None  # where KV caches live; None: host numpy arrays
     reuse_cache: bool = False  # it binds cache buffers (CUDA graphs): the session pools caches across generations
     cache_align: int = 1  # cache capacities are multiples of this (TensorRT: slices bound at aligned addresses)
-    # the step writes the new positions into the cache itself (StepOutput.present is None), all
-    # Q of every row from its length on: caches get this many slots beyond their capacity
-    writes_cache: bool = False
+    # a backend whose step writes the new positions into the cache itself (StepOutput.present
+    # None), all Q of every row from its length on: caches get this many slots beyond their capacity
     cache_slack: int = 0
     batch_invariance: dict | None = None  # measured at build: how logits move between 1- and multi-position steps
     # what a draft head trained on this target must match (its features are these layers'

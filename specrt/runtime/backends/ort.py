@@ -46,7 +46,6 @@ class OrtBackend(StepBackend):
             precision=precision,
             checkpoint_hash=checkpoint_hash,
             vocab_size=config.vocab_size,
-            writes_cache=fused,
             cache_slack=FUSED_STEP_ROOM if fused else 0,
         )
         self._io = StepIO(config.num_hidden_layers)

@@ -55,7 +55,6 @@ class SplitBackend(StepBackend):
             checkpoint_hash=b.checkpoint_hash,
             vocab_size=b.vocab_size,
             # either may write the cache in place (a fused graph): a step says which (its present)
-            writes_cache=a.writes_cache or b.writes_cache,
             cache_slack=max(a.cache_slack, b.cache_slack),
         )
 
