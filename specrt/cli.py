@@ -175,8 +175,9 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     default="fused",
     show_default=True,
     type=click.Choice(["fused", "portable"]),
-    help="The ORT engines' step graph: fused (ORT's fused attention, norm and 4-bit kernels, the KV cache written "
-    "in place: onnx-fused/; float32 and gguf) or portable (the traced graph TensorRT also reads: onnx/).",
+    help="The step graphs: fused (ORT's engines run ORT's fused attention, norm and 4-bit kernels with the KV cache "
+    "written in place: onnx-fused/, float32 and gguf; TensorRT's the standard opset-23 graph: onnx-standard/) or "
+    "portable (both run the traced graph: onnx/).",
 )
 @click.option(
     "--tensorrt",

@@ -136,6 +136,8 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
             + (
                 "ORT's fused operators, the KV cache written in place"
                 if flavour == "fused"
+                else "opset-23 operators, for TensorRT"
+                if flavour == "standard"
                 else f"tied embedding stored once: {manifest.get('tied_embedding_shared', False)}"
             )
         )
@@ -200,6 +202,8 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
         lines.append(
             f"  runtime     {manifest.get('flavour')} {manifest.get('tensorrt_version')}, targets {targets}"
             + (f", built on {gpu['name']} ({gpu['sm']})" if gpu else "")
+            + f", {manifest.get('graph_flavour', 'portable')} graph"
+            + (f" ({manifest['fallback_from']} refused by the parser)" if manifest.get("fallback_from") else "")
         )
         lines.append(
             f"  inputs      {len(manifest.get('inputs', []))}, outputs {len(manifest.get('outputs', []))}, workspace "

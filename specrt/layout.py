@@ -45,10 +45,17 @@ class ArtifactLayout(_Layout):
         """The fused step graph (export/fused_graph.py), float32 or of a 4-bit scheme."""
         return self.root / ("onnx-fused" if scheme == "none" else f"onnx-fused-{scheme}")
 
+    @property
+    def standard_onnx(self) -> Path:
+        """The standard step graph (export/standard_graph.py), what TensorRT builds from."""
+        return self.root / "onnx-standard"
+
     def source_onnx(self, scheme: str = "none", flavour: str = "portable") -> Path:
         """The step graph an engine of this scheme and graph flavour is built from."""
         if flavour == "fused":
             return self.fused_onnx(scheme)
+        if flavour == "standard":
+            return self.standard_onnx
         return self.onnx if scheme == "none" else self.quant_onnx(scheme)
 
     @property

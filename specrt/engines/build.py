@@ -162,6 +162,22 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
     )
 
 
+def _standard_graph(spec: BuildSpec, ckpt_hash: str):
+    """Write the standard step graph (export/standard_graph.py) unless current; yields its
+    line, returns whether it was written."""
+    from specrt.export.standard_graph import STANDARD_VERSION, export_standard_graph
+    from specrt.export.step_graph import read_onnx_manifest
+
+    sdir = ArtifactLayout(spec.out).standard_onnx
+    layers = read_onnx_manifest(ArtifactLayout(spec.out).onnx, verify="none")["hidden_layers"]
+    current = None if spec.force else _manifest_if_valid(read_onnx_manifest, sdir, ckpt_hash)
+    wanted = {"graph_flavour": "standard", "standard_version": STANDARD_VERSION, "hidden_layers": layers}
+    fresh = current is None or {k: current.get(k) for k in wanted} != wanted
+    make = lambda: export_standard_graph(spec.checkpoint, sdir, tuple(layers))  # noqa: E731
+    yield _made_or_kept("standard", sdir, fresh, make, "written")
+    return fresh
+
+
 def _made_or_kept(label: str, path: Path, fresh: bool, make, verb: str) -> str:
     """Make the artifact at `path` when it is not current (`fresh`); the line that says so."""
     if not fresh:
@@ -275,7 +291,8 @@ def _build_ort(
 def _build_tensorrt(
     spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool, scheme: str = "none"
 ) -> Iterator[str]:
-    from specrt.engines.trt import FLAVOURS, available_flavours, build_trt_engine, read_trt_manifest
+    from specrt.engines.trt import FLAVOURS, UnparsedGraph, available_flavours, build_trt_engine, read_trt_manifest
+    from specrt.export.step_graph import read_onnx_manifest
 
     if spec.tensorrt == "off":
         yield "tensorrt  skipped: --tensorrt off"
@@ -290,14 +307,32 @@ def _build_tensorrt(
     if flavour not in installed:
         raise SpecrtError(f"--tensorrt {flavour} was asked for, but it is not installed; pip install {flavour}")
     edir = ArtifactLayout(spec.out).trt_engine(flavour, scheme)
-    current = None if spec.force or exported else _manifest_if_valid(read_trt_manifest, edir, onnx_files, ckpt_hash)
+    portable = odir, onnx_files, exported
+    current = None
+    if scheme == "none" and spec.graph == "fused":  # the standard graph, when TensorRT takes it
+        written = yield from _standard_graph(spec, ckpt_hash)
+        odir = ArtifactLayout(spec.out).standard_onnx
+        onnx_files = read_onnx_manifest(odir)["files"]
+        if not (spec.force or exported or written):  # an engine built from the portable graph after a refusal
+            current = _manifest_if_valid(read_trt_manifest, edir, portable[1], ckpt_hash)
+            current = current if (current or {}).get("fallback_from") == "standard" else None
+        exported = exported or written
+    if current is None and not (spec.force or exported):
+        current = _manifest_if_valid(read_trt_manifest, edir, onnx_files, ckpt_hash)
     # an engine built before its manifest recorded tf32 (TensorRT's default: on) is rebuilt
     wanted = {"profiles": [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()], "tf32": spec.trt.tf32}
     if current is not None and {k: current.get(k) for k in wanted} == wanted:
         yield f"{flavour:<9} {edir}: up to date"
         return
     t0 = time.perf_counter()
-    build_trt_engine(odir, edir, dataclasses.replace(spec.trt, flavour=flavour))
+    try:
+        build_trt_engine(odir, edir, dataclasses.replace(spec.trt, flavour=flavour))
+    except UnparsedGraph as e:
+        if odir == portable[0]:
+            raise
+        yield f"{flavour:<9} {odir}: this TensorRT cannot parse it ({e}); building from the portable graph"
+        odir = portable[0]
+        build_trt_engine(odir, edir, dataclasses.replace(spec.trt, flavour=flavour), fallback_from="standard")
     size = (edir / "model.engine").stat().st_size / 2**20
     took = time.perf_counter() - t0
     yield f"{flavour:<9} {edir}: built in {took:.1f} s ({size:.0f} MiB; running it needs an NVIDIA GPU)"

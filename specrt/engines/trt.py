@@ -36,6 +36,11 @@ from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
 TRT_KIND = "trt-engine"
 ENGINE_FILE = "model.engine"
 FLAVOURS = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}  # flavour -> module
+TRT_GRAPHS = ("standard", "portable")  # the step graph flavours TensorRT's parser takes
+
+
+class UnparsedGraph(ArtifactError):
+    """TensorRT's ONNX parser refused a graph (build-engines then builds from the portable one)."""
 
 
 def available_flavours() -> list[str]:
@@ -108,20 +113,39 @@ def _parse_onnx(trt, builder, logger, onnx_path: Path):
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise ArtifactError(f"TensorRT could not parse {onnx_path}: {errors}. Re-export it with `specrt export`.")
+        raise UnparsedGraph(f"TensorRT could not parse {onnx_path}: {errors}. Re-export it with `specrt export`.")
     return network, parser
 
 
+def _allow_decomposed_attention(trt, network) -> None:
+    """Let TensorRT run each attention layer (the standard graph's Attention) as its parts when
+    it has no dedicated kernel for it: TensorRT-RTX 1.7 has none for float32 attention and
+    refuses to build one otherwise ("Attention operation was not supported by a dedicated
+    kernel"); with float16 inputs it builds its own."""
+    kinds = [getattr(trt.LayerType, k) for k in ("ATTENTION_INPUT", "ATTENTION_OUTPUT") if hasattr(trt.LayerType, k)]
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type in kinds:
+            layer.__class__ = trt.IAttentionInputLayer if layer.type == kinds[0] else trt.IAttentionOutputLayer
+            layer.attention.decomposable = True
+
+
 def build_trt_engine(
-    onnx_dir: str | Path, out_dir: str | Path, spec: TrtBuildSpec = TrtBuildSpec(), progress: bool = True
+    onnx_dir: str | Path,
+    out_dir: str | Path,
+    spec: TrtBuildSpec = TrtBuildSpec(),
+    progress: bool = True,
+    fallback_from: str | None = None,
 ) -> Path:
-    """Build a TensorRT engine of the step graph with the verify and prefill profiles; returns out_dir."""
+    """Build a TensorRT engine of the step graph with the verify and prefill profiles; returns
+    out_dir. fallback_from: the graph flavour TensorRT refused before this one (the manifest says)."""
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     onnx_manifest = read_onnx_manifest(onnx_dir)
-    if onnx_manifest.get("graph_flavour", "portable") != "portable":
+    graph_flavour = onnx_manifest.get("graph_flavour", "portable")
+    if graph_flavour not in TRT_GRAPHS:
         raise SpecrtError(
-            f"{onnx_dir} holds the {onnx_manifest['graph_flavour']} step graph (ONNX Runtime's own operators); "
-            "TensorRT builds from the portable one: give its onnx/ directory (build-engines does)"
+            f"{onnx_dir} holds the {graph_flavour} step graph (ONNX Runtime's own operators); TensorRT builds from "
+            "the standard or the portable one: give its onnx-standard/ or onnx/ directory (build-engines does)"
         )
     cfg = onnx_manifest["config"]
     profiles = spec.shapes.profiles()  # validated before TensorRT is touched
@@ -140,6 +164,8 @@ def build_trt_engine(
                 "checkpoint": onnx_manifest["checkpoint"],
                 "config": cfg,
                 "hidden_layers": onnx_manifest["hidden_layers"],
+                "graph_flavour": graph_flavour,
+                "fallback_from": fallback_from,
                 "profiles": [dataclasses.asdict(p) for p in profiles],
                 "files": {ENGINE_FILE: file_sha256(tmp / ENGINE_FILE)},
             },
@@ -170,6 +196,7 @@ def build_serialized(onnx_file: Path, shapes: list[tuple[str, dict]], spec: TrtB
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network, _parser = _parse_onnx(trt, builder, logger, onnx_file)
+    _allow_decomposed_attention(trt, network)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, spec.workspace_mib << 20)
     if spec.tf32:

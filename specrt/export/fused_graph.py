@@ -40,7 +40,7 @@ import torch
 from specrt.artifacts import atomic_dir, write_manifest
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.llama import LlamaModel, rotary
-from specrt.export.step_graph import DEFAULT_OPSET, ONNX_KIND, check_opset, graph_manifest, save_graph
+from specrt.export.step_graph import DEFAULT_OPSET, ONNX_FILE, ONNX_KIND, check_opset, graph_manifest, save_graph
 from specrt.export.step_io import HIDDEN, INPUT_DTYPES, LOGITS, StepIO
 
 MS = "com.microsoft"
@@ -97,12 +97,18 @@ GQA_INPUTS = (
 def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPSET):
     """The fused step graph of `model` (float32 weights) as an onnx ModelProto; `products`
     computes its matrix products (FloatProducts by default)."""
+    return write_graph(model, FusedOps(), products, opset)
+
+
+def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSET):
+    """A step graph of `model` written node by node: `ops` gives its norms, attention and I/O
+    (FusedOps here, StandardOps in export/standard_graph.py), `products` its matrix products."""
     from onnx import TensorProto, helper
 
     products = products or FloatProducts()
     cfg = model.cfg
-    L, Hkv, D, C = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-    io = StepIO(L, "fused")
+    L, D, C = cfg.num_hidden_layers, cfg.head_dim, cfg.hidden_size
+    io = StepIO(L, ops.io_flavour)
     g = _Builder()
     eps = float(cfg.rms_norm_eps)
 
@@ -127,11 +133,11 @@ def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPS
     taps = {}  # layer index -> the residual stream after that layer (hidden_layers reads them)
     residual, pending = x, None  # pending: the last block's output, not yet added to the residual
     for i, layer in enumerate(model.layers):
-        h, residual = _norm(g, pending, residual, layer.input_layernorm.weight, eps, f"layers.{i}.input_norm")
+        h, residual = ops.norm(g, pending, residual, layer.input_layernorm.weight, eps, f"layers.{i}.input_norm")
         if i > 0:
             taps[i - 1] = residual
-        pending, residual = _layer(g, products, model, i, h, residual, io, shared)
-    final, residual = _norm(g, pending, residual, model.norm.weight, eps, "norm")
+        pending, residual = _layer(g, ops, products, model, i, h, residual, io, shared)
+    final, residual = ops.norm(g, pending, residual, model.norm.weight, eps, "norm")
     taps[L - 1], taps[-1] = residual, final
 
     feats = [taps[j] for j in model.hidden_layers]
@@ -149,27 +155,79 @@ def build_fused_graph(model: LlamaModel, products=None, opset: int = DEFAULT_OPS
         logits = _scatter_into_vocabulary(g, logits, model.output_ids.numpy(), cfg.vocab_size)
     g.node("Identity", [logits], [LOGITS], "logits")
 
-    dims = {"input_ids": ["batch", "q_len"], "position_ids": ["batch", "q_len"], "logits_index": ["batch", "n_logits"]}
-    dims |= {"attention_bias": ["bias_batch", 1, "q_len", "total_len"], "seqlens_k": ["batch"]}
-    dims |= {"total_sequence_length": [], "query_seqlens": ["batch"]}
-    kv = {n: ["batch", Hkv, "capacity", D] for n in io.past_names}
-    elem = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "int64": TensorProto.INT64}
-    inputs = [helper.make_tensor_value_info(n, elem[INPUT_DTYPES[n]], dims[n]) for n in io.step_inputs]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in kv.items()]
-    width = C * len(model.hidden_layers)
-    outputs = [
-        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["batch", "n_logits", cfg.vocab_size]),
-        helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, ["batch", "q_len", width]),
-    ]
-    outputs += [
-        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", Hkv, "capacity", D]) for n in io.present_names
-    ]
-    graph = helper.make_graph(g.nodes, "specrt-fused-step", inputs, outputs, g.inits)
-    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
-    return helper.make_model(graph, opset_imports=opsets, producer_name="specrt")
+    elem = {"float32": TensorProto.FLOAT, "bool": TensorProto.BOOL, "int32": TensorProto.INT32}
+    elem["int64"] = TensorProto.INT64
+    dims = _dims(io, cfg, C * len(model.hidden_layers))
+    inputs = [helper.make_tensor_value_info(n, elem[io.dtype(n)], dims[n]) for n in io.input_names]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims[n]) for n in io.output_names]
+    graph = helper.make_graph(g.nodes, f"specrt-{ops.flavour}-step", inputs, outputs, g.inits)
+    return helper.make_model(graph, opset_imports=ops.opsets(opset), producer_name="specrt")
 
 
-def _layer(g: _Builder, products, model: LlamaModel, i: int, h: str, residual: str, io: StepIO, shared: dict):
+def _dims(io: StepIO, cfg, width: int) -> dict[str, list]:
+    """Each I/O tensor's dimensions: the dynamic axes' names (step_io) and the model's sizes."""
+    fixed = {"logits": cfg.vocab_size, "hidden_states": width}
+    fixed |= {n: (cfg.num_key_value_heads, cfg.head_dim) for n in (*io.past_names, *io.present_names)}
+    ranks = {"total_sequence_length": 0, "seqlens_k": 1, "query_seqlens": 1, "attention_bias": 4}
+    ranks["attention_mask"] = 3
+    dims = {}
+    for n in (*io.input_names, *io.output_names):
+        axes = io.dynamic_axes.get(n, {})
+        if n in ranks:
+            shape: list = [1] * ranks[n]
+        elif n.startswith(("past", "present")):
+            shape = [None, fixed[n][0], None, fixed[n][1]]
+        else:
+            shape = [None, None] if n not in fixed else [None, None, fixed[n]]
+        dims[n] = [axes.get(a, d) for a, d in enumerate(shape)]
+    return dims
+
+
+class FusedOps:
+    """The fused flavour's norms, attention and I/O (ORT's com.microsoft operators)."""
+
+    flavour = io_flavour = "fused"
+
+    def opsets(self, opset: int) -> list:
+        from onnx import helper
+
+        return [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
+
+    def opset(self, asked: int) -> int:
+        return asked
+
+    def manifest(self) -> dict:
+        return {"graph_flavour": "fused", "fused_version": FUSED_VERSION, "exporter": "specrt fused graph builder"}
+
+    def check(self, onnx_file: Path) -> None:
+        """No onnx.checker: ORT's SimplifiedLayerNormalization is in the default domain, which
+        the checker refuses; the engine build loads the graph in ORT, the check that matters."""
+
+    def norm(self, g: _Builder, block: str | None, residual: str, weight, eps: float, name: str):
+        return _norm(g, block, residual, weight, eps, name)
+
+    def attention(self, g: _Builder, cfg, i: int, qkv: str, io: StepIO, shared: dict) -> str:
+        """GroupQueryAttention over q|k|v packed: rotary inside, the past written in place."""
+        (past_k, past_v), (present_k, present_v) = io.past(i), io.present(i)
+        given = dict(query=qkv, past_key=past_k, past_value=past_v, cos_cache=shared["cos_cache"])
+        given |= dict(sin_cache=shared["sin_cache"], attention_bias="attention_bias", query_seqlens="query_seqlens")
+        given |= {n: n for n in ("seqlens_k", "total_sequence_length", "position_ids")}
+        return g.node(
+            "GroupQueryAttention",
+            [given.get(n, "") for n in GQA_INPUTS],  # key and value empty: the query is q|k|v packed
+            [f"layers.{i}.attn/out", present_k, present_v],
+            f"layers.{i}.attn",
+            MS,
+            num_heads=cfg.num_attention_heads,
+            kv_num_heads=cfg.num_key_value_heads,
+            do_rotary=1,
+            rotary_interleaved=0,
+            causal=1,
+            scale=float(cfg.head_dim**-0.5),
+        )[0]
+
+
+def _layer(g: _Builder, ops, products, model: LlamaModel, i: int, h: str, residual: str, io: StepIO, shared: dict):
     """Decoder layer i after its input norm `h`: attention, the second norm, the MLP. Returns
     (its MLP's output, the residual stream after attention); the next norm adds the two."""
     cfg, layer, p = model.cfg, model.layers[i], f"layers.{i}"
@@ -178,25 +236,9 @@ def _layer(g: _Builder, products, model: LlamaModel, i: int, h: str, residual: s
     if cfg.attention_bias:
         b = np.concatenate([_f32(att.q_proj.bias), _f32(att.k_proj.bias), _f32(att.v_proj.bias)])
         qkv = g.node("Add", [qkv, g.init(f"{p}.qkv_proj.bias", b)], [f"{p}.qkv_proj/biased"], f"{p}.qkv/Add")[0]
-    (past_k, past_v), (present_k, present_v) = io.past(i), io.present(i)
-    given = dict(query=qkv, past_key=past_k, past_value=past_v, cos_cache=shared["cos_cache"])
-    given |= dict(sin_cache=shared["sin_cache"], attention_bias="attention_bias", query_seqlens="query_seqlens")
-    given |= {n: n for n in ("seqlens_k", "total_sequence_length", "position_ids")}
-    a = g.node(
-        "GroupQueryAttention",
-        [given.get(n, "") for n in GQA_INPUTS],  # key and value empty: the query is q|k|v packed
-        [f"{p}.attn/out", present_k, present_v],
-        f"{p}.attn",
-        MS,
-        num_heads=cfg.num_attention_heads,
-        kv_num_heads=cfg.num_key_value_heads,
-        do_rotary=1,
-        rotary_interleaved=0,
-        causal=1,
-        scale=float(cfg.head_dim**-0.5),
-    )[0]
+    a = ops.attention(g, cfg, i, qkv, io, shared)
     o = products.product(g, a, [att.o_proj.weight], f"{p}.o_proj")
-    h, residual = _norm(
+    h, residual = ops.norm(
         g, o, residual, layer.post_attention_layernorm.weight, float(cfg.rms_norm_eps), f"{p}.post_norm"
     )
     gate_up = products.product(g, h, [mlp.gate_proj.weight, mlp.up_proj.weight], f"{p}.gate_up_proj")
@@ -252,6 +294,18 @@ def export_fused_graph(
     manifest like the portable export's, its `graph_flavour` "fused"; `products` as in
     build_fused_graph (what its `manifest()` says goes into the manifest: a 4-bit recipe's
     quantization)."""
+    return export_written_graph(checkpoint, out_dir, FusedOps(), hidden_layers, opset, products)
+
+
+def export_written_graph(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    ops,
+    hidden_layers: tuple[int, ...] | None = None,
+    opset: int = DEFAULT_OPSET,
+    products=None,
+) -> Path:
+    """Write the step graph `write_graph` makes with `ops` to `out_dir`, with its manifest."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     check_opset(opset)
     t0 = time.perf_counter()
@@ -263,16 +317,16 @@ def export_fused_graph(
         hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
     model = load_model(checkpoint, hidden_layers=hidden_layers)
     cfg = model.cfg
-    io = StepIO(cfg.num_hidden_layers, "fused")
+    io = StepIO(cfg.num_hidden_layers, ops.io_flavour)
+    opset = ops.opset(opset)
     with torch.no_grad():
         products = products or FloatProducts()
-        proto = build_fused_graph(model, products, opset)
+        proto = write_graph(model, ops, products, opset)
     with atomic_dir(out_dir) as tmp:
         save_graph(proto, tmp)
         del proto
-        # no onnx.checker: ORT's SimplifiedLayerNormalization is in the default domain, which the
-        # checker refuses; the engine build loads the graph in ORT, the check that matters
+        ops.check(tmp / ONNX_FILE)
         body = graph_manifest(tmp, checkpoint, ckpt_hash, cfg, hidden_layers, io, opset, time.perf_counter() - t0)
-        body |= {"graph_flavour": "fused", "fused_version": FUSED_VERSION, "exporter": "specrt fused graph builder"}
+        body |= ops.manifest()
         write_manifest(tmp, ONNX_KIND, body | {"compute_dtype": "float32"} | products.manifest())
     return out_dir

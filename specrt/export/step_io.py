@@ -56,7 +56,9 @@ INPUT_DTYPES = {
     "total_sequence_length": "int32",
     "query_seqlens": "int32",
 }
-GRAPH_FLAVOURS = ("portable", "fused")
+# the standard graph (export/standard_graph.py: opset-23 operators, for TensorRT) has the
+# portable I/O: StepIO's flavour is the I/O contract, "fused" or any other
+GRAPH_FLAVOURS = ("portable", "fused", "standard")
 
 
 @dataclasses.dataclass(frozen=True)
