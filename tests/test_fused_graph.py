@@ -147,6 +147,8 @@ def test_inspect_names_the_flavour_and_tensorrt_refuses_the_fused_graph(tiny_art
     assert "graph       fused (version" in r.output and "CPUExecutionProvider, optimized on" in r.output
     assert "portable graph" not in r.output.split("[ort-engine]")[1].split("\n\n")[0]
     if (tiny_artifacts / "engines" / "trt-tensorrt-rtx").is_dir():  # built from the standard graph
-        assert "graph       standard (version" in r.output and "SM120+ (the library default), standard graph" in r.output
+        assert (
+            "graph       standard (version" in r.output and "SM120+ (the library default), standard graph" in r.output
+        )
     with pytest.raises(SpecrtError, match="TensorRT builds from the standard or the portable one"):
         build_trt_engine(ArtifactLayout(tiny_artifacts).fused_onnx(), tmp_path / "trt")

@@ -11,14 +11,13 @@ import json
 
 import onnx
 import pytest
+from test_fused_graph import compare, steps
 
 from specrt.engines.ort import OrtOptions, build_ort_engine
 from specrt.export.standard_graph import export_standard_graph
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
-
-from test_fused_graph import compare, steps
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [40, 41, 42, 43, 40, 41, 42]]
 

@@ -24,6 +24,10 @@ optimizations). The I/O is step_io's fused flavour: the runtime passes its lengt
 a mask (step_io.fused_inputs converts one into the other) and binds each layer's cache buffer as
 both past and present (engines/ort_inplace.py).
 
+`write_graph` takes the layer's norms, attention and I/O from an `ops` object (FusedOps here), so
+the standard graph (export/standard_graph.py: opset-23 operators for TensorRT) is the same
+builder with other ops.
+
 A tree needs only its bias: nodes come in topological order, so a node's ancestors stand before
 it and causal order plus -inf on the non-ancestors is the tree mask. Ragged rows are the
 attention op's own (seqlens_k, query_seqlens per row).
@@ -41,7 +45,7 @@ from specrt.artifacts import atomic_dir, write_manifest
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.llama import LlamaModel, rotary
 from specrt.export.step_graph import DEFAULT_OPSET, ONNX_FILE, ONNX_KIND, check_opset, graph_manifest, save_graph
-from specrt.export.step_io import HIDDEN, INPUT_DTYPES, LOGITS, StepIO
+from specrt.export.step_io import HIDDEN, LOGITS, StepIO
 
 MS = "com.microsoft"
 FUSED_VERSION = 1  # the fused graph's layout; a graph of another version is written again
