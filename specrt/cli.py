@@ -16,7 +16,7 @@ import click
 from specrt.calibration import QUANT_SCHEMES as RECIPES
 from specrt.calibration import TRT_SCHEMES
 from specrt.errors import SpecrtError
-from specrt.server_limits import ServerLimits
+from specrt.server.limits import ServerLimits
 
 SERVER = ServerLimits()  # the server's defaults, shown in serve --help
 
@@ -783,7 +783,7 @@ def _served(gen, choice: EngineChoice) -> str:
 
 
 def _serve_ray(choice: EngineChoice, served_model_name, limits, host, port, replicas, address) -> None:
-    """`serve --ray`: replicas of the engine behind Ray Serve's proxy (server_ray.py)."""
+    """`serve --ray`: replicas of the engine behind Ray Serve's proxy (server/ray.py)."""
     import os
 
     try:
@@ -791,7 +791,7 @@ def _serve_ray(choice: EngineChoice, served_model_name, limits, host, port, repl
         from ray import serve as _  # noqa: F401
     except ImportError:
         raise SpecrtError("--ray needs Ray Serve: pip install 'specrt[ray]' (or pip install 'ray[serve]')") from None
-    from specrt.server_ray import serve_ray
+    from specrt.server.ray import serve_ray
 
     cpus = max(1, (os.cpu_count() or 1) // replicas)  # per replica; its ONNX Runtime threads match
     if choice.threads == 0:

@@ -12,7 +12,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the ray ext
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (the test extra)")
 
 from specrt.runtime.generator import Generator  # noqa: E402
-from specrt.server_limits import ServerLimits  # noqa: E402
+from specrt.server.limits import ServerLimits  # noqa: E402
 
 
 def free_port() -> int:
@@ -26,7 +26,7 @@ def ray_server(tiny_artifacts):
     import ray
     from ray import serve
 
-    from specrt.server_ray import APP_NAME, ray_application
+    from specrt.server.ray import APP_NAME, ray_application
 
     engine = tiny_artifacts / "engines" / "ort-cpu"
 

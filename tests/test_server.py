@@ -287,10 +287,10 @@ def test_openai_defaults_and_ids_are_accepted(gen):
 
 
 def test_readme_lists_the_request_fields_the_server_follows():
-    """The README's table of request fields is the server's own (server_fields.field_table)."""
+    """The README's table of request fields is the server's own (server/fields.field_table)."""
     from pathlib import Path
 
-    from specrt.server_fields import field_table
+    from specrt.server.fields import field_table
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     head = "| field | endpoint | taken |"
@@ -637,4 +637,44 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(gen):
     assert wait_until(lambda: service.engine.idle)
     r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    service.close()
+
+
+def test_every_outcome_is_counted_once_and_both_views_agree(gen):
+    """ok, 400/404/413 (invalid), a client gone (cancelled), 503 (refused), 504 (timed_out) and
+    500 (error) each land in one outcome, and /stats reads what /metrics says."""
+
+    class Flaky(SlowBackend):
+        fail = False
+
+        def step(self, *args, **kwargs):
+            if Flaky.fail:
+                raise RuntimeError("device lost")
+            return super().step(*args, **kwargs)
+
+    flaky = Generator(Flaky(gen.backend, 0.05), gen.tokenizer)
+    flaky.eos_ids = frozenset()
+    limits = ServerLimits(max_batch=1, max_queue=0, request_timeout=0.5, max_body_bytes=400)
+    service = CompletionService(flaky, "tiny", limits)
+    c = TestClient(create_app(service))
+    post = lambda body: c.post("/v1/completions", json=body).status_code  # noqa: E731
+    assert post({"prompt": "w5", "max_tokens": 2}) == 200
+    assert post({"prompt": ""}) == 400 and post({"prompt": "w5", "model": "other"}) == 404
+    assert post({"prompt": "w5 " * 200}) == 413
+    long = service.run(service.parse(json.dumps({"prompt": "w5", "max_tokens": 200}).encode(), chat=False))
+    next(long)  # the one slot is taken
+    assert post({"prompt": "w5", "max_tokens": 2}) == 503
+    long.close()  # the client is gone
+    assert wait_until(lambda: service.engine.idle)
+    assert post({"prompt": "w5", "max_tokens": 200}) == 504
+    Flaky.fail = True
+    assert post({"prompt": "w5", "max_tokens": 2}) == 500
+    Flaky.fail = False
+    stats, m = c.get("/stats").json(), prometheus(c)
+    want = {"ok": 1, "invalid": 3, "cancelled": 1, "refused": 1, "timed_out": 1, "error": 1}
+    assert {o: stats[o] for o in want} == want
+    assert all(m[("specrt_requests_total", (("outcome", o),))] == n for o, n in want.items())
+    assert stats["requests"] == m[("specrt_requests_started_total", ())] == 4  # ok, cancelled, 504, 500
+    for name in ("prompt_tokens", "completion_tokens"):
+        assert stats[name] == m[(f"specrt_{name}_total", ())] > 0
     service.close()

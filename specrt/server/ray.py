@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from specrt.server import CompletionService, create_app
+from specrt.server.app import create_app
+from specrt.server.service import CompletionService
 
 APP_NAME = "specrt"
 

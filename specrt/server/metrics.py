@@ -1,6 +1,10 @@
 """The server's metrics in Prometheus's text format (prometheus_client), served on GET /metrics.
 
-    specrt_requests_total{outcome}                 ok, cancelled (client gone), refused (503), error
+    specrt_requests_total{outcome}                 how each request ended: ok, invalid (400, 404,
+                                                   413), cancelled (499: the client left), refused
+                                                   (503: busy), timed_out (504), error (500)
+    specrt_requests_started_total                  requests handed to the engine
+    specrt_busy_seconds_total                      time the engine spent stepping
     specrt_queue_depth                             requests waiting for the engine
     specrt_batch_size                              rows in the engine's current step (0 when idle)
     specrt_prompt_tokens_total, specrt_completion_tokens_total
@@ -17,14 +21,18 @@
 Acceptance rate = accepted / draft tokens; mean accepted length (bonus included, as the runtime
 reports it) = (accepted + steps) / steps; both per method, in PromQL over any window. Each
 service has its own registry, so several in one process (the tests) do not collide.
+
+GET /stats is the same counters as JSON (`counts`), read back from this registry: one source,
+so the two views cannot disagree.
 """
 
 from __future__ import annotations
 
+from specrt.server.protocol import OUTCOMES
+
 # seconds; TTFT spans prefill of up to a few thousand tokens on a CPU, ITL a step of 5-50 ms
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
-OUTCOMES = ("ok", "cancelled", "refused", "error")
 
 
 class ServerMetrics:
@@ -35,6 +43,8 @@ class ServerMetrics:
         self.requests = Counter("specrt_requests", "Requests by outcome", ["outcome"], registry=r)
         for outcome in OUTCOMES:  # every series exists from the start, at 0
             self.requests.labels(outcome)
+        self.started = Counter("specrt_requests_started", "Requests handed to the engine", registry=r)
+        self.busy_seconds = Counter("specrt_busy_seconds", "Time the engine spent stepping", registry=r)
         self.queue_depth = Gauge("specrt_queue_depth", "Requests waiting for the engine", registry=r)
         self.batch_size = Gauge("specrt_batch_size", "Rows in the engine's current step", registry=r)
         self.prompt_tokens = Counter("specrt_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -64,6 +74,21 @@ class ServerMetrics:
         self.drafted.labels(method).inc(drafted)
         self.accepted.labels(method).inc(accepted)
         self.spec_steps.labels(method).inc(steps)
+
+    def counts(self) -> dict:
+        """GET /stats: requests started, each outcome's count, the token counters and the busy
+        time, read from the registry's samples."""
+        values = {}
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    values[(sample.name, sample.labels.get("outcome"))] = sample.value
+        out = {"requests": int(values[("specrt_requests_started_total", None)])}
+        out |= {o: int(values[("specrt_requests_total", o)]) for o in OUTCOMES}
+        for name in ("prompt_tokens", "completion_tokens"):
+            out[name] = int(values[(f"specrt_{name}_total", None)])
+        out["busy_seconds"] = round(values[("specrt_busy_seconds_total", None)], 3)
+        return out
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the text exposition format."""

@@ -1,0 +1,314 @@
+"""OpenAI's protocol, with no engine: a request body becomes a checked `Job`, a run's pieces
+become a response body or server-sent events, and every refusal is a `RequestError` in OpenAI's
+error format (HTTP status, type, param, code) that names the field and the fix.
+
+    served = Served(model_id, limits, tokenizer, max_context)
+    job = parse_request(raw_bytes, chat=True, served=served)          # or RequestError
+    body = completion_response(job, pieces, model_id)                  # non-streamed
+    writer = SseWriter(job, request_id(job), model_id)                 # streamed: head, piece, tail
+
+Which request fields are taken, refused or ignored is fields.py's table. Each refusal's outcome
+in the metrics (`outcome_of`) follows from its status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import uuid
+from typing import TYPE_CHECKING, Iterator
+
+from specrt.errors import SpecrtError
+from specrt.runtime.sampling import SamplingParams
+from specrt.server.fields import refused_field
+from specrt.server.limits import ServerLimits
+
+if TYPE_CHECKING:
+    from specrt.runtime.generator import GenerationResult
+
+# a request's outcome, as the metrics count it (metrics.py), by the status it ended with
+OUTCOMES = ("ok", "invalid", "cancelled", "refused", "timed_out", "error")
+_BY_STATUS = {200: "ok", 499: "cancelled", 503: "refused", 504: "timed_out"}
+
+
+def outcome_of(status: int) -> str:
+    """ok, cancelled (499: the client left), refused (503: busy), timed_out (504), error (any
+    other 5xx) or invalid (any other 4xx: the request itself was wrong)."""
+    return _BY_STATUS.get(status, "error" if status >= 500 else "invalid")
+
+
+class RequestError(SpecrtError):
+    """A request the server refuses; carries the HTTP status and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+CLIENT_CLOSED = RequestError("client closed the request", status=499, code="client_closed_request")
+
+
+@dataclasses.dataclass
+class Job:
+    """A checked request."""
+
+    chat: bool
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+@dataclasses.dataclass
+class Piece:
+    text: str
+    finish_reason: str | None = None  # set on the last piece
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    result: GenerationResult | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What a request is checked against: the model's name, the limits, the tokenizer (encode,
+    apply_chat_template) and the context length."""
+
+    model_id: str
+    limits: ServerLimits
+    tokenizer: object
+    max_context: int
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default, integer: bool = False, lo_open: bool = False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    kind = int if integer else (int, float)
+    if isinstance(v, bool) or not isinstance(v, kind):
+        raise RequestError(
+            f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}", param=name
+        )
+    if not math.isfinite(v):  # Python's JSON reader takes NaN and Infinity; every comparison with NaN is False
+        raise RequestError(f"'{name}' must be a finite number, got {v}", param=name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise RequestError(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=name)
+    return v
+
+
+def too_large(size: int | str, limit: int, over: bool = False) -> RequestError:
+    """The 413 of a body of `size` bytes (`over`: at least that many, still arriving)."""
+    said = f"over {limit}" if over else f"{size}"
+    return RequestError(
+        f"request body is {said} bytes; this server takes at most {limit}", status=413, code="request_too_large"
+    )
+
+
+def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
+    """The checked job of a request body, or the RequestError that says what is wrong."""
+    limits = served.limits
+    if len(raw) > limits.max_body_bytes:
+        raise too_large(len(raw), limits.max_body_bytes)
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise RequestError("request body nests JSON too deeply; send a flat JSON object") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != served.model_id:
+        raise RequestError(
+            f"model {model!r} is not served here; this server serves {served.model_id!r} (GET /v1/models)",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+    refused = refused_field(body, chat)  # a field not implemented is a 400 naming it, never ignored
+    if refused is not None:
+        raise RequestError(refused[1], param=refused[0])
+    prompt_ids = _chat_prompt(body, served.tokenizer) if chat else _text_prompt(body, served.tokenizer)
+    limit = limits.max_tokens
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, 1, limit, limit, integer=True)
+    room = served.max_context - len(prompt_ids)
+    if room < 1:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens and the context holds {served.max_context}; shorten it",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
+    try:
+        sampling = SamplingParams(
+            temperature=_number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI's default; 0 is greedy
+            top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+            top_k=_number(body, "top_k", 0, 1 << 20, 0, integer=True),
+            seed=_number(body, "seed", 0, (1 << 63) - 1, None, integer=True),
+        )
+    except RequestError:
+        raise
+    except SpecrtError as e:  # a check of SamplingParams' own that the ranges above missed
+        raise RequestError(str(e)) from None
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > limits.max_stop:
+        raise RequestError(
+            f"'stop' must be a non-empty string or a list of up to {limits.max_stop} non-empty strings", param="stop"
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be true or false", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise RequestError("'stream_options' must be an object", param="stream_options")
+    return Job(chat, prompt_ids, min(max_tokens, room), sampling, stop, stream, bool(opts.get("include_usage", False)))
+
+
+def _chat_prompt(body: dict, tok) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise RequestError(
+                f"messages[{i}] must be an object with role 'system', 'user' or 'assistant'", param=f"messages[{i}]"
+            )
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise RequestError(
+                    f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
+                )
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+        clean.append({"role": m["role"], "content": content})
+    if not any(m["content"].strip() for m in clean):
+        raise RequestError("every message is empty; give some text", param="messages")
+    return tok.encode(tok.apply_chat_template(clean, add_generation_prompt=True))
+
+
+def _text_prompt(body: dict, tok) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestError("'prompt' must be a non-empty string", param="prompt")
+    return tok.encode(prompt)
+
+
+# -- response shapes ------------------------------------------------------------------------------
+
+
+def request_id(job: Job) -> str:
+    return ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(last: Piece) -> dict:
+    return {
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "total_tokens": last.prompt_tokens + last.completion_tokens,
+    }
+
+
+def completion_response(job: Job, pieces: Iterator[Piece], model_id: str, extras=None) -> dict:
+    """The non-streamed answer; `extras(result)`: specrt's own fields (backend, speeds)."""
+    text, last = "", None
+    for p in pieces:
+        text += p.text
+        last = p
+    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": text}} if job.chat else {"text": text})
+    out = {
+        "id": request_id(job),
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_id,
+        "choices": [choice],
+        "usage": usage(last),
+    }
+    if last.result is not None and extras is not None:
+        out["specrt"] = extras(last.result)
+    return out
+
+
+def result_extras(result: GenerationResult, backend: str) -> dict:
+    """specrt's fields beside OpenAI's: the backend, prefill time, decode speed, acceptance."""
+    extra = {
+        "backend": backend,
+        "prefill_ms": round(result.prefill_seconds * 1e3, 1),
+        "decode_tokens_per_second": round(result.decode_tokens_per_second, 2) if result.generated_tokens > 1 else None,
+    }
+    m = result.metrics
+    if m is not None:
+        extra["mean_accepted_length"] = round(m.mean_accepted_length, 3)
+        extra["acceptance_rate"] = round(m.acceptance_rate, 3)
+    return extra
+
+
+def models_list(model_id: str) -> dict:
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "specrt"}]}
+
+
+class SseWriter:
+    """The text of OpenAI's streamed chunks, piece by piece (`head`, `piece`, `tail`)."""
+
+    def __init__(self, job: Job, rid: str, model_id: str):
+        self.job, self.rid, self.model_id = job, rid, model_id
+        self.created = int(time.time())
+        self.kind = "chat.completion.chunk" if job.chat else "text_completion"
+        self.last: Piece | None = None
+
+    def _event(self, choices: list, **extra) -> str:
+        body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_id}
+        return "data: " + json.dumps(body | {"choices": choices, **extra}) + "\n\n"
+
+    def _chunk(self, delta_text: str | None, finish: str | None, role: bool = False) -> str:
+        if self.job.chat:
+            delta = ({"role": "assistant"} if role else {}) | (
+                {"content": delta_text} if delta_text is not None else {}
+            )
+            return self._event([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
+        return self._event([{"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}])
+
+    def head(self) -> list[str]:
+        return [self._chunk(None, None, role=True)] if self.job.chat else []
+
+    def piece(self, p: Piece) -> list[str]:
+        self.last = p
+        return [self._chunk(p.text, None)] if p.text else []
+
+    def tail(self) -> list[str]:
+        out = [self._chunk(None if self.job.chat else "", self.last.finish_reason)]
+        if self.job.include_usage:
+            out.append(self._event([], usage=usage(self.last)))
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, exc: Exception) -> list[str]:
+        """A failure after the stream began: OpenAI's error object as the last event."""
+        err = exc if isinstance(exc, RequestError) else internal_error(f"generation failed: {exc}")
+        return ["data: " + json.dumps(err.body()) + "\n\n", "data: [DONE]\n\n"]
+
+
+def internal_error(message: str) -> RequestError:
+    return RequestError(message, status=500, kind="server_error")

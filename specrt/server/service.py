@@ -1,0 +1,383 @@
+"""The service behind the HTTP routes: admission, the engine thread, each request's ticket.
+
+One engine thread owns the generator and runs a continuous batch (runtime/batching.py): up to
+`max_batch` requests generate together, joining and leaving between steps; more wait, at most
+`max_queue` of them (beyond that a 503 with Retry-After). Each request is a `Ticket`: the engine
+thread puts its pieces there; between steps it checks every ticket's cancel flag and age. The
+HTTP layer cancels a ticket as soon as it sees the client disconnect (streamed or not), and a
+stop sequence or the per-request time limit (`request_timeout`: a 504) ends it the same way: its
+slot and cache row are free for the next request within one step. Nothing waits for the garbage
+collector to close an abandoned generation, and no lock is held across an HTTP write.
+
+Every request's outcome is counted once, where it is decided (a refused body in `parse`, a full
+server in `submit`, the rest on the engine thread), in the metrics that /metrics and /stats read.
+"""
+
+import asyncio
+import queue
+import threading
+import time
+from typing import Iterator
+
+from specrt.errors import PromptError, SpecrtError
+from specrt.runtime.batching import BatchEngine, Request
+from specrt.runtime.generator import GenerationResult, Generator
+from specrt.runtime.speculative import SpeculativeDecoder
+from specrt.runtime.tokenizer import IncrementalDetokenizer
+from specrt.server.limits import ServerLimits
+from specrt.server.metrics import ServerMetrics
+from specrt.server.protocol import (
+    Job,
+    Piece,
+    RequestError,
+    Served,
+    SseWriter,
+    completion_response,
+    internal_error,
+    models_list,
+    outcome_of,
+    parse_request,
+    request_id,
+    result_extras,
+)
+
+_END = object()  # the engine thread's last item on a ticket
+
+
+class Ticket:
+    """One request between the HTTP layer and the engine thread.
+
+    The engine thread `put`s pieces (and, on failure, the exception) and finally `_END`; the
+    consumer reads them synchronously (`__iter__`) or, given an event loop, asynchronously
+    (`next_async`). `cancel()` may come from any thread: the engine thread stops the generation
+    at its next step and frees the cache; a ticket still in the queue is never started."""
+
+    def __init__(self, job: "Job", loop: asyncio.AbstractEventLoop | None = None):
+        self.job = job
+        self.received = time.perf_counter()  # time to first token counts from here
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancel = threading.Event()
+        self._loop = loop
+        self._ready = asyncio.Event() if loop is not None else None
+        self.done = threading.Event()  # set after the engine thread let go of the ticket
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def put(self, item) -> None:
+        self._items.put(item)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop is closed: nobody will read this ticket any more
+                self.cancel()
+
+    @staticmethod
+    def _take(item):
+        """A piece or _END; the engine thread's exception is raised here, in the consumer."""
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator["Piece"]:
+        try:
+            while (item := self._take(self._items.get())) is not _END:
+                yield item
+        finally:
+            self.cancel()  # a consumer that stops reading ends the generation
+
+    async def next_async(self) -> "Piece":
+        """The next piece; StopAsyncIteration after the last one."""
+        while True:
+            try:
+                item = self._take(self._items.get_nowait())
+            except queue.Empty:
+                await self._ready.wait()
+                self._ready.clear()
+                continue
+            if item is _END:
+                raise StopAsyncIteration
+            return item
+
+
+class _Reply:
+    """One request's text on its way out: tokens become text (incremental detokenizing), text
+    that could be the start of a stop sequence is held back, and the time to first token and
+    between tokens go to the metrics."""
+
+    def __init__(self, service: "CompletionService", ticket: Ticket):
+        self.ticket, self.service = ticket, service
+        self.detok = IncrementalDetokenizer(service.gen.tokenizer)
+        self.text, self.sent, self.count = "", 0, 0
+        self.stop = ticket.job.stop
+        self.hold = max((len(x) for x in self.stop), default=1) - 1  # text that may start a stop sequence
+        self.last_out: float | None = None  # when the previous tokens came out
+
+    def push(self, tokens: list[int]) -> bool:
+        """New tokens of a step: send what is safe to send; True when a stop sequence appeared
+        (the text is cut before it)."""
+        if not tokens:
+            return False
+        now, metrics = time.perf_counter(), self.service.metrics
+        if self.last_out is None:
+            metrics.ttft.observe(now - self.ticket.received)
+            if len(tokens) > 1:
+                metrics.tokens_out(now - self.ticket.received, len(tokens) - 1)
+        else:
+            metrics.tokens_out(now - self.last_out, len(tokens))
+        self.last_out = now
+        eos = self.service.gen.eos_ids
+        for t in tokens:
+            self.count += 1
+            if t not in eos:
+                self.text += self.detok.push(t)
+        start = max(0, self.sent - self.hold)
+        cut = min((i for i in (self.text.find(x, start) for x in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            return True
+        safe = len(self.text) - self.hold if self.stop else len(self.text)
+        if safe > self.sent:
+            self.ticket.put(Piece(self.text[self.sent : safe]))
+            self.sent = safe
+        return False
+
+    def last(self, finish: str, result: GenerationResult | None) -> Piece:
+        """The last piece: the rest of the text, why it ended, the token counts."""
+        return Piece(self.text[self.sent :], finish, len(self.ticket.job.prompt_ids), self.count, result)
+
+
+class CompletionService:
+    def __init__(self, runner, model_id: str, limits: ServerLimits = ServerLimits()):
+        """runner: a Generator or a SpeculativeDecoder over one."""
+        self.runner = runner
+        self.gen: Generator = runner.gen  # a Generator is its own
+        if self.gen.tokenizer is None:
+            raise SpecrtError("the server needs a generator with a tokenizer")
+        self.model_id = model_id
+        self.limits = limits
+        self.served = Served(model_id, limits, self.gen.tokenizer, self.gen.max_context)
+        self.engine = BatchEngine(runner, max_batch=limits.max_batch, prefill_budget=limits.prefill_budget)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # tickets for the engine thread; None: close
+        self._lock = threading.Lock()  # guards the counts below and the worker's start
+        self._open = 0  # tickets accepted and not yet closed: what admission counts
+        self._inbox_count = 0  # tickets in the inbox
+        self._engine_waiting = 0  # tickets the engine holds without a slot (published after each step)
+        self._running = 0  # tickets in slots (published after each step)
+        self._worker: threading.Thread | None = None
+        self._live: dict[int, _Reply] = {}  # engine request id -> its reply (engine thread only)
+        self.metrics = ServerMetrics()
+        self.draft_method = runner.proposer.name if isinstance(runner, SpeculativeDecoder) else None
+
+    @property
+    def busy(self) -> bool:
+        """Some request is generating (or prefilling)."""
+        return self._running > 0
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        """Requests accepted and not yet in a slot."""
+        return self._inbox_count + self._engine_waiting
+
+    def close(self) -> None:
+        """Stop the engine thread once every accepted request is done (queued ones are run first)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            self._inbox.put(None)
+            worker.join()
+
+    # -- parsing --------------------------------------------------------------------------------
+
+    def parse(self, raw: bytes, chat: bool) -> Job:
+        """The checked job of a request body (protocol.py); a refusal is counted, then raised."""
+        try:
+            return parse_request(raw, chat, self.served)
+        except RequestError as e:
+            self.count(outcome_of(e.status))
+            raise
+
+    def count(self, outcome: str) -> None:
+        """A request ended so (protocol.OUTCOMES); /metrics and /stats both read this count."""
+        self.metrics.requests.labels(outcome).inc()
+
+    @property
+    def stats(self) -> dict:
+        """GET /stats: the metrics' counters as JSON."""
+        return self.metrics.counts()
+
+    def response(self, job: Job, pieces: Iterator[Piece]) -> dict:
+        return completion_response(job, pieces, self.model_id, self.extras)
+
+    def events(self, job: Job) -> SseWriter:
+        """Server-sent events for a streamed answer: one chunk per piece, then the finish chunk,
+        usage if asked, [DONE]."""
+        return SseWriter(job, request_id(job), self.model_id)
+
+    def extras(self, result: GenerationResult) -> dict:
+        return result_extras(result, self.gen.backend.description)
+
+    def models(self) -> dict:
+        return models_list(self.model_id)
+
+    # -- running --------------------------------------------------------------------------------
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
+        """Hand a request to the engine thread; its pieces arrive on the returned ticket. The
+        server holds `max_batch` requests in slots and `max_queue` more waiting: every request
+        accepted and not yet answered counts, whether the engine thread has taken it yet or not
+        (a burst into an idle server fills the slots first), and one more gets a 503."""
+        ticket = Ticket(job, loop)
+        limits = self.limits
+        with self._lock:
+            if self._open >= limits.max_batch + limits.max_queue:
+                self.count("refused")
+                raise RequestError(
+                    f"the server is busy ({limits.max_batch} requests generating, {self._open - limits.max_batch} "
+                    "waiting); retry later",
+                    status=503,
+                    code="server_busy",
+                    kind="server_error",
+                    headers={"Retry-After": "1"},
+                )
+            self._open += 1
+            self._inbox_count += 1
+            self.metrics.queue_depth.set(self.waiting)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="specrt-engine", daemon=True)
+                self._worker.start()
+        self._inbox.put(ticket)
+        return ticket
+
+    def run(self, job: Job) -> Iterator[Piece]:
+        """Text pieces as they are produced, the last one with finish_reason and token counts.
+        Closing the iterator (or leaving it unread) cancels the generation."""
+        return iter(self.submit(job))
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _work(self) -> None:
+        """The engine thread: takes tickets into the batch, steps it, hands out the pieces, ends
+        cancelled and overdue requests; until `close` and every accepted request is done."""
+        closing = False
+        while True:
+            closing = self._take_tickets(block=not self._live and not closing) or closing
+            if closing and not self._live:
+                return
+            self._end_cancelled()
+            if not self._live:
+                continue
+            t0 = time.perf_counter()
+            try:
+                events = self.engine.step()
+            except Exception as e:  # a failed step fails the requests in it; the server goes on
+                error = internal_error(f"generation failed: {type(e).__name__}: {e}")
+                for rid in list(self._live):
+                    self.engine.cancel(rid)  # their slots are free again
+                    self._end(rid, error=error)
+                continue
+            finally:
+                self._publish()
+                self.metrics.busy_seconds.inc(time.perf_counter() - t0)
+            self.metrics.batch_size.set(int(self.engine.rows.active.sum()))
+            for ev in events:
+                reply = self._live.get(ev.rid)
+                if reply is None:
+                    continue
+                stopped = reply.push(ev.tokens)
+                if stopped or ev.result is not None:
+                    if stopped:
+                        self.engine.cancel(ev.rid)
+                    self._end(ev.rid, "stop" if stopped else ev.result.finish_reason, ev.result)
+
+    def _take_tickets(self, block: bool) -> bool:
+        """Move tickets from the inbox into the engine; True once `close` was asked."""
+        closing = False
+        while True:
+            try:
+                ticket = self._inbox.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            if ticket is None:
+                closing = True
+                continue
+            with self._lock:
+                self._inbox_count -= 1
+            if ticket.cancelled:  # the client left before its request started
+                self.count("cancelled")
+                self._close_ticket(ticket)
+                continue
+            job = ticket.job
+            try:
+                rid = self.engine.submit(Request(job.prompt_ids, job.max_tokens, job.sampling))
+            except PromptError as e:
+                self.count("invalid")
+                self._close_ticket(ticket, RequestError(str(e), code="context_length_exceeded"))
+                continue
+            self.metrics.started.inc()
+            self._live[rid] = _Reply(self, ticket)
+        self._publish()
+        return closing
+
+    def _end_cancelled(self) -> None:
+        """End the requests whose client left and those past the time limit."""
+        now = time.perf_counter()
+        for rid, reply in list(self._live.items()):
+            if reply.ticket.cancelled:
+                self.engine.cancel(rid)
+                self._end(rid, "cancelled")
+            elif now - reply.ticket.received > self.limits.request_timeout:
+                self.engine.cancel(rid)
+                limit = self.limits.request_timeout
+                self._end(
+                    rid,
+                    error=RequestError(
+                        f"the request ran past the server's time limit of {limit:g} s; ask for fewer tokens "
+                        "(max_tokens) or retry when the server is less busy",
+                        status=504,
+                        code="timeout",
+                        kind="server_error",
+                    ),
+                )
+        self._publish()
+
+    def _end(self, rid: int, finish: str = "error", result: GenerationResult | None = None, error=None) -> None:
+        """A request is over: its last piece (or its error) goes out and its ticket closes."""
+        reply = self._live.pop(rid)
+        job = reply.ticket.job
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.completion_tokens.inc(reply.count)
+        if error is not None:
+            self.count(outcome_of(error.status))
+            self._close_ticket(reply.ticket, error)
+            return
+        self.count("cancelled" if finish == "cancelled" else "ok")
+        m = result.metrics if result is not None else None
+        if m is not None and self.draft_method is not None:
+            self.metrics.speculation(self.draft_method, m.drafted_tokens, m.accepted_tokens, m.steps)
+        reply.ticket.put(reply.last(finish, result))
+        self._close_ticket(reply.ticket)
+
+    def _close_ticket(self, ticket: Ticket, error: Exception | None = None) -> None:
+        """The ticket's last item; its place counts for admission no more."""
+        if error is not None:
+            ticket.put(error)
+        ticket.put(_END)
+        with self._lock:
+            self._open -= 1
+        ticket.done.set()
+
+    def _publish(self) -> None:
+        with self._lock:
+            self._engine_waiting = len(self.engine.waiting)
+            self._running = self.engine.running
+            self.metrics.queue_depth.set(self.waiting)
