@@ -95,11 +95,11 @@ def load_prompts(path: Path) -> list[dict]:
 
 def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> dict:
     from specrt.runtime.drafts import make_proposer
-    from specrt.runtime.generator import Generator
+    from specrt.runtime.runner import RunnerSpec, open_generator
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
     prompts = load_prompts(cfg.prompts)
-    gen = Generator.from_engine(cfg.engine_dir, cfg.checkpoint)
+    gen = open_generator(RunnerSpec(engine=cfg.engine_dir, checkpoint=cfg.checkpoint))
     hf = None
     if cfg.transformers and cfg.main_runs:
         import torch

@@ -27,3 +27,7 @@ class ArtifactError(SpecrtError):
 
 class PromptError(SpecrtError):
     """A prompt is empty or does not fit the context."""
+
+
+class UsageError(SpecrtError):
+    """Options that do not go together, or one that needs another; the CLI shows its usage."""

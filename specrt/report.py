@@ -38,6 +38,7 @@ from specrt.calibration import QUANT_SCHEMES
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout
 from specrt.runtime.generator import Generator
+from specrt.runtime.runner import RunnerSpec, open_generator
 
 REPORT_SEED = 2  # the prompt set's seed for held-out text: calibration uses 1, draft heads 0
 
@@ -195,7 +196,7 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
     gens, memory = {}, {}
     for name, engine in engines.items():
         before = _rss_mib()
-        gens[name] = Generator.from_engine(engine, spec.checkpoint)
+        gens[name] = open_generator(RunnerSpec(engine=engine, checkpoint=spec.checkpoint))
         memory[name] = {
             "engine_mib": round(sum(p.stat().st_size for p in engine.rglob("*") if p.is_file()) / 2**20, 1),
             "load_rss_mib": round(_rss_mib() - before, 1),

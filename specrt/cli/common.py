@@ -1,0 +1,249 @@
+"""What the commands share: the group, error handling, parameter types, option groups declared once."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from specrt.calibration import QUANT_SCHEMES as RECIPES
+from specrt.errors import SpecrtError, UsageError
+from specrt.server.limits import ServerLimits
+
+SERVER = ServerLimits()  # the server's defaults, shown in serve --help
+
+
+def _friendly_errors(fn):
+    """SpecrtError -> one clear line and exit status 1 (library code never exits). Progress bars
+    still drawn are closed first, so the message gets a line of its own and no bar is redrawn
+    after it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UsageError as e:  # options that do not go together: click shows the usage with it
+            _close_progress_bars()
+            raise click.UsageError(str(e)) from None
+        except SpecrtError as e:
+            _close_progress_bars()
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+def _close_progress_bars() -> None:
+    if "tqdm" not in sys.modules:
+        return
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+class FiniteFloat(click.ParamType):
+    """A float in [lo, hi] that is a real number: click's FloatRange lets NaN through (every
+    comparison with NaN is False), and 'inf' parses as a float."""
+
+    name = "float"
+
+    def __init__(self, lo: float, hi: float | None = None, lo_open: bool = False):
+        self.lo, self.hi, self.lo_open = lo, hi, lo_open
+
+    def convert(self, value, param, ctx):
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        import math
+
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if v < self.lo or (self.lo_open and v == self.lo) or (self.hi is not None and v > self.hi):
+            hi = "" if self.hi is None else f", {self.hi}]"
+            self.fail(f"{v} is not in {'(' if self.lo_open else '['}{self.lo}{hi or ', inf)'}", param, ctx)
+        return v
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specrt")
+def main():
+    """specrt: export LLMs to ONNX, build engines, and generate (speculative decoding runtime)."""
+
+
+QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibration)
+# --draft: specrt.runtime.drafts.DRAFT_METHODS, spelled out because importing the drafts costs ~1 s
+# that --help should not pay (a test keeps the two equal)
+DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "mtp", "hybrid", "medusa", "draft-model"]
+CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
+
+
+def _parse_layers(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated layer indices, e.g. -1 or 2,15,27") from None
+
+
+def _parse_fixed_n(value: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value.split(",")) if value.strip() else ()
+    except ValueError:
+        out = (-1,)
+    if any(n < 1 for n in out):
+        raise click.BadParameter(
+            f"{value!r}: give comma-separated draft lengths >= 1, e.g. 4,8", param_hint="--fixed-n"
+        )
+    return out
+
+
+def tensorrt_option(help: str):
+    """--tensorrt auto|off|tensorrt|tensorrt-rtx, for every command that builds engines."""
+    return click.option(
+        "--tensorrt", "tensorrt", default="auto", show_default=True,
+        type=click.Choice(["auto", "off", "tensorrt", "tensorrt-rtx"]), help=help,
+    )  # fmt: skip
+
+
+HEAD_TENSORRT = "Also build the head's TensorRT engine (auto: when tensorrt or tensorrt_rtx is installed)."
+
+
+def _given(*names: str) -> list[str]:
+    """The options among `names` (parameter names) given on the command line, as flags."""
+    ctx = click.get_current_context(silent=True)  # none: called as a library (a Ray replica)
+    if ctx is None:
+        return []
+    default = (None, click.core.ParameterSource.DEFAULT)
+    return [f"--{n.replace('_', '-')}" for n in names if ctx.get_parameter_source(n) not in default]
+
+
+def _engine_options(fn):
+    """The options that choose the engine, backend and draft (shared by generate and serve); the
+    command receives them as one RunnerSpec (runtime/runner.py), `choice`."""
+    options = [
+        click.option(
+            "--artifacts",
+            type=click.Path(path_type=Path),
+            help="Artifact directory from build-engines (uses its engines/ort-<provider>).",
+        ),
+        click.option("--engine", type=click.Path(path_type=Path), help="Engine directory (overrides --artifacts)."),
+        click.option(
+            "--model",
+            "checkpoint",
+            type=click.Path(path_type=Path),
+            help="Checkpoint directory; checked against the engine's manifest. Alone, runs the PyTorch reference.",
+        ),
+        click.option(
+            "--backend",
+            default="ort",
+            show_default=True,
+            type=click.Choice(["ort", "trt", "torch"]),
+            help="ort: the ONNX Runtime engine; trt: the TensorRT engine (NVIDIA GPU); torch: the PyTorch model.",
+        ),
+        click.option(
+            "--provider",
+            default="cpu",
+            show_default=True,
+            type=click.Choice(["cpu", "cuda", "tensorrt"]),
+            help="ONNX Runtime execution provider.",
+        ),
+        click.option(
+            "--quantize",
+            default="none",
+            show_default=True,
+            type=click.Choice(QUANT_SCHEMES),
+            help="--artifacts: run the quantized ORT engine of this scheme (build-engines --quantize).",
+        ),
+        click.option(
+            "--split",
+            is_flag=True,
+            help="--quantize gguf: one-position steps (decoding) on the 4-bit engine, longer ones (prefill, "
+            "verification) on the float32 engine, which is faster for them here; both compute the same model.",
+        ),
+        click.option(
+            "--threads",
+            default=0,
+            show_default=True,
+            type=click.IntRange(min=0),
+            help="ORT intra-op threads (0: one per physical core).",
+        ),
+        click.option(
+            "--device",
+            default=None,
+            help="--backend torch: cpu (the reference, default) or cuda (PyTorch-CUDA backend); --backend trt: the "
+            "GPU (default cuda).",
+        ),
+        click.option(
+            "--cuda-graphs",
+            is_flag=True,
+            help="--backend trt, or torch --device cuda: capture fixed-shape steps as CUDA graphs.",
+        ),
+        click.option(
+            "--draft",
+            default="none",
+            show_default=True,
+            type=click.Choice(DRAFT_CHOICES),
+            help="Draft method for speculative decoding (ngram, suffix, lookahead: no weights; eagle, eagle3, mtp, "
+            "medusa: a trained head, give --draft-dir; draft-model: a smaller model's build-engines output as "
+            "--draft-dir; hybrid: suffix where its match is long, the head in --draft-dir elsewhere).",
+        ),
+        click.option(
+            "--draft-dir",
+            type=click.Path(path_type=Path),
+            default=None,
+            help="--draft eagle/eagle3/mtp/medusa/hybrid: the head's directory (specrt train-draft --out, specrt "
+            "import-mtp, or make drafts).",
+        ),
+        click.option(
+            "--draft-tree",
+            default="chain",
+            show_default=True,
+            help="--draft eagle/eagle3/mtp: 'chain', or TOP_K,DEPTH for EAGLE-2 dynamic trees (e.g. 4,6; the node "
+            "budget is --num-draft).",
+        ),
+        click.option(
+            "--num-draft",
+            default="auto",
+            show_default=True,
+            help="Draft tokens per step: a number, or 'auto' (chosen each step by the cost model).",
+        ),
+        click.option(
+            "--max-draft",
+            default=16,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Upper bound for --num-draft auto.",
+        ),
+        click.option(
+            "--verify-artifacts",
+            is_flag=True,
+            help="Hash the engine's files in full before loading (by default only files changed since their last "
+            "check are hashed).",
+        ),
+    ]
+
+    @functools.wraps(fn)
+    def bundled(**kwargs):
+        from specrt.runtime.runner import DRAFT_OPTIONS, RunnerSpec
+
+        fields = [f.name for f in dataclasses.fields(RunnerSpec) if f.name != "given"]
+        given = tuple(f[2:].replace("-", "_") for f in _given(*DRAFT_OPTIONS))
+        return fn(choice=RunnerSpec(**{k: kwargs.pop(k) for k in fields}, given=given), **kwargs)
+
+    for option in reversed(options):
+        bundled = option(bundled)
+    return bundled
+
+
+def open_chosen(spec):
+    """(generator, runner) of the engine options (runtime/runner.py), its exactness warning said."""
+    from specrt.runtime.runner import open_runner
+
+    gen, runner = open_runner(spec)
+    warning = getattr(runner, "exactness_warning", None)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+    return gen, runner

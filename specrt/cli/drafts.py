@@ -1,0 +1,166 @@
+"""Commands for draft heads: train-draft, build-draft, import-mtp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import (
+    HEAD_TENSORRT,
+    FiniteFloat,
+    _friendly_errors,
+    main,
+    tensorrt_option,
+)
+
+
+@main.command("train-draft")
+@click.option(
+    "--method",
+    required=True,
+    type=click.Choice(["eagle", "eagle3", "mtp", "medusa", "draft-model"]),
+    help="EAGLE-1 or EAGLE-3 head, an MTP module (DeepSeek-V3 layout), Medusa heads, or a draft model distilled "
+    "from the target's layers.",
+)
+@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
+@click.option(
+    "--artifacts",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The target's build-engines directory: its ORT engine makes the training data (faster than PyTorch).",
+)
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Training data directory, shared by the heads of one target (default: OUT/data).",
+)
+@click.option("--prompts", default=2000, show_default=True, type=click.IntRange(min=2), help="Prompts to answer.")
+@click.option("--max-new-tokens", default=192, show_default=True, type=click.IntRange(min=1), help="Per answer.")
+@click.option("--gen-batch", default=16, show_default=True, type=click.IntRange(min=1), help="Answers per batch.")
+@click.option(
+    "--hold-out",
+    type=click.Path(path_type=Path),
+    default=Path("bench/prompts.jsonl"),
+    show_default=True,
+    help="Benchmark prompts never trained on (skipped when the file is absent).",
+)
+@click.option("--epochs", default=2.0, show_default=True, type=FiniteFloat(0.0, lo_open=True))
+@click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0.0, lo_open=True))
+@click.option(
+    "--ttt-steps", default=None, type=click.IntRange(min=1), help="Unrolled draft steps (eagle 1, mtp 2, eagle3 3)."
+)
+@click.option(
+    "--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3, medusa, draft-model."
+)
+@click.option("--medusa-heads", default=4, show_default=True, type=click.IntRange(min=1), help="medusa: heads (K).")
+@click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(min=64))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--max-minutes", default=None, type=FiniteFloat(0.0, lo_open=True), help="Stop training (checkpointed) after this."
+)
+@tensorrt_option(HEAD_TENSORRT)
+@_friendly_errors
+def train_draft(
+    method,
+    checkpoint,
+    out,
+    artifacts,
+    data,
+    prompts,
+    max_new_tokens,
+    gen_batch,
+    hold_out,
+    epochs,
+    lr,
+    ttt_steps,
+    draft_vocab,
+    medusa_heads,
+    batch_tokens,
+    seed,
+    max_minutes,
+    tensorrt,
+):
+    """Train a draft head (EAGLE-1, EAGLE-3 or Medusa) on the target's own answers
+    (self-distillation), then export it to ONNX and build its engine. Every step resumes where an
+    interrupted run stopped."""
+    from specrt.training.eagle import TrainConfig
+    from specrt.training.medusa import MedusaTrainConfig
+    from specrt.training.pipeline import TrainDraftSpec, train_draft
+    from specrt.training.prompts import benchmark_prompts
+
+    if method == "draft-model":
+        from specrt.training.draft_model import DraftModelConfig
+
+        cfg = DraftModelConfig(
+            draft_vocab=draft_vocab, epochs=epochs, lr=lr, batch_tokens=batch_tokens, seed=seed, max_minutes=max_minutes
+        )
+    elif method == "medusa":
+        cfg = MedusaTrainConfig(
+            num_heads=medusa_heads, draft_vocab=draft_vocab, epochs=epochs, lr=lr, seed=seed, max_minutes=max_minutes
+        )
+    else:
+        cfg = TrainConfig(
+            method,
+            ttt_steps=ttt_steps,
+            epochs=epochs,
+            lr=lr,
+            batch_tokens=batch_tokens,
+            draft_vocab=draft_vocab if method == "eagle3" else None,
+            seed=seed,
+            max_minutes=max_minutes,
+        )
+    spec = TrainDraftSpec(
+        method=method,
+        checkpoint=checkpoint,
+        out=out,
+        data=data,
+        artifacts=artifacts,
+        prompts=prompts,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        gen_batch=gen_batch,
+        hold_out=benchmark_prompts(hold_out) if hold_out.is_file() else (),
+        train=cfg,
+        tensorrt=tensorrt,
+    )
+    report = train_draft(spec)
+    h = report["held_out"]
+    click.echo(
+        f"{method} head in {out}: {report['steps']} steps ({report['stopped']}), {report['train_sequences']} "
+        f"sequences; held-out acceptance per draft step {h['acceptance']}, expected accepted length "
+        f"{h['mean_accepted']:.2f} (chain, bonus included)"
+    )
+
+
+@main.command("build-draft")
+@click.option("--draft-dir", required=True, type=click.Path(path_type=Path), help="A train-draft output directory.")
+@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
+@tensorrt_option(HEAD_TENSORRT)
+@_friendly_errors
+def build_draft(draft_dir, checkpoint, tensorrt):
+    """Export a trained head to ONNX again and rebuild its engines (after an onnxruntime upgrade,
+    or on another CPU)."""
+    from specrt.training.pipeline import build_draft
+
+    for d in build_draft(draft_dir, checkpoint, tensorrt=tensorrt):
+        click.echo(f"wrote {d}")
+
+
+@main.command("import-mtp")
+@click.option(
+    "--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="A checkpoint with MTP modules."
+)
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
+@click.option("--index", default=0, show_default=True, type=click.IntRange(min=0), help="Which MTP module.")
+@tensorrt_option(HEAD_TENSORRT)
+@_friendly_errors
+def import_mtp(checkpoint, out, index, tensorrt):
+    """Make a draft head of a multi-token-prediction module the checkpoint carries (DeepSeek-V3's
+    layout: num_nextn_predict_layers in config.json), for --draft mtp --draft-dir OUT."""
+    from specrt.training.pipeline import import_mtp
+
+    for d in import_mtp(checkpoint, out, index, tensorrt):
+        click.echo(f"wrote {d}")
