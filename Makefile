@@ -75,7 +75,7 @@ serve: build-engines
 test: setup model
 	SPECRT_REQUIRE_REAL_MODEL=1 $(PY) -m pytest -q -rs
 
-# tiny random models only (no download), a few seconds
+# tiny random models only (no download): the suite without its default-model tests
 test-fast: setup
 	$(PY) -m pytest -q -rs -m "not real_model"
 

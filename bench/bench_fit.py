@@ -73,7 +73,7 @@ def main():
     from specrt.layout import ArtifactLayout
     from specrt.report import held_out_texts, quality
     from specrt.runtime.generator import Generator
-    from specrt.training.calibration import make_calibration_set
+    from specrt.training.calibration_set import make_calibration_set
     from specrt.training.prompts import benchmark_prompts
 
     tmp = Path(tempfile.mkdtemp(prefix="specrt-fit-"))

@@ -83,7 +83,7 @@ def main():
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.generator import Generator
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
-    from specrt.training.calibration import make_calibration_set
+    from specrt.training.calibration_set import make_calibration_set
     from specrt.training.prompts import benchmark_prompts
 
     prompts = load_prompts(args.prompts)

@@ -154,7 +154,7 @@ def test_proposer_chain_equals_the_head_run_from_scratch(method, ort_gen, tiny_c
         inp = DraftInput([0], [tokens[: committed + 1]], 5, [50], SamplingParams(), np.random.default_rng(0))
         inp.features = [feats[new]]
         tree = prop.propose(inp)[0]
-        assert tree.is_chain
+        assert tree.parents.tolist() == list(range(-1, len(tree) - 1))  # a chain
         assert tree.tokens.tolist() == reference_chain(head, feats[:, cols], tokens, committed, 5)
     prop.end([0], [[]])
 
@@ -316,7 +316,7 @@ def test_head_builds_a_tensorrt_rtx_engine_with_draft_profiles(tiny_checkpoint, 
     """TensorRT-RTX (installed with the test extra) parses the head's graph and builds an engine
     with a draft and a catch-up profile; inspect checks it and says it needs a GPU to run."""
     from specrt.engines.head import read_head_trt_manifest
-    from specrt.inspect import find_artifacts, inspect_artifact
+    from specrt.inspection import find_artifacts, inspect_artifact
 
     layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64, tensorrt="tensorrt-rtx")
     engine = layout.trt_engine("tensorrt-rtx")

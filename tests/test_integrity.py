@@ -20,7 +20,7 @@ from specrt.cli import main
 from specrt.engines.build import BuildSpec, build_all
 from specrt.engines.ort import load_ort_session
 from specrt.errors import ArtifactError
-from specrt.inspect import inspect_artifact
+from specrt.inspection import inspect_artifact
 from specrt.runtime.generator import Generator
 
 from conftest import random_model, save_checkpoint, tiny_hf_config

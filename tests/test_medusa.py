@@ -210,7 +210,7 @@ def test_medusa_builds_a_tensorrt_rtx_engine(tiny_checkpoint, tmp_path):
     layout, _ = make_medusa_dir(tiny_checkpoint, tmp_path / "m", tensorrt="tensorrt-rtx")
     m = read_head_trt_manifest(layout.trt_engine("tensorrt-rtx"), verify="full")
     assert [p["name"] for p in m["profiles"]] == ["draft"] and m["head"]["method"] == "medusa"
-    from specrt.inspect import inspect_artifact
+    from specrt.inspection import inspect_artifact
 
     lines = inspect_artifact(layout.trt_engine("tensorrt-rtx")).lines
     assert any("profile draft" in line and "batch 1.." in line for line in lines)

@@ -180,7 +180,7 @@ def test_fitted_recipes_find_the_default_models_4bit_grid_again(scheme, ort_gen,
     answers of up to 32 tokens) to keep this quick."""
     from specrt.engines.build import BuildSpec, build_all
     from specrt.layout import ArtifactLayout
-    from specrt.training.calibration import SET_FILE, make_calibration_set
+    from specrt.training.calibration_set import SET_FILE, make_calibration_set
 
     layout = ArtifactLayout(real_artifacts)
     make_calibration_set(ort_gen, layout.calibration, prompts=8, max_new_tokens=32, progress=False)

@@ -41,7 +41,7 @@ def test_tree_helpers():
     m = t.ancestor_mask()
     assert m[4].tolist() == [True, False, False, True, True]  # node 3 sees root, node 2, itself
     assert m[2].tolist() == [True, True, True, False, False]
-    assert not t.is_chain and DraftTree.chain([1, 2]).is_chain
+    assert DraftTree.chain([1, 2]).parents.tolist() == [-1, 0]
     with pytest.raises(ValueError, match="parent must come before"):
         DraftTree(np.array([1, 2]), np.array([1, -1]))
 

@@ -238,7 +238,7 @@ def _calibration_set(
 ) -> Path:
     """Make (or reuse) the calibration set in `out` with the float engine; returns its file."""
     from specrt.runtime.generator import Generator
-    from specrt.training.calibration import SET_FILE, make_calibration_set
+    from specrt.training.calibration_set import SET_FILE, make_calibration_set
     from specrt.training.prompts import benchmark_prompts
 
     gen = Generator.from_engine(engine, checkpoint)
@@ -370,7 +370,7 @@ def inspect(paths: tuple[Path, ...]):
     """Show what artifact directories hold (build-engines output, draft heads from train-draft or
     make drafts, or single artifacts), TensorRT profiles included, and whether each would load
     here; exit status 1 if any would be refused. E.g.: specrt inspect artifacts/M drafts/M"""
-    from specrt.inspect import find_artifacts, inspect_artifact
+    from specrt.inspection import find_artifacts, inspect_artifact
 
     refused = 0
     for p in [a for path in paths for a in find_artifacts(path)]:

@@ -47,7 +47,8 @@ class OrtOptions:
     provider: str = "cpu"  # key of PROVIDERS
     intra_op_threads: int = 0  # 0: ORT's default (one per physical core)
     # Spinning threads wait for work at full speed; on a machine shared with other busy processes
-    # they slow everything down badly (DESIGN.md, "Contention"), so they are off unless asked for.
+    # they slow everything down badly (with one core busy elsewhere, a 2-thread decode step went
+    # from 74 ms to ~1.9 s here), so they are off unless asked for.
     allow_spinning: bool = False
 
 

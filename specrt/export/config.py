@@ -111,10 +111,6 @@ class ModelConfig:
                 "specrt/export/config.py:rope_inv_freq."
             )
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or [d.get("model_type", "?")]

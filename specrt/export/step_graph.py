@@ -1,4 +1,4 @@
-"""Export the target step graph to ONNX (see DESIGN.md, "The target step graph").
+"""Export the target step graph to ONNX: one graph for prefill, decode and (tree) verification.
 
 Inputs:  input_ids [B, Q] int64, position_ids [B, Q] int64, attention_mask [B, Q, P+Q] bool,
          logits_index [B, K] int64 (positions whose logits are computed: all Q to verify, the
@@ -156,7 +156,7 @@ def export_step_graph(
         traced_path = tmp / "traced.onnx"
         with torch.no_grad(), warnings.catch_warnings():
             # the TorchScript exporter is deprecated in favour of dynamo, which takes ~5x longer
-            # on this graph; it is chosen on purpose (DESIGN.md, "Measured here")
+            # on this graph (measured here); it is chosen on purpose
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.filterwarnings("ignore", message=".*Converting a tensor to a Python.*")
             torch.onnx.export(

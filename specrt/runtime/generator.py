@@ -305,10 +305,6 @@ class Generator:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def decode_one_token(self, cache: KVCache, tokens: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """Feed one token per active row; returns logits (B, V)."""
-        return self.decode_step(cache, tokens, active).logits[:, 0]
-
     def decode_step(self, cache: KVCache, tokens: np.ndarray, active: np.ndarray, want_logits: bool = True):
         """Feed one token per active row; the StepOutput (want_logits=False: greedy rows only, read
         `argmax()`; a device backend then copies tokens, not logits, to the host)."""

@@ -348,9 +348,6 @@ class FixedPolicy:
     def __init__(self, num_draft: int):
         self.max_draft = num_draft
 
-    def num_draft(self, model: CostModel, batch: int) -> int:
-        return self.max_draft
-
     def plan(self, model: CostModel, rows: list[int]) -> dict[int, int]:
         """Draft tokens per row: N for every row."""
         return dict.fromkeys(rows, self.max_draft)

@@ -59,10 +59,6 @@ class DraftTree:
     def empty(cls) -> "DraftTree":
         return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
-    @property
-    def is_chain(self) -> bool:
-        return bool((self.parents == np.arange(len(self)) - 1).all())
-
     def depths(self) -> np.ndarray:
         """(n,) depth of each node; children of the root have depth 1."""
         d = np.zeros(len(self), dtype=np.int64)
