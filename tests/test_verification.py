@@ -244,6 +244,18 @@ def test_wrong_residuals_fail_the_wide_tree_test(wrong):
     assert joint_pvalue(WIDE["3 siblings, with q, without replacement"], verify=wrong) < P_MIN
 
 
+def draft_forgetting_removed_siblings(start, draft, rng):
+    """Breaks the proposer contract (drafts/base.py): siblings drawn without replacement, each
+    reported with its parent's whole q rather than q with its earlier siblings removed."""
+    tree = draft_wide(start, draft, rng, point_mass=False, without_replacement=True)
+    prev = [start if p < 0 else int(tree.tokens[p]) for p in tree.parents]
+    return DraftTree(tree.tokens, tree.parents, np.array([draft[t] for t in prev]))
+
+
+def test_a_draft_that_misstates_its_siblings_q_is_caught():
+    assert joint_pvalue(draft_forgetting_removed_siblings) < P_MIN
+
+
 # the sampling parameters a request may set, applied to the target and the draft alike
 PARAMS = SamplingParams(temperature=1.2, top_k=3, top_p=0.85)  # each one binds: ignoring it moves the joint by 10-15 %
 

@@ -50,7 +50,12 @@ class Capabilities:
 
 
 class StepBackend(abc.ABC):
-    """A target model that runs the step graph. Subclasses set `config`, `description` and `caps`."""
+    """A target model that runs the step graph. Subclasses set `config`, `description` and `caps`.
+
+    The runtime reads these fields of `config`: num_hidden_layers, num_key_value_heads and
+    head_dim (the KV cache's shape), vocab_size (the logits' width, prompt checks),
+    max_position_embeddings (the context, with caps.max_context) and eos_token_id (where a
+    generation stops)."""
 
     config: ModelConfig
     description: str  # what runs, e.g. "onnxruntime 1.32.0 CPUExecutionProvider"

@@ -15,12 +15,6 @@ A generation tells its proposer, for the rows of its batch:
     end(rows, outputs)                  the rows finished; methods that learn across requests
                                         (suffix) keep the outputs
 
-Rows come and go independently under continuous batching (runtime/batching.py): `begin` and
-`end` may name single rows while others are running, and a row number that ended may begin
-again for a new request, so a method keeps its state per row. `propose` gets the rows that draft
-this step (those the policy gives a length); rows of one call share their sampling settings
-and random generator (greedy rows together, a seeded sampled row alone).
-
 and declares two facts about itself:
 
     needs_features   whether DraftInput.features is filled (it costs a host copy of the target's
@@ -29,9 +23,34 @@ and declares two facts about itself:
                      or about the same for any length (a lookup); the cost model fits T_draft(N)
                      accordingly
 
-Trees carry `q` (the distribution each node was drawn from) when the method samples from a
-distribution, or None for point masses (lookups); verification keeps the output exact either
-way. Methods are looked up by name in `specrt.runtime.drafts.DRAFT_METHODS`.
+What the runtime guarantees, and what it asks of a method:
+
+- Calls. `propose` gets the rows that draft this step (those the policy gives at least one
+  token), one call per sampling setting and random generator: greedy rows together. In a static
+  batch (SpeculativeDecoder.generate_ids) the batch has one setting and one generator, so all its
+  sampled rows come in one call; under the batching engine (runtime/batching.py) each request has
+  its own generator, so each sampled row comes alone.
+- Order. In `begin`, `prompts` and `prefilled` (its logits and hidden rows) follow `rows`.
+- Rows come and go. Under the batching engine `begin` and `end` name single rows while others
+  run, and a row number that ended may begin again for a new request: keep state per row. `end`
+  comes once per row: in a static batch for every row together when the generation finishes or
+  is closed; under the batching engine row by row, as each request finishes or is cancelled.
+- The root. A context's last token is the target's own last sample: emitted, but not yet in
+  the target's KV cache (the verification step feeds it first, then the tree's nodes). The tree
+  drafts the tokens that follow it.
+- What a tree carries. A greedy row needs only point masses (`q` None): verification follows the
+  target's argmax and never reads q. A sampled row's node with a `q` must carry the distribution
+  it was really drawn from given its earlier siblings: a method that draws distinct siblings
+  without replacement gives the second sibling q with the first removed and renormalised, the
+  third q with both removed, and so on. Anything else makes the output another distribution than
+  the target's (tests/test_verification.py catches such a draft). Point masses are always exact.
+- The plan may cut. The loop keeps at most the row's planned number of nodes, the first ones in
+  node order (`DraftTree.truncate`), and `commit` gets the cut tree; its verdict indexes the cut
+  tree's nodes.
+- A method with a model of its own (draft_model.py) reads its backend's `config` as the runtime
+  reads the target's (runtime/backends/base.py lists the fields).
+
+Methods are looked up by name in `specrt.runtime.drafts.DRAFT_METHODS`.
 """
 
 from __future__ import annotations
