@@ -44,12 +44,12 @@ $(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
 	$(SPECRT) convert $(GGUF) --out $(MODEL_DIR)
 
 # the float32 engine, and the 4-bit engine computed from the GGUF's own blocks (the same model,
-# 1.5x faster plain decoding here; README, "Quantization")
+# 1.5x faster plain decoding here; docs/quantization.md)
 build-engines: setup model
 	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize gguf --gguf $(GGUF)
 
 # EAGLE-3, EAGLE-1, Medusa, MTP draft heads and a distilled draft model for the default model, trained here on the target's own answers
-# (self-distillation), exported and built: 51 min on 2 CPU cores (README, "Draft heads").
+# (self-distillation), exported and built: 51 min on 2 CPU cores (docs/drafts.md, "Draft heads").
 # Interrupted? Run it again: every step resumes where it stopped.
 drafts: build-engines
 	$(SPECRT) train-draft --method eagle3 --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \

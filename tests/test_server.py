@@ -286,15 +286,15 @@ def test_openai_defaults_and_ids_are_accepted(gen):
     assert r.status_code == 200, r.text
 
 
-def test_readme_lists_the_request_fields_the_server_follows():
-    """The README's table of request fields is the server's own (server/fields.field_table)."""
+def test_docs_list_the_request_fields_the_server_follows():
+    """docs/server.md's table of request fields is the server's own (server/fields.field_table)."""
     from pathlib import Path
 
     from specrt.server.fields import field_table
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
     head = "| field | endpoint | taken |"
-    assert head in text, "README: the table of OpenAI request fields is missing"
+    assert head in text, "docs/server.md: the table of OpenAI request fields is missing"
     rows = text[text.index(head) :].split("\n\n")[0].splitlines()[2:]
     got = [tuple(c.strip() for c in row.strip("|").split("|")) for row in rows]
     assert got == [(f"`{n}`", ep, what) for n, ep, what in field_table()]

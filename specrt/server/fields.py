@@ -1,5 +1,5 @@
 """Which fields of OpenAI's request bodies the server takes: the one table the parser and the
-README ("OpenAI request fields") follow.
+docs (docs/server.md, "OpenAI request fields") follow.
 
 - SUPPORTED: implemented; the parser checks each one's type and range.
 - ONLY: implemented at the values listed and refused at any other (`n` = 1, `logit_bias` {},
@@ -97,7 +97,7 @@ def refused_field(body: dict, chat: bool) -> tuple[str, str] | None:
         if ep not in eps:
             kind = "chat completion" if chat else "completion"
             return name, (
-                f"'{name}' is not a {kind} field this server implements; leave it out (the README lists the "
+                f"'{name}' is not a {kind} field this server implements; leave it out (docs/server.md lists the "
                 'fields taken, under "OpenAI request fields")'
             )
         if not accepts(value, body):
@@ -106,7 +106,7 @@ def refused_field(body: dict, chat: bool) -> tuple[str, str] | None:
 
 
 def field_table() -> list[tuple[str, str, str]]:
-    """(field, endpoints, what the server does with it) for every field it takes: the README's table."""
+    """(field, endpoints, what the server does with it) for every field it takes: docs/server.md's table."""
     where = {BOTH: "both", (CHAT,): "chat", (COMPLETIONS,): "completions"}
     rows = [(n, where[eps], "supported") for n, eps in SUPPORTED.items()]
     rows += [(n, where[eps], words) for n, (eps, _, words) in ONLY.items()]
