@@ -16,7 +16,6 @@ Prints a table (medians, after/before) and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -24,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +90,6 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import write_result_json
     from specrt.layout import ArtifactLayout
 
@@ -123,9 +123,7 @@ def main():
         print(f"{key:<40}{b:>9.2f}{a:>9.2f}{a / b:>14.3f}")
     result = {
         "benchmark": "ab",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()},
-        "versions": package_versions("onnxruntime", "numpy"),
+        **envelope("onnxruntime", "numpy"),
         "before": str(versions["before"]),
         "after": str(versions["after"]),
         "rounds": args.rounds,

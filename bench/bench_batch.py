@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness import envelope
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CLASSES = ("chat", "code_edit", "json")
@@ -77,29 +79,24 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import load_prompts, write_result_json
-    from specrt.layout import ArtifactLayout
     from specrt.runtime.batching import BatchEngine
-    from specrt.runtime.drafts import make_proposer
-    from specrt.runtime.generator import Generator
-    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+    from specrt.runtime.runner import RunnerSpec, open_generator, open_runner
 
-    gen = Generator.from_engine(ArtifactLayout(args.artifacts).ort_engine("cpu"))
+    gen = open_generator(RunnerSpec(artifacts=args.artifacts))
     prompts = [gen.encode_prompt(p["prompt"]) for p in load_prompts(args.prompts) if p["class"] in CLASSES]
     alone = {tuple(p): gen.generate_ids([p], args.max_tokens)[0].token_ids for p in prompts}
     clients = [int(c) for c in args.clients.split(",")]
 
-    def proposer():
-        options = {}
-        if args.drafts is not None:
-            options = {"draft_dir": args.drafts / args.draft, "target": gen.session.caps}
-        return make_proposer(args.draft, **options)
+    def runner(num_draft):  # a fresh draft each time, over the one generator loaded above
+        draft_dir = None if args.drafts is None else args.drafts / args.draft
+        spec = RunnerSpec(artifacts=args.artifacts, draft=args.draft, num_draft=num_draft, draft_dir=draft_dir)
+        return open_runner(spec, generator=gen)[1]
 
     modes = {
         "plain": lambda: gen,
-        f"{args.draft} N={args.fixed_n}": lambda: SpeculativeDecoder(gen, proposer(), make_policy(args.fixed_n)),
-        f"{args.draft} auto": lambda: SpeculativeDecoder(gen, proposer(), make_policy("auto")),
+        f"{args.draft} N={args.fixed_n}": lambda: runner(args.fixed_n),
+        f"{args.draft} auto": lambda: runner("auto"),
     }
     runs = {m: {c: [] for c in clients} for m in modes}
     same = {m: [0, 0] for m in modes}
@@ -142,9 +139,7 @@ def main():
 
     result = {
         "benchmark": "batching",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model()},
-        "versions": package_versions("onnxruntime"),
+        **envelope("onnxruntime"),
         "engine": gen.backend.description,
         "settings": {
             "draft": args.draft,

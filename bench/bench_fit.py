@@ -23,12 +23,13 @@ versions, machine) to bench/results/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from harness import envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -67,7 +68,6 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import write_result_json
     from specrt.engines.build import BuildSpec, build_all
     from specrt.layout import ArtifactLayout
@@ -106,9 +106,7 @@ def main():
         print(f"{s:<9}{r['perplexity']:>9}{r['top1_agreement']:>13.3f}{r['mean_kl']:>13.4f}")
     result = {
         "benchmark": "fitted-int4-off-grid",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model()},
-        "versions": package_versions("onnxruntime", "onnx", "numpy", "torch"),
+        **envelope("onnxruntime", "onnx", "numpy", "torch"),
         "model": str(args.model),
         "jitter": {"seed": args.seed, "law": "uniform within each weight's block step (Q4_1 layers, Q8_0 head)"},
         "held_out_tokens": measured["float32"]["positions"],

@@ -13,13 +13,14 @@ produce the same greedy tokens. Prints a table and writes JSON to bench/results/
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from harness import envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,7 +58,6 @@ def main():
 
     import numpy as np
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import write_result_json
     from specrt.layout import ArtifactLayout
     from specrt.runtime.generator import Generator
@@ -130,9 +130,7 @@ def main():
         )
     print(f"greedy tokens equal: {same}")
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model()},
-        "versions": package_versions("onnxruntime", "onnx", "torch", "numpy"),
+        **envelope("onnxruntime", "onnx", "torch", "numpy"),
         "repeats": args.repeats,
         "rows": rows,
         "greedy_equal": same,

@@ -24,7 +24,6 @@ Table on stdout, JSON in bench/results/fused-<date>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import subprocess
@@ -34,11 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.artifacts import cpu_model, package_versions
 from specrt.benchmark import write_result_json
 from specrt.engines.build import BuildSpec, build_all
 from specrt.layout import ArtifactLayout
 from specrt.runtime.generator import Generator
+
+from harness import envelope
 
 PASTS, POSITIONS = (64, 512, 1024), (1, 2, 4, 8, 16)
 
@@ -175,9 +175,7 @@ def main() -> None:
     med = statistics.median
     same = {n: sum(a == b for a, b in zip(outputs[n], outputs["fp32 portable"])) for n in gens}
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model(), "threads": "ORT default (one per physical core)"},
-        "versions": package_versions("onnxruntime", "onnx", "torch"),
+        **envelope("onnxruntime", "onnx", "torch", threads="ORT default (one per physical core)"),
         "settings": {"new_tokens": args.new_tokens, "repeats": args.repeats, "prompts": len(encoded)},
         "nodes": nodes,
         "memory_load_mib": memory,

@@ -20,11 +20,12 @@ KL divergence of the next-token distribution from float32's. Prints a table and 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from harness import envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -78,7 +79,6 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import write_result_json
     from specrt.layout import ArtifactLayout
     from specrt.report import held_out_texts, quality
@@ -115,9 +115,7 @@ def main():
         print(f"{s:<24}{r['perplexity']:>9}{r['top1_agreement']:>13.4f}{r['mean_kl']:>13.5f}")
     result = {
         "benchmark": "16-bit-graphs",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model()},
-        "versions": package_versions("onnxruntime", "onnx", "numpy", "torch"),
+        **envelope("onnxruntime", "onnx", "numpy", "torch"),
         "model": str(args.model),
         "held_out_tokens": measured["float32"]["positions"],
         "graphs": table,

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from harness import envelope
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -61,7 +63,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import write_result_json
     from specrt.export.draft_head import feature_columns, load_head
     from specrt.layout import ArtifactLayout, HeadLayout, TrainingDataLayout
@@ -91,14 +92,10 @@ def main() -> None:
         print(f"{name:<44} acceptance per draft step {acc}  chain length {1 + float(np.cumprod(acc).sum()):.2f}")
         for kind, a in by_class.items():
             print(f"  {kind:<42} acceptance per draft step {a}  chain length {1 + float(np.cumprod(a).sum()):.2f}")
-    import datetime
-    import os
     import platform
 
     result |= {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform()},
-        "versions": package_versions("onnxruntime", "torch"),
+        **envelope("onnxruntime", "torch", platform=platform.platform()),
     }
     print(f"wrote {write_result_json(result, args.out, f'head-shift-{head.hc.method}')}")
 

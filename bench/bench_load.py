@@ -22,49 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from harness import envelope, running_server
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CLASSES = ("chat", "code_edit", "json")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int, log: Path) -> subprocess.Popen:
-    """`specrt serve` on `port`, its output in `log`; returns once GET /health answers."""
-    import urllib.request
-
-    cmd = [str(ROOT / ".venv" / "bin" / "specrt"), "serve", "--artifacts", str(args.artifacts), "--port", str(port)]
-    cmd += ["--served-model-name", "specrt", "--max-queue", str(args.max_queue), "--max-batch", str(args.max_batch)]
-    if args.draft != "none":
-        cmd += ["--draft", args.draft]
-    cmd += args.serve_args.split()
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server stopped before serving; its output is in {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"the server did not answer within 300 s; its output is in {log}")
 
 
 def pct(values, q):
@@ -160,18 +129,17 @@ def main():
     ap.add_argument("--name", default="load", help="the result file's name: NAME-DATE.json")
     args = ap.parse_args()
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import load_prompts, write_result_json
 
     prompts = [p["prompt"] for p in load_prompts(args.prompts) if p["class"] in CLASSES]
     rates = [float(r) for r in args.rates.split(",")]
-    port = free_port()
     import tempfile
 
     log = Path(tempfile.mkdtemp(prefix="specrt-load-")) / "server.log"
-    server = start_server(args, port, log)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
+    options = ["--served-model-name", "specrt", "--max-queue", str(args.max_queue), "--max-batch", str(args.max_batch)]
+    options += (["--draft", args.draft] if args.draft != "none" else []) + args.serve_args.split()
+    with running_server(args.artifacts, options, log, wait_s=300) as root:
+        base = f"{root}/v1"
         # the reference: every prompt alone (greedy), non-streamed
         alone = {}
         for p in prompts:
@@ -185,9 +153,6 @@ def main():
             wall = time.perf_counter() - t0
             results[rate] = summarise(recs, alone, wall)
             print(f"rate {rate}/s: {json.dumps(results[rate])}", flush=True)
-    finally:
-        server.terminate()
-        server.wait(30)
     print(f"\n{'rate/s':>7}{'reqs':>6}{'ok':>5}{'busy':>6}{'left':>6}{'err':>5}{'tok/s':>8}"
           f"{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'= alone':>9}")  # fmt: skip
     for rate, r in results.items():
@@ -199,9 +164,7 @@ def main():
         )
     result = {
         "benchmark": "load",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model()},
-        "versions": package_versions("onnxruntime", "openai", "fastapi", "uvicorn"),
+        **envelope("onnxruntime", "openai", "fastapi", "uvicorn"),
         "server": {
             "artifacts": str(args.artifacts),
             "draft": args.draft,

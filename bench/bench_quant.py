@@ -24,7 +24,6 @@ writes JSON (date, versions, machine) to bench/results/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from harness import envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -73,7 +74,6 @@ def main():
     )
     args = ap.parse_args()
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import load_prompts, write_result_json
     from specrt.calibration.calibrated import quantize_gptq, quantize_hqq
     from specrt.calibration.gguf_blocks import quantize_from_gguf
@@ -210,9 +210,7 @@ def main():
     print("fastest speculative variant per class: " + ", ".join(f"{c}: {n}" for c, n in best.items()))
     result = {
         "benchmark": "weight-only-quantization",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model()},
-        "versions": package_versions("onnxruntime", "onnx", "numpy"),
+        **envelope("onnxruntime", "onnx", "numpy"),
         "artifacts": str(args.artifacts),
         "prompts": str(args.prompts),
         "max_new_tokens": args.tokens,

@@ -14,49 +14,15 @@ servers returned the same text. Prints a table and writes JSON to bench/results/
 from __future__ import annotations
 
 import argparse
-import datetime
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from harness import envelope, running_server
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(artifacts: Path, draft: str, port: int) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "specrt.cli",
-        "serve",
-        "--artifacts",
-        str(artifacts),
-        "--port",
-        str(port),
-        "--draft",
-        draft,
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    import httpx
-
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read()[-2000:]}")
-    raise SystemExit("server did not come up in 60 s")
 
 
 def main():
@@ -70,7 +36,6 @@ def main():
 
     import httpx
 
-    from specrt.artifacts import cpu_model, package_versions
     from specrt.benchmark import load_prompts, write_result_json
 
     prompts = load_prompts(args.prompts)
@@ -80,10 +45,8 @@ def main():
         for _ in range(args.repeats):
             # a fresh server per repeat: the suffix draft remembers earlier answers across
             # requests, so asking the same prompt again would measure that memory instead
-            port = free_port()
-            proc = start(args.artifacts, draft, port)
-            url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            try:
+            with running_server(args.artifacts, ["--draft", draft]) as base:
+                url = f"{base}/v1/chat/completions"
                 for i, p in enumerate(prompts):
                     req = {
                         "messages": [{"role": "user", "content": p["prompt"]}],
@@ -110,9 +73,6 @@ def main():
                                 break
                         for _ in lines:  # read the stream to its end before the next request
                             pass
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
         rows[draft] = {
             "ttft_ms": round(statistics.median(r["ttft_ms"]), 1),
             "tokens_per_second": round(statistics.median(r["tok_s"]), 1),
@@ -131,9 +91,7 @@ def main():
     print(f"speculative answers equal to plain: {same}/{len(texts['none'])}")
     result = {
         "benchmark": "server",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model()},
-        "versions": package_versions("onnxruntime", "fastapi", "uvicorn", "httpx"),
+        **envelope("onnxruntime", "fastapi", "uvicorn", "httpx"),
         "max_tokens": args.tokens,
         "repeats": args.repeats,
         "servers": rows,

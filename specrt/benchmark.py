@@ -335,10 +335,12 @@ def plot_sweep(result: dict, path: Path) -> Path | None:
 
 def write_result_json(result: dict, out_dir: str | Path, name: str) -> Path:
     """Write a benchmark's result as `<out_dir>/<name>-<date>.json` (the bench scripts share this)."""
+    from specrt.artifacts import atomic_write_text
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")  # a killed run leaves the last result whole
     return path
 
 

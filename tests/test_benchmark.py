@@ -56,3 +56,25 @@ def test_bad_prompt_file(tmp_path):
         load_prompts(p)
     with pytest.raises(SpecrtError, match="not found"):
         load_prompts(tmp_path / "none.jsonl")
+
+
+def test_the_bench_harness_serves_and_stops(tiny_artifacts, tmp_path):
+    """bench/harness.py: the envelope every result starts with, and a server that answers
+    /health before the script measures it and is gone after."""
+    import json
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    pytest.importorskip("fastapi", reason="fastapi is not installed (the server extra)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from harness import envelope, running_server
+
+    env = envelope("numpy", threads=2)
+    assert set(env) == {"date", "machine", "versions"} and env["machine"]["threads"] == 2
+    assert "numpy" in env["versions"]
+    with running_server(tiny_artifacts, ["--max-batch", "2"], log=tmp_path / "server.log") as base:
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
+            assert json.load(r)["data"][0]["object"] == "model"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{base}/health", timeout=2)

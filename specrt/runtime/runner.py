@@ -50,12 +50,13 @@ class RunnerSpec:
     given: tuple[str, ...] = ()
 
 
-def open_runner(spec: RunnerSpec) -> tuple[Generator, object]:
+def open_runner(spec: RunnerSpec, generator: Generator | None = None) -> tuple[Generator, object]:
     """(generator, runner): the generator on the chosen backend and engine, and the runner: the
     generator itself, or a SpeculativeDecoder over it with the chosen draft (its
-    `exactness_warning` says when its output is not exactly the target's)."""
+    `exactness_warning` says when its output is not exactly the target's). `generator`: one
+    already open for this spec (a benchmark comparing drafts loads the engine once)."""
     check_options(spec)
-    gen = open_generator(spec)
+    gen = generator or open_generator(spec)
     if spec.draft == "none":
         return gen, gen
     with warnings.catch_warnings():
