@@ -102,7 +102,7 @@ def test_registry():
     from specrt.cli import DRAFT_CHOICES
 
     assert set(DRAFT_METHODS) >= {"ngram", "suffix", "lookahead"}
-    assert DRAFT_CHOICES == ["none", *DRAFT_METHODS]  # the CLI's spelled-out list is the registry's
+    assert DRAFT_CHOICES == ["none", *DRAFT_METHODS]  # the CLI offers what the registry holds
     assert make_proposer("ngram", n_max=3).n_max == 3
     with pytest.raises(SpecrtError, match="unknown draft method 'medusa2'; choose one of ngram, suffix"):
         make_proposer("medusa2")

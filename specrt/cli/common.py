@@ -11,6 +11,7 @@ import click
 
 from specrt.calibration import QUANT_SCHEMES as RECIPES
 from specrt.errors import SpecrtError, UsageError
+from specrt.runtime.drafts import DRAFT_METHODS
 from specrt.server.limits import ServerLimits
 
 SERVER = ServerLimits()  # the server's defaults, shown in serve --help
@@ -75,9 +76,7 @@ def main():
 
 
 QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibration)
-# --draft: specrt.runtime.drafts.DRAFT_METHODS, spelled out because importing the drafts costs ~1 s
-# that --help should not pay (a test keeps the two equal)
-DRAFT_CHOICES = ["none", "ngram", "suffix", "lookahead", "eagle", "eagle3", "mtp", "hybrid", "medusa", "draft-model"]
+DRAFT_CHOICES = ["none", *DRAFT_METHODS]  # --draft: the registry's (importing it loads no torch)
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 

@@ -26,9 +26,15 @@ from specrt.engines.ort import OrtOptions, check_built_here, open_optimized, opt
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range, triple
 from specrt.engines.trt import TrtBuildSpec, build_serialized
 from specrt.errors import ManifestMismatchError
-from specrt.export.draft_head import HEAD_INPUTS
-from specrt.export.head_graph import D2T_FILE, HEAD_FILE, read_draft_to_target, read_head_manifest
-from specrt.export.medusa import MEDUSA, MEDUSA_INPUTS
+from specrt.export.head_io import (
+    D2T_FILE,
+    HEAD_FILE,
+    HEAD_INPUTS,
+    MEDUSA,
+    MEDUSA_INPUTS,
+    read_draft_to_target,
+    read_head_manifest,
+)
 
 HEAD_ENGINE_KIND = "ort-draft-head"
 OPT_FILE, OPT_DATA = "head.opt.onnx", "head.opt.onnx.data"

@@ -28,7 +28,7 @@ from specrt.artifacts import (
 )
 from specrt.engines.profiles import EngineShapes
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
-from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+from specrt.export.graph_files import ONNX_FILE, read_onnx_manifest
 from specrt.export.step_io import LOGITS, STEP_INPUTS, StepIO, attention_mask
 
 ENGINE_KIND = "ort-engine"

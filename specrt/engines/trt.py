@@ -31,7 +31,7 @@ from specrt.artifacts import (
 )
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
-from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+from specrt.export.graph_files import ONNX_FILE, read_onnx_manifest
 
 TRT_KIND = "trt-engine"
 ENGINE_FILE = "model.engine"

@@ -41,68 +41,19 @@ from torch import nn
 from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
-from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
-
-METHODS = ("eagle", "eagle3", "mtp")
-FULL_VOCAB_METHODS = ("eagle", "mtp")  # read the final normed state, project through the target's head
-
-# the head's step graph I/O, in order (the one definition; the proposer and the exporter read it)
-HEAD_INPUTS = (
-    "input_ids",  # [B, Q] int64: t[j+1]
-    "features",  # [B, Q, F] float32: the target's features at j (ignored where from_draft)
-    "draft_hidden",  # [B, Q, C] float32: the head's own hidden state at j - 1 (used where from_draft)
-    "from_draft",  # [B, Q] bool: take draft_hidden instead of features
-    "position_ids",  # [B, Q] int64: j
-    "attention_mask",  # [B, Q, P+Q] bool
-    "past_key",  # [B, Hkv, P, D] float32
-    "past_value",
+from specrt.export.head_io import (
+    CONFIG_FILE,  # noqa: F401
+    FULL_VOCAB_METHODS,  # noqa: F401
+    HEAD_DYNAMIC_AXES,  # noqa: F401
+    HEAD_INPUTS,  # noqa: F401
+    HEAD_OUTPUTS,  # noqa: F401
+    METHODS,  # noqa: F401
+    WEIGHTS_FILE,  # noqa: F401
+    default_target_layers,  # noqa: F401
+    eagle3_layers,  # noqa: F401
+    feature_columns,  # noqa: F401
 )
-HEAD_OUTPUTS = ("logits", "hidden", "present_key", "present_value")  # [B,Q,Vd], [B,Q,C], [B,Hkv,Q,D] x2
-HEAD_DYNAMIC_AXES = {
-    "input_ids": {0: "batch", 1: "q"},
-    "features": {0: "batch", 1: "q"},
-    "draft_hidden": {0: "batch", 1: "q"},
-    "from_draft": {0: "batch", 1: "q"},
-    "position_ids": {0: "batch", 1: "q"},
-    "attention_mask": {0: "batch", 1: "q", 2: "kv"},
-    "past_key": {0: "batch", 2: "past"},
-    "past_value": {0: "batch", 2: "past"},
-    "logits": {0: "batch", 1: "q"},
-    "hidden": {0: "batch", 1: "q"},
-    "present_key": {0: "batch", 2: "q"},
-    "present_value": {0: "batch", 2: "q"},
-}
-WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
-
-
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low, middle and high feature layers of a target with `num_layers` layers
-    (2, L/2, L-3; a model of under 6 layers: 0, L/2, L-1)."""
-    if num_layers >= 6:
-        return (2, num_layers // 2, num_layers - 3)
-    return (0, num_layers // 2, num_layers - 1)
-
-
-def feature_columns(target_layers, head_layers, hidden_size: int) -> list[int]:
-    """Columns of the target's `hidden_states` (layers `target_layers`, `hidden_size` wide each)
-    that hold a head's features (layers `head_layers`, in its order); refuses a target that
-    lacks one of them."""
-    target_layers = list(target_layers)
-    missing = [layer for layer in head_layers if layer not in target_layers]
-    if missing:
-        layers = ",".join(str(x) for x in dict.fromkeys([*target_layers, *head_layers]))
-        raise SpecrtError(
-            f"the target's step graph returns the features of layers {target_layers}, the head reads "
-            f"{list(head_layers)} (missing {missing}); re-export the target with: specrt export --hidden-layers "
-            f"{layers} (or build-engines, whose default export returns every head's layers)"
-        )
-    return [target_layers.index(layer) * hidden_size + i for layer in head_layers for i in range(hidden_size)]
-
-
-def default_target_layers(num_layers: int) -> tuple[int, ...]:
-    """What the target's step graph returns by default: every head's layers (EAGLE-3's three,
-    then -1, the final normed state, for EAGLE-1), so one export serves both heads."""
-    return (*dict.fromkeys(eagle3_layers(num_layers)), -1)
+from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,30 +24,26 @@ import torch
 
 from specrt.artifacts import (
     ArtifactError,
-    ManifestMismatchError,
     atomic_dir,
-    check_files,
     file_sha256,
     package_versions,
-    read_manifest,
     write_manifest,
 )
 from specrt.export.checkpoint import checkpoint_hash
-from specrt.export.config import config_from_manifest
-from specrt.export.draft_head import HEAD_INPUTS, HEAD_OUTPUTS, load_head
+from specrt.export.draft_head import load_head
+from specrt.export.head_io import (
+    D2T_FILE,  # noqa: F401
+    HEAD_DATA,  # noqa: F401
+    HEAD_FILE,  # noqa: F401
+    HEAD_KIND,  # noqa: F401
+    HOW_TO_MAKE,  # noqa: F401
+    MANIFEST_FIELDS,  # noqa: F401
+    check_head_target,  # noqa: F401
+    head_io,  # noqa: F401
+    read_draft_to_target,  # noqa: F401
+    read_head_manifest,  # noqa: F401
+)
 from specrt.export.step_graph import save_graph
-
-HEAD_KIND = "onnx-draft-head"
-HEAD_FILE, HEAD_DATA, D2T_FILE = "head.onnx", "head.onnx.data", "draft_to_target.npy"
-HOW_TO_MAKE = "specrt train-draft --method eagle3 --model CHECKPOINT --out DIR"
-MANIFEST_FIELDS = {"head": dict, "target": dict, "inputs": list, "outputs": list}
-
-
-def head_io(method: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(inputs, outputs) of a head family's graph: the one definition the manifest is checked against."""
-    from specrt.export.medusa import MEDUSA, MEDUSA_INPUTS, MEDUSA_OUTPUTS
-
-    return (MEDUSA_INPUTS, MEDUSA_OUTPUTS) if method == MEDUSA else (HEAD_INPUTS, HEAD_OUTPUTS)
 
 
 def export_head(
@@ -137,46 +133,6 @@ class _Graph(torch.nn.Module):
 
     def forward(self, *inputs):
         return self.head(*inputs)
-
-
-def read_head_manifest(onnx_dir: str | Path, verify: str = "auto") -> dict:
-    """The head export's manifest, its files checked (verify as in specrt.artifacts.check_files)."""
-    m = read_manifest(onnx_dir, HEAD_KIND, HOW_TO_MAKE, MANIFEST_FIELDS)
-    config_from_manifest(m, onnx_dir, HOW_TO_MAKE)
-    inputs, outputs = head_io(m["head"]["method"])
-    if list(m["inputs"]) != list(inputs) or list(m["outputs"]) != list(outputs):
-        raise ArtifactError(f"{onnx_dir} holds a head graph of another I/O version; re-export it with: {HOW_TO_MAKE}")
-    check_files(onnx_dir, m, (HEAD_FILE, HEAD_DATA, D2T_FILE), HOW_TO_MAKE, verify)
-    return m
-
-
-def read_draft_to_target(onnx_dir: str | Path, manifest: dict) -> np.ndarray:
-    d2t = np.load(Path(onnx_dir) / D2T_FILE)
-    V, n = manifest["config"]["vocab_size"], manifest["head"]["draft_vocab"]
-    if d2t.shape != (n,) or d2t.min() < 0 or d2t.max() >= V or len(np.unique(d2t)) != n:
-        raise ArtifactError(f"{onnx_dir}/{D2T_FILE} is not a map of {n} distinct target ids; re-export the head")
-    return d2t.astype(np.int64)
-
-
-def check_head_target(manifest: dict, checkpoint_hash: str | None, precision: str, where: str) -> None:
-    """Refuse a head trained against another target, or against another precision of it."""
-    t = manifest["target"]
-    fix = (
-        "train a head for this target with: specrt train-draft --method "
-        f"{manifest['head']['method']} --model CHECKPOINT --out DIR"
-    )
-    if checkpoint_hash is not None and t["checkpoint_hash"] != checkpoint_hash:
-        raise ManifestMismatchError(
-            f"draft head {where} was trained for the target checkpoint {t['checkpoint_hash'][:19]}..., but the target "
-            f"here is {checkpoint_hash[:19]}...; a head reads its own target's hidden states. Use that target's "
-            f"engines, or {fix}"
-        )
-    if t["precision"] != precision:
-        raise ManifestMismatchError(
-            f"draft head {where} was trained against the target in {t['precision']}, but the target engine here runs "
-            f"{precision}; its hidden states differ and acceptance collapses. Use a {t['precision']} engine of the "
-            f"target, or {fix} (with --precision {precision})"
-        )
 
 
 __all__ = ["check_head_target", "export_head", "read_draft_to_target", "read_head_manifest"]

@@ -263,7 +263,7 @@ class Generator:
 
         manifest = read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
-        from specrt.export.step_graph import source_onnx_files
+        from specrt.export.graph_files import source_onnx_files
 
         backend = TrtBackend(
             engine_dir,

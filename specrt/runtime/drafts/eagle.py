@@ -29,8 +29,7 @@ import numpy as np
 from specrt.engines.head import load_head_engine
 from specrt.engines.ort import OrtOptions
 from specrt.errors import SpecrtError
-from specrt.export.draft_head import HEAD_INPUTS, feature_columns
-from specrt.export.head_graph import check_head_target
+from specrt.export.head_io import HEAD_INPUTS, check_head_target, feature_columns
 from specrt.layout import HeadLayout
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.drafts.dynamic_tree import TreeBuilder

@@ -23,9 +23,7 @@ import numpy as np
 from specrt.engines.head import load_head_engine
 from specrt.engines.ort import OrtOptions
 from specrt.errors import SpecrtError
-from specrt.export.draft_head import feature_columns
-from specrt.export.head_graph import check_head_target
-from specrt.export.medusa import MEDUSA, MEDUSA_INPUTS, check_tree, default_tree
+from specrt.export.head_io import MEDUSA, MEDUSA_INPUTS, check_head_target, check_tree, default_tree, feature_columns
 from specrt.layout import HeadLayout
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.verification import DraftTree

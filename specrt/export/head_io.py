@@ -1,0 +1,192 @@
+"""The draft heads' I/O and files, without torch: the one definition of each head family's graph
+I/O, its files and the manifest's reader and checks, what the runtime's proposers and the
+engines read of a head (the exporters in draft_head.py, head_graph.py and medusa.py import these).
+Importing the runtime's drafts therefore never loads torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from pathlib import Path
+
+import numpy as np
+
+from specrt.artifacts import ArtifactError, ManifestMismatchError, check_files, read_manifest
+from specrt.errors import SpecrtError
+from specrt.export.config import config_from_manifest
+
+METHODS = ("eagle", "eagle3", "mtp")
+FULL_VOCAB_METHODS = ("eagle", "mtp")  # read the final normed state, project through the target's head
+
+# the head's step graph I/O, in order (the one definition; the proposer and the exporter read it)
+HEAD_INPUTS = (
+    "input_ids",  # [B, Q] int64: t[j+1]
+    "features",  # [B, Q, F] float32: the target's features at j (ignored where from_draft)
+    "draft_hidden",  # [B, Q, C] float32: the head's own hidden state at j - 1 (used where from_draft)
+    "from_draft",  # [B, Q] bool: take draft_hidden instead of features
+    "position_ids",  # [B, Q] int64: j
+    "attention_mask",  # [B, Q, P+Q] bool
+    "past_key",  # [B, Hkv, P, D] float32
+    "past_value",
+)
+HEAD_OUTPUTS = ("logits", "hidden", "present_key", "present_value")  # [B,Q,Vd], [B,Q,C], [B,Hkv,Q,D] x2
+HEAD_DYNAMIC_AXES = {
+    "input_ids": {0: "batch", 1: "q"},
+    "features": {0: "batch", 1: "q"},
+    "draft_hidden": {0: "batch", 1: "q"},
+    "from_draft": {0: "batch", 1: "q"},
+    "position_ids": {0: "batch", 1: "q"},
+    "attention_mask": {0: "batch", 1: "q", 2: "kv"},
+    "past_key": {0: "batch", 2: "past"},
+    "past_value": {0: "batch", 2: "past"},
+    "logits": {0: "batch", 1: "q"},
+    "hidden": {0: "batch", 1: "q"},
+    "present_key": {0: "batch", 2: "q"},
+    "present_value": {0: "batch", 2: "q"},
+}
+WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high feature layers of a target with `num_layers` layers
+    (2, L/2, L-3; a model of under 6 layers: 0, L/2, L-1)."""
+    if num_layers >= 6:
+        return (2, num_layers // 2, num_layers - 3)
+    return (0, num_layers // 2, num_layers - 1)
+
+
+def feature_columns(target_layers, head_layers, hidden_size: int) -> list[int]:
+    """Columns of the target's `hidden_states` (layers `target_layers`, `hidden_size` wide each)
+    that hold a head's features (layers `head_layers`, in its order); refuses a target that
+    lacks one of them."""
+    target_layers = list(target_layers)
+    missing = [layer for layer in head_layers if layer not in target_layers]
+    if missing:
+        layers = ",".join(str(x) for x in dict.fromkeys([*target_layers, *head_layers]))
+        raise SpecrtError(
+            f"the target's step graph returns the features of layers {target_layers}, the head reads "
+            f"{list(head_layers)} (missing {missing}); re-export the target with: specrt export --hidden-layers "
+            f"{layers} (or build-engines, whose default export returns every head's layers)"
+        )
+    return [target_layers.index(layer) * hidden_size + i for layer in head_layers for i in range(hidden_size)]
+
+
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """What the target's step graph returns by default: every head's layers (EAGLE-3's three,
+    then -1, the final normed state, for EAGLE-1), so one export serves both heads."""
+    return (*dict.fromkeys(eagle3_layers(num_layers)), -1)
+
+
+HEAD_KIND = "onnx-draft-head"
+HEAD_FILE, HEAD_DATA, D2T_FILE = "head.onnx", "head.onnx.data", "draft_to_target.npy"
+HOW_TO_MAKE = "specrt train-draft --method eagle3 --model CHECKPOINT --out DIR"
+MANIFEST_FIELDS = {"head": dict, "target": dict, "inputs": list, "outputs": list}
+
+
+def head_io(method: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(inputs, outputs) of a head family's graph: the one definition the manifest is checked against."""
+    return (MEDUSA_INPUTS, MEDUSA_OUTPUTS) if method == MEDUSA else (HEAD_INPUTS, HEAD_OUTPUTS)
+
+
+def read_head_manifest(onnx_dir: str | Path, verify: str = "auto") -> dict:
+    """The head export's manifest, its files checked (verify as in specrt.artifacts.check_files)."""
+    m = read_manifest(onnx_dir, HEAD_KIND, HOW_TO_MAKE, MANIFEST_FIELDS)
+    config_from_manifest(m, onnx_dir, HOW_TO_MAKE)
+    inputs, outputs = head_io(m["head"]["method"])
+    if list(m["inputs"]) != list(inputs) or list(m["outputs"]) != list(outputs):
+        raise ArtifactError(f"{onnx_dir} holds a head graph of another I/O version; re-export it with: {HOW_TO_MAKE}")
+    check_files(onnx_dir, m, (HEAD_FILE, HEAD_DATA, D2T_FILE), HOW_TO_MAKE, verify)
+    return m
+
+
+def read_draft_to_target(onnx_dir: str | Path, manifest: dict) -> np.ndarray:
+    d2t = np.load(Path(onnx_dir) / D2T_FILE)
+    V, n = manifest["config"]["vocab_size"], manifest["head"]["draft_vocab"]
+    if d2t.shape != (n,) or d2t.min() < 0 or d2t.max() >= V or len(np.unique(d2t)) != n:
+        raise ArtifactError(f"{onnx_dir}/{D2T_FILE} is not a map of {n} distinct target ids; re-export the head")
+    return d2t.astype(np.int64)
+
+
+def check_head_target(manifest: dict, checkpoint_hash: str | None, precision: str, where: str) -> None:
+    """Refuse a head trained against another target, or against another precision of it."""
+    t = manifest["target"]
+    fix = (
+        "train a head for this target with: specrt train-draft --method "
+        f"{manifest['head']['method']} --model CHECKPOINT --out DIR"
+    )
+    if checkpoint_hash is not None and t["checkpoint_hash"] != checkpoint_hash:
+        raise ManifestMismatchError(
+            f"draft head {where} was trained for the target checkpoint {t['checkpoint_hash'][:19]}..., but the target "
+            f"here is {checkpoint_hash[:19]}...; a head reads its own target's hidden states. Use that target's "
+            f"engines, or {fix}"
+        )
+    if t["precision"] != precision:
+        raise ManifestMismatchError(
+            f"draft head {where} was trained against the target in {t['precision']}, but the target engine here runs "
+            f"{precision}; its hidden states differ and acceptance collapses. Use a {t['precision']} engine of the "
+            f"target, or {fix} (with --precision {precision})"
+        )
+
+
+MEDUSA = "medusa"
+MEDUSA_INPUTS = ("features",)  # [B, C] float32: the target's final normed state at the root's parent
+MEDUSA_OUTPUTS = ("topk_logprobs", "topk_ids")  # [B, K, k] float32, [B, K, k] int64 (target ids)
+MEDUSA_DYNAMIC_AXES = {"features": {0: "batch"}, "topk_logprobs": {0: "batch"}, "topk_ids": {0: "batch"}}
+
+# rank accuracies assumed for the default tree (plain data, not measured here): rank r of head
+# d + 1 is right this often, about what Medusa's paper reports for its 7B heads (head 1 top-1 ~0.6,
+# falling by head); a trained head's own measured accuracies replace them (training.json "tree")
+DEFAULT_RANK_ACCURACY = (
+    (0.55, 0.12, 0.05, 0.03, 0.02, 0.01),
+    (0.35, 0.10, 0.05, 0.03, 0.02, 0.01),
+    (0.25, 0.08, 0.04, 0.02, 0.01, 0.01),
+    (0.20, 0.07, 0.03, 0.02, 0.01, 0.01),
+)
+DEFAULT_TREE_SIZE = 24
+
+
+def derive_tree(rank_accuracy, budget: int) -> tuple[tuple[int, ...], ...]:
+    """The `budget` most valuable paths, best first, from rank_accuracy[d][r]: the share of
+    positions where head d + 1's rank-r candidate is the right token. A path's value is the
+    product of its ranks' accuracies (the chance the whole path is accepted, heads taken as
+    independent); a path is only offered once its parent is taken, so the result is a tree
+    whose every prefix (any truncation) is a tree too."""
+    depth = len(rank_accuracy)
+    heap = [(-float(rank_accuracy[0][r]), (r,)) for r in range(len(rank_accuracy[0]))]
+    heapq.heapify(heap)
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < budget:
+        neg, path = heapq.heappop(heap)
+        if -neg <= 0:
+            break
+        out.append(path)
+        if len(path) < depth:
+            for r in range(len(rank_accuracy[len(path)])):
+                heapq.heappush(heap, (neg * float(rank_accuracy[len(path)][r]), (*path, r)))
+    return tuple(out)
+
+
+def check_tree(tree, num_heads: int, top_k: int) -> tuple[tuple[int, ...], ...]:
+    """The tree as tuples, refused unless every path fits the heads and comes after its parent."""
+    tree = tuple(tuple(int(r) for r in p) for p in tree)
+    seen: set[tuple[int, ...]] = set()
+    for p in tree:
+        if not p or len(p) > num_heads or min(p) < 0 or max(p) >= top_k:
+            raise SpecrtError(f"Medusa tree path {list(p)} does not fit {num_heads} heads of {top_k} candidates")
+        if len(p) > 1 and p[:-1] not in seen:
+            raise SpecrtError(f"Medusa tree path {list(p)} comes before its parent {list(p[:-1])}")
+        if p in seen:
+            raise SpecrtError(f"Medusa tree path {list(p)} appears twice")
+        seen.add(p)
+    return tree
+
+
+def default_tree(num_heads: int = 4, top_k: int = 8) -> tuple[tuple[int, ...], ...]:
+    """The tree for heads whose own accuracies are unknown: derive_tree of the assumed ones
+    (DEFAULT_RANK_ACCURACY; heads past the fourth assumed as good as the fourth)."""
+    rows = [DEFAULT_RANK_ACCURACY[min(d, len(DEFAULT_RANK_ACCURACY) - 1)][:top_k] for d in range(num_heads)]
+    return derive_tree(rows, DEFAULT_TREE_SIZE)
+
+
+# the tree of choices for K = 4 heads of 8 candidates, best first
+DEFAULT_TREE = default_tree()
