@@ -108,3 +108,18 @@ def test_registry():
         make_proposer("medusa2")
     with pytest.raises(SpecrtError, match="bad options for draft method 'ngram'"):
         make_proposer("ngram", window=3)
+
+
+def test_a_registry_entry_is_what_the_option_checks_read(monkeypatch):
+    """The runner's checks come from the entry (needs a draft dir, takes a tree), not from lists
+    of names elsewhere: a toy method registered here is checked like the built-in ones."""
+    from specrt.errors import UsageError
+    from specrt.runtime import drafts, runner
+    from specrt.runtime.drafts import DraftMethod
+
+    entry = DraftMethod(lambda **kw: None, "a toy", needs_draft_dir=True)
+    monkeypatch.setitem(drafts.DRAFT_METHODS, "toy", entry)
+    with pytest.raises(UsageError, match="--draft toy needs --draft-dir"):
+        runner.check_options(runner.RunnerSpec(artifacts="a", draft="toy"))
+    with pytest.raises(UsageError, match="--draft-tree is for"):
+        runner.check_options(runner.RunnerSpec(artifacts="a", draft="toy", draft_dir="d", draft_tree="2,3"))

@@ -185,9 +185,9 @@ def _engine_options(fn):
             default="none",
             show_default=True,
             type=click.Choice(DRAFT_CHOICES),
-            help="Draft method for speculative decoding (ngram, suffix, lookahead: no weights; eagle, eagle3, mtp, "
-            "medusa: a trained head, give --draft-dir; draft-model: a smaller model's build-engines output as "
-            "--draft-dir; hybrid: suffix where its match is long, the head in --draft-dir elsewhere).",
+            help="Draft method for speculative decoding: "
+            + "; ".join(f"{name}: {m.about}" for name, m in DRAFT_METHODS.items())
+            + ".",
         ),
         click.option(
             "--draft-dir",

@@ -19,7 +19,7 @@ from pathlib import Path
 from specrt.calibration import TRT_SCHEMES
 from specrt.errors import SpecrtError, UsageError
 from specrt.layout import TRT_FLAVOURS, ArtifactLayout
-from specrt.runtime.drafts import NEEDS_DRAFT_DIR, TAKES_TREE, make_proposer
+from specrt.runtime.drafts import DRAFT_METHODS, make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
@@ -97,14 +97,17 @@ def _check_draft_options(spec: RunnerSpec) -> None:
                 "with a head's --draft-dir), or leave it out for plain decoding"
             )
         return
-    if spec.draft_tree != "chain" and draft not in TAKES_TREE:
+    entry = DRAFT_METHODS.get(draft)
+    if entry is None:  # make_proposer names the choices
+        return
+    if spec.draft_tree != "chain" and not entry.takes_tree:
+        trees = ", ".join(n for n, m in DRAFT_METHODS.items() if m.takes_tree)
         own = " (Medusa drafts its own tree of choices)" if draft == "medusa" else ""
-        raise UsageError(f"--draft-tree is for --draft {', '.join(TAKES_TREE)}, not --draft {draft}{own}")
-    if draft not in NEEDS_DRAFT_DIR and spec.draft_dir is not None:
-        raise UsageError(
-            f"--draft-dir is for a draft with weights (--draft {', '.join(NEEDS_DRAFT_DIR)}), not --draft {draft}"
-        )
-    if draft in NEEDS_DRAFT_DIR and spec.draft_dir is None:
+        raise UsageError(f"--draft-tree is for --draft {trees}, not --draft {draft}{own}")
+    weights = ", ".join(n for n, m in DRAFT_METHODS.items() if m.needs_draft_dir)
+    if not entry.needs_draft_dir and spec.draft_dir is not None:
+        raise UsageError(f"--draft-dir is for a draft with weights (--draft {weights}), not --draft {draft}")
+    if entry.needs_draft_dir and spec.draft_dir is None:
         raise UsageError(
             f"--draft {draft} needs --draft-dir DIR: a head from `make drafts` (e.g. "
             "drafts/SmolLM2-135M-Instruct/eagle3) or `specrt train-draft`"

@@ -1,11 +1,15 @@
 """Draft methods: objects that propose draft tokens for the target to verify (contract: base.py).
 
-Methods are looked up by name in DRAFT_METHODS; `make_proposer("ngram", n_max=3)` builds one.
+Methods are looked up by name in DRAFT_METHODS, one DraftMethod entry each (how to make it, and
+what its options need: the CLI's choices and checks come from here); `make_proposer("ngram",
+n_max=3)` builds one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 from specrt.errors import SpecrtError
 from specrt.runtime.drafts.base import DraftInput, Proposer
@@ -23,35 +27,40 @@ def _hybrid(**head) -> HybridProposer:
     return HybridProposer(EagleProposer(**head))
 
 
-DRAFT_METHODS = {
-    "ngram": NgramProposer,
-    "suffix": SuffixProposer,
-    "lookahead": LookaheadProposer,
-    # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
-    "eagle": functools.partial(EagleProposer, method="eagle"),
-    "eagle3": functools.partial(EagleProposer, method="eagle3"),
-    "mtp": functools.partial(EagleProposer, method="mtp"),  # an MTP module drafts as an EAGLE head does
-    "hybrid": _hybrid,
-    "medusa": MedusaProposer,  # make_proposer("medusa", draft_dir=DIR, target=caps[, tree=paths])
-    "draft-model": DraftModelProposer,  # draft_dir: a smaller model's build-engines output
-}
-NEEDS_DRAFT_DIR = (
-    "eagle",
-    "eagle3",
-    "mtp",
-    "hybrid",
-    "medusa",
-    "draft-model",
-)  # methods with weights: they need --draft-dir
-TAKES_TREE = ("eagle", "eagle3", "mtp", "hybrid")  # methods that draft EAGLE-2 trees (--draft-tree TOP_K,DEPTH)
+@dataclasses.dataclass(frozen=True)
+class DraftMethod:
+    """A registry entry: how to make the proposer, and what the CLI and the runner check of its
+    options before any engine loads."""
 
-__all__ = ["DRAFT_METHODS", "NEEDS_DRAFT_DIR", "TAKES_TREE", "DraftInput", "Proposer", "make_proposer"]
+    make: Callable[..., Proposer]
+    about: str  # what it drafts from, for --help
+    needs_draft_dir: bool = False  # a method with weights: --draft-dir DIR
+    takes_tree: bool = False  # drafts EAGLE-2 dynamic trees: --draft-tree TOP_K,DEPTH
+
+
+_HEAD = "a trained head in --draft-dir"
+DRAFT_METHODS: dict[str, DraftMethod] = {
+    "ngram": DraftMethod(NgramProposer, "prompt lookup (no weights)"),
+    "suffix": DraftMethod(SuffixProposer, "the prompt and earlier answers, SuffixDecoding (no weights)"),
+    "lookahead": DraftMethod(LookaheadProposer, "Jacobi iteration's n-grams (no weights)"),
+    # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
+    "eagle": DraftMethod(functools.partial(EagleProposer, method="eagle"), _HEAD, True, True),
+    "eagle3": DraftMethod(functools.partial(EagleProposer, method="eagle3"), _HEAD, True, True),
+    # an MTP module drafts as an EAGLE head does
+    "mtp": DraftMethod(functools.partial(EagleProposer, method="mtp"), _HEAD, True, True),
+    "hybrid": DraftMethod(_hybrid, "suffix where its match is long, the head in --draft-dir elsewhere", True, True),
+    # make_proposer("medusa", draft_dir=DIR, target=caps[, tree=paths]): its own tree of choices
+    "medusa": DraftMethod(MedusaProposer, "Medusa heads in --draft-dir", True),
+    "draft-model": DraftMethod(DraftModelProposer, "a smaller model's build-engines output in --draft-dir", True),
+}
+
+__all__ = ["DRAFT_METHODS", "DraftInput", "DraftMethod", "Proposer", "make_proposer"]
 
 
 def make_proposer(name: str, **options) -> Proposer:
     if name not in DRAFT_METHODS:
         raise SpecrtError(f"unknown draft method {name!r}; choose one of {', '.join(DRAFT_METHODS)}.")
     try:
-        return DRAFT_METHODS[name](**options)
+        return DRAFT_METHODS[name].make(**options)
     except TypeError as e:
         raise SpecrtError(f"bad options for draft method {name!r}: {e}") from None
