@@ -314,6 +314,23 @@ class SlowBackend:
         return getattr(self.backend, name)
 
 
+class Flaky(SlowBackend):
+    """The slow tiny engine whose steps raise while `Flaky.fail` is set (a backend error)."""
+
+    fail = False
+
+    def step(self, *args, **kwargs):
+        if Flaky.fail:
+            raise RuntimeError("device lost")
+        return super().step(*args, **kwargs)
+
+
+def flaky_generator(gen, seconds: float) -> Generator:
+    flaky = Generator(Flaky(gen.backend, seconds), gen.tokenizer)
+    flaky.eos_ids = frozenset()
+    return flaky
+
+
 def slow_generator(gen, seconds=0.04):
     """A generator that never meets EOS and takes `seconds` per step."""
     slow = Generator(SlowBackend(gen.backend, seconds), gen.tokenizer)
@@ -618,17 +635,7 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(gen):
     """A step that raises (a backend error) ends every request in the batch with a 500 that says
     what failed; their slots are free and the next request is answered."""
 
-    class Flaky(SlowBackend):
-        fail = False
-
-        def step(self, *args, **kwargs):
-            if Flaky.fail:
-                raise RuntimeError("device lost")
-            return super().step(*args, **kwargs)
-
-    flaky = Generator(Flaky(gen.backend, 0.0), gen.tokenizer)
-    flaky.eos_ids = frozenset()
-    service = CompletionService(flaky, "tiny", ServerLimits(max_batch=2))
+    service = CompletionService(flaky_generator(gen, 0.0), "tiny", ServerLimits(max_batch=2))
     c = TestClient(create_app(service))
     Flaky.fail = True
     r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4})
@@ -644,16 +651,7 @@ def test_every_outcome_is_counted_once_and_both_views_agree(gen):
     """ok, 400/404/413 (invalid), a client gone (cancelled), 503 (refused), 504 (timed_out) and
     500 (error) each land in one outcome, and /stats reads what /metrics says."""
 
-    class Flaky(SlowBackend):
-        fail = False
-
-        def step(self, *args, **kwargs):
-            if Flaky.fail:
-                raise RuntimeError("device lost")
-            return super().step(*args, **kwargs)
-
-    flaky = Generator(Flaky(gen.backend, 0.05), gen.tokenizer)
-    flaky.eos_ids = frozenset()
+    flaky = flaky_generator(gen, 0.05)
     limits = ServerLimits(max_batch=1, max_queue=0, request_timeout=0.5, max_body_bytes=400)
     service = CompletionService(flaky, "tiny", limits)
     c = TestClient(create_app(service))
