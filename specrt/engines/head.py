@@ -78,6 +78,28 @@ def load_head_engine(engine_dir: str | Path, options: OrtOptions | None = None, 
     return session, m, read_draft_to_target(engine_dir, m)
 
 
+class HeadSession:
+    """A head engine's step as the proposers call it: `run(feeds)` with feeds by input name, the
+    outputs in the graph's order. This one runs the ONNX Runtime engine; a head's TensorRT engine
+    (built beside it where TensorRT is installed) needs a GPU to run and would be a sibling with
+    the same `run`, so no proposer calls an engine's own API."""
+
+    def __init__(self, engine_dir: str | Path, options: OrtOptions | None = None, verify: str = "auto"):
+        self._session, self.manifest, self.draft_to_target = load_head_engine(engine_dir, options, verify)
+        self.outputs = [o.name for o in self._session.get_outputs()]
+
+    def run(self, feeds: dict) -> list:
+        return self._session.run(None, feeds)
+
+
+def open_head(draft_dir: str | Path, threads: int = 0, verify: str = "auto") -> HeadSession:
+    """The engine a trained head drafts with, from its `train-draft` directory (the CPU's ORT
+    engine; where a GPU runs TensorRT heads, this is where their session would be chosen)."""
+    from specrt.layout import HeadLayout
+
+    return HeadSession(HeadLayout(draft_dir).ort_engine("cpu"), OrtOptions(intra_op_threads=threads), verify)
+
+
 HEAD_TRT_KIND = "trt-draft-head"
 HEAD_ENGINE_FILE = "head.engine"
 

@@ -26,11 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.head import load_head_engine
-from specrt.engines.ort import OrtOptions
+from specrt.engines.head import open_head
 from specrt.errors import SpecrtError
 from specrt.export.head_io import HEAD_INPUTS, check_head_target, feature_columns
-from specrt.layout import HeadLayout
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.drafts.dynamic_tree import TreeBuilder
 from specrt.runtime.sampling import SamplingParams, probs_from_logits, sample_from_probs
@@ -55,10 +53,8 @@ class EagleProposer:
         """draft_dir: a `specrt train-draft` output; target: the target backend's capabilities
         (what the head is checked against); tree: (top_k, depth) for EAGLE-2 dynamic trees,
         None for chains; method: "eagle" or "eagle3" to insist on one."""
-        layout = HeadLayout(draft_dir)
-        self.session, m, self.d2t = load_head_engine(
-            layout.ort_engine("cpu"), OrtOptions(intra_op_threads=threads), verify
-        )
+        self.head = open_head(draft_dir, threads, verify)
+        m, self.d2t = self.head.manifest, self.head.draft_to_target
         check_head_target(m, target.checkpoint_hash, target.precision, str(draft_dir))
         cfg = m["config"]
         self.name = m["head"]["method"]
@@ -263,7 +259,7 @@ class EagleProposer:
                     mask[b, i, P : P + i + 1] = True
         past = (np.ascontiguousarray(self.k[:, :, :P]), np.ascontiguousarray(self.v[:, :, :P]))
         feeds = dict(zip(HEAD_INPUTS, (ids, feats, own, from_draft, pos, mask, *past)))
-        logits, hidden, pk, pv = self.session.run(None, feeds)
+        logits, hidden, pk, pv = self.head.run(feeds)
         self.calls += 1
         out = {}
         for b, rows in entries.items():

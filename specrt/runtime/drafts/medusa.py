@@ -20,11 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.head import load_head_engine
-from specrt.engines.ort import OrtOptions
+from specrt.engines.head import open_head
 from specrt.errors import SpecrtError
 from specrt.export.head_io import MEDUSA, MEDUSA_INPUTS, check_head_target, check_tree, default_tree, feature_columns
-from specrt.layout import HeadLayout
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.verification import DraftTree
 
@@ -44,8 +42,8 @@ class MedusaProposer:
     ):
         """draft_dir: a `specrt train-draft --method medusa` output; target: the target backend's
         capabilities; tree: paths of candidate ranks (default: the trained heads' own tree)."""
-        layout = HeadLayout(draft_dir)
-        self.session, m, _ = load_head_engine(layout.ort_engine("cpu"), OrtOptions(intra_op_threads=threads), verify)
+        self.head = open_head(draft_dir, threads, verify)
+        m = self.head.manifest
         if m["head"]["method"] != MEDUSA:
             raise SpecrtError(f"{draft_dir} holds an {m['head']['method']} head, not Medusa heads; use --draft eagle3")
         check_head_target(m, target.checkpoint_hash, target.precision, str(draft_dir))
@@ -73,7 +71,7 @@ class MedusaProposer:
         if inp.features is None:
             raise SpecrtError("Medusa drafts read the target's features; the runtime gave none")
         feats = np.stack([f[-1, self.cols] for f in inp.features]).astype(np.float32)
-        logp, ids = self.session.run(None, {MEDUSA_INPUTS[0]: feats})
+        logp, ids = self.head.run({MEDUSA_INPUTS[0]: feats})
         self.calls += 1
         n = min(inp.max_tokens, len(self.tree))
         trees = []
