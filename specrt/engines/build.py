@@ -43,6 +43,11 @@ class BuildSpec:
 FUSED_SCHEMES = ("none", "gguf")  # schemes with a fused graph; the others build their portable graph
 
 
+def _records(manifest: dict | None, wanted: dict) -> bool:
+    """The manifest (or a part of it) exists and records every wanted field at its value."""
+    return manifest is not None and all(manifest.get(k) == v for k, v in wanted.items())
+
+
 def _manifest_if_valid(read, *args) -> dict | None:
     """The artifact's manifest when `read` accepts it (present, current, matching), else None."""
     try:
@@ -66,8 +71,9 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
 
 def _build_all(spec: BuildSpec) -> Iterator[str]:
     from specrt.export.checkpoint import checkpoint_hash, load_config
-    from specrt.export.draft_head import default_target_layers
-    from specrt.export.step_graph import export_step_graph, read_onnx_manifest
+    from specrt.export.graph_files import read_onnx_manifest
+    from specrt.export.head_io import default_target_layers
+    from specrt.export.step_graph import export_step_graph
 
     if spec.graph not in ("fused", "portable"):
         raise SpecrtError(f"graph flavour {spec.graph!r}: choose fused or portable")
@@ -101,7 +107,7 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
     """The fused step graph of a scheme (float32: "none") and its ORT engine, each reused when
     current."""
     from specrt.export.fused_graph import FUSED_VERSION, export_fused_graph
-    from specrt.export.step_graph import read_onnx_manifest
+    from specrt.export.graph_files import read_onnx_manifest
 
     fdir = ArtifactLayout(spec.out).fused_onnx(scheme)
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, fdir, ckpt_hash)
@@ -111,11 +117,10 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
         from specrt.calibration.gguf_blocks import fused_from_gguf
 
         gguf_fields, gguf = _gguf_source(spec)
-        quant = (current or {}).get("quantization", {})
-        if {k: quant.get(k) for k in gguf_fields} != gguf_fields:
+        if not _records((current or {}).get("quantization"), gguf_fields):
             current = None
         make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset)  # noqa: E731
-    fresh = current is None or {k: current.get(k) for k in wanted} != wanted
+    fresh = not _records(current, wanted)
     label = "fused" if scheme == "none" else scheme
     yield _made_or_kept(label, fdir, fresh, make, "written" if scheme == "none" else "quantized")
     files = read_onnx_manifest(fdir)["files"]
@@ -124,7 +129,7 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
 
 
 def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str) -> Iterator[str]:
-    from specrt.export.step_graph import read_onnx_manifest
+    from specrt.export.graph_files import read_onnx_manifest
 
     if spec.graph == "fused" and spec.quantize in FUSED_SCHEMES:
         yield from _build_fused(
@@ -138,7 +143,7 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
     fresh = (
         current is None
         or current.get("source_onnx", {}).get("files") != onnx_files
-        or {k: current["quantization"].get(k) for k in wanted} != wanted
+        or not _records(current["quantization"], wanted)
     )
     yield _made_or_kept(spec.quantize, qdir, fresh, make, "quantized")
     qfiles = read_onnx_manifest(qdir)["files"]
@@ -165,14 +170,14 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
 def _standard_graph(spec: BuildSpec, ckpt_hash: str):
     """Write the standard step graph (export/standard_graph.py) unless current; yields its
     line, returns whether it was written."""
+    from specrt.export.graph_files import read_onnx_manifest
     from specrt.export.standard_graph import STANDARD_VERSION, export_standard_graph
-    from specrt.export.step_graph import read_onnx_manifest
 
     sdir = ArtifactLayout(spec.out).standard_onnx
     layers = read_onnx_manifest(ArtifactLayout(spec.out).onnx, verify="none")["hidden_layers"]
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, sdir, ckpt_hash)
     wanted = {"graph_flavour": "standard", "standard_version": STANDARD_VERSION, "hidden_layers": layers}
-    fresh = current is None or {k: current.get(k) for k in wanted} != wanted
+    fresh = not _records(current, wanted)
     make = lambda: export_standard_graph(spec.checkpoint, sdir, tuple(layers))  # noqa: E731
     yield _made_or_kept("standard", sdir, fresh, make, "written")
     return fresh
@@ -255,7 +260,7 @@ def _calibration(spec: BuildSpec, odir: Path):
     """The calibration set a recipe fits to: --calibration, else the one `make_calibration`
     makes (or reuses) with the float engine; refused when another model made it."""
     from specrt.calibration.data import CalibrationSet
-    from specrt.export.step_graph import read_onnx_manifest
+    from specrt.export.graph_files import read_onnx_manifest
 
     path = spec.calibration
     if path is None and spec.make_calibration is not None:
@@ -292,7 +297,7 @@ def _build_tensorrt(
     spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool, scheme: str = "none"
 ) -> Iterator[str]:
     from specrt.engines.trt import FLAVOURS, UnparsedGraph, available_flavours, build_trt_engine, read_trt_manifest
-    from specrt.export.step_graph import read_onnx_manifest
+    from specrt.export.graph_files import read_onnx_manifest
 
     if spec.tensorrt == "off":
         yield "tensorrt  skipped: --tensorrt off"
@@ -307,31 +312,31 @@ def _build_tensorrt(
     if flavour not in installed:
         raise SpecrtError(f"--tensorrt {flavour} was asked for, but it is not installed; pip install {flavour}")
     edir = ArtifactLayout(spec.out).trt_engine(flavour, scheme)
-    portable = odir, onnx_files, exported
+    portable_dir, portable_files = odir, onnx_files
     current = None
     if scheme == "none" and spec.graph == "fused":  # the standard graph, when TensorRT takes it
         written = yield from _standard_graph(spec, ckpt_hash)
         odir = ArtifactLayout(spec.out).standard_onnx
         onnx_files = read_onnx_manifest(odir)["files"]
         if not (spec.force or exported or written):  # an engine built from the portable graph after a refusal
-            current = _manifest_if_valid(read_trt_manifest, edir, portable[1], ckpt_hash)
-            current = current if (current or {}).get("fallback_from") == "standard" else None
+            current = _manifest_if_valid(read_trt_manifest, edir, portable_files, ckpt_hash)
+            current = current if _records(current, {"fallback_from": "standard"}) else None
         exported = exported or written
     if current is None and not (spec.force or exported):
         current = _manifest_if_valid(read_trt_manifest, edir, onnx_files, ckpt_hash)
     # an engine built before its manifest recorded tf32 (TensorRT's default: on) is rebuilt
     wanted = {"profiles": [dataclasses.asdict(p) for p in spec.trt.shapes.profiles()], "tf32": spec.trt.tf32}
-    if current is not None and {k: current.get(k) for k in wanted} == wanted:
+    if _records(current, wanted):
         yield f"{flavour:<9} {edir}: up to date"
         return
     t0 = time.perf_counter()
     try:
         build_trt_engine(odir, edir, dataclasses.replace(spec.trt, flavour=flavour))
     except UnparsedGraph as e:
-        if odir == portable[0]:
+        if odir == portable_dir:
             raise
         yield f"{flavour:<9} {odir}: this TensorRT cannot parse it ({e}); building from the portable graph"
-        odir = portable[0]
+        odir = portable_dir
         build_trt_engine(odir, edir, dataclasses.replace(spec.trt, flavour=flavour), fallback_from="standard")
     size = (edir / "model.engine").stat().st_size / 2**20
     took = time.perf_counter() - t0

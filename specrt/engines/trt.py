@@ -122,11 +122,16 @@ def _allow_decomposed_attention(trt, network) -> None:
     it has no dedicated kernel for it: TensorRT-RTX 1.7 has none for float32 attention and
     refuses to build one otherwise ("Attention operation was not supported by a dedicated
     kernel"); with float16 inputs it builds its own."""
-    kinds = [getattr(trt.LayerType, k) for k in ("ATTENTION_INPUT", "ATTENTION_OUTPUT") if hasattr(trt.LayerType, k)]
+    if not hasattr(trt.LayerType, "ATTENTION_INPUT"):  # a TensorRT without the attention layer
+        return
+    classes = {
+        trt.LayerType.ATTENTION_INPUT: trt.IAttentionInputLayer,
+        trt.LayerType.ATTENTION_OUTPUT: trt.IAttentionOutputLayer,
+    }
     for i in range(network.num_layers):
         layer = network.get_layer(i)
-        if layer.type in kinds:
-            layer.__class__ = trt.IAttentionInputLayer if layer.type == kinds[0] else trt.IAttentionOutputLayer
+        if layer.type in classes:
+            layer.__class__ = classes[layer.type]  # the bindings hand out the base class
             layer.attention.decomposable = True
 
 

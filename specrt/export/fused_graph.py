@@ -43,8 +43,9 @@ import torch
 
 from specrt.artifacts import atomic_dir, write_manifest
 from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.export.graph_files import DEFAULT_OPSET, ONNX_FILE, ONNX_KIND, graph_manifest, save_graph
 from specrt.export.llama import LlamaModel, rotary
-from specrt.export.step_graph import DEFAULT_OPSET, ONNX_FILE, ONNX_KIND, check_opset, graph_manifest, save_graph
+from specrt.export.step_graph import check_opset
 from specrt.export.step_io import HIDDEN, LOGITS, StepIO
 
 MS = "com.microsoft"
@@ -159,8 +160,12 @@ def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSE
         logits = _scatter_into_vocabulary(g, logits, model.output_ids.numpy(), cfg.vocab_size)
     g.node("Identity", [logits], [LOGITS], "logits")
 
-    elem = {"float32": TensorProto.FLOAT, "bool": TensorProto.BOOL, "int32": TensorProto.INT32}
-    elem["int64"] = TensorProto.INT64
+    elem = {
+        "float32": TensorProto.FLOAT,
+        "bool": TensorProto.BOOL,
+        "int32": TensorProto.INT32,
+        "int64": TensorProto.INT64,
+    }
     dims = _dims(io, cfg, C * len(model.hidden_layers))
     inputs = [helper.make_tensor_value_info(n, elem[io.dtype(n)], dims[n]) for n in io.input_names]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims[n]) for n in io.output_names]
@@ -172,8 +177,7 @@ def _dims(io: StepIO, cfg, width: int) -> dict[str, list]:
     """Each I/O tensor's dimensions: the dynamic axes' names (step_io) and the model's sizes."""
     fixed = {"logits": cfg.vocab_size, "hidden_states": width}
     fixed |= {n: (cfg.num_key_value_heads, cfg.head_dim) for n in (*io.past_names, *io.present_names)}
-    ranks = {"total_sequence_length": 0, "seqlens_k": 1, "query_seqlens": 1, "attention_bias": 4}
-    ranks["attention_mask"] = 3
+    ranks = {"total_sequence_length": 0, "seqlens_k": 1, "query_seqlens": 1, "attention_bias": 4, "attention_mask": 3}
     dims = {}
     for n in (*io.input_names, *io.output_names):
         axes = io.dynamic_axes.get(n, {})
@@ -316,7 +320,7 @@ def export_written_graph(
     ckpt_hash = checkpoint_hash(checkpoint)
     if hidden_layers is None:
         from specrt.export.checkpoint import load_config
-        from specrt.export.draft_head import default_target_layers
+        from specrt.export.head_io import default_target_layers
 
         hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
     model = load_model(checkpoint, hidden_layers=hidden_layers)
