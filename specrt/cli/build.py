@@ -13,6 +13,7 @@ from specrt.cli.common import (
     QUANT_SCHEMES,
     RECIPES,
     SERVER,
+    _flags,
     _friendly_errors,
     _given,
     _parse_layers,
@@ -334,7 +335,7 @@ def calibrate(
             raise click.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(RECIPES)}", param_hint="--schemes")
     unused = _given("schemes", "report_out", "heads", "report_tokens")
     if unused and not report:
-        raise click.UsageError(f"{', '.join(unused)}: options of the report; give --report too, or leave them out")
+        raise click.UsageError(f"{_flags(unused)}: options of the report; give --report too, or leave them out")
     from specrt.report import ReportSpec, report_inputs
 
     spec = ReportSpec(

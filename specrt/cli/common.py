@@ -110,13 +110,14 @@ def tensorrt_option(help: str):
 HEAD_TENSORRT = "Also build the head's TensorRT engine (auto: when tensorrt or tensorrt_rtx is installed)."
 
 
-def _given(*names: str) -> list[str]:
-    """The options among `names` (parameter names) given on the command line, as flags."""
-    ctx = click.get_current_context(silent=True)  # none: called as a library (a Ray replica)
-    if ctx is None:
-        return []
-    default = (None, click.core.ParameterSource.DEFAULT)
-    return [f"--{n.replace('_', '-')}" for n in names if ctx.get_parameter_source(n) not in default]
+def _given(*names: str) -> tuple[str, ...]:
+    """The parameters among `names` that the running command was given on its command line."""
+    ctx, default = click.get_current_context(), (None, click.core.ParameterSource.DEFAULT)
+    return tuple(n for n in names if ctx.get_parameter_source(n) not in default)
+
+
+def _flags(names) -> str:
+    return ", ".join(f"--{n.replace('_', '-')}" for n in names)
 
 
 def _engine_options(fn):
@@ -229,8 +230,7 @@ def _engine_options(fn):
         from specrt.runtime.runner import DRAFT_OPTIONS, RunnerSpec
 
         fields = [f.name for f in dataclasses.fields(RunnerSpec) if f.name != "given"]
-        given = tuple(f[2:].replace("-", "_") for f in _given(*DRAFT_OPTIONS))
-        return fn(choice=RunnerSpec(**{k: kwargs.pop(k) for k in fields}, given=given), **kwargs)
+        return fn(choice=RunnerSpec(**{k: kwargs.pop(k) for k in fields}, given=_given(*DRAFT_OPTIONS)), **kwargs)
 
     for option in reversed(options):
         bundled = option(bundled)
