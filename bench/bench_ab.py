@@ -15,7 +15,6 @@ Prints a table (medians, after/before) and writes JSON to bench/results/.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import envelope
+from harness import bench_arguments, envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,12 +81,10 @@ def tiny_engine(tmp: Path) -> Path:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = bench_arguments(__doc__)
     ap.add_argument("--before", type=Path, required=True, help="source tree of the old version (a git worktree)")
     ap.add_argument("--after", type=Path, default=ROOT)
-    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
     from specrt.benchmark import write_result_json

@@ -18,14 +18,13 @@ versions, machine) to bench/results/ and a plot of tokens/s against clients.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from harness import envelope
+from harness import bench_arguments, envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -67,16 +66,13 @@ def closed_loop(engine, prompts: list[list[int]], clients: int, max_tokens: int)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
-    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap = bench_arguments(__doc__, prompts=True)
     ap.add_argument("--draft", default="suffix", help="the draft of the fixed-N and auto modes")
     ap.add_argument("--drafts", type=Path, default=None, help="trained drafts (for --draft medusa, eagle3, ...)")
     ap.add_argument("--clients", default="1,2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--fixed-n", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
     from specrt.benchmark import load_prompts, write_result_json

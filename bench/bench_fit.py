@@ -22,14 +22,13 @@ versions, machine) to bench/results/.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from harness import envelope
+from harness import bench_arguments, envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,12 +59,9 @@ def jittered_checkpoint(src: Path, out: Path, seed: int) -> Path:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
-    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap = bench_arguments(__doc__, artifacts=False, model=True, prompts=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--held-out", type=int, default=24, help="held-out prompts answered by the float model")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
     from specrt.benchmark import write_result_json

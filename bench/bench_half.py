@@ -19,13 +19,12 @@ KL divergence of the next-token distribution from float32's. Prints a table and 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from harness import envelope
+from harness import bench_arguments, envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -71,12 +70,8 @@ def reference_scorer(onnx_dir: Path):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
-    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
-    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap = bench_arguments(__doc__, model=True, prompts=True)
     ap.add_argument("--held-out", type=int, default=16, help="held-out prompts answered by the float model")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
     from specrt.benchmark import write_result_json

@@ -64,7 +64,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from specrt.benchmark import write_result_json
-    from specrt.export.draft_head import feature_columns, load_head
+    from specrt.export.draft_head import load_head
+    from specrt.export.head_io import feature_columns
     from specrt.layout import ArtifactLayout, HeadLayout, TrainingDataLayout
     from specrt.runtime.generator import Generator
     from specrt.training.eagle import held_out_ids

