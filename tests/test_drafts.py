@@ -8,6 +8,7 @@ from specrt.runtime.drafts import DRAFT_METHODS, DraftInput, make_proposer
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer, SuffixTrie
 from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.verification import DraftTree
 
 
 def draft(proposer, contexts, n, rows=None):
@@ -123,3 +124,46 @@ def test_a_registry_entry_is_what_the_option_checks_read(monkeypatch):
         runner.check_options(runner.RunnerSpec(artifacts="a", draft="toy"))
     with pytest.raises(UsageError, match="--draft-tree is for"):
         runner.check_options(runner.RunnerSpec(artifacts="a", draft="toy", draft_dir="d", draft_tree="2,3"))
+
+
+class Recording:
+    """A draft that repeats each row's last token, too long on purpose, and records every call."""
+
+    name, needs_features, cost_per_token = "recording", False, False
+
+    def __init__(self):
+        self.proposed, self.committed, self.ended = [], [], []
+
+    def begin(self, rows, prompts, prefilled):
+        assert len(prompts) == len(rows) == prefilled.logits.shape[0]  # prefilled follows rows
+
+    def propose(self, inp):
+        self.proposed.append(list(inp.rows))
+        return [DraftTree.chain(np.full(2 * inp.max_tokens, ctx[-1])) for ctx in inp.contexts]
+
+    def commit(self, rows, trees, verdicts, step):
+        self.committed.append([len(t) for t in trees])
+
+    def end(self, rows, outputs):
+        self.ended.append(list(rows))
+
+
+def test_the_proposer_contract_as_stated(tiny_artifacts):
+    """runtime/drafts/base.py: a static batch's sampled rows come in one call and end together;
+    the batching engine's come one row a call and end row by row; the loop cuts a tree to the
+    plan and commit gets the cut tree."""
+    from specrt.runtime.batching import BatchEngine, Request
+    from specrt.runtime.generator import Generator
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    static = Recording()
+    SpeculativeDecoder(gen, static, make_policy(3)).generate_ids(prompts, 8, SamplingParams(temperature=0.9, seed=1))
+    assert static.proposed[0] == [0, 1, 2]  # the batch's sampled rows in one call
+    assert static.ended == [[0, 1, 2]] and all(n <= 3 for step in static.committed for n in step)
+    engine = Recording()
+    requests = [Request(p, 8, SamplingParams(temperature=0.9, seed=i)) for i, p in enumerate(prompts)]
+    BatchEngine(SpeculativeDecoder(gen, engine, make_policy(3)), max_batch=3).run(requests)
+    assert engine.proposed and all(len(rows) == 1 for rows in engine.proposed)
+    assert sorted(engine.ended) == [[0], [1], [2]] and all(n <= 3 for step in engine.committed for n in step)

@@ -13,8 +13,9 @@ import torch
 from specrt.engines.head import build_head_engine, load_head_engine
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
-from specrt.export.draft_head import HEAD_INPUTS, HeadConfig, eagle3_layers, head_from_target, load_head, save_head
-from specrt.export.head_graph import export_head, read_head_manifest
+from specrt.export.draft_head import HeadConfig, head_from_target, load_head, save_head
+from specrt.export.head_graph import export_head
+from specrt.export.head_io import HEAD_INPUTS, eagle3_layers, read_head_manifest
 from specrt.layout import HeadLayout
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer

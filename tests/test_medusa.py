@@ -14,16 +14,8 @@ from specrt.engines.head import load_head_engine
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
 from specrt.export.draft_head import save_head
-from specrt.export.head_graph import read_head_manifest
-from specrt.export.medusa import (
-    DEFAULT_TREE,
-    MEDUSA_INPUTS,
-    MedusaConfig,
-    check_tree,
-    default_tree,
-    derive_tree,
-    medusa_from_target,
-)
+from specrt.export.head_io import DEFAULT_TREE, MEDUSA_INPUTS, check_tree, default_tree, derive_tree, read_head_manifest
+from specrt.export.medusa import MedusaConfig, medusa_from_target
 from specrt.layout import HeadLayout
 from specrt.runtime.drafts import DraftInput, make_proposer
 from specrt.runtime.generator import Generator

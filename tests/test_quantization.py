@@ -22,7 +22,7 @@ from specrt.engines.build import BuildSpec, build_all
 from specrt.engines.ort import build_ort_engine
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
-from specrt.export.step_graph import read_onnx_manifest
+from specrt.export.graph_files import read_onnx_manifest
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator

@@ -66,3 +66,29 @@ def test_tensorrt_rtx_builds_both_profiles_from_the_standard_graph(tiny_artifact
     assert manifest["graph_flavour"] == "standard" and manifest["fallback_from"] is None
     assert manifest["onnx"]["path"].endswith("onnx-standard")
     assert [p["name"] for p in manifest["profiles"]] == ["verify", "prefill"]
+
+
+def test_a_parser_that_refuses_the_standard_graph_gets_the_portable_one(tiny_checkpoint, tmp_path, monkeypatch):
+    """build-engines says so, records `fallback_from`, and keeps that engine on the next run."""
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx is not installed (make setup installs it)")
+    from specrt.engines import trt
+    from specrt.engines.build import BuildSpec, build_all
+    from specrt.engines.profiles import EngineShapes
+    from specrt.engines.trt import TrtBuildSpec, UnparsedGraph
+
+    real = trt.build_trt_engine
+
+    def refusing(onnx_dir, *args, **kwargs):
+        if onnx_dir.name == "onnx-standard":
+            raise UnparsedGraph(f"TensorRT could not parse {onnx_dir}/model.onnx: no Attention here")
+        return real(onnx_dir, *args, **kwargs)
+
+    monkeypatch.setattr(trt, "build_trt_engine", refusing)
+    shapes = EngineShapes(max_context=64, max_prefill=16, max_verify=5)
+    spec = BuildSpec(checkpoint=tiny_checkpoint, out=tmp_path / "art", trt=TrtBuildSpec(shapes=shapes))
+    lines = list(build_all(spec))
+    assert any("cannot parse it" in line and "building from the portable graph" in line for line in lines), lines
+    manifest = json.loads((tmp_path / "art" / "engines" / "trt-tensorrt-rtx" / "manifest.json").read_text())
+    assert manifest["graph_flavour"] == "portable" and manifest["fallback_from"] == "standard"
+    again = [line for line in build_all(spec) if line.startswith("tensorrt-rtx")]
+    assert len(again) == 1 and again[0].endswith("up to date"), again

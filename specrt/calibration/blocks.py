@@ -34,7 +34,7 @@ import numpy as np
 
 from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_manifest
 from specrt.errors import SpecrtError
-from specrt.export.step_graph import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest, save_graph
+from specrt.export.graph_files import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest, save_graph
 
 BLOCK = 32  # weights per block (Q4_0, Q4_1 and Q8_0 all use 32)
 LAYOUTS = ("Q4_0", "Q4_1", "Q8_0")

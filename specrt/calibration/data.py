@@ -109,7 +109,7 @@ def step_feeds(onnx_dir: str | Path, cal: CalibrationSet, max_len: int = 512) ->
     graph itself computes here."""
     import onnxruntime as ort
 
-    from specrt.export.step_graph import ONNX_FILE, read_onnx_manifest
+    from specrt.export.graph_files import ONNX_FILE, read_onnx_manifest
 
     manifest = read_onnx_manifest(onnx_dir)
     cal.require_target(manifest["checkpoint"]["hash"], str(onnx_dir))

@@ -33,7 +33,7 @@ from specrt.calibration.blocks import (
     write_quantized,
 )
 from specrt.errors import SpecrtError
-from specrt.export.step_graph import ONNX_FILE
+from specrt.export.graph_files import ONNX_FILE
 
 SCHEME = "gguf"
 SUPPORTED = LAYOUTS  # the GGUF block types read here: blocks.py computes each in its own layout

@@ -137,7 +137,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str, h
     the features `hidden_states` carries (default: what the step graph exports, every draft
     head's layers)."""
     if hidden_layers is None:
-        from specrt.export.draft_head import default_target_layers
+        from specrt.export.head_io import default_target_layers
 
         hidden_layers = default_target_layers(cfg.num_hidden_layers)
     state = {k.removeprefix("model."): v.to(torch.float32) for k, v in state.items()}

@@ -42,16 +42,15 @@ from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.export.head_io import (
-    CONFIG_FILE,  # noqa: F401
-    FULL_VOCAB_METHODS,  # noqa: F401
-    HEAD_DYNAMIC_AXES,  # noqa: F401
-    HEAD_INPUTS,  # noqa: F401
-    HEAD_OUTPUTS,  # noqa: F401
-    METHODS,  # noqa: F401
-    WEIGHTS_FILE,  # noqa: F401
-    default_target_layers,  # noqa: F401
-    eagle3_layers,  # noqa: F401
-    feature_columns,  # noqa: F401
+    CONFIG_FILE,
+    FULL_VOCAB_METHODS,
+    HEAD_DYNAMIC_AXES,
+    HEAD_INPUTS,
+    HEAD_OUTPUTS,
+    METHODS,
+    WEIGHTS_FILE,
+    default_target_layers,
+    eagle3_layers,
 )
 from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
 
@@ -265,7 +264,8 @@ def load_head(directory: str | Path):
     """The trained head in `directory`: a DraftHead (eagle, eagle3) or MedusaHeads (medusa)."""
     from safetensors.torch import load_file
 
-    from specrt.export.medusa import MEDUSA, MedusaConfig, MedusaHeads
+    from specrt.export.head_io import MEDUSA
+    from specrt.export.medusa import MedusaConfig, MedusaHeads
 
     directory = Path(directory)
     if not (directory / CONFIG_FILE).is_file():

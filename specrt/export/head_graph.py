@@ -10,7 +10,7 @@ The manifest's `target` names what the head was trained against: the target chec
 the layers it reads, and the precision of the target that produced its training features. A
 head reads the target's hidden states, and those change with the target's weights and precision
 (acceptance collapses), so the runtime refuses a head whose `target` is not the engine it drafts
-for (`check_head_target`).
+for (`head_io.check_head_target`).
 """
 
 from __future__ import annotations
@@ -31,19 +31,13 @@ from specrt.artifacts import (
 )
 from specrt.export.checkpoint import checkpoint_hash
 from specrt.export.draft_head import load_head
+from specrt.export.graph_files import save_graph
 from specrt.export.head_io import (
-    D2T_FILE,  # noqa: F401
-    HEAD_DATA,  # noqa: F401
-    HEAD_FILE,  # noqa: F401
-    HEAD_KIND,  # noqa: F401
-    HOW_TO_MAKE,  # noqa: F401
-    MANIFEST_FIELDS,  # noqa: F401
-    check_head_target,  # noqa: F401
-    head_io,  # noqa: F401
-    read_draft_to_target,  # noqa: F401
-    read_head_manifest,  # noqa: F401
+    D2T_FILE,
+    HEAD_DATA,
+    HEAD_FILE,
+    HEAD_KIND,
 )
-from specrt.export.step_graph import save_graph
 
 
 def export_head(
@@ -135,4 +129,4 @@ class _Graph(torch.nn.Module):
         return self.head(*inputs)
 
 
-__all__ = ["check_head_target", "export_head", "read_draft_to_target", "read_head_manifest"]
+__all__ = ["export_head"]

@@ -32,16 +32,10 @@ from torch import nn
 from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.export.head_io import (
-    DEFAULT_RANK_ACCURACY,  # noqa: F401
-    DEFAULT_TREE,  # noqa: F401
-    DEFAULT_TREE_SIZE,  # noqa: F401
-    MEDUSA,  # noqa: F401
-    MEDUSA_DYNAMIC_AXES,  # noqa: F401
-    MEDUSA_INPUTS,  # noqa: F401
-    MEDUSA_OUTPUTS,  # noqa: F401
-    check_tree,  # noqa: F401
-    default_tree,  # noqa: F401
-    derive_tree,  # noqa: F401
+    MEDUSA,
+    MEDUSA_DYNAMIC_AXES,
+    MEDUSA_INPUTS,
+    MEDUSA_OUTPUTS,
 )
 from specrt.export.llama import LlamaModel
 

@@ -26,18 +26,12 @@ from specrt.artifacts import (
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.config import ModelConfig
-from specrt.export.graph_files import (  # noqa: F401  (the exporter's names, read from here too)
+from specrt.export.graph_files import (
     DEFAULT_OPSET,
-    GRAPH_VERSION,
-    HOW_TO_EXPORT,
-    MANIFEST_FIELDS,
-    ONNX_DATA,
     ONNX_FILE,
     ONNX_KIND,
     graph_manifest,
-    read_onnx_manifest,
     save_graph,
-    source_onnx_files,
 )
 from specrt.export.llama import LlamaModel, causal_mask
 from specrt.export.step_io import StepIO
@@ -143,7 +137,7 @@ def export_step_graph(
     steps.set_postfix_str("load weights")
     if hidden_layers is None:
         from specrt.export.checkpoint import load_config
-        from specrt.export.draft_head import default_target_layers
+        from specrt.export.head_io import default_target_layers
 
         hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
     model = load_model(checkpoint, hidden_layers=hidden_layers)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from specrt.errors import SpecrtError
-from specrt.export.draft_head import feature_columns
+from specrt.export.head_io import feature_columns
 from specrt.export.llama import LlamaModel, causal_mask
 from specrt.training.eagle import (
     CHECKPOINT,

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from specrt.errors import SpecrtError
-from specrt.export.draft_head import feature_columns
+from specrt.export.head_io import DEFAULT_TREE_SIZE, derive_tree, feature_columns
 from specrt.export.llama import LlamaModel
-from specrt.export.medusa import DEFAULT_TREE_SIZE, MedusaConfig, MedusaHeads, derive_tree, medusa_from_target
+from specrt.export.medusa import MedusaConfig, MedusaHeads, medusa_from_target
 from specrt.training.eagle import (
     CHECKPOINT,
     STEP_WEIGHT,

@@ -32,7 +32,7 @@ from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
 from specrt.export.draft_head import save_head
 from specrt.export.head_graph import export_head
-from specrt.export.medusa import MEDUSA
+from specrt.export.head_io import MEDUSA
 from specrt.layout import HeadLayout, TrainingDataLayout
 from specrt.runtime.generator import Generator
 from specrt.training.data import FeatureCacheMismatch, cache_features, generate_answers
@@ -216,7 +216,7 @@ def _require_trained_for(layout: HeadLayout, report: dict, checkpoint: str | Pat
     hash training.json records, and by the widths head.json records): its features are that
     target's, and the new manifests would name the wrong one."""
     from specrt.export.checkpoint import checkpoint_hash, load_config
-    from specrt.export.draft_head import CONFIG_FILE
+    from specrt.export.head_io import CONFIG_FILE
 
     fix = f"train the head again: specrt train-draft --out {layout.root}"
     target = report.get("target")
