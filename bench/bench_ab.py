@@ -6,7 +6,9 @@
 Each version runs in its own subprocess (PYTHONPATH points at its tree), in alternating order,
 `--rounds` times, on two workloads:
     default   the default model's ORT engine, one prompt per class of bench/prompts.jsonl,
-              128 greedy tokens: plain, ngram N=8, suffix N=auto (tokens/s, end to end)
+              128 greedy tokens: plain, ngram N=8, suffix N=auto (tokens/s, end to end); and
+              what training-data generation runs, a static batch of 8 prompts, 64 tokens
+              (tokens/s, and the batch's prefill in ms)
     tiny      a tiny random model (built here), a repetitive ragged batch of 2, 200 tokens: the
               target step takes ~0.3 ms, so the runtime's own per-step overhead dominates
               (ms per step); what it changes is the part a refactoring can change
@@ -56,6 +58,11 @@ if kind == "default":
         for name, make in variants:
             r, s = run([ids], 128, make)
             out[f"{cls} / {name} (tok/s)"] = len(r[0].token_ids) / s
+    # what training-data generation runs: a static batch of 8 prompts, greedy
+    batch = [gen.encode_prompt(json.loads(line)["prompt"]) for line in list(open(prompts_file))[:8]]
+    r, s = run(batch, 64, None)
+    out["batch of 8 / plain (tok/s)"] = sum(len(x.token_ids) for x in r) / s
+    out["batch of 8 / prefill (ms)"] = r[0].prefill_seconds * 1e3
 else:
     ids = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41, 42] * 3
     for name, make in variants:

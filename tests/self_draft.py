@@ -78,6 +78,7 @@ class SelfDraftProposer:
         drafting = self._draft_params(inp.sampling)
         if self.tree_shape is not None:
             return self._propose_trees(inp, feed, drafting)
+        rngs = dict(zip(inp.rows, inp.rngs))  # each row draws from its own
         tokens = {b: [] for b in inp.rows}
         qs = {b: [] for b in inp.rows}
         for k in range(inp.max_tokens):
@@ -92,7 +93,7 @@ class SelfDraftProposer:
                     t = int(logits[b].argmax())
                 else:
                     q = probs_from_logits(logits[b], drafting)
-                    t = int(sample_from_probs(q, inp.rng))
+                    t = int(sample_from_probs(q, rngs[b]))
                     qs[b].append(q)
                 tokens[b].append(t)
                 if k + 1 < inp.max_tokens:

@@ -14,7 +14,7 @@ from specrt.runtime.verification import DraftTree
 def draft(proposer, contexts, n, rows=None):
     """One batched proposal (Proposer v2) for `contexts`; returns the trees."""
     rows = list(range(len(contexts))) if rows is None else rows
-    inp = DraftInput(rows, contexts, n, [100] * len(rows), SamplingParams(), np.random.default_rng(0))
+    inp = DraftInput(rows, contexts, n, [100] * len(rows), SamplingParams(), [np.random.default_rng(0)] * len(rows))
     trees = proposer.propose(inp)
     assert len(trees) == len(rows)
     return trees
@@ -132,13 +132,15 @@ class Recording:
     name, needs_features, cost_per_token = "recording", False, False
 
     def __init__(self):
-        self.proposed, self.committed, self.ended = [], [], []
+        self.begun, self.proposed, self.committed, self.ended = [], [], [], []
 
     def begin(self, rows, prompts, prefilled):
         assert len(prompts) == len(rows) == prefilled.logits.shape[0]  # prefilled follows rows
+        self.begun.append(list(rows))
 
     def propose(self, inp):
         self.proposed.append(list(inp.rows))
+        assert len({id(r) for r in inp.rngs}) == len(inp.rows)  # every row its own generator
         return [DraftTree.chain(np.full(2 * inp.max_tokens, ctx[-1])) for ctx in inp.contexts]
 
     def commit(self, rows, trees, verdicts, step):
@@ -149,9 +151,9 @@ class Recording:
 
 
 def test_the_proposer_contract_as_stated(tiny_artifacts):
-    """runtime/drafts/base.py: a static batch's sampled rows come in one call and end together;
-    the batching engine's come one row a call and end row by row; the loop cuts a tree to the
-    plan and commit gets the cut tree."""
+    """runtime/drafts/base.py: rows of one sampling setting come in one call, each with its own
+    generator (a static batch's as the batching engine's); a static batch's rows begin together
+    and end one by one; the loop cuts a tree to the plan and commit gets the cut tree."""
     from specrt.runtime.batching import BatchEngine, Request
     from specrt.runtime.generator import Generator
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
@@ -160,10 +162,10 @@ def test_the_proposer_contract_as_stated(tiny_artifacts):
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     static = Recording()
     SpeculativeDecoder(gen, static, make_policy(3)).generate_ids(prompts, 8, SamplingParams(temperature=0.9, seed=1))
-    assert static.proposed[0] == [0, 1, 2]  # the batch's sampled rows in one call
-    assert static.ended == [[0, 1, 2]] and all(n <= 3 for step in static.committed for n in step)
+    assert static.begun == [[0, 1, 2]] and static.proposed[0] == [0, 1, 2]
+    assert sorted(static.ended) == [[0], [1], [2]] and all(n <= 3 for step in static.committed for n in step)
     engine = Recording()
-    requests = [Request(p, 8, SamplingParams(temperature=0.9, seed=i)) for i, p in enumerate(prompts)]
+    requests = [Request(p, 8, SamplingParams(temperature=0.9 if i else 0.5, seed=i)) for i, p in enumerate(prompts)]
     BatchEngine(SpeculativeDecoder(gen, engine, make_policy(3)), max_batch=3).run(requests)
-    assert engine.proposed and all(len(rows) == 1 for rows in engine.proposed)
+    assert [0] in engine.proposed and [1, 2] in engine.proposed  # by setting, not by seed
     assert sorted(engine.ended) == [[0], [1], [2]] and all(n <= 3 for step in engine.committed for n in step)

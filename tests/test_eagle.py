@@ -152,7 +152,7 @@ def test_proposer_chain_equals_the_head_run_from_scratch(method, ort_gen, tiny_c
     cols = prop.cols
     prop.begin([0], [tokens[:4]], None)
     for committed, new in ((4, slice(0, 4)), (9, slice(4, 9))):
-        inp = DraftInput([0], [tokens[: committed + 1]], 5, [50], SamplingParams(), np.random.default_rng(0))
+        inp = DraftInput([0], [tokens[: committed + 1]], 5, [50], SamplingParams(), [np.random.default_rng(0)])
         inp.features = [feats[new]]
         tree = prop.propose(inp)[0]
         assert tree.parents.tolist() == list(range(-1, len(tree) - 1))  # a chain

@@ -20,7 +20,7 @@ from test_speculative import LOOPY, SMALL, two_token_pvalue
 
 def _inp(contexts, n, rows=None):
     rows = list(range(len(contexts))) if rows is None else rows
-    return DraftInput(rows, contexts, n, [100] * len(rows), SamplingParams(), np.random.default_rng(0))
+    return DraftInput(rows, contexts, n, [100] * len(rows), SamplingParams(), [np.random.default_rng(0)] * len(rows))
 
 
 def _logits_with_argmax(argmax_rows, vocab=50):

@@ -101,7 +101,7 @@ def test_engine_matches_the_heads_and_trees_follow_the_candidates(ort_gen, tiny_
     C = heads.hc.target.hidden_size
     width = len(ort_gen.session.caps.hidden_layers) * C
     feats = [np.random.default_rng(i).standard_normal((3, width)).astype(np.float32) for i in range(2)]
-    inp = DraftInput([0, 1], [[1, 2, 3], [4, 5]], 5, [100, 3], SamplingParams(), np.random.default_rng(0), feats)
+    inp = DraftInput([0, 1], [[1, 2, 3], [4, 5]], 5, [100, 3], SamplingParams(), [np.random.default_rng(0)] * 2, feats)
     trees = prop.propose(inp)
     _, ids = heads(torch.from_numpy(np.stack([f[-1, prop.cols] for f in feats])))
     for b, tree in enumerate(trees):

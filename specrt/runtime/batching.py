@@ -7,17 +7,21 @@
             ...
     engine.cancel(rid)                 # a gone client: its slot is free at once
 
+This is the one generation loop: plain decoding is speculation with N = 0 (the step verifies
+the root alone), and a static batch (`generate_ids`, `stream`, `generate`) is this engine with
+every request arriving at step 0.
+
 The batch has `max_batch` slots, each a row of one shared KV cache. Every `step`:
 
     admit    waiting requests take free slots (lowest first), in arrival order
-    prefill  newcomers' prompts run on their own row of the cache (`KVCache.rows`: a view, no
-             copy), in chunks: while other rows are decoding at most `prefill_budget` prompt
-             tokens per step, so a long prompt delays the running rows' next token by a chunk,
-             not by the whole prompt; with no row decoding, whole prompts at once. The last
-             chunk's logits give the row's first token.
-    decode   one step over the rows that are generating: plain (one token each) or speculative
-             (SpeculativeDecoder.step: propose, verify, accept, commit), with the cost model
-             choosing each row's draft length for this batch (policy.AutoPolicy.plan)
+    prefill  while other rows are decoding, newcomers' prompts run on their own row of the cache
+             (`KVCache.rows`: a view, no copy), at most `prefill_budget` prompt tokens per step,
+             so a long prompt delays the running rows' next token by a chunk, not by the whole
+             prompt; with no row decoding, every newcomer's whole prompt at once, the rows
+             together in one batched prefill. The last chunk's logits give the row's first token.
+    decode   one step over the rows that are generating (SpeculativeDecoder.step: propose,
+             verify, accept, commit), with the cost model choosing each row's draft length for
+             this batch (policy.AutoPolicy.plan); with no draft, the root alone
     finish   a row that hit EOS or its budget leaves; its slot, its cache row and its draft
              state are free for the next request at once, as are a cancelled request's.
 
@@ -38,18 +42,36 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import Protocol
 
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.runtime.generator import GenerationResult, Generator, Rows
 from specrt.runtime.kv_cache import KVCache
-from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.sampling import SamplingParams, next_tokens
 from specrt.runtime.session import Prefilled
-from specrt.runtime.speculative import SpecState, SpeculativeDecoder
+from specrt.runtime.target import GenerationResult, Target
 
 CAPACITY_STEP = 64  # cache capacities are multiples of this (fewer reallocations)
+
+
+class Decoder(Protocol):
+    """What the engine steps with (runtime/speculative.py's SpeculativeDecoder): the target, the
+    draft's demands, and the verbs of a row's life: join, step, leave."""
+
+    gen: Target
+    policy: object  # its max_draft: the most draft nodes one step verifies
+
+    @property
+    def needs_features(self) -> bool: ...
+
+    def new_state(self, batch: int): ...
+
+    def join(self, state, rows: list[int], requests: list, rngs: list, budgets: list[int], prefilled: Prefilled): ...
+
+    def step(self, state): ...
+
+    def leave(self, state, row: int) -> None: ...
 
 
 @dataclasses.dataclass
@@ -57,6 +79,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
+    rng: np.random.Generator | None = None  # its random generator (default: one from sampling.seed)
 
 
 @dataclasses.dataclass
@@ -80,28 +103,26 @@ class _Slot:
     prefill_seconds: float = 0.0
     steps: list[float] = dataclasses.field(default_factory=list)  # the decode steps it was in
     hidden: list[np.ndarray] = dataclasses.field(default_factory=list)  # prompt features, by chunk
-    metrics: SpecMetrics | None = None
 
     @property
     def prompt(self) -> list[int]:
         return self.request.prompt
 
+    @property
+    def generating(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
 
 class BatchEngine:
-    def __init__(
-        self,
-        runner: Generator | SpeculativeDecoder,
-        max_batch: int = 8,
-        prefill_budget: int = 64,
-        max_waiting: int | None = None,
-    ):
-        """runner: a Generator (plain decoding) or a SpeculativeDecoder over one; max_batch: slots
-        (requests generating at once); prefill_budget: prompt tokens per step while rows decode;
-        max_waiting: requests that may wait for a slot (`submit` refuses more; None: no limit)."""
+    def __init__(self, runner, max_batch: int = 8, prefill_budget: int = 64, max_waiting: int | None = None):
+        """runner: a Generator (plain decoding) or a SpeculativeDecoder; the engine steps with its
+        `decoder`. max_batch: slots (requests generating at once); prefill_budget: prompt tokens
+        per step while rows decode; max_waiting: requests that may wait for a slot (`submit`
+        refuses more; None: no limit)."""
         if max_batch < 1 or prefill_budget < 1:
             raise SpecrtError(f"max_batch and prefill_budget must be >= 1, got {max_batch} and {prefill_budget}")
-        self.spec = runner if isinstance(runner, SpeculativeDecoder) else None
-        self.gen: Generator = runner.gen
+        self.decoder: Decoder = runner.decoder
+        self.gen: Target = self.decoder.gen
         self.session = self.gen.session
         most = self.session.caps.max_batch
         if most is not None and max_batch > most:
@@ -110,24 +131,13 @@ class BatchEngine:
                 f"--max-batch {most} or less, or rebuild the engine with a larger --max-batch"
             )
         self.max_batch, self.prefill_budget, self.max_waiting = max_batch, prefill_budget, max_waiting
-        self.headroom = self.spec.policy.max_draft + 1 if self.spec else 0  # one unverified draft
+        # a step appends the root and at most max_draft nodes after a row's committed tokens
+        self.headroom = self.decoder.policy.max_draft
         self.waiting: collections.deque[_Slot] = collections.deque()
         self.slots: list[_Slot | None] = [None] * max_batch
-        self.rows = Rows(np.zeros(max_batch, np.int64), np.zeros(max_batch, np.int64), self.gen.eos_ids)
-        self.rows.active[:] = False  # generating (prefill done); a slot may be taken and not active
+        self.state = self.decoder.new_state(max_batch)
+        self.rows = self.state.rows  # generating (prefill done) rows are active; a taken slot may not be
         self.cache: KVCache | None = None
-        self.state: SpecState | None = None
-        if self.spec is not None:
-            S = max_batch
-            self.state = SpecState(
-                [[] for _ in range(S)],
-                self.rows,
-                None,  # set to the view of the rows in use before each step
-                [SamplingParams()] * S,
-                [np.random.default_rng()] * S,
-                self.spec.new_cost_model(),
-                pending=[[] for _ in range(S)] if self.spec.proposer.needs_features else None,
-            )
         self._next_rid = 0
         self.steps = 0  # decode steps taken
 
@@ -149,7 +159,8 @@ class BatchEngine:
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise SpecrtError(f"{len(self.waiting)} requests already wait for a slot; retry later")
         rid, self._next_rid = self._next_rid, self._next_rid + 1
-        self.waiting.append(_Slot(rid, request, budget, np.random.default_rng(request.sampling.seed)))
+        rng = request.rng if request.rng is not None else np.random.default_rng(request.sampling.seed)
+        self.waiting.append(_Slot(rid, request, budget, rng))
         return rid
 
     def cancel(self, rid: int) -> bool:
@@ -164,19 +175,33 @@ class BatchEngine:
                 return True
         return False
 
+    def close(self) -> None:
+        """End every request and give the cache back (a pooled one may be handed out again)."""
+        self.waiting.clear()
+        for b, s in enumerate(self.slots):
+            if s is not None:
+                self._free(b)
+        if self.cache is not None:
+            self.session.release(self.cache)
+            self.cache = None
+
     # -- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
         """Admit, prefill (a chunk while others decode), one decode step, finish; the events of
         every request that produced tokens or finished."""
         events: list[Event] = []
-        self._admit()
-        self._prefill(events)
+        self.admit()
+        if self.rows.active.any():
+            self._prefill_chunks(events)
+        else:
+            self._prefill_together(events)
         if self.rows.active.any():
             self._decode(events)
         return events
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """Waiting requests take free slots, and the cache fits the batch."""
         while self.waiting and None in self.slots:
             b = self.slots.index(None)
             self.slots[b] = self.waiting.popleft()
@@ -194,6 +219,10 @@ class BatchEngine:
         if need == 0 or have >= need > have // 4:
             return
         old, capacity = self.cache, -(-need // CAPACITY_STEP) * CAPACITY_STEP
+        most = self.session.caps.max_cache  # an engine's largest past: round up to it, not past it
+        capacity = max(need, min(capacity, most)) if most else capacity
+        if self.session.capacity_for(capacity) == have:  # what a shrink would give (pooled caches)
+            return
         self.cache = self.session.new_cache(self.max_batch, capacity)
         if old is not None:
             for b, s in enumerate(self.slots):
@@ -204,89 +233,76 @@ class BatchEngine:
             self.cache.lengths[:] = old.lengths
             self.session.release(old)
 
-    def _prefill(self, events: list[Event]) -> None:
-        decoding = self.rows.active.any()
-        budget = self.prefill_budget if decoding else None
+    def _prefill_chunks(self, events: list[Event]) -> None:
+        """While rows decode: at most prefill_budget prompt tokens, newcomers one row at a time."""
+        budget = self.prefill_budget
         for b, s in enumerate(self.slots):
-            if s is None or self.rows.active[b] or s.prefilled == len(s.prompt):
+            if s is None or s.generating:
                 continue
-            while s.prefilled < len(s.prompt) and (budget is None or budget > 0):
-                size = self.session.prefill_chunk if budget is None else min(budget, self.session.prefill_chunk)
-                chunk = s.prompt[s.prefilled : s.prefilled + size]
+            while not s.generating and budget > 0:
+                chunk = s.prompt[s.prefilled : s.prefilled + min(budget, self.session.prefill_chunk)]
                 t0 = time.perf_counter()
-                out = self.session.forward(
-                    self.cache.rows(b, b + 1), [chunk], last_only=True, hidden=self._needs_features
-                )
+                out = self.session.forward(self.cache.rows(b, b + 1), [chunk], last_only=True, hidden=self._features)
                 s.prefilled += len(chunk)
-                if budget is not None:
-                    budget -= len(chunk)
-                if self._needs_features:
+                budget -= len(chunk)
+                if self._features:
                     s.hidden.append(out.hidden_states[0, : len(chunk)])
-                if s.prefilled == len(s.prompt):
-                    self._start(b, s, out.logits[:, 0], events)
                 s.prefill_seconds += time.perf_counter() - t0
-            if budget is not None and budget <= 0:
+                if s.generating:
+                    self._start([b], out.logits[:, 0], events)
+            if budget <= 0:
                 return
 
-    @property
-    def _needs_features(self) -> bool:
-        return self.spec is not None and self.spec.proposer.needs_features
+    def _prefill_together(self, events: list[Event]) -> None:
+        """No row decodes: every newcomer's (rest of its) prompt in one batched prefill."""
+        rows = [b for b, s in enumerate(self.slots) if s is not None and not s.generating]
+        if not rows:
+            return
+        lo, hi = rows[0], rows[-1] + 1
+        rest = [[] if b not in rows else self.slots[b].prompt[self.slots[b].prefilled :] for b in range(lo, hi)]
+        t0 = time.perf_counter()
+        prefilled = self.session.prefill(self.cache.rows(lo, hi), rest, hidden=self._features)
+        seconds = time.perf_counter() - t0
+        for b in rows:
+            s = self.slots[b]
+            s.prefilled, s.prefill_seconds = len(s.prompt), s.prefill_seconds + seconds
+            if self._features:
+                s.hidden.append(prefilled.hidden[b - lo])
+        self._start(rows, prefilled.logits[[b - lo for b in rows]], events)
 
-    def _start(self, b: int, s: _Slot, logits: np.ndarray, events: list[Event]) -> None:
-        """The prompt is in: the first token, and the row starts generating."""
-        first = next_tokens(logits, s.request.sampling, s.rng)
-        self.rows.join(b, len(s.prompt), s.budget)
-        if self.spec is not None:
-            st = self.state
-            st.prompts[b], st.sampling[b], st.rng[b] = s.prompt, s.request.sampling, s.rng
-            hidden = [np.concatenate(s.hidden)] if s.hidden else None
+    @property
+    def _features(self) -> bool:
+        return self.decoder.needs_features
+
+    def _start(self, rows: list[int], logits: np.ndarray, events: list[Event]) -> None:
+        """Their prompts are in: each row's first token (logits: (len(rows), V)), and they start
+        generating."""
+        slots = [self.slots[b] for b in rows]
+        first = [int(next_tokens(logits[i : i + 1], s.request.sampling, s.rng)[0]) for i, s in enumerate(slots)]
+        hidden = [np.concatenate(s.hidden) for s in slots] if self._features else None
+        for s in slots:
             s.hidden = []
-            if st.pending is not None:
-                st.pending[b] = list(hidden)
-            s.metrics = SpecMetrics()
-            self.spec.proposer.begin([b], [s.prompt], Prefilled(logits, hidden))
-        events.append(Event(s.rid, self.rows.emit(b, [first[0]])))
-        if not self.rows.active[b]:
-            events[-1].result = self._finish(b)
+        requests = [s.request for s in slots]
+        rngs, budgets = [s.rng for s in slots], [s.budget for s in slots]
+        self.decoder.join(self.state, rows, requests, rngs, budgets, Prefilled(logits, hidden))
+        for b, s, token in zip(rows, slots, first):
+            events.append(Event(s.rid, self.rows.emit(b, [token])))
+            if not self.rows.active[b]:
+                events[-1].result = self._finish(b)
 
     def _decode(self, events: list[Event]) -> None:
         rows = [int(b) for b in np.flatnonzero(self.rows.active)]
-        view = self.cache.rows(0, rows[-1] + 1)  # the rows in use: free slots past them cost nothing
+        self.state.cache = self.cache.rows(0, rows[-1] + 1)  # the rows in use: free slots past them cost nothing
         t0 = time.perf_counter()
-        if self.spec is None:
-            new = self._plain_step(view, rows)
-        else:
-            self.state.cache = view
-            record = self.spec.step(self.state)
-            new = record.new_tokens
-            for b in rows:
-                tree, verdict = record.trees[b], record.verdicts[b]
-                depth = int(record.depths[b].max()) if len(tree) else 0
-                self.slots[b].metrics.observe_draft(len(tree), len(verdict.accepted), depth)
+        record = self.decoder.step(self.state)
         seconds = time.perf_counter() - t0
         self.steps += 1
         for b in rows:
             s = self.slots[b]
             s.steps.append(seconds)
-            events.append(Event(s.rid, new[b]))
+            events.append(Event(s.rid, record.new_tokens[b]))
             if not self.rows.active[b]:
                 events[-1].result = self._finish(b)
-
-    def _plain_step(self, view: KVCache, rows: list[int]) -> list[list[int]]:
-        active = self.rows.active[: view.batch].copy()
-        last = np.array([self.rows.out[b][-1] if active[b] else 0 for b in range(view.batch)])
-        greedy = all(self.slots[b].request.sampling.greedy for b in rows)
-        out = self.gen.decode_step(view, last, active, want_logits=not greedy)
-        new: list[list[int]] = [[] for _ in range(view.batch)]
-        top = out.argmax()[:, 0]  # (B,): on a device backend computed there
-        for b in rows:
-            s = self.slots[b]
-            if s.request.sampling.greedy:
-                token = int(top[b])
-            else:
-                token = next_tokens(out.logits[b : b + 1, 0], s.request.sampling, s.rng)[0]
-            new[b] = self.rows.emit(b, [token])
-        return new
 
     def _finish(self, b: int) -> GenerationResult:
         s = self.slots[b]
@@ -297,18 +313,15 @@ class BatchEngine:
             s.prefill_seconds,
             float(sum(s.steps)),
             s.steps,
-            metrics=s.metrics,
+            metrics=self.state.row_metrics[b],
         )
         self._free(b)
         return result
 
     def _free(self, b: int) -> None:
         s, self.slots[b] = self.slots[b], None
-        if self.spec is not None and s.metrics is not None:  # it had begun generating
-            self.spec.proposer.end([b], [self.rows.out[b]])
-            self.state.cost.forget_row(b)
-            if self.state.pending is not None:
-                self.state.pending[b] = []
+        if s.generating:  # it joined the decoder
+            self.decoder.leave(self.state, b)
         self.rows.active[b] = False
         if self.cache is not None:
             self.cache.lengths[b] = 0

@@ -65,7 +65,7 @@ class StepSession:
         generations lets each step shape be captured once, not once per generation. A pooled cache
         is handed out again only after `release`."""
         c, caps = self.config, self.caps
-        capacity = -(-capacity // caps.cache_align) * caps.cache_align
+        capacity = self.capacity_for(capacity)
 
         def fresh(capacity: int) -> KVCache:
             shape = (c.num_hidden_layers, batch, c.num_key_value_heads, capacity, c.head_dim)
@@ -73,8 +73,6 @@ class StepSession:
 
         if not caps.reuse_cache:
             return fresh(capacity)
-        limit = caps.max_cache or capacity + CACHE_BUCKET
-        capacity = max(capacity, min(-(-capacity // CACHE_BUCKET) * CACHE_BUCKET, limit))
         for cache in self._pool:
             if not cache.in_use and cache.batch == batch and cache.capacity == capacity:
                 cache.reset()
@@ -88,6 +86,15 @@ class StepSession:
         if len(self._pool) < CACHE_POOL_SIZE:
             self._pool.append(cache)
         return cache
+
+    def capacity_for(self, capacity: int) -> int:
+        """The capacity `new_cache` gives for one asked for (aligned; pooled: bucketed)."""
+        caps = self.caps
+        capacity = -(-capacity // caps.cache_align) * caps.cache_align
+        if not caps.reuse_cache:
+            return capacity
+        limit = caps.max_cache or capacity + CACHE_BUCKET
+        return max(capacity, min(-(-capacity // CACHE_BUCKET) * CACHE_BUCKET, limit))
 
     def release(self, cache: KVCache) -> None:
         """The generation that used `cache` is over: a pooled cache may be handed out again."""
@@ -143,7 +150,8 @@ class StepSession:
         return out
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], hidden: bool = False) -> Prefilled:
-        """Run the prompts through the model in chunks of `prefill_chunk`."""
+        """Run the prompts through the model in chunks of `prefill_chunk` (a row given no tokens
+        is left as it is: its logits are zeros, its features None)."""
         last = np.zeros((cache.batch, self.config.vocab_size), dtype=np.float32)
         feats: list[list[np.ndarray]] = [[] for _ in prompts]
         start = 0
@@ -156,4 +164,4 @@ class StepSession:
                     if hidden:
                         feats[b].append(out.hidden_states[b, : len(c)])
             start += self.prefill_chunk
-        return Prefilled(last, [np.concatenate(f) for f in feats] if hidden else None)
+        return Prefilled(last, [np.concatenate(f) if f else None for f in feats] if hidden else None)

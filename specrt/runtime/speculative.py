@@ -4,8 +4,8 @@
     result = spec.generate("Rewrite this code ...", max_new_tokens=256)
     print(result.text, result.metrics.summary())
 
-One step of `SpeculativeDecoder.step`, for the active rows of a batch (a static one here, or the
-rows continuous batching runs together: runtime/batching.py, on the same `SpecState`):
+One step of `SpeculativeDecoder.step`, for the active rows of a batch (its `SpecState`: the rows
+the batching engine runs together, runtime/batching.py, the one generation loop):
     propose  the policy picks each row's N from the cost model; the proposer drafts a tree per
              row (greedy rows in one call, a seeded sampled row with its own generator)
     verify   one target step over [root, draft nodes...] per row, at positions length + depth
@@ -14,7 +14,12 @@ rows continuous batching runs together: runtime/batching.py, on the same `SpecSt
              (verification.py): the output follows the target exactly
     commit   the cache keeps the root and the accepted path (`KVCache.keep_path`), the rows emit
              their tokens, and the proposer hears the verdicts (so a draft with state rolls back)
-and `observe` feeds what the step cost and accepted to the metrics and the cost model.
+and `observe` feeds what the step cost and accepted to the metrics and the cost model. A row's
+life around its steps is `join` (its prompt is in) and `leave` (it finished or was cancelled).
+
+`Generates` gives both runners, this decoder and the Generator (plain decoding: a decoder with
+no draft, N = 0), the static conveniences: `generate_ids`, `iter_generate`, `stream` and
+`generate` run the batching engine with every request arriving at step 0.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ import numpy as np
 from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepOutput
+from specrt.runtime.batching import BatchEngine, Request
 from specrt.runtime.drafts.base import DraftInput, Proposer
-from specrt.runtime.generator import GenerationResult, Generator, Rows, Started, Stream, generation, text_stream
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
+from specrt.runtime.session import Prefilled
+from specrt.runtime.target import GenerationResult, Rows, Stream, Target, text_stream
 from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling
 
 
@@ -68,29 +75,23 @@ def make_policy(num_draft: int | str, max_draft: int = 16):
 
 @dataclasses.dataclass
 class SpecState:
-    """The speculative bookkeeping of a batch: its rows (what each produced), its cache, each
-    row's sampling and randomness, the cost model. A static batch (`iter_generate`) builds one
-    from `Started` (its rows share the request's sampling and random generator); continuous
-    batching (batching.py) keeps one whose rows come and go, each with its own."""
+    """The speculative bookkeeping of a batch (`SpeculativeDecoder.new_state`): its rows (what
+    each produced), its cache, each row's sampling, random generator and metrics, and the cost
+    model; rows come and go (`join`, `leave`)."""
 
     prompts: list[list[int]]  # per row
     rows: Rows
-    cache: KVCache  # the rows' cache (continuous batching: a view of the rows in use)
+    cache: KVCache | None  # the rows' cache (the batching engine's view of the rows in use)
     sampling: list[SamplingParams]  # per row
-    rng: list[np.random.Generator]  # per row (may be one shared generator)
+    rng: list[np.random.Generator | None]  # per row
     cost: CostModel
-    metrics: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)
+    row_metrics: list[SpecMetrics | None]  # per row, while it runs (None: plain decoding)
+    metrics: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)  # every row's steps
     # per row: the target's features at the positions committed since the proposer last saw the
     # row (the prompt's at first); None unless the proposer needs features
     pending: list[list[np.ndarray]] | None = None
     step_times: list[float] = dataclasses.field(default_factory=list)
     drafted_per_step: list[float] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def of(cls, st: Started, sampling: SamplingParams, cost: CostModel) -> "SpecState":
-        B = len(st.prompts)
-        pending = None if st.prefilled.hidden is None else [[h] for h in st.prefilled.hidden]
-        return cls(st.prompts, st.rows, st.cache, [sampling] * B, [st.rng] * B, cost, pending=pending)
 
 
 @dataclasses.dataclass
@@ -108,8 +109,86 @@ class StepRecord:
     new_tokens: list[list[int]]
 
 
-class SpeculativeDecoder:
-    def __init__(self, generator: Generator, proposer: Proposer, policy=None):
+class Generates:
+    """The static conveniences, written once for both runners (`self.decoder`: the decoder this
+    runner steps with). A static batch is the batching engine with every request at step 0;
+    each row has its own random generator (row 0 the request's seed, row b one seeded from
+    (seed, b)), and each row's result carries the batch's decode time and SpecMetrics."""
+
+    decoder: "SpeculativeDecoder"
+
+    def iter_generate(
+        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+    ) -> Stream[list[list[int]], list[GenerationResult]]:
+        """Generate for a batch of token-id prompts, step by step: iterating yields, after every
+        step, the new tokens of each row (possibly none); `result` is then one GenerationResult
+        per row. The prompts are checked and the cache is taken before this returns."""
+        decoder = self.decoder
+        decoder.gen.budgets(prompts, max_new_tokens)  # every prompt checked before any is queued
+        engine = BatchEngine(decoder, max_batch=len(prompts))
+        for b, prompt in enumerate(prompts):
+            engine.submit(Request(prompt, max_new_tokens, sampling, _row_rng(sampling.seed, b)))
+        engine.admit()
+
+        def steps():
+            results: dict[int, GenerationResult] = {}
+            try:
+                while not engine.idle:
+                    new: list[list[int]] = [[] for _ in prompts]
+                    for event in engine.step():
+                        new[event.rid] += event.tokens
+                        if event.result is not None:
+                            results[event.rid] = event.result
+                    yield new
+            finally:
+                engine.close()
+            state, metrics = engine.state, decoder.finish(engine.state)
+            for r in results.values():  # the batch's decode time and metrics, as one generation
+                r.decode_seconds, r.step_seconds, r.metrics = float(sum(state.step_times)), state.step_times, metrics
+            return [results[b] for b in range(len(prompts))]
+
+        return Stream(steps(), engine.close)
+
+    def generate_ids(
+        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+    ) -> list[GenerationResult]:
+        return self.iter_generate(prompts, max_new_tokens, sampling).run()
+
+    def stream(
+        self,
+        prompt: str,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        chat: bool = True,
+        system: str | None = None,
+    ) -> Stream[str, GenerationResult]:
+        """Text pieces as tokens are produced; `result` is then the GenerationResult."""
+        target = self.decoder.gen
+        return text_stream(
+            target, self.iter_generate([target.encode_prompt(prompt, chat, system)], max_new_tokens, sampling)
+        )
+
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        chat: bool = True,
+        system: str | None = None,
+    ) -> GenerationResult:
+        target = self.decoder.gen
+        result = self.generate_ids([target.encode_prompt(prompt, chat, system)], max_new_tokens, sampling)[0]
+        result.text = target.decode(result.token_ids)
+        return result
+
+
+def _row_rng(seed: int | None, b: int) -> np.random.Generator:
+    """Row b's random generator in a static batch: row 0 draws as the request alone would."""
+    return np.random.default_rng(seed if seed is None or b == 0 else [seed, b])
+
+
+class SpeculativeDecoder(Generates):
+    def __init__(self, generator: Target, proposer: Proposer, policy=None):
         self.gen = generator
         self.proposer = proposer
         self.policy = policy if policy is not None else AutoPolicy()
@@ -122,46 +201,70 @@ class SpeculativeDecoder:
                 "less, or rebuild "
                 f"the engine with --max-verify {self.policy.max_draft + 1}"
             )
-        self.exactness_warning = batch_variance_warning(generator.session.caps)
+        # plain decoding (N = 0) steps one position, as the engine's batch-variance check measured
+        drafts = self.policy.max_draft > 0
+        self.exactness_warning = batch_variance_warning(generator.session.caps) if drafts else None
         if self.exactness_warning:
             warnings.warn(self.exactness_warning, stacklevel=2)
+
+    @property
+    def decoder(self) -> "SpeculativeDecoder":
+        return self
 
     @property
     def eos_ids(self):
         return self.gen.eos_ids
 
-    # -- the generation --------------------------------------------------------------------------
+    @property
+    def needs_features(self) -> bool:
+        return self.proposer.needs_features
 
-    def iter_generate(
-        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
-    ) -> Stream[list[list[int]], list[GenerationResult]]:
-        """Iterating yields, after every step, the new tokens of each row (possibly none); `result`
-        is then one GenerationResult per row, each carrying the batch's SpecMetrics."""
-        # room for the longest output plus one unverified draft
-        return generation(
-            self.gen,
-            prompts,
-            max_new_tokens,
-            sampling,
-            self._loop,
-            headroom=self.policy.max_draft + 1,
-            hidden=self.proposer.needs_features,
-        )
+    # -- a row's life ------------------------------------------------------------------------------
 
     def new_cost_model(self) -> CostModel:
         return CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token)
 
-    def _loop(self, st: Started, sampling: SamplingParams):
-        rows = list(range(len(st.prompts)))
-        state = SpecState.of(st, sampling, self.new_cost_model())
-        self.proposer.begin(rows, st.prompts, st.prefilled)
-        try:
-            yield [st.rows.emit(b, [st.first[b]]) for b in rows]
-            while st.rows.active.any():
-                yield self.step(state).new_tokens
-        finally:
-            self.proposer.end(rows, st.rows.out)
-        return st.rows.results(st.prefill_seconds, state.step_times, self.finish(state))
+    def new_state(self, batch: int) -> SpecState:
+        """The bookkeeping of a batch of `batch` rows, none of them running yet."""
+        rows = Rows(np.zeros(batch, np.int64), np.zeros(batch, np.int64), self.gen.eos_ids)
+        rows.active[:] = False
+        pending = [[] for _ in range(batch)] if self.needs_features else None
+        return SpecState(
+            [[] for _ in range(batch)],
+            rows,
+            None,
+            [SamplingParams()] * batch,
+            [None] * batch,
+            self.new_cost_model(),
+            [None] * batch,
+            pending=pending,
+        )
+
+    def join(
+        self,
+        state: SpecState,
+        rows: list[int],
+        requests: list[Request],
+        rngs: list[np.random.Generator],
+        budgets: list[int],
+        prefilled: Prefilled,
+    ) -> None:
+        """The rows' prompts are in the cache (`prefilled` follows `rows`): they start generating."""
+        for i, (b, request) in enumerate(zip(rows, requests)):
+            state.rows.join(b, len(request.prompt), budgets[i])
+            state.prompts[b], state.sampling[b], state.rng[b] = request.prompt, request.sampling, rngs[i]
+            state.row_metrics[b] = SpecMetrics() if self.policy.max_draft else None
+            if state.pending is not None:
+                state.pending[b] = [prefilled.hidden[i]]
+        self.proposer.begin(rows, [r.prompt for r in requests], prefilled)
+
+    def leave(self, state: SpecState, b: int) -> None:
+        """Row b finished or was cancelled: the proposer and the cost model forget it."""
+        self.proposer.end([b], [state.rows.out[b]])
+        state.cost.forget_row(b)
+        state.row_metrics[b] = None
+        if state.pending is not None:
+            state.pending[b] = []
 
     def step(self, state: SpecState) -> StepRecord:
         """One speculative step over the active rows: propose → verify → accept → commit."""
@@ -185,15 +288,14 @@ class SpeculativeDecoder:
 
     def propose(self, state: SpecState, rows: list[int], plan: dict[int, int]) -> dict[int, DraftTree]:
         """A draft tree per row, of at most as many nodes as the plan gives the row (0: none). Rows
-        that draft are proposed for together, one call per sampling setting (greedy rows
-        together; a sampled row with its own random generator alone, so its draws are the same
-        as when it runs by itself)."""
+        that draft are proposed for together, one call per sampling setting; each row draws from
+        its own random generator, so its draws are the same as when it runs by itself."""
         trees = {b: DraftTree.empty() for b in rows}
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[SamplingParams, list[int]] = {}
         for b in rows:
-            if plan[b] > 0:
+            if plan[b] > 0:  # one call per setting; each row draws from its own generator
                 sampling = state.sampling[b]
-                key = ("greedy",) if sampling.greedy else (id(sampling), id(state.rng[b]))
+                key = SamplingParams() if sampling.greedy else dataclasses.replace(sampling, seed=None)
                 groups.setdefault(key, []).append(b)
         for group in groups.values():
             n = max(plan[b] for b in group)
@@ -208,7 +310,7 @@ class SpeculativeDecoder:
                 n,
                 [int(state.rows.budget[b]) - len(state.rows.out[b]) for b in group],
                 state.sampling[group[0]],
-                state.rng[group[0]],
+                [state.rng[b] for b in group],
                 features,
             )
             drafted = self.proposer.propose(inp)
@@ -278,6 +380,8 @@ class SpeculativeDecoder:
                 tree, verdict = r.trees[b], r.verdicts[b]
                 depth = int(r.depths[b].max()) if len(tree) else 0
                 metrics.observe_draft(len(tree), len(verdict.accepted), depth)
+                if state.row_metrics[b] is not None:
+                    state.row_metrics[b].observe_draft(len(tree), len(verdict.accepted), depth)
                 if r.asked[b] > 0:  # asked and not drafted counts too: the cost model plans by what it asks
                     cost.observe_acceptance(depth, len(verdict.accepted), b, asked=r.asked[b], positions=len(tree))
         drafted = sum(len(r.trees[b]) for b in r.rows) / len(r.rows)
@@ -288,8 +392,11 @@ class SpeculativeDecoder:
         metrics.draft_seconds += r.draft_seconds
         state.step_times.append(r.verify_seconds + r.draft_seconds)
 
-    def finish(self, state: SpecState) -> SpecMetrics:
-        """The metrics, with the cost model's fitted numbers and its predicted speedup."""
+    def finish(self, state: SpecState) -> SpecMetrics | None:
+        """The batch's metrics, with the cost model's fitted numbers and its predicted speedup
+        (None for plain decoding: nothing drafts)."""
+        if not self.policy.max_draft:
+            return None
         metrics = state.metrics
         fitted = state.cost.cost(len(state.prompts))
         if fitted is not None and metrics.steps:
@@ -300,24 +407,3 @@ class SpeculativeDecoder:
             # the cost model's speedup for the drafts this run made: tokens per step / mean step cost
             metrics.predicted_speedup = metrics.mean_accepted_length / float(fitted.relative(drafted).mean())
         return metrics
-
-    # -- conveniences ----------------------------------------------------------------------------
-
-    def generate_ids(self, prompts, max_new_tokens=128, sampling=SamplingParams()) -> list[GenerationResult]:
-        return self.iter_generate(prompts, max_new_tokens, sampling).run()
-
-    def stream(
-        self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None
-    ) -> Stream[str, GenerationResult]:
-        """Text pieces; `result` is then the GenerationResult with metrics."""
-        return text_stream(
-            self.gen, self.iter_generate([self.gen.encode_prompt(prompt, chat, system)], max_new_tokens, sampling)
-        )
-
-    def generate(
-        self, prompt: str, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None
-    ) -> GenerationResult:
-        ids = self.gen.encode_prompt(prompt, chat, system)
-        result = self.generate_ids([ids], max_new_tokens, sampling)[0]
-        result.text = self.gen.decode(result.token_ids)
-        return result

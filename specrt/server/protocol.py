@@ -26,7 +26,7 @@ from specrt.server.fields import refused_field
 from specrt.server.limits import ServerLimits
 
 if TYPE_CHECKING:
-    from specrt.runtime.generator import GenerationResult
+    from specrt.runtime.target import GenerationResult
 
 # a request's outcome, as the metrics count it (metrics.py), by the status it ended with
 OUTCOMES = ("ok", "invalid", "cancelled", "refused", "timed_out", "error")

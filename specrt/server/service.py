@@ -21,8 +21,7 @@ from typing import Iterator
 
 from specrt.errors import PromptError, SpecrtError
 from specrt.runtime.batching import BatchEngine, Request
-from specrt.runtime.generator import GenerationResult, Generator
-from specrt.runtime.speculative import SpeculativeDecoder
+from specrt.runtime.target import GenerationResult, Target
 from specrt.runtime.tokenizer import IncrementalDetokenizer
 from specrt.server.limits import ServerLimits
 from specrt.server.metrics import ServerMetrics
@@ -153,9 +152,9 @@ class _Reply:
 
 class CompletionService:
     def __init__(self, runner, model_id: str, limits: ServerLimits = ServerLimits()):
-        """runner: a Generator or a SpeculativeDecoder over one."""
+        """runner: a Generator or a SpeculativeDecoder over one (the engine steps with its `decoder`)."""
         self.runner = runner
-        self.gen: Generator = runner.gen  # a Generator is its own
+        self.gen: Target = runner.decoder.gen
         if self.gen.tokenizer is None:
             raise SpecrtError("the server needs a generator with a tokenizer")
         self.model_id = model_id
@@ -171,7 +170,7 @@ class CompletionService:
         self._worker: threading.Thread | None = None
         self._live: dict[int, _Reply] = {}  # engine request id -> its reply (engine thread only)
         self.metrics = ServerMetrics()
-        self.draft_method = runner.proposer.name if isinstance(runner, SpeculativeDecoder) else None
+        self.draft_method = runner.decoder.proposer.name  # plain decoding's results carry no metrics
 
     @property
     def busy(self) -> bool:
@@ -362,7 +361,7 @@ class CompletionService:
             return
         self.count("cancelled" if finish == "cancelled" else "ok")
         m = result.metrics if result is not None else None
-        if m is not None and self.draft_method is not None:
+        if m is not None:
             self.metrics.speculation(self.draft_method, m.drafted_tokens, m.accepted_tokens, m.steps)
         reply.ticket.put(reply.last(finish, result))
         self._close_ticket(reply.ticket)

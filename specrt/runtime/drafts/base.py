@@ -26,15 +26,16 @@ and declares two facts about itself:
 What the runtime guarantees, and what it asks of a method:
 
 - Calls. `propose` gets the rows that draft this step (those the policy gives at least one
-  token), one call per sampling setting and random generator: greedy rows together. In a static
-  batch (SpeculativeDecoder.generate_ids) the batch has one setting and one generator, so all its
-  sampled rows come in one call; under the batching engine (runtime/batching.py) each request has
-  its own generator, so each sampled row comes alone.
+  token), one call per sampling setting (temperature, top-k, top-p): greedy rows together,
+  sampled rows of one setting together. Every row has its own random generator (`rngs`, one per
+  request and per row of a static batch): draw a row's tokens from its own only, in the order
+  it would alone, and its output is what it would be alone, whatever else runs.
 - Order. In `begin`, `prompts` and `prefilled` (its logits and hidden rows) follow `rows`.
-- Rows come and go. Under the batching engine `begin` and `end` name single rows while others
-  run, and a row number that ended may begin again for a new request: keep state per row. `end`
-  comes once per row: in a static batch for every row together when the generation finishes or
-  is closed; under the batching engine row by row, as each request finishes or is cancelled.
+- Rows come and go. Every generation runs on the batching engine (runtime/batching.py; a
+  static batch is one whose requests all arrive at step 0): `begin` names the rows whose
+  prompts are in (a static batch's together, a newcomer alone while others run), and a row
+  number that ended may begin again for a new request: keep state per row. `end` comes once per
+  row, as each finishes (EOS or its budget) or is cancelled, or the generation is closed.
 - The root. A context's last token is the target's own last sample: emitted, but not yet in
   the target's KV cache (the verification step feeds it first, then the tree's nodes). The tree
   drafts the tokens that follow it.
@@ -74,8 +75,8 @@ class DraftInput:
     contexts: list[list[int]]  # per row: prompt + output so far; its last token is the root, not yet verified
     max_tokens: int  # at most this many nodes per tree (N, chosen by the speculation policy)
     budgets: list[int]  # per row: tokens it may still emit; drafting deeper than budget - 1 is wasted
-    sampling: SamplingParams  # the request's sampling (a sampling draft honours temperature, top-k, top-p)
-    rng: np.random.Generator  # the generation's randomness (seeded runs stay reproducible)
+    sampling: SamplingParams  # the rows' sampling (a sampling draft honours temperature, top-k, top-p)
+    rngs: list[np.random.Generator]  # per row: its own randomness (draw row i's tokens from rngs[i] only)
     # per row: the target's features at the positions committed since the row's previous
     # proposal (the whole prompt at the first), oldest first; None unless `needs_features`
     features: list[np.ndarray] | None = None
@@ -95,3 +96,21 @@ class Proposer(Protocol):
     ) -> None: ...
 
     def end(self, rows: Sequence[int], outputs: Sequence[Sequence[int]]) -> None: ...
+
+
+class NoDraft:
+    """Plain decoding's proposer: it drafts nothing, so each step verifies the root alone (N = 0)."""
+
+    name, needs_features, cost_per_token = "none", False, False
+
+    def begin(self, rows, prompts, prefilled) -> None:
+        pass
+
+    def propose(self, inp: DraftInput) -> list[DraftTree]:
+        return [DraftTree.empty() for _ in inp.rows]
+
+    def commit(self, rows, trees, verdicts, step) -> None:
+        pass
+
+    def end(self, rows, outputs) -> None:
+        pass

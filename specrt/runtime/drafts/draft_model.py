@@ -100,6 +100,7 @@ class DraftModelProposer:
             feed[b] = list(ctx[int(self.cache.lengths[b]) :])  # committed since the last proposal: the root at least
         sampling = None if inp.sampling.greedy else inp.sampling
         n = min(inp.max_tokens, max(0, max(inp.budgets) - 1))
+        rngs = dict(zip(inp.rows, inp.rngs))  # each row draws from its own
         tokens = {b: [] for b in inp.rows}
         qs = {b: [] for b in inp.rows}
         for k in range(n):
@@ -111,7 +112,7 @@ class DraftModelProposer:
                     t = int(logits[b].argmax())
                 else:
                     q = probs_from_logits(logits[b], sampling)
-                    t = int(sample_from_probs(q, inp.rng))
+                    t = int(sample_from_probs(q, rngs[b]))
                     qs[b].append(q)
                 tokens[b].append(t)
                 if k + 1 < n:

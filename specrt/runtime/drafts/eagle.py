@@ -148,6 +148,7 @@ class EagleProposer:
 
     def _chains(self, inp, roots):
         greedy = inp.sampling.greedy
+        rngs = dict(zip(inp.rows, inp.rngs))  # each row draws from its own
         tokens = {b: [] for b in inp.rows}
         qs = {b: [] for b in inp.rows}
         state = dict(roots)  # row -> (logits, hidden) of the newest entry
@@ -159,7 +160,7 @@ class EagleProposer:
                     t = int(self.d2t[int(logits.argmax())])
                 else:
                     q = probs_from_logits(self._full(logits), inp.sampling)
-                    t = int(sample_from_probs(q, inp.rng))
+                    t = int(sample_from_probs(q, rngs[b]))
                     qs[b].append(q)
                 tokens[b].append(t)
             if k + 1 == inp.max_tokens:
