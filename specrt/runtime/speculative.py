@@ -340,10 +340,11 @@ class SpeculativeDecoder(Generates):
         self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput
     ) -> dict[int, Verdict]:
         verdicts = {}
+        top = out.argmax() if any(state.sampling[b].greedy for b in rows) else None  # once, not per row
         for b in rows:
             n, sampling = len(trees[b]) + 1, state.sampling[b]
             if sampling.greedy:
-                verdicts[b] = accept_greedy(trees[b], out.argmax()[b, :n])
+                verdicts[b] = accept_greedy(trees[b], top[b, :n])
             else:
                 verdicts[b] = accept_sampling(trees[b], probs_from_logits(out.logits[b, :n], sampling), state.rng[b])
         return verdicts
@@ -372,25 +373,33 @@ class SpeculativeDecoder(Generates):
 
     def observe(self, state: SpecState, r: StepRecord) -> None:
         """The step's cost and acceptance, into the metrics and the cost model."""
-        cost, metrics = state.cost, state.metrics
-        if any(r.asked[b] > 0 for b in r.rows):  # how far the estimates were off, before they move
-            cost.observe_gain(r.rows, r.asked, {b: len(r.verdicts[b].accepted) for b in r.rows})
-        with cost.batched_step():  # the rows' verdicts age the estimates by one step, not one per row
-            for b in r.rows:
-                tree, verdict = r.trees[b], r.verdicts[b]
-                depth = int(r.depths[b].max()) if len(tree) else 0
-                metrics.observe_draft(len(tree), len(verdict.accepted), depth)
-                if state.row_metrics[b] is not None:
-                    state.row_metrics[b].observe_draft(len(tree), len(verdict.accepted), depth)
-                if r.asked[b] > 0:  # asked and not drafted counts too: the cost model plans by what it asks
-                    cost.observe_acceptance(depth, len(verdict.accepted), b, asked=r.asked[b], positions=len(tree))
+        metrics = state.metrics
+        for b in r.rows:
+            tree, verdict = r.trees[b], r.verdicts[b]
+            depth = int(r.depths[b].max()) if len(tree) else 0
+            for m in (metrics, state.row_metrics[b]):
+                if m is not None:
+                    m.observe_draft(len(tree), len(verdict.accepted), depth)
         drafted = sum(len(r.trees[b]) for b in r.rows) / len(r.rows)
-        cost.observe_step(r.positions, len(r.rows), r.verify_seconds)
-        cost.observe_draft(drafted, r.draft_seconds)
+        if self.policy.max_draft:  # a decoder that never drafts (plain) has no use for the cost model
+            self._teach(state.cost, r, drafted)
         state.drafted_per_step.append(drafted)
         metrics.step_seconds += r.verify_seconds
         metrics.draft_seconds += r.draft_seconds
         state.step_times.append(r.verify_seconds + r.draft_seconds)
+
+    @staticmethod
+    def _teach(cost: CostModel, r: StepRecord, drafted: float) -> None:
+        if any(r.asked[b] > 0 for b in r.rows):  # how far the estimates were off, before they move
+            cost.observe_gain(r.rows, r.asked, {b: len(r.verdicts[b].accepted) for b in r.rows})
+        with cost.batched_step():  # the rows' verdicts age the estimates by one step, not one per row
+            for b in r.rows:
+                if r.asked[b] > 0:  # asked and not drafted counts too: the cost model plans by what it asks
+                    tree, verdict = r.trees[b], r.verdicts[b]
+                    depth = int(r.depths[b].max()) if len(tree) else 0
+                    cost.observe_acceptance(depth, len(verdict.accepted), b, asked=r.asked[b], positions=len(tree))
+        cost.observe_step(r.positions, len(r.rows), r.verify_seconds)
+        cost.observe_draft(drafted, r.draft_seconds)
 
     def finish(self, state: SpecState) -> SpecMetrics | None:
         """The batch's metrics, with the cost model's fitted numbers and its predicted speedup
