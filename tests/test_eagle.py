@@ -177,13 +177,13 @@ def test_training_lowers_the_held_out_loss(method, training_data, tiny_checkpoin
 def test_training_resumes_to_the_same_head(training_data, tiny_checkpoint, tmp_path, monkeypatch):
     """A run stopped after its first steps (checkpointed) and run again ends with the same head
     as an uninterrupted run: the seed fixes initialisation, batch order and schedule."""
-    import specrt.training.eagle as eagle
+    import specrt.training.loop as loop  # the training loop every draft shares (run_training)
 
     target = load_model(tiny_checkpoint)
     cfg = TrainConfig("eagle3", epochs=2, lr=1e-3, batch_tokens=1024, draft_vocab=64, checkpoint_every=1000)
     straight, _ = train_head(target, training_data, cfg, tmp_path / "straight", progress=False)
     clock = iter([0.0, *[1e6] * 10_000])  # the budget runs out after the first step
-    monkeypatch.setattr(eagle.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
     _, first = train_head(
         target, training_data, dataclasses.replace(cfg, max_minutes=1.0), tmp_path / "cut", progress=False
     )

@@ -135,7 +135,7 @@ def test_training_lowers_the_held_out_loss_and_derives_the_tree(training_data, t
 
 
 def test_training_resumes_to_the_same_heads(training_data, tiny_checkpoint, tmp_path, monkeypatch):
-    import specrt.training.eagle as loop  # the training loop every draft shares (run_training)
+    import specrt.training.loop as loop  # the training loop every draft shares (run_training)
 
     target = load_model(tiny_checkpoint)
     cfg = MedusaTrainConfig(num_heads=2, draft_vocab=64, top_k=4, epochs=2, batch=64, checkpoint_every=1000)

@@ -35,17 +35,8 @@ import torch.nn.functional as F
 from specrt.errors import SpecrtError
 from specrt.export.head_io import feature_columns
 from specrt.export.llama import LlamaModel, causal_mask
-from specrt.training.eagle import (
-    CHECKPOINT,
-    Sequence,
-    TrainingData,
-    choose_draft_vocab,
-    length_batches,
-    load_checkpoint,
-    run_training,
-    save_checkpoint,
-    warmup_cosine,
-)
+from specrt.training.eagle import Sequence, TrainingData, choose_draft_vocab, length_batches
+from specrt.training.loop import CHECKPOINT, Trainer, run_training
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -112,20 +103,15 @@ def save_draft_checkpoint(draft: LlamaModel, out: Path, tokenizer_from: Path) ->
     return out
 
 
-class DistillTrainer:
+class DistillTrainer(Trainer):
     def __init__(self, draft: LlamaModel, target: LlamaModel, data: TrainingData, cfg: DraftModelConfig):
-        self.draft, self.data, self.cfg = draft, data, cfg
+        super().__init__(draft, data, cfg)
+        self.draft = draft
         self.cols = feature_columns(data.target_layers, (-1,), data.hidden_size)
         self.head = target.lm_head.weight.detach()[draft.output_ids].clone()  # (Vd, C): the target's rows
-        self.params = [p for p in draft.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.batches = length_batches(data.train, cfg.max_len, cfg.batch_tokens)
         self.held = length_batches(data.held_out, cfg.max_len, cfg.batch_tokens)
         self.planned = max(1, math.ceil(cfg.epochs * len(self.batches)))
-        self.step = 0
-
-    def lr_at(self, step: int) -> float:
-        return warmup_cosine(step, self.cfg.lr, self.cfg.warmup, self.planned)
 
     def batch(self, seqs: list[Sequence], idx: list[int]):
         """(ids (B, n), target features (B, n, C), scored (B, n) bool, next tokens (B, n))."""
@@ -157,18 +143,10 @@ class DistillTrainer:
 
     def advance(self) -> float:
         epoch, within = divmod(self.step, len(self.batches))
-        order = np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.batches))
-        ids, feats, scored, _ = self.batch(self.data.train, self.batches[order[within]])
-        for g in self.opt.param_groups:
-            g["lr"] = self.lr_at(self.step)
-        self.opt.zero_grad(set_to_none=True)
-        kl, _, _ = self.forward(ids, feats, scored)
-        loss = kl / max(1, int(scored.sum()))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.opt.step()
-        self.step += 1
-        return loss.item()
+        ids, feats, scored, _ = self.batch(
+            self.data.train, self.batches[self.epoch_order(epoch, len(self.batches))[within]]
+        )
+        return self.optimize(lambda: self.forward(ids, feats, scored)[0] / max(1, int(scored.sum())))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -188,20 +166,11 @@ class DistillTrainer:
             "mean_accepted": round(float(sum(a**k for k in range(5))), 4),  # a chain of 4, bonus included
         }
 
-    def identity(self) -> dict:
-        c = dataclasses.asdict(self.cfg)
-        c.pop("max_minutes")
-        return {"config": c, "data": self.data.data_hash, "held_out": self.data.held_out_ids}
+    def weights(self) -> dict:
+        return {"draft": self.draft.state_dict()}
 
-    def save(self, path: Path) -> None:
-        state = {"step": self.step, "draft": self.draft.state_dict(), "optimizer": self.opt.state_dict()}
-        save_checkpoint({**state, "identity": self.identity()}, path)
-
-    def load(self, path: Path) -> None:
-        st = load_checkpoint(path, self.identity())
+    def load_weights(self, st: dict) -> None:
         self.draft.load_state_dict(st["draft"])
-        self.opt.load_state_dict(st["optimizer"])
-        self.step = st["step"]
 
 
 def train_draft_model(

@@ -31,8 +31,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +42,8 @@ from specrt.export.draft_head import DraftHead, HeadConfig, head_from_target
 from specrt.export.head_io import feature_columns
 from specrt.export.llama import LlamaModel
 from specrt.training.data import Answer, FeatureCache
+from specrt.training.loop import CHECKPOINT, Trainer, run_training
 
-CHECKPOINT = "checkpoint.pt"
 STEP_WEIGHT = 0.8  # the loss weight of unrolled step k is STEP_WEIGHT ** (k - 1)
 
 
@@ -119,43 +117,6 @@ def choose_draft_vocab(counts: np.ndarray, size: int, always: tuple[int, ...] = 
     order = np.lexsort((np.arange(len(counts)), -counts))
     chosen = list(dict.fromkeys([*always, *order.tolist()]))[:size]
     return np.array(sorted(chosen, key=lambda t: (-counts[t], t)), dtype=np.int64)
-
-
-def warmup_cosine(step: int, lr: float, warmup: int, planned: int) -> float:
-    """The learning rate of every draft trainer: linear warm-up over `warmup` steps, then a
-    cosine decay to a tenth of `lr` at step `planned`."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    frac = (step - warmup) / max(1, planned - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
-
-def save_checkpoint(state: dict, path: Path) -> None:
-    """A training checkpoint written to a temporary name and renamed: a run killed while saving
-    leaves the previous one whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path, identity: dict) -> dict:
-    """A training checkpoint's state, refused when it belongs to another run (its recorded
-    identity: config, data, held-out split, ... differs from `identity`)."""
-    try:
-        st = torch.load(path, weights_only=False)
-    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
-        raise SpecrtError(
-            f"{path} is damaged ({type(e).__name__}: {str(e)[:120]}), so training cannot resume from it; delete it "
-            f"to start training over (rm {path}), or restore it from a copy"
-        ) from None
-    if not isinstance(st, dict) or "identity" not in st:
-        raise SpecrtError(f"{path} is not a specrt training checkpoint; delete it to start training over (rm {path})")
-    if st["identity"] != identity:
-        raise SpecrtError(
-            f"{path} is a checkpoint of another training run (other data, method or settings); delete it "
-            "to start again, or give the same settings to resume"
-        )
-    return st
 
 
 def length_batches(seqs: list[Sequence], max_len: int, batch_tokens: int) -> list[list[int]]:
@@ -239,30 +200,24 @@ def unrolled(head: DraftHead, batch: Batch, steps: int):
     return out
 
 
-class Trainer:
+class HeadTrainer(Trainer):
+    clip = 0.5
+
     def __init__(self, head: DraftHead, data: TrainingData, cfg: TrainConfig):
-        self.head, self.data, self.cfg = head, data, cfg
+        super().__init__(head, data, cfg)
+        self.head = head
         C = data.hidden_size
         self.cols = feature_columns(data.target_layers, head.hc.layers, C)
         self.final_cols = feature_columns(data.target_layers, (-1,), C) if head.hc.method == "eagle" else None
         V = head.hc.target.vocab_size
         self.t2d = torch.full((V,), -1, dtype=torch.int64)  # target id -> draft row (-1: outside)
         self.t2d[head.draft_to_target] = torch.arange(head.hc.draft_vocab)
-        self.params = [p for p in head.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.batches = self._plan(data.train)
         self.held_batches = self._plan(data.held_out)
         self.planned = max(1, math.ceil(cfg.epochs * len(self.batches)))
-        self.step = 0
 
     def _plan(self, seqs: list[Sequence]) -> list[list[int]]:
         return length_batches(seqs, self.cfg.max_len, self.cfg.batch_tokens)
-
-    def batch_order(self, epoch: int) -> list[int]:
-        return np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.batches)).tolist()
-
-    def lr_at(self, step: int) -> float:
-        return warmup_cosine(step, self.cfg.lr, self.cfg.warmup, self.planned)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         total = torch.zeros(())
@@ -284,18 +239,8 @@ class Trainer:
     def advance(self) -> float:
         """One training step on the next batch of the seeded order; returns its loss."""
         epoch, within = divmod(self.step, len(self.batches))
-        return self.train_step(self.batch_of(self.data.train, self.batches[self.batch_order(epoch)[within]]))
-
-    def train_step(self, batch: Batch) -> float:
-        for g in self.opt.param_groups:
-            g["lr"] = self.lr_at(self.step)
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.loss(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 0.5)
-        self.opt.step()
-        self.step += 1
-        return loss.item()
+        batch = self.batch_of(self.data.train, self.batches[self.epoch_order(epoch, len(self.batches))[within]])
+        return self.optimize(lambda: self.loss(batch))
 
     @torch.no_grad()
     def evaluate(self, steps: int | None = None) -> dict:
@@ -323,109 +268,20 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def state(self) -> dict:
+    def weights(self) -> dict:
         trainable = {n: p.detach().clone() for n, p in self.head.named_parameters() if p.requires_grad}
-        return {
-            "step": self.step,
-            "planned": self.planned,
-            "head": trainable,
-            "draft_to_target": self.head.draft_to_target.clone(),
-            "optimizer": self.opt.state_dict(),
-            "identity": self.identity(),
-        }
+        return {"planned": self.planned, "head": trainable, "draft_to_target": self.head.draft_to_target.clone()}
 
-    def identity(self) -> dict:
-        """What a checkpoint must match to be resumed."""
-        c = dataclasses.asdict(self.cfg)
-        c.pop("max_minutes")
-        return {
-            "config": c,
-            "data": self.data.data_hash,
-            "held_out": self.data.held_out_ids,
-            "head": self.head.hc.to_dict(),
-        }
-
-    def save(self, path: Path) -> None:
-        save_checkpoint(self.state(), path)
-
-    def load(self, path: Path) -> None:
-        st = load_checkpoint(path, self.identity())
+    def load_weights(self, st: dict) -> None:
         with torch.no_grad():
             params = dict(self.head.named_parameters())
             for n, w in st["head"].items():
                 params[n].copy_(w)
             self.head.draft_to_target.copy_(st["draft_to_target"])
-        self.opt.load_state_dict(st["optimizer"])
-        self.step, self.planned = st["step"], st["planned"]
+        self.planned = st["planned"]
 
-
-@dataclasses.dataclass
-class Run:
-    """What run_training did: why it stopped, the loss history, the held-out figures."""
-
-    stopped: str  # "done" or "max_minutes"
-    history: list[dict]
-    before: dict | None  # held-out figures before the first step (None: resumed)
-    final: dict
-    seconds: float
-
-    def report(self, trainer, data: TrainingData, cfg) -> dict:
-        """The fields every draft's training report has (the method adds its own)."""
-        return {
-            "method": cfg.method,
-            "stopped": self.stopped,
-            "steps": trainer.step,
-            "planned_steps": trainer.planned,
-            "train_seconds": round(self.seconds, 1),
-            "train_sequences": len(data.train),
-            "held_out_sequences": len(data.held_out),
-            "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data.train)),
-            "held_out_before": self.before,
-            "held_out": self.final,
-            "history": self.history,
-            "config": dataclasses.asdict(cfg),
-        }
-
-
-def run_training(trainer, model: torch.nn.Module, cfg, ckpt: Path, desc: str, progress: bool = True) -> Run:
-    """The loop every draft trainer shares: resume from `ckpt` when it exists, train until
-    trainer.planned steps or cfg.max_minutes, evaluate the held-out data every cfg.eval_every
-    steps and at the last one (the progress bar shows the loss, the first draft step's
-    acceptance and the chain length), checkpoint every cfg.checkpoint_every steps and at the
-    stop. `trainer` has step, planned, advance() -> loss, evaluate() -> {acceptance,
-    mean_accepted, ...}, save(path) and load(path)."""
-    from tqdm import tqdm
-
-    if ckpt.is_file():
-        trainer.load(ckpt)
-    evaluation = trainer.evaluate()  # held-out figures for the progress bar, kept current below
-    evaluated_at = trainer.step
-    before = evaluation if trainer.step == 0 else None
-    history, stopped, t0 = [], "done", time.perf_counter()
-    bar = tqdm(total=trainer.planned, initial=trainer.step, desc=desc, unit="step", disable=not progress)
-    model.train()
-    while trainer.step < trainer.planned:
-        loss = trainer.advance()
-        history.append({"step": trainer.step, "loss": round(loss, 4)})
-        if trainer.step % cfg.eval_every == 0 or trainer.step == trainer.planned:
-            model.eval()
-            evaluation, evaluated_at = trainer.evaluate(), trainer.step
-            model.train()
-            history[-1]["held_out"] = evaluation
-        if trainer.step % cfg.checkpoint_every == 0:
-            trainer.save(ckpt)
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{loss:.3f}", acc=f"{evaluation['acceptance'][0]:.3f}", accepted=f"{evaluation['mean_accepted']:.2f}"
-        )
-        if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
-            stopped = "max_minutes"
-            break
-    bar.close()
-    model.eval()
-    trainer.save(ckpt)
-    final = evaluation if evaluated_at == trainer.step else trainer.evaluate()
-    return Run(stopped, history, before, final, time.perf_counter() - t0)
+    def identity(self) -> dict:
+        return {**super().identity(), "head": self.head.hc.to_dict()}
 
 
 def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftHead:
@@ -450,7 +306,7 @@ def train_head(
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     head = new_head(target, data, cfg)
-    trainer = Trainer(head, data, cfg)
+    trainer = HeadTrainer(head, data, cfg)
     run = run_training(trainer, head, cfg, out_dir / CHECKPOINT, f"train {cfg.method}", progress)
     report = run.report(trainer, data, cfg) | {"train_tokens": int(sum(len(s.tokens) for s in data.train))}
     if cfg.method == "eagle3":

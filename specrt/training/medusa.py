@@ -31,17 +31,8 @@ from specrt.errors import SpecrtError
 from specrt.export.head_io import DEFAULT_TREE_SIZE, derive_tree, feature_columns
 from specrt.export.llama import LlamaModel
 from specrt.export.medusa import MedusaConfig, MedusaHeads, medusa_from_target
-from specrt.training.eagle import (
-    CHECKPOINT,
-    STEP_WEIGHT,
-    Sequence,
-    TrainingData,
-    choose_draft_vocab,
-    load_checkpoint,
-    run_training,
-    save_checkpoint,
-    warmup_cosine,
-)
+from specrt.training.eagle import STEP_WEIGHT, Sequence, TrainingData, choose_draft_vocab
+from specrt.training.loop import CHECKPOINT, Trainer, run_training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,28 +74,23 @@ def examples(seqs: list[Sequence], cols: list[int], num_heads: int) -> tuple[np.
     return np.concatenate(feats), np.concatenate(labels)
 
 
-class MedusaTrainer:
+class MedusaTrainer(Trainer):
     def __init__(self, heads: MedusaHeads, data: TrainingData, cfg: MedusaTrainConfig):
-        self.heads, self.data, self.cfg = heads, data, cfg
+        super().__init__(heads, data, cfg)
+        self.heads = heads
         cols = feature_columns(data.target_layers, (-1,), data.hidden_size)
         self.x, self.y = examples(data.train, cols, cfg.num_heads)
         self.hx, self.hy = examples(data.held_out, cols, cfg.num_heads)
         V = heads.hc.target.vocab_size
         self.t2d = torch.full((V,), -1, dtype=torch.int64)  # target id -> draft row (-1: outside)
         self.t2d[heads.draft_to_target] = torch.arange(heads.hc.draft_vocab)
-        self.params = [p for p in heads.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.per_epoch = max(1, len(self.x) // cfg.batch)
         self.planned = max(1, math.ceil(cfg.epochs * self.per_epoch))
-        self.step = 0
         self.weights = torch.tensor([STEP_WEIGHT**k for k in range(cfg.num_heads)])
-
-    def lr_at(self, step: int) -> float:
-        return warmup_cosine(step, self.cfg.lr, self.cfg.warmup, self.planned)
 
     def batch_rows(self, step: int) -> np.ndarray:
         epoch, within = divmod(step, self.per_epoch)
-        order = np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.x))
+        order = self.epoch_order(epoch, len(self.x))
         return order[within * self.cfg.batch : (within + 1) * self.cfg.batch]
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -119,15 +105,7 @@ class MedusaTrainer:
 
     def advance(self) -> float:
         rows = self.batch_rows(self.step)
-        for g in self.opt.param_groups:
-            g["lr"] = self.lr_at(self.step)
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.loss(torch.from_numpy(self.x[rows]), torch.from_numpy(self.y[rows]))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.opt.step()
-        self.step += 1
-        return loss.item()
+        return self.optimize(lambda: self.loss(torch.from_numpy(self.x[rows]), torch.from_numpy(self.y[rows])))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -155,25 +133,11 @@ class MedusaTrainer:
             "rank_accuracy": [[round(float(v), 4) for v in row] for row in rank],
         }
 
-    def identity(self) -> dict:
-        c = dataclasses.asdict(self.cfg)
-        c.pop("max_minutes")
-        return {"config": c, "data": self.data.data_hash, "held_out": self.data.held_out_ids}
+    def weights(self) -> dict:
+        return {"heads": {n: p.detach().clone() for n, p in self.heads.state_dict().items()}}
 
-    def save(self, path: Path) -> None:
-        state = {
-            "step": self.step,
-            "heads": {n: p.detach().clone() for n, p in self.heads.state_dict().items()},
-            "optimizer": self.opt.state_dict(),
-            "identity": self.identity(),
-        }
-        save_checkpoint(state, path)
-
-    def load(self, path: Path) -> None:
-        st = load_checkpoint(path, self.identity())
+    def load_weights(self, st: dict) -> None:
         self.heads.load_state_dict(st["heads"])
-        self.opt.load_state_dict(st["optimizer"])
-        self.step = st["step"]
 
 
 def new_medusa(target: LlamaModel, data: TrainingData, cfg: MedusaTrainConfig) -> MedusaHeads:
