@@ -3,6 +3,7 @@ graph (valid ONNX at opset 21 that ONNX Runtime runs, close to float32), its man
 TensorRT-RTX build whose network holds the Q/DQ layers."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -45,6 +46,19 @@ def test_smoothing_meets_in_the_middle():
     assert np.allclose(amax / s, s * wmax)
     assert np.allclose(smoothing(amax, ws, alpha=1.0) * 1, amax)  # alpha 1: the activations fully flattened
     assert np.array_equal(smoothing(np.zeros(16), ws, 0.5), np.ones(16))  # a channel never seen: left alone
+
+
+def _int8_dot_products() -> bool:
+    """Whether this CPU has 8-bit dot products with 32-bit sums (VNNI, AMX), or is not x86."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return any(f in flags.split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +122,12 @@ def test_qdq_graph_runs_close_to_float(built, scheme):
     # of the logits' range, and top-1 agreement over 120 positions. The tiny random model is
     # sensitive: int8 weights alone (per channel, in a float graph) move its logits by 7 % of
     # their range and flip 6 % of its top-1; E4M3 weights alone (3 mantissa bits) 28 % and 18 %
-    bound, agree = (0.25, 0.8) if scheme == "qdq-int8" else (0.45, 0.65)
+    # ORT runs the int8 graph with its integer kernels: on an x86 CPU without VNNI (AVX2 only) an
+    # 8-bit dot product goes through 16-bit intermediate sums, which can saturate; measured there
+    # (an AMD EPYC) 28 % of the range and 82 % top-1, under 25 % on Xeons with VNNI/AMX
+    # (TensorRT, the graph's target, sums in 32 bits)
+    int8_bound = 0.25 if _int8_dot_products() else 0.32
+    bound, agree = (int8_bound, 0.8) if scheme == "qdq-int8" else (0.45, 0.65)
     assert np.abs(a - b).max() <= bound * np.abs(a).max()
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= agree, (a.argmax(-1) == b.argmax(-1)).mean()
 

@@ -127,8 +127,9 @@ class BatchEngine:
         most = self.session.caps.max_batch
         if most is not None and max_batch > most:
             raise SpecrtError(
-                f"this engine steps at most {most} rows at once (its profiles), but max_batch is {max_batch}; use "
-                f"--max-batch {most} or less, or rebuild the engine with a larger --max-batch"
+                f"no profile of this engine holds batch {max_batch}: it steps at most {most} rows at once; use "
+                f"--max-batch {most} or less (a static batch: at most {most} prompts), or rebuild the engine with a "
+                "larger --max-batch"
             )
         self.max_batch, self.prefill_budget, self.max_waiting = max_batch, prefill_budget, max_waiting
         # a step appends the root and at most max_draft nodes after a row's committed tokens

@@ -86,7 +86,7 @@ class MedusaTrainer(Trainer):
         self.t2d[heads.draft_to_target] = torch.arange(heads.hc.draft_vocab)
         self.per_epoch = max(1, len(self.x) // cfg.batch)
         self.planned = max(1, math.ceil(cfg.epochs * self.per_epoch))
-        self.weights = torch.tensor([STEP_WEIGHT**k for k in range(cfg.num_heads)])
+        self.step_weights = torch.tensor([STEP_WEIGHT**k for k in range(cfg.num_heads)])
 
     def batch_rows(self, step: int) -> np.ndarray:
         epoch, within = divmod(step, self.per_epoch)
@@ -100,7 +100,7 @@ class MedusaTrainer(Trainer):
         for k in range(self.cfg.num_heads):
             scored = labels[:, k] >= 0
             if scored.any():
-                total = total + self.weights[k] * F.cross_entropy(logits[scored, k], labels[scored, k])
+                total = total + self.step_weights[k] * F.cross_entropy(logits[scored, k], labels[scored, k])
         return total
 
     def advance(self) -> float:
