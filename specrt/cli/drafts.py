@@ -13,15 +13,15 @@ from specrt.cli.common import (
     main,
     tensorrt_option,
 )
+from specrt.training.families import TRAINED_FAMILIES, TrainOptions
 
 
 @main.command("train-draft")
 @click.option(
     "--method",
     required=True,
-    type=click.Choice(["eagle", "eagle3", "mtp", "medusa", "draft-model"]),
-    help="EAGLE-1 or EAGLE-3 head, an MTP module (DeepSeek-V3 layout), Medusa heads, or a draft model distilled "
-    "from the target's layers.",
+    type=click.Choice(list(TRAINED_FAMILIES)),
+    help="The draft to train: " + "; ".join(f"{n}: {f.about}" for n, f in TRAINED_FAMILIES.items()) + ".",
 )
 @click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
@@ -83,35 +83,14 @@ def train_draft(
     max_minutes,
     tensorrt,
 ):
-    """Train a draft head (EAGLE-1, EAGLE-3 or Medusa) on the target's own answers
-    (self-distillation), then export it to ONNX and build its engine. Every step resumes where an
-    interrupted run stopped."""
-    from specrt.training.eagle import TrainConfig
-    from specrt.training.medusa import MedusaTrainConfig
+    """Train a draft (an EAGLE-1, EAGLE-3 or MTP head, Medusa heads, a distilled draft model) on
+    the target's own answers (self-distillation), then export it to ONNX and build its engine.
+    Every step resumes where an interrupted run stopped."""
     from specrt.training.pipeline import TrainDraftSpec, train_draft
     from specrt.training.prompts import benchmark_prompts
 
-    if method == "draft-model":
-        from specrt.training.draft_model import DraftModelConfig
-
-        cfg = DraftModelConfig(
-            draft_vocab=draft_vocab, epochs=epochs, lr=lr, batch_tokens=batch_tokens, seed=seed, max_minutes=max_minutes
-        )
-    elif method == "medusa":
-        cfg = MedusaTrainConfig(
-            num_heads=medusa_heads, draft_vocab=draft_vocab, epochs=epochs, lr=lr, seed=seed, max_minutes=max_minutes
-        )
-    else:
-        cfg = TrainConfig(
-            method,
-            ttt_steps=ttt_steps,
-            epochs=epochs,
-            lr=lr,
-            batch_tokens=batch_tokens,
-            draft_vocab=draft_vocab if method == "eagle3" else None,
-            seed=seed,
-            max_minutes=max_minutes,
-        )
+    options = TrainOptions(epochs, lr, seed, max_minutes, batch_tokens, draft_vocab, ttt_steps, medusa_heads)
+    cfg = TRAINED_FAMILIES[method].config(method, options)
     spec = TrainDraftSpec(
         method=method,
         checkpoint=checkpoint,

@@ -6,8 +6,8 @@
               benchmark's prompts held out; written to <data>/prompts.jsonl
 2. answers    the target's greedy answers, batched (training/data.py)
 3. features   the target's hidden states over prompt + answer, every layer any head reads
-4. training   the head (training/eagle.py; Medusa: training/medusa.py), checkpointed, stopped
-              at max_minutes
+4. training   the family's trainer (training/families.py names it: training/eagle.py,
+              medusa.py, draft_model.py), checkpointed, stopped at max_minutes
 5. export     <out>/head -> <out>/onnx (ORT parity checked) -> <out>/engines/ort-cpu
 
 The data directory is shared by every head of one target (make drafts trains EAGLE-3 then
@@ -32,17 +32,15 @@ from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
 from specrt.export.draft_head import save_head
 from specrt.export.head_graph import export_head
-from specrt.export.head_io import MEDUSA
 from specrt.layout import HeadLayout, TrainingDataLayout
 from specrt.runtime.generator import Generator
 from specrt.training.data import FeatureCacheMismatch, cache_features, generate_answers
-from specrt.training.draft_model import DraftModelConfig, save_draft_checkpoint, train_draft_model
-from specrt.training.eagle import TrainConfig, TrainingData, train_head
-from specrt.training.medusa import MedusaTrainConfig, train_medusa
+from specrt.training.draft_model import save_draft_checkpoint
+from specrt.training.eagle import TrainingData
+from specrt.training.families import TRAINED_FAMILIES, TrainedFamily, TrainOptions
 from specrt.training.prompts import PROMPT_SET_VERSION, build_prompt_set, write_prompt_set
 
 DATA_MANIFEST = "data.json"
-DRAFT_MODEL = "draft-model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +55,7 @@ class TrainDraftSpec:
     max_new_tokens: int = 192
     gen_batch: int = 16
     hold_out: tuple[str, ...] = ()  # prompts never to train on (the benchmark's)
-    train: TrainConfig | MedusaTrainConfig | DraftModelConfig | None = None
+    train: object | None = None  # the family's training config (default: families.TRAINED_FAMILIES' own)
     tensorrt: str = "auto"  # also build a TensorRT(-RTX) engine of the head when installed ("off": don't)
     progress: bool = True
 
@@ -137,14 +135,13 @@ def train_draft(spec: TrainDraftSpec) -> dict:
     data_seconds = time.perf_counter() - t0
     del gen
     target = load_model(spec.checkpoint)
-    defaults = {MEDUSA: MedusaTrainConfig, DRAFT_MODEL: DraftModelConfig}
-    cfg = spec.train or defaults.get(spec.method, lambda: TrainConfig(spec.method))()
+    family = trained_family(spec.method)
+    cfg = spec.train or family.config(spec.method, TrainOptions())
     if cfg.method != spec.method:
         raise SpecrtError(f"training config for {cfg.method}, asked for {spec.method}")
-    if spec.method == DRAFT_MODEL:
-        return _finish_draft_model(spec, target, data, cfg, caps, t0, data_seconds)
-    train = train_medusa if spec.method == MEDUSA else train_head
-    head, report = train(target, data, cfg, layout.root, progress=spec.progress)
+    if family.writes == "model":
+        return _finish_draft_model(spec, family, target, data, cfg, caps, t0, data_seconds)
+    head, report = family.train()(target, data, cfg, layout.root, progress=spec.progress)
     report |= {
         "data_seconds_this_run": round(data_seconds, 1),
         "data_hash": data.data_hash,
@@ -158,13 +155,21 @@ def train_draft(spec: TrainDraftSpec) -> dict:
     return report
 
 
-def _finish_draft_model(spec: TrainDraftSpec, target, data, cfg, caps, t0: float, data_seconds: float) -> dict:
+def trained_family(method: str) -> TrainedFamily:
+    if method not in TRAINED_FAMILIES:
+        raise SpecrtError(f"unknown draft family {method!r}; choose one of {', '.join(TRAINED_FAMILIES)}")
+    return TRAINED_FAMILIES[method]
+
+
+def _finish_draft_model(
+    spec: TrainDraftSpec, family: TrainedFamily, target, data, cfg, caps, t0: float, data_seconds: float
+) -> dict:
     """Distil the draft model, write it as a checkpoint (HeadLayout.weights) and build its
     engines there (onnx/, engines/) as build-engines does for any model."""
     from specrt.engines.build import BuildSpec, build_all
 
     layout = HeadLayout(spec.out)
-    draft, report = train_draft_model(target, data, cfg, layout.root, progress=spec.progress)
+    draft, report = family.train()(target, data, cfg, layout.root, progress=spec.progress)
     save_draft_checkpoint(draft, layout.weights, spec.checkpoint)
     report |= {
         "data_seconds_this_run": round(data_seconds, 1),

@@ -1,0 +1,45 @@
+"""The trained-family registry (training/families.py): what train-draft and the pipeline read."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.training.families import TRAINED_FAMILIES, TrainOptions
+
+
+def test_every_family_makes_its_config_and_names_a_trainer():
+    for method, family in TRAINED_FAMILIES.items():
+        cfg = family.config(method, TrainOptions())
+        assert cfg.method == method and callable(family.train()), method
+        assert family.writes in ("head", "model")
+
+
+def test_options_reach_the_config_and_none_keeps_the_family_default():
+    from specrt.training.eagle import TrainConfig
+    from specrt.training.medusa import MedusaTrainConfig
+
+    o = TrainOptions(epochs=0.5, lr=2e-3, seed=3, draft_vocab=128, heads=2, ttt_steps=2, batch_tokens=512)
+    medusa = TRAINED_FAMILIES["medusa"].config("medusa", o)
+    assert (medusa.num_heads, medusa.draft_vocab, medusa.epochs, medusa.seed) == (2, 128, 0.5, 3)
+    eagle3 = TRAINED_FAMILIES["eagle3"].config("eagle3", o)
+    assert (eagle3.draft_vocab, eagle3.ttt_steps, eagle3.batch_tokens) == (128, 2, 512)
+    assert TRAINED_FAMILIES["eagle"].config("eagle", o).draft_vocab is None  # the whole vocabulary
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "method"}
+    cfg = TRAINED_FAMILIES["eagle3"].config("eagle3", TrainOptions())
+    assert {n: getattr(cfg, n) for n in defaults} == defaults
+    assert TRAINED_FAMILIES["medusa"].config("medusa", TrainOptions()) == MedusaTrainConfig()
+
+
+def test_train_draft_offers_the_registry_and_refuses_an_unknown_family():
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+    from specrt.training.pipeline import trained_family
+
+    out = CliRunner().invoke(main, ["train-draft", "--help"])
+    assert out.exit_code == 0 and all(m in out.output for m in TRAINED_FAMILIES)
+    with pytest.raises(SpecrtError, match="unknown draft family 'toy'; choose one of eagle"):
+        trained_family("toy")
