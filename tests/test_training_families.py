@@ -43,3 +43,18 @@ def test_train_draft_offers_the_registry_and_refuses_an_unknown_family():
     assert out.exit_code == 0 and all(m in out.output for m in TRAINED_FAMILIES)
     with pytest.raises(SpecrtError, match="unknown draft family 'toy'; choose one of eagle"):
         trained_family("toy")
+
+
+def test_every_head_family_names_its_graph_and_its_module():
+    """export/head_io.py's HEAD_FAMILIES: the I/O the manifest is checked against and the PyTorch
+    types load_head makes; a family it does not know is refused with the way to make a head."""
+    from specrt.artifacts import ArtifactError
+    from specrt.export.head_io import HEAD_FAMILIES, head_family, head_io
+
+    for method, family in HEAD_FAMILIES.items():
+        config, module = family.load_types()
+        assert hasattr(config, "from_dict") and callable(module)
+        assert head_io(method) == (family.inputs, family.outputs)
+    assert HEAD_FAMILIES["eagle3"].cached and not HEAD_FAMILIES["medusa"].cached
+    with pytest.raises(ArtifactError, match="unknown head family 'toy'.*specrt train-draft"):
+        head_family("toy")

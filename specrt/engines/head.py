@@ -30,8 +30,7 @@ from specrt.export.head_io import (
     D2T_FILE,
     HEAD_FILE,
     HEAD_INPUTS,
-    MEDUSA,
-    MEDUSA_INPUTS,
+    head_family,
     read_draft_to_target,
     read_head_manifest,
 )
@@ -113,8 +112,9 @@ def head_profiles(manifest: dict, shapes: EngineShapes) -> list[tuple[str, dict]
     cfg, F = manifest["config"], manifest["head"]["feature_width"]
     C, Hkv, D = cfg["hidden_size"], cfg["num_key_value_heads"], cfg["head_dim"]
     batch = Range(1, 1, shapes.max_batch)
-    if manifest["head"]["method"] == MEDUSA:  # one feature per row, no cache: one profile by batch
-        return [("draft", {MEDUSA_INPUTS[0]: triple(batch, C)})]
+    family = head_family(manifest["head"]["method"])
+    if not family.cached:  # one feature per row, no cache: one profile by batch
+        return [("draft", {family.inputs[0]: triple(batch, C)})]
     past = Range(0, shapes.max_context // 2, shapes.max_context + shapes.max_verify)
     out = []
     for name, q in (

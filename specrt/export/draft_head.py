@@ -261,19 +261,22 @@ def save_head(head: DraftHead, directory: str | Path, extra: dict | None = None)
 
 
 def load_head(directory: str | Path):
-    """The trained head in `directory`: a DraftHead (eagle, eagle3) or MedusaHeads (medusa)."""
+    """The trained head in `directory`, as its family (head_io.HEAD_FAMILIES) makes it: a
+    DraftHead (eagle, eagle3, mtp), MedusaHeads (medusa)."""
     from safetensors.torch import load_file
 
-    from specrt.export.head_io import MEDUSA
-    from specrt.export.medusa import MedusaConfig, MedusaHeads
+    from specrt.export.head_io import HEAD_FAMILIES
 
     directory = Path(directory)
     if not (directory / CONFIG_FILE).is_file():
         raise SpecrtError(f"{directory} holds no draft head ({CONFIG_FILE} missing); train one with specrt train-draft")
     fix = f"train the head again (specrt train-draft --out {directory.parent}), or restore the file from a copy"
     d = read_json_object(directory / CONFIG_FILE, SpecrtError, fix)
+    if d.get("method") not in HEAD_FAMILIES:
+        raise SpecrtError(f"{directory / CONFIG_FILE} names no known head family ({d.get('method')!r}); {fix}")
+    config, module = HEAD_FAMILIES[d["method"]].load_types()
     try:
-        head = MedusaHeads(MedusaConfig.from_dict(d)) if d["method"] == MEDUSA else DraftHead(HeadConfig.from_dict(d))
+        head = module(config.from_dict(d))
     except (KeyError, TypeError, ValueError) as e:
         raise SpecrtError(f"{directory / CONFIG_FILE} is not a head's configuration ({e!r}); {fix}") from None
     try:

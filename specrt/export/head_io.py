@@ -6,6 +6,7 @@ Importing the runtime's drafts therefore never loads torch.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from pathlib import Path
 
@@ -83,16 +84,64 @@ HOW_TO_MAKE = "specrt train-draft --method eagle3 --model CHECKPOINT --out DIR"
 MANIFEST_FIELDS = {"head": dict, "target": dict, "inputs": list, "outputs": list}
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadFamily:
+    """A head family's graph, for the exporters, the engine builders and the proposers: its I/O,
+    whether it keeps a KV cache of its own (steps over a past: draft and catch-up profiles) or
+    reads one feature per row, and where its PyTorch configuration and module are (imported only
+    when a head is loaded: this module stays torch-free)."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    cached: bool
+    config: str  # "module:Class" with from_dict
+    module: str  # "module:Class", made from its config
+
+    def load_types(self) -> tuple[type, type]:
+        import importlib
+
+        return tuple(
+            getattr(importlib.import_module(m), c) for m, c in (t.split(":") for t in (self.config, self.module))
+        )
+
+
+MEDUSA = "medusa"
+MEDUSA_INPUTS = ("features",)  # [B, C] float32: the target's final normed state at the root's parent
+MEDUSA_OUTPUTS = ("topk_logprobs", "topk_ids")  # [B, K, k] float32, [B, K, k] int64 (target ids)
+MEDUSA_DYNAMIC_AXES = {"features": {0: "batch"}, "topk_logprobs": {0: "batch"}, "topk_ids": {0: "batch"}}
+
+_EAGLE = HeadFamily(
+    HEAD_INPUTS, HEAD_OUTPUTS, True, "specrt.export.draft_head:HeadConfig", "specrt.export.draft_head:DraftHead"
+)
+HEAD_FAMILIES: dict[str, HeadFamily] = {
+    **dict.fromkeys(METHODS, _EAGLE),  # EAGLE-1, EAGLE-3 and MTP share one graph
+    MEDUSA: HeadFamily(
+        MEDUSA_INPUTS, MEDUSA_OUTPUTS, False, "specrt.export.medusa:MedusaConfig", "specrt.export.medusa:MedusaHeads"
+    ),
+}
+
+
+def head_family(method, where: str = "a head") -> HeadFamily:
+    if method not in HEAD_FAMILIES:
+        raise ArtifactError(
+            f"{where} is of an unknown head family {method!r} (known: {', '.join(HEAD_FAMILIES)}); "
+            f"make it again with: {HOW_TO_MAKE}"
+        )
+    return HEAD_FAMILIES[method]
+
+
 def head_io(method: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(inputs, outputs) of a head family's graph: the one definition the manifest is checked against."""
-    return (MEDUSA_INPUTS, MEDUSA_OUTPUTS) if method == MEDUSA else (HEAD_INPUTS, HEAD_OUTPUTS)
+    family = head_family(method)
+    return family.inputs, family.outputs
 
 
 def read_head_manifest(onnx_dir: str | Path, verify: str = "auto") -> dict:
     """The head export's manifest, its files checked (verify as in specrt.artifacts.check_files)."""
     m = read_manifest(onnx_dir, HEAD_KIND, HOW_TO_MAKE, MANIFEST_FIELDS)
     config_from_manifest(m, onnx_dir, HOW_TO_MAKE)
-    inputs, outputs = head_io(m["head"]["method"])
+    family = head_family(m["head"].get("method"), str(onnx_dir))
+    inputs, outputs = family.inputs, family.outputs
     if list(m["inputs"]) != list(inputs) or list(m["outputs"]) != list(outputs):
         raise ArtifactError(f"{onnx_dir} holds a head graph of another I/O version; re-export it with: {HOW_TO_MAKE}")
     check_files(onnx_dir, m, (HEAD_FILE, HEAD_DATA, D2T_FILE), HOW_TO_MAKE, verify)
@@ -127,11 +176,6 @@ def check_head_target(manifest: dict, checkpoint_hash: str | None, precision: st
             f"target, or {fix} (with --precision {precision})"
         )
 
-
-MEDUSA = "medusa"
-MEDUSA_INPUTS = ("features",)  # [B, C] float32: the target's final normed state at the root's parent
-MEDUSA_OUTPUTS = ("topk_logprobs", "topk_ids")  # [B, K, k] float32, [B, K, k] int64 (target ids)
-MEDUSA_DYNAMIC_AXES = {"features": {0: "batch"}, "topk_logprobs": {0: "batch"}, "topk_ids": {0: "batch"}}
 
 # rank accuracies assumed for the default tree (plain data, not measured here): rank r of head
 # d + 1 is right this often, about what Medusa's paper reports for its 7B heads (head 1 top-1 ~0.6,
