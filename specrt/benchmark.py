@@ -25,6 +25,7 @@ from typing import Callable
 
 from specrt.artifacts import cpu_model, package_versions
 from specrt.errors import SpecrtError
+from specrt.runtime.drafts import DRAFT_METHODS
 
 
 @dataclasses.dataclass
@@ -57,21 +58,20 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
     from specrt.layout import HeadLayout
 
     out = []
-    for label, method, head, tree in (
-        ("eagle chain", "eagle", "eagle", None),
-        ("eagle3 chain", "eagle3", "eagle3", None),
-        ("eagle3 tree", "eagle3", "eagle3", cfg.tree),
-        ("hybrid", "hybrid", "eagle3", cfg.tree),
-        ("mtp chain", "mtp", "mtp", None),
-        ("mtp tree", "mtp", "mtp", cfg.tree),
-        ("medusa tree", "medusa", "medusa", None),  # its own tree of choices (training.json)
-        ("draft model", "draft-model", "draft-model", None),
-    ):
-        d = Path(cfg.drafts) / head
-        if not HeadLayout(d).ort_engine().is_dir():
-            log(f"skipped {label}: no head engine under {d} (make drafts)")
+    for method, entry in DRAFT_METHODS.items():  # those with weights, in a `make drafts` directory each
+        if not entry.needs_draft_dir:
             continue
-        out.append((label, method, {"draft_dir": d, **({"tree": tree} if tree else {})}))
+        d = Path(cfg.drafts) / (entry.reads or method)
+        if entry.reads:  # a composite (hybrid): its trees
+            shapes = [(method, cfg.tree)]
+        elif entry.takes_tree:
+            shapes = [(f"{method} chain", None), (f"{method} tree", cfg.tree)]
+        else:  # Medusa drafts its own tree of choices (training.json); a draft model, chains
+            shapes = [(method, None)]
+        if not HeadLayout(d).ort_engine().is_dir():
+            log(f"skipped {', '.join(label for label, _ in shapes)}: no head engine under {d} (make drafts)")
+            continue
+        out += [(label, method, {"draft_dir": d, **({"tree": tree} if tree else {})}) for label, tree in shapes]
     return out
 
 

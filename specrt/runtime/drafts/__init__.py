@@ -36,6 +36,7 @@ class DraftMethod:
     about: str  # what it drafts from, for --help
     needs_draft_dir: bool = False  # a method with weights: --draft-dir DIR
     takes_tree: bool = False  # drafts EAGLE-2 dynamic trees: --draft-tree TOP_K,DEPTH
+    reads: str | None = None  # its --draft-dir is another method's (`make drafts` names directories by method)
 
 
 _HEAD = "a trained head in --draft-dir"
@@ -48,7 +49,9 @@ DRAFT_METHODS: dict[str, DraftMethod] = {
     "eagle3": DraftMethod(functools.partial(EagleProposer, method="eagle3"), _HEAD, True, True),
     # an MTP module drafts as an EAGLE head does
     "mtp": DraftMethod(functools.partial(EagleProposer, method="mtp"), _HEAD, True, True),
-    "hybrid": DraftMethod(_hybrid, "suffix where its match is long, the head in --draft-dir elsewhere", True, True),
+    "hybrid": DraftMethod(
+        _hybrid, "suffix where its match is long, the head in --draft-dir elsewhere", True, True, reads="eagle3"
+    ),
     # make_proposer("medusa", draft_dir=DIR, target=caps[, tree=paths]): its own tree of choices
     "medusa": DraftMethod(MedusaProposer, "Medusa heads in --draft-dir", True),
     "draft-model": DraftMethod(DraftModelProposer, "a smaller model's build-engines output in --draft-dir", True),
