@@ -77,6 +77,13 @@ def main():
 
 QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibration)
 DRAFT_CHOICES = ["none", *DRAFT_METHODS]  # --draft: the registry's (importing it loads no torch)
+
+
+def _methods(which) -> str:
+    """The draft methods an option is for, as --help names them (eagle/eagle3/...)."""
+    return "/".join(name for name, m in DRAFT_METHODS.items() if which(m))
+
+
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 32, 128  # the default calibration set: ~6.5k tokens
 
 
@@ -194,15 +201,15 @@ def _engine_options(fn):
             "--draft-dir",
             type=click.Path(path_type=Path),
             default=None,
-            help="--draft eagle/eagle3/mtp/medusa/hybrid: the head's directory (specrt train-draft --out, specrt "
-            "import-mtp, or make drafts).",
+            help=f"--draft {_methods(lambda m: m.needs_draft_dir)}: the draft's directory (specrt train-draft --out, "
+            "specrt import-mtp, or make drafts).",
         ),
         click.option(
             "--draft-tree",
             default="chain",
             show_default=True,
-            help="--draft eagle/eagle3/mtp: 'chain', or TOP_K,DEPTH for EAGLE-2 dynamic trees (e.g. 4,6; the node "
-            "budget is --num-draft).",
+            help=f"--draft {_methods(lambda m: m.takes_tree)}: 'chain', or TOP_K,DEPTH for EAGLE-2 dynamic trees "
+            "(e.g. 4,6; the node budget is --num-draft).",
         ),
         click.option(
             "--num-draft",
