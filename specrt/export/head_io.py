@@ -89,7 +89,13 @@ class HeadFamily:
     """A head family's graph, for the exporters, the engine builders and the proposers: its I/O,
     whether it keeps a KV cache of its own (steps over a past: draft and catch-up profiles) or
     reads one feature per row, and where its PyTorch configuration and module are (imported only
-    when a head is loaded: this module stays torch-free)."""
+    when a head is loaded: this module stays torch-free).
+
+    What the exporter and the engine builder ask of the two: the module is made from its
+    configuration and has `io` (inputs, outputs, dynamic axes), `example_inputs()`,
+    `parity_inputs(generator)`, a `draft_to_target` buffer and `hc`, the configuration, with
+    `method`, `target` (the ModelConfig), `layers` (the target features it reads),
+    `feature_width`, `to_dict()` (holding method, target, layers, draft_vocab) and `from_dict`."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
