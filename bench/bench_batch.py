@@ -98,8 +98,8 @@ def main():
     same = {m: [0, 0] for m in modes}
     for rep in range(args.repeats):
         for c in clients:
-            for mode, runner in modes.items():  # side by side: the same moment of the machine
-                r = closed_loop(BatchEngine(runner(), max_batch=c), prompts, c, args.max_tokens)
+            for mode, make in modes.items():  # side by side: the same moment of the machine
+                r = closed_loop(BatchEngine(make(), max_batch=c), prompts, c, args.max_tokens)
                 outputs = r.pop("outputs")
                 same[mode][0] += sum(out == alone[tuple(p)] for p, out in outputs)
                 same[mode][1] += len(outputs)

@@ -152,8 +152,8 @@ class Recording:
 
 def test_the_proposer_contract_as_stated(tiny_artifacts):
     """runtime/drafts/base.py: rows of one sampling setting come in one call, each with its own
-    generator (a static batch's as the batching engine's); a static batch's rows begin together
-    and end one by one; the loop cuts a tree to the plan and commit gets the cut tree."""
+    generator (a static batch's as the batching engine's); rows begin and end one by one; the
+    loop cuts a tree to the plan and commit gets the cut tree."""
     from specrt.runtime.batching import BatchEngine, Request
     from specrt.runtime.generator import Generator
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
@@ -162,7 +162,7 @@ def test_the_proposer_contract_as_stated(tiny_artifacts):
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     static = Recording()
     SpeculativeDecoder(gen, static, make_policy(3)).generate_ids(prompts, 8, SamplingParams(temperature=0.9, seed=1))
-    assert static.begun == [[0, 1, 2]] and static.proposed[0] == [0, 1, 2]
+    assert static.begun == [[0], [1], [2]] and static.proposed[0] == [0, 1, 2]
     assert sorted(static.ended) == [[0], [1], [2]] and all(n <= 3 for step in static.committed for n in step)
     engine = Recording()
     requests = [Request(p, 8, SamplingParams(temperature=0.9 if i else 0.5, seed=i)) for i, p in enumerate(prompts)]

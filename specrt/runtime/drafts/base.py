@@ -32,8 +32,8 @@ What the runtime guarantees, and what it asks of a method:
   it would alone, and its output is what it would be alone, whatever else runs.
 - Order. In `begin`, `prompts` and `prefilled` (its logits and hidden rows) follow `rows`.
 - Rows come and go. Every generation runs on the batching engine (runtime/batching.py; a
-  static batch is one whose requests all arrive at step 0): `begin` names the rows whose
-  prompts are in (a static batch's together, a newcomer alone while others run), and a row
+  static batch is one whose requests all arrive at step 0): `begin` names each row as its
+  prompt is in (one row a call, also in a static batch, while others may run), and a row
   number that ended may begin again for a new request: keep state per row. `end` comes once per
   row, as each finishes (EOS or its budget) or is cancelled, or the generation is closed.
 - The root. A context's last token is the target's own last sample: emitted, but not yet in
