@@ -150,8 +150,7 @@ class StepSession:
         return out
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], hidden: bool = False) -> Prefilled:
-        """Run the prompts through the model in chunks of `prefill_chunk` (a row given no tokens
-        is left as it is: its logits are zeros, its features None)."""
+        """Run the prompts through the model in chunks of `prefill_chunk`."""
         last = np.zeros((cache.batch, self.config.vocab_size), dtype=np.float32)
         feats: list[list[np.ndarray]] = [[] for _ in prompts]
         start = 0
@@ -164,4 +163,4 @@ class StepSession:
                     if hidden:
                         feats[b].append(out.hidden_states[b, : len(c)])
             start += self.prefill_chunk
-        return Prefilled(last, [np.concatenate(f) if f else None for f in feats] if hidden else None)
+        return Prefilled(last, [np.concatenate(f) for f in feats] if hidden else None)
