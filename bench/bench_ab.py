@@ -2,6 +2,7 @@
 
     git worktree add /tmp/before <commit>
     python bench/bench_ab.py --before /tmp/before --after . [--artifacts artifacts/SmolLM2-135M-Instruct]
+                             [--rounds 4] [--workloads default,serve,tiny]
 
 Each version runs in its own subprocess (PYTHONPATH points at its tree), in alternating order,
 `--rounds` times, on two workloads:
@@ -9,6 +10,9 @@ Each version runs in its own subprocess (PYTHONPATH points at its tree), in alte
               128 greedy tokens: plain, ngram N=8, suffix N=auto (tokens/s, end to end); and
               what training-data generation runs, a static batch of 8 prompts, 64 tokens
               (tokens/s, and the batch's prefill in ms)
+    serve     the serving engine: bench_batch.py's closed loop of 4 clients into a BatchEngine
+              with 4 slots (chat, code editing and JSON prompts, 96 tokens): plain, suffix N=3,
+              suffix N=auto (tokens/s of the whole engine, prefill included)
     tiny      a tiny random model (built here), a repetitive ragged batch of 2, 200 tokens: the
               target step takes ~0.3 ms, so the runtime's own per-step overhead dominates
               (ms per step); what it changes is the part a refactoring can change
@@ -34,7 +38,7 @@ import json, statistics, sys, time
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
-engine, prompts_file, kind = sys.argv[1:4]
+engine, prompts_file, kind, bench_dir = sys.argv[1:5]
 gen = Generator.from_engine(engine)
 variants = [("plain", None), ("ngram 8", ("ngram", 8)), ("suffix auto", ("suffix", "auto"))]
 
@@ -63,6 +67,16 @@ if kind == "default":
     r, s = run(batch, 64, None)
     out["batch of 8 / plain (tok/s)"] = sum(len(x.token_ids) for x in r) / s
     out["batch of 8 / prefill (ms)"] = r[0].prefill_seconds * 1e3
+elif kind == "serve":  # bench_batch.py's closed loop, from the after tree
+    sys.path.insert(0, bench_dir)
+    from bench_batch import CLASSES, closed_loop
+    from specrt.runtime.batching import BatchEngine
+    lines = [json.loads(line) for line in open(prompts_file)]
+    prompts = [gen.encode_prompt(p["prompt"]) for p in lines if p["class"] in CLASSES]
+    for name, make in [("plain", None), ("suffix 3", ("suffix", 3)), ("suffix auto", ("suffix", "auto"))]:
+        runner = gen if make is None else SpeculativeDecoder(gen, make_proposer(make[0]), make_policy(make[1]))
+        r = closed_loop(BatchEngine(runner, max_batch=4), prompts, 4, 96)
+        out[f"4 clients / {name} (tok/s)"] = r["tokens_per_s"]
 else:
     ids = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41, 42] * 3
     for name, make in variants:
@@ -92,6 +106,7 @@ def main():
     ap.add_argument("--before", type=Path, required=True, help="source tree of the old version (a git worktree)")
     ap.add_argument("--after", type=Path, default=ROOT)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--workloads", default="default,serve,tiny", help="which of the workloads to run")
     args = ap.parse_args()
 
     from specrt.benchmark import write_result_json
@@ -100,7 +115,11 @@ def main():
     tmp = Path(tempfile.mkdtemp())
     script = tmp / "workload.py"
     script.write_text(WORKLOAD)
-    workloads = {"default": ArtifactLayout(args.artifacts).ort_engine(), "tiny": tiny_engine(tmp)}
+    engine = ArtifactLayout(args.artifacts).ort_engine()
+    chosen = args.workloads.split(",")
+    if unknown := set(chosen) - {"default", "serve", "tiny"}:
+        raise SystemExit(f"unknown workload(s) {sorted(unknown)}: choose among default, serve, tiny")
+    workloads = {k: tiny_engine(tmp) if k == "tiny" else engine for k in chosen}
     versions = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs = {v: [] for v in versions}
     for i in range(args.rounds):
@@ -108,7 +127,14 @@ def main():
             merged = {}
             for kind, engine in workloads.items():
                 r = subprocess.run(
-                    [sys.executable, str(script), str(engine), str(ROOT / "bench" / "prompts.jsonl"), kind],
+                    [
+                        sys.executable,
+                        str(script),
+                        str(engine),
+                        str(ROOT / "bench" / "prompts.jsonl"),
+                        kind,
+                        str(ROOT / "bench"),
+                    ],
                     env=dict(os.environ, PYTHONPATH=str(versions[v])),
                     capture_output=True,
                     text=True,
@@ -131,6 +157,7 @@ def main():
         "before": str(versions["before"]),
         "after": str(versions["after"]),
         "rounds": args.rounds,
+        "workloads": chosen,
         "rows": rows,
         "runs": runs,
     }
