@@ -72,7 +72,7 @@ class Decoder(Protocol):
 
     def new_state(self, batch: int): ...
 
-    def join(self, state, rows: list[int], requests: list, rngs: list, budgets: list[int], prefilled: Prefilled): ...
+    def join(self, state, row: int, request, rng, budget: int, prefilled: Prefilled): ...
 
     def step(self, state): ...
 
@@ -256,7 +256,7 @@ class BatchEngine:
                     s.hidden.append(out.hidden_states[0, : len(chunk)])
                 s.prefill_seconds += time.perf_counter() - t0
                 if s.generating:
-                    self._start([b], out.logits[:, 0], events)
+                    self._start(b, out.logits[:, 0], events)
             if budget is not None and budget <= 0:
                 return
 
@@ -264,21 +264,17 @@ class BatchEngine:
     def _features(self) -> bool:
         return self.decoder.needs_features
 
-    def _start(self, rows: list[int], logits: np.ndarray, events: list[Event]) -> None:
-        """Their prompts are in: each row's first token (logits: (len(rows), V)), and they start
-        generating."""
-        slots = [self.slots[b] for b in rows]
-        first = [int(next_tokens(logits[i : i + 1], s.request.sampling, s.rng)[0]) for i, s in enumerate(slots)]
-        hidden = [np.concatenate(s.hidden) for s in slots] if self._features else None
-        for s in slots:
-            s.hidden = []
-        requests = [s.request for s in slots]
-        rngs, budgets = [s.rng for s in slots], [s.budget for s in slots]
-        self.decoder.join(self.state, rows, requests, rngs, budgets, Prefilled(logits, hidden))
-        for b, s, token in zip(rows, slots, first):
-            events.append(Event(s.rid, self.rows.emit(b, [token])))
-            if not self.rows.active[b]:
-                events[-1].result = self._finish(b)
+    def _start(self, b: int, logits: np.ndarray, events: list[Event]) -> None:
+        """Row b's prompt is in (logits: (1, V) at its last token): its first token, and it
+        starts generating."""
+        s = self.slots[b]
+        first = int(next_tokens(logits, s.request.sampling, s.rng)[0])
+        hidden = [np.concatenate(s.hidden)] if self._features else None
+        s.hidden = []
+        self.decoder.join(self.state, b, s.request, s.rng, s.budget, Prefilled(logits, hidden))
+        events.append(Event(s.rid, self.rows.emit(b, [first])))
+        if not self.rows.active[b]:
+            events[-1].result = self._finish(b)
 
     def _decode(self, events: list[Event]) -> None:
         rows = [int(b) for b in np.flatnonzero(self.rows.active)]

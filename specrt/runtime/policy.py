@@ -47,17 +47,11 @@ predictions are scaled by that decayed ratio (`calibration`, prior 1).
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
-import statistics
 
 import numpy as np
 
-TRUST = 3  # observations of a size before its median is believed
-ROW_EVIDENCE = 4.0  # a row's decayed depth-1 drafts before it may be judged failing
-ROW_FAILING = 1 / 3  # ... failing: its rate under this share of the batch's
-SPIKE = 3.0  # a less-observed size this many times dearer than the priors predict is a spike
+from specrt.runtime.estimators import Acceptance, Calibration, DraftTimes, StepTimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,22 +73,8 @@ class StepCost:
         return 1.0 + np.where(n > 0, self.beta + self.alpha * n, 0.0) + self.draft_ratio(n)
 
 
-def _by_size(observations) -> list[tuple[float, float, int]]:
-    """(size, robust time, count) per distinct size of (size, seconds) observations, by size."""
-    groups: dict[float, list[float]] = collections.defaultdict(list)
-    for size, t in observations:
-        groups[size].append(t)
-    return [(size, _robust(ts), len(ts)) for size, ts in sorted(groups.items())]
-
-
-def _robust(times: list[float]) -> float:
-    """A size's time: the median once trusted, the fastest before (noise only slows steps).
-    (statistics.median: on these few values it is ~20x faster than numpy's, and this runs every step)"""
-    return statistics.median(times) if len(times) >= TRUST else min(times)
-
-
 class CostModel:
-    """Online estimates of T_decode, alpha, beta, T_draft(N) and per-depth acceptance."""
+    """speedup(N) from the estimators of runtime/estimators.py, fed by the speculative loop."""
 
     def __init__(
         self,
@@ -106,23 +86,12 @@ class CostModel:
         draft_per_token: bool = False,
     ):
         self.max_draft = max_draft
-        self.decay = decay
-        self.tried = np.zeros(max_draft)  # decayed counts: depth j was asked for and j-1 accepted
-        self.hit = np.zeros(max_draft)  # ... and depth j was accepted
-        self.reach = np.zeros(max_draft)  # decayed counts: a row was asked for depth j or more
-        self.fill = np.zeros(max_draft)  # ... and drafted at least j positions
-        self.plain_steps: collections.deque = collections.deque(maxlen=window)  # (batch, seconds)
-        self.spec_steps: collections.deque = collections.deque(maxlen=window)  # (positions, seconds)
-        self.drafts: collections.deque = collections.deque(maxlen=window)  # (draft tokens per row, seconds)
+        self.accept = Acceptance(max_draft, decay)
+        self.steps = StepTimes(window, alpha_prior, beta_prior)
+        self.drafts = DraftTimes(window, draft_per_token)
+        self.calibrated = Calibration(decay)
         self.alpha_prior, self.beta_prior = alpha_prior, beta_prior
-        self.draft_per_token = draft_per_token
-        self._fits: dict[int, StepCost | None] = {}  # per batch size, cleared by each new step
-        self._rows: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # row -> (tried, hit, at step)
-        self._steps = 0  # target steps observed (a row's evidence decays per step)
-        self._batched = False  # inside batched_step
-        self._acceptance: np.ndarray | None = None  # acceptance() of the current counts
-        self.gain_predicted = 0.0  # decayed sums over drafting steps: extra tokens per row predicted
-        self.gain_realized = 0.0  # ... and got
+        self._fits: dict[int, StepCost | None] = {}  # per batch size, cleared by each new time
 
     def observe_acceptance(
         self,
@@ -137,188 +106,65 @@ class CostModel:
         many were accepted (of `row`, when given, also into that row's own counts)."""
         asked = drafted_depth if asked is None else asked
         positions = drafted_depth if positions is None else positions
-        tested = min(asked, accepted + 1, self.max_draft)  # depths asked for whose verdict we know
-        if not self._batched:  # one row's draft per step: it is the step
-            self.decay_acceptance()
-        self.tried[:tested] += 1
-        self.hit[: min(accepted, self.max_draft)] += 1
-        self._acceptance = None
-        self.reach[: min(asked, self.max_draft)] += 1
-        self.fill[: min(positions, asked, self.max_draft)] += 1
-        if row is not None:
-            tried, hit = self._row_counts(row)
-            tried[:tested] += 1
-            hit[: min(accepted, self.max_draft)] += 1
-            self._rows[row] = (tried, hit, self._steps)
+        self.accept.observe(drafted_depth, accepted, row, asked, positions)
 
-    def decay_acceptance(self) -> None:
-        """Age the acceptance counts by one step. A batch calls this once per step before its rows'
-        `observe_acceptance` (`batched_step`), so the memory is ~1 / (1 - decay) steps whatever
-        the batch size (per row it would be a few steps of a large batch: noisy estimates, and
-        the largest of noisy estimates is the one the policy picks)."""
-        for counts in (self.tried, self.hit, self.reach, self.fill):
-            counts *= self.decay
-        self._acceptance = None
-
-    @contextlib.contextmanager
     def batched_step(self):
-        """The rows' observations of one step, aged once (see `decay_acceptance`)."""
-        self.decay_acceptance()
-        self._batched = True
-        try:
-            yield
-        finally:
-            self._batched = False
-
-    def _row_counts(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        """A row's counts decayed to now (copies)."""
-        if row not in self._rows:
-            return np.zeros(self.max_draft), np.zeros(self.max_draft)
-        tried, hit, at = self._rows[row]
-        f = self.decay ** (self._steps - at)
-        return tried * f, hit * f
+        """The rows' observations of one step, aged once (Acceptance.age)."""
+        return self.accept.batched_step()
 
     def forget_row(self, row: int) -> None:
         """The row's request is over (continuous batching hands its slot to another)."""
-        self._rows.pop(row, None)
+        self.accept.forget_row(row)
 
     def row_acceptance(self, row: int) -> np.ndarray:
-        """(max_draft,) the row's acceptance rate per depth: its own counts, the batch's rates as a
-        prior worth two observations."""
-        tried, hit = self._row_counts(row)
-        return (hit + 2.0 * self.acceptance()) / (tried + 2.0)
+        return self.accept.row_rates(row)
 
     def failing(self, row: int) -> bool:
-        """The row's drafts keep failing where the batch's succeed (module docstring)."""
-        tried, _ = self._row_counts(row)
-        return bool(tried[0] >= ROW_EVIDENCE and self.row_acceptance(row)[0] < ROW_FAILING * self.acceptance()[0])
+        return self.accept.failing(row)
+
+    def acceptance(self) -> np.ndarray:
+        return self.accept.rates()
+
+    def fill_rates(self) -> np.ndarray:
+        return self.accept.fill_rates()
 
     def observe_step(self, positions: int, batch: int, seconds: float) -> None:
         """One target step over `positions` positions for `batch` rows (positions == batch: no draft)."""
-        (self.plain_steps if positions == batch else self.spec_steps).append((positions, seconds))
+        self.steps.observe(positions, batch, seconds)
+        self.accept.steps += 1
         self._fits.clear()
-        self._steps += 1
 
     def observe_draft(self, tokens_per_row: float, seconds: float) -> None:
         """One proposer call that drafted `tokens_per_row` tokens per row on average."""
-        if tokens_per_row > 0:
-            self.drafts.append((tokens_per_row, seconds))
+        if self.drafts.observe(tokens_per_row, seconds):
             self._fits.clear()
 
     def cost(self, batch: int) -> StepCost | None:
         if batch not in self._fits:
-            self._fits[batch] = self._fit(batch)
+            fit = self.steps.fit(batch)
+            if fit is None:
+                self._fits[batch] = None
+            else:
+                decode, alpha, beta = fit
+                d0, d1 = self.drafts.line()
+                self._fits[batch] = StepCost(decode, alpha, beta, d0 / decode, d1 / decode)
         return self._fits[batch]
-
-    def _prior(self, positions: float, batch: int) -> float:
-        """Relative cost of a verification step of `positions` positions by the priors."""
-        return 1 + self.beta_prior + self.alpha_prior * (positions / batch - 1)
-
-    def _sizes(self, decode: float | None, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(sizes, robust time per size, count per size) of the verification steps, spikes left out."""
-        kept = [
-            (size, value, count)
-            for size, value, count in _by_size(self.spec_steps)
-            # a size seen less than TRUST times and far over the priors: more likely a slow moment
-            if count >= TRUST or decode is None or value <= SPIKE * decode * self._prior(size, batch)
-        ]
-        sizes, times, counts = (np.array(c, np.float64) for c in zip(*kept)) if kept else (np.zeros(0),) * 3
-        return sizes, times, counts
-
-    def _fit(self, batch: int) -> StepCost | None:
-        plain = [t for b, t in self.plain_steps if b == batch]
-        decode = _robust(plain) if plain else None
-        # without a plain step, judge spikes against the fastest verification step (scaled by the
-        # priors): noise only ever makes a step slower
-        guess = decode or min((t / self._prior(z, batch) for z, t in self.spec_steps), default=None)
-        sizes, times, counts = self._sizes(guess, batch)
-        line = None
-        if len(sizes) >= 2:  # a line through the verification steps (of every batch size)
-            c1, c0 = np.polyfit(sizes, times, 1, w=np.sqrt(counts))
-            line = float(c0), max(float(c1), 0.0)
-        if decode is None:
-            if not len(sizes):
-                return None
-            if line is not None:
-                # no plain step at this batch size (a batch that always drafts): the line at P = B,
-                # less the verification jump where plain steps were seen (the prior's if nowhere).
-                # Backing out through the priors instead let a dear batch look cheap and draft more.
-                decode = (line[0] + line[1] * batch) / (1.0 + self._jump(line))
-            else:  # no plain step yet: back out T_decode from the verification steps with the priors
-                decode = statistics.median(t / self._prior(z, batch) for z, t in zip(sizes, times))
-        if line is not None:
-            c0, c1 = line
-            alpha = c1 * batch / decode
-            beta = max((c0 + c1 * batch) / decode - 1.0, 0.0)
-        elif len(sizes) == 1 and plain and sizes[0] > batch:
-            # one verification size seen: its measured extra cost r, split between beta and alpha
-            # in the proportion of the priors (exact for that size, which is all a fixed N uses)
-            n = sizes[0] / batch - 1  # draft tokens per row
-            r = max(float(times[0]) / decode - 1.0, 0.0)
-            beta = r * self.beta_prior / (self.beta_prior + self.alpha_prior * n)
-            alpha = (r - beta) / n
-        else:
-            alpha, beta = self.alpha_prior, self.beta_prior
-        d0, d1 = self._draft_line()
-        return StepCost(decode, alpha, beta, d0 / decode, d1 / decode)
-
-    def _jump(self, line: tuple[float, float]) -> float:
-        """beta where it was measured: the verification line at P = B over the plain step, at the
-        batch sizes that have plain steps (median); the prior where none has."""
-        plain: dict[int, list[float]] = collections.defaultdict(list)
-        for b, t in self.plain_steps:
-            plain[b].append(t)
-        jumps = [max((line[0] + line[1] * b) / _robust(ts) - 1.0, 0.0) for b, ts in plain.items()]
-        return statistics.median(jumps) if jumps else self.beta_prior
-
-    def _draft_line(self) -> tuple[float, float]:
-        """T_draft(n) = d0 + d1 * n in seconds."""
-        if not self.drafts:
-            return 0.0, 0.0
-        ns, ts, counts = (np.array(c, np.float64) for c in zip(*_by_size(self.drafts)))
-        if not self.draft_per_token:
-            return statistics.median(ts), 0.0
-        if len(ns) >= 2:
-            d1, d0 = np.polyfit(ns, ts, 1, w=np.sqrt(counts))
-            return max(float(d0), 0.0), max(float(d1), 0.0)
-        return 0.0, float(ts[0] / ns[0])  # one length seen: all of it per token
-
-    def acceptance(self) -> np.ndarray:
-        """(max_draft,) the batch's acceptance rate per depth (read-only; computed once per change
-        of the counts: a batch's policy reads it for every row, several times a step)."""
-        if self._acceptance is None:
-            rates = np.empty(self.max_draft)
-            prior = 0.5
-            for j in range(self.max_draft):
-                rates[j] = (self.hit[j] + 2.0 * prior) / (self.tried[j] + 2.0)
-                prior = rates[j]
-            rates.flags.writeable = False
-            self._acceptance = rates
-        return self._acceptance
 
     def observe_gain(self, rows: list[int], asked: dict[int, int], accepted: dict[int, int]) -> None:
         """One drafting step's extra tokens per row (beyond the one every step brings): what the
         acceptance estimates predicted for the lengths asked, and what the rows got. Call before
         the step's verdicts go into the estimates."""
-        rates = np.stack([self.row_acceptance(b) for b in rows])
+        rates = np.stack([self.accept.row_rates(b) for b in rows])
         reach = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # E[accepted | asked n] at column n - 1
         predicted = np.mean([reach[i, asked[b] - 1] if asked[b] > 0 else 0.0 for i, b in enumerate(rows)])
-        self.gain_predicted = self.gain_predicted * self.decay + float(predicted)
-        self.gain_realized = self.gain_realized * self.decay + float(np.mean([accepted[b] for b in rows]))
+        self.calibrated.observe(float(predicted), float(np.mean([accepted[b] for b in rows])))
 
     def calibration(self) -> float:
-        """Realized over predicted extra tokens (a prior of 1 worth two tokens): the estimates run
-        high in a batch (the policy picks N where they happen to be highest, and the rows that copy
-        keep them up), so predictions are scaled by what the steps really gave."""
-        return min((self.gain_realized + 2.0) / (self.gain_predicted + 2.0), 1.5)
+        return self.calibrated.ratio()
 
     def expected_tokens(self) -> np.ndarray:
         """(max_draft + 1,) E[tokens per step] for N = 0 .. max_draft."""
         return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()))])
-
-    def fill_rates(self) -> np.ndarray:
-        """(max_draft,) f_j: how often a row asked for depth j or more drafted at least j positions."""
-        return (self.fill + 2.0) / (self.reach + 2.0)
 
     def expected_positions(self, batch: int) -> np.ndarray:
         """(max_draft + 1,) draft positions a dense step of `batch` rows verifies per row, for

@@ -243,20 +243,19 @@ class SpeculativeDecoder(Generates):
     def join(
         self,
         state: SpecState,
-        rows: list[int],
-        requests: list[Request],
-        rngs: list[np.random.Generator],
-        budgets: list[int],
+        b: int,
+        request: Request,
+        rng: np.random.Generator,
+        budget: int,
         prefilled: Prefilled,
     ) -> None:
-        """The rows' prompts are in the cache (`prefilled` follows `rows`): they start generating."""
-        for i, (b, request) in enumerate(zip(rows, requests)):
-            state.rows.join(b, len(request.prompt), budgets[i])
-            state.prompts[b], state.sampling[b], state.rng[b] = request.prompt, request.sampling, rngs[i]
-            state.row_metrics[b] = SpecMetrics() if self.policy.max_draft else None
-            if state.pending is not None:
-                state.pending[b] = [prefilled.hidden[i]]
-        self.proposer.begin(rows, [r.prompt for r in requests], prefilled)
+        """Row b's prompt is in the cache (`prefilled` holds that one row): it starts generating."""
+        state.rows.join(b, len(request.prompt), budget)
+        state.prompts[b], state.sampling[b], state.rng[b] = request.prompt, request.sampling, rng
+        state.row_metrics[b] = SpecMetrics() if self.policy.max_draft else None
+        if state.pending is not None:
+            state.pending[b] = [prefilled.hidden[0]]
+        self.proposer.begin([b], [request.prompt], prefilled)
 
     def leave(self, state: SpecState, b: int) -> None:
         """Row b finished or was cancelled: the proposer and the cost model forget it."""
