@@ -36,7 +36,7 @@ class SpecBenchConfig:
     out_dir: Path = Path("bench/results")
     max_new_tokens: int = 192
     repeats: int = 2
-    methods: tuple[str, ...] = ("ngram", "suffix", "lookahead")
+    methods: tuple[str, ...] = ("ngram", "suffix", "auto", "lookahead")
     fixed_n: tuple[int, ...] = (4, 8)
     sweep_n: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
     sweep_method: str = "ngram"  # a chain: truncating its drafts predicts smaller N exactly

@@ -5,10 +5,11 @@ import pytest
 
 from specrt.errors import SpecrtError
 from specrt.runtime.drafts import DRAFT_METHODS, DraftInput, make_proposer
+from specrt.runtime.drafts.auto import follows
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer, SuffixTrie
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.verification import DraftTree
+from specrt.runtime.verification import DraftTree, Verdict
 
 
 def draft(proposer, contexts, n, rows=None):
@@ -87,7 +88,7 @@ def test_suffix_request_trie_follows_growing_context():
     assert tree.tokens.tolist()[:2] == [3, 4]
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
 def test_one_call_drafts_for_every_row_and_keeps_rows_apart(method):
     """Proposer v2: one propose() for the batch, one tree per row, each from its own context."""
     p = make_proposer(method)
@@ -169,3 +170,56 @@ def test_the_proposer_contract_as_stated(tiny_artifacts):
     BatchEngine(SpeculativeDecoder(gen, engine, make_policy(3)), max_batch=3).run(requests)
     assert [0] in engine.proposed and [1, 2] in engine.proposed  # by setting, not by seed
     assert sorted(engine.ended) == [[0], [1], [2]] and all(n <= 3 for step in engine.committed for n in step)
+
+
+def test_follows_walks_the_tree_along_the_emitted_tokens():
+    tree = DraftTree([4, 5, 6, 7], [-1, -1, 1, 2])  # 4 | 5 -> 6 -> 7
+    assert follows(tree, [5, 6, 9]) == 2 and follows(tree, [4, 1]) == 1 and follows(tree, [8]) == 0
+    assert follows(tree, [5, 6]) == 2  # no deeper than what was emitted
+    assert follows(DraftTree.empty(), [1, 2]) == 0
+
+
+class _Fixed:
+    """A lookup that always proposes the same chain."""
+
+    needs_features = cost_per_token = False
+
+    def __init__(self, tokens):
+        self.tokens, self.ended = tokens, []
+
+    def begin(self, rows, prompts, prefilled):
+        pass
+
+    def propose(self, inp):
+        return [DraftTree.chain(self.tokens[: inp.max_tokens]) for _ in inp.rows]
+
+    def commit(self, rows, trees, verdicts, step):
+        pass
+
+    def end(self, rows, outputs):
+        self.ended += list(rows)
+
+
+def test_auto_gives_each_row_the_method_that_served_it_best():
+    """Row 0's text follows method `b`, row 1's method `a`: after a few steps each row gets its
+    own method's tree (though `a` comes first in the registry's order), a new request starts from
+    what served all rows, and end reaches every member."""
+    from specrt.runtime.drafts.auto import AutoProposer
+
+    a, b = _Fixed([1, 2, 3]), _Fixed([7, 8, 9])
+    auto = AutoProposer({"a": a, "b": b})
+    auto.begin([0, 1], [[0], [0]], None)
+    truth = {0: [7, 8, 9, 10], 1: [1, 2, 5]}
+    for _ in range(3):
+        trees = draft(auto, [[0], [0]], 3)
+        verdicts = []
+        for b_, tree in zip((0, 1), trees):  # what a greedy target emits: the common prefix, then its token
+            k = follows(tree, truth[b_])
+            verdicts.append(Verdict(list(range(k)), truth[b_][k]))
+        auto.commit([0, 1], trees, verdicts, None)
+    trees = draft(auto, [[0], [0]], 3)
+    assert [t.tokens.tolist() for t in trees] == [[7, 8, 9], [1, 2, 3]]
+    assert auto.chosen["a"] >= 1 and auto.chosen["b"] >= 1
+    auto.end([0], [[7, 8]])
+    assert a.ended == b.ended == [0]
+    assert not np.allclose(auto.estimates(0), 0.5)  # a new request in row 0: what served all rows, not the blank prior

@@ -108,7 +108,7 @@ CODE_EDIT = (
 )
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
 def test_greedy_speculative_equals_plain_on_default_model(ort_gen, method):
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy

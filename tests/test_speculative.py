@@ -34,7 +34,7 @@ def ort_gen(tiny_artifacts):
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 3, 4, 9, 10]]
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
 @pytest.mark.parametrize("num_draft", [1, 3, "auto"])
 def test_greedy_speculative_equals_plain_torch(loopy_gen, method, num_draft):
     plain = loopy_gen.generate_ids(PROMPTS, 48)
@@ -46,7 +46,7 @@ def test_greedy_speculative_equals_plain_torch(loopy_gen, method, num_draft):
     assert m.steps < sum(len(r.token_ids) for r in plain)  # fewer target steps than tokens
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
 def test_greedy_speculative_equals_plain_ort(ort_gen, method):
     prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42]]
     plain = ort_gen.generate_ids(prompts, 40)
@@ -140,12 +140,12 @@ def exact_two_token_joint(gen, params):
 def make_draft(method, gen):
     if method == "ngram":
         return make_proposer("ngram", n_min=1)
-    if method == "suffix":
-        return make_proposer("suffix")
+    if method in ("suffix", "auto"):
+        return make_proposer(method)
     return SelfDraftProposer(gen.backend, temperature_scale={"self q=p": 1.0, "self q!=p": 1.7}[method])
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "self q=p", "self q!=p"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto", "self q=p", "self q!=p"])
 def test_sampled_speculative_output_follows_the_model(method):
     """Point-mass drafts (ngram, suffix) and a draft with a real q (the self draft, sampling at
     the target's temperature or hotter): the first two sampled tokens follow the target's exact
