@@ -90,6 +90,10 @@ class Acceptance:
         finally:
             self._batched = False
 
+    def next_step(self) -> None:
+        """A target step ran (drafted or not): the rows' own counts are one step older."""
+        self.steps += 1
+
     def row_counts(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         """A row's counts decayed to now (copies)."""
         if row not in self._rows:

@@ -90,7 +90,6 @@ class CostModel:
         self.steps = StepTimes(window, alpha_prior, beta_prior)
         self.drafts = DraftTimes(window, draft_per_token)
         self.calibrated = Calibration(decay)
-        self.alpha_prior, self.beta_prior = alpha_prior, beta_prior
         self._fits: dict[int, StepCost | None] = {}  # per batch size, cleared by each new time
 
     def observe_acceptance(
@@ -131,7 +130,7 @@ class CostModel:
     def observe_step(self, positions: int, batch: int, seconds: float) -> None:
         """One target step over `positions` positions for `batch` rows (positions == batch: no draft)."""
         self.steps.observe(positions, batch, seconds)
-        self.accept.steps += 1
+        self.accept.next_step()
         self._fits.clear()
 
     def observe_draft(self, tokens_per_row: float, seconds: float) -> None:
@@ -181,7 +180,7 @@ class CostModel:
 
     def speedups(self, batch: int, rows: list[int] | None = None) -> np.ndarray:
         """speedup(N) for N = 0 .. max_draft; with `rows`, E[tokens] from each row's own acceptance."""
-        cost = self.cost(batch) or StepCost(1.0, self.alpha_prior, self.beta_prior, 0.0)
+        cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0)
         n = np.arange(self.max_draft + 1)
         positions = self.expected_positions(batch)
         drafts = np.where(n > 0, positions[1], 0.0)  # the chance some row drafted at all

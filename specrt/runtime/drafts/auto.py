@@ -70,10 +70,14 @@ class AutoProposer:
         for method in self.methods.values():
             method.begin(rows, prompts, prefilled)
 
+    def _row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """The row's decayed (sums, weights) per method; zeros for a row not yet scored."""
+        return self._rows.get(row) or (np.zeros(len(self.methods)), np.zeros(len(self.methods)))
+
     def estimates(self, row: int) -> np.ndarray:
         """(methods,) expected accepted tokens per step for this row, by method."""
         prior = (self._sum + 0.5 * PRIOR_STEPS) / (self._weight + PRIOR_STEPS)  # half a token before any
-        sums, weights = self._rows.get(row, (np.zeros(len(self.methods)),) * 2)
+        sums, weights = self._row(row)
         return (sums + PRIOR_STEPS * prior) / (weights + PRIOR_STEPS)
 
     def propose(self, inp: DraftInput) -> list[DraftTree]:
@@ -97,7 +101,7 @@ class AutoProposer:
                 continue
             emitted = verdict.tokens(tree)
             scores = np.array([follows(p, emitted) for p in proposals], dtype=np.float64)
-            sums, weights = self._rows.get(b, (np.zeros(len(self.methods)),) * 2)
+            sums, weights = self._row(b)
             self._rows[b] = (sums * ROW_DECAY + scores, weights * ROW_DECAY + 1.0)
             self._sum = self._sum * GLOBAL_DECAY + scores
             self._weight = self._weight * GLOBAL_DECAY + 1.0
