@@ -30,8 +30,11 @@ from specrt.runtime.drafts import DRAFT_METHODS
 
 @dataclasses.dataclass
 class SpecBenchConfig:
-    engine_dir: Path
+    engine_dir: Path  # the float32 ORT engine (its manifest names the checkpoint)
     checkpoint: Path | None = None
+    artifacts: Path | None = None  # with quantize / split: the build-engines directory
+    quantize: str = "none"  # run the quantized ORT engine of this scheme (build-engines --quantize)
+    split: bool = False  # quantize gguf: one-position steps on the 4-bit engine, longer ones on float32
     prompts: Path = Path("bench/prompts.jsonl")
     out_dir: Path = Path("bench/results")
     max_new_tokens: int = 192
@@ -95,11 +98,16 @@ def load_prompts(path: Path) -> list[dict]:
 
 def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> dict:
     from specrt.runtime.drafts import make_proposer
-    from specrt.runtime.runner import RunnerSpec, open_generator
+    from specrt.runtime.runner import RunnerSpec, check_options, open_generator
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
     prompts = load_prompts(cfg.prompts)
-    gen = open_generator(RunnerSpec(engine=cfg.engine_dir, checkpoint=cfg.checkpoint))
+    if cfg.quantize == "none" and not cfg.split:
+        gen = open_generator(RunnerSpec(engine=cfg.engine_dir, checkpoint=cfg.checkpoint))
+    else:
+        spec = RunnerSpec(artifacts=cfg.artifacts, checkpoint=cfg.checkpoint, quantize=cfg.quantize, split=cfg.split)
+        check_options(spec)
+        gen = open_generator(spec)
     hf = None
     if cfg.transformers and cfg.main_runs:
         import torch

@@ -150,6 +150,10 @@ def test_split_backend_decodes_on_gguf_and_verifies_on_float(gguf_target):
     spec = SpeculativeDecoder(split, make_proposer("ngram"), make_policy(4)).generate_ids([rep], 24)[0]
     assert spec.token_ids == split.generate_ids([rep], 24)[0].token_ids
     assert any(q > 1 for q in calls["multi"][1:])
+    # its step costs, measured when each engine was built: one position on gguf, more on float32
+    costs = split.backend.caps.step_ms
+    assert costs[1] == split.backend.single.caps.step_ms[1]
+    assert costs[9] == flt.backend.caps.step_ms[9] and sorted(costs) == [1, 2, 3, 5, 9, 17]
 
 
 def test_split_refuses_engines_of_different_models(gguf_target, tmp_path):

@@ -94,6 +94,20 @@ def _parse_layers(value: str) -> tuple[int, ...]:
         raise click.BadParameter(f"{value!r}: give comma-separated layer indices, e.g. -1 or 2,15,27") from None
 
 
+def _parse_methods(value: str) -> tuple[str, ...]:
+    """bench --methods: draft methods without weights (the heads come with --drafts)."""
+    from specrt.runtime.drafts import DRAFT_METHODS
+
+    lookups = [n for n, m in DRAFT_METHODS.items() if not m.needs_draft_dir]
+    out = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in out if v not in lookups]
+    if bad:
+        raise click.BadParameter(
+            f"{', '.join(bad)}: choose among {', '.join(lookups)} (heads: --drafts DIR)", param_hint="--methods"
+        )
+    return out
+
+
 def _parse_fixed_n(value: str) -> tuple[int, ...]:
     try:
         out = tuple(int(v) for v in value.split(",")) if value.strip() else ()

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 import click
 
 from specrt.cli.common import (
+    QUANT_SCHEMES,
     SERVER,
     FiniteFloat,
     _engine_options,
     _friendly_errors,
     _parse_fixed_n,
+    _parse_methods,
     main,
     open_chosen,
 )
@@ -264,6 +266,24 @@ def _serve_ray(choice: RunnerSpec, served_model_name, limits, host, port, replic
     help="Fixed draft lengths for ngram, suffix and lookahead ('' for none).",
 )
 @click.option(
+    "--methods",
+    default="ngram,suffix,auto,lookahead",
+    show_default=True,
+    help="Draft methods run beside plain decoding, comma-separated (any of --draft's lookups).",
+)
+@click.option(
+    "--quantize",
+    default="none",
+    show_default=True,
+    type=click.Choice(QUANT_SCHEMES),
+    help="Run the quantized ORT engine of this scheme (build-engines --quantize).",
+)
+@click.option(
+    "--split",
+    is_flag=True,
+    help="--quantize gguf: one-position steps on the 4-bit engine, longer ones on the float32 engine.",
+)
+@click.option(
     "--drafts",
     type=click.Path(path_type=Path),
     default=None,
@@ -282,6 +302,9 @@ def bench(
     sweep_only,
     no_sweep,
     fixed_n,
+    methods,
+    quantize,
+    split,
     drafts,
 ):
     """Benchmark speculative decoding on a prompt set: table, JSON and a speedup-vs-N plot."""
@@ -299,6 +322,10 @@ def bench(
         main_runs=not sweep_only,
         sweep=not no_sweep,
         fixed_n=_parse_fixed_n(fixed_n),
+        methods=_parse_methods(methods),
+        artifacts=artifacts,
+        quantize=quantize,
+        split=split,
         drafts=drafts,
     )
     if quick:

@@ -284,7 +284,8 @@ def _build_ort(
 
     edir = ArtifactLayout(spec.out).ort_engine(spec.provider, quantize)
     current = None if spec.force or stale else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
-    if current is not None and current["onnx"]["files"] == onnx_files:
+    # an engine built before its step costs were measured is rebuilt (ORT's optimization: seconds)
+    if current is not None and current["onnx"]["files"] == onnx_files and "step_ms" in current:
         yield f"ort       {edir}: up to date"
     else:
         t0 = time.perf_counter()

@@ -26,10 +26,9 @@ from specrt.artifacts import (
     require_same_checkpoint,
     write_manifest,
 )
-from specrt.engines.profiles import EngineShapes
+from specrt.engines.ort_measure import batch_invariance, step_costs
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.graph_files import ONNX_FILE, read_onnx_manifest
-from specrt.export.step_io import LOGITS, STEP_INPUTS, StepIO, attention_mask
 
 ENGINE_KIND = "ort-engine"
 OPT_FILE = "model.opt.onnx"
@@ -95,115 +94,6 @@ def _check_provider_loaded(session, provider: str) -> str:
             "provider's libraries cannot load). Check the CUDA/cuDNN/TensorRT libraries, or use --provider cpu."
         )
     return active[0]
-
-
-def batch_invariance(
-    session,
-    config: dict,
-    provider: str,
-    prefix: int = 12,
-    steps: int = EngineShapes.max_verify,
-    flavour: str = "portable",
-) -> dict:
-    """How much a position's logits depend on how many positions one step computes: the same
-    tokens fed one per step and as one multi-position step (as speculative verification does).
-    Exact speculative decoding needs this to be at float rounding level (~1e-6 of the logits'
-    range); kernels that switch arithmetic with the number of rows (int8 activations) are not.
-
-    The session is called as the runtime calls it (engines/ sits below the runtime, so this is
-    written against the step graph's I/O directly): the past is a preallocated buffer of fixed
-    capacity whose unused slots the attention mask hides, and each step's KV is written into it.
-    (Measured with an exactly sized past instead, int8-activation engines show no difference at
-    all, while the runtime sees ~2 % of the logits' range.) `steps` must reach the largest
-    verification step: ORT's int8 Q/DQ kernels gave identical logits for 6 positions and moved
-    them by 5 % of their range at 17."""
-    import numpy as np
-
-    from specrt.export.config import ModelConfig
-
-    cfg = ModelConfig.from_dict(config)
-    if flavour == "fused":
-        return _fused_invariance(session, cfg, prefix, steps)
-    io = StepIO(cfg.num_hidden_layers)
-    capacity = prefix + steps
-    shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
-
-    def fresh():
-        return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(cfg.num_hidden_layers)], [0]
-
-    def run(tokens, cache):
-        """Feed `tokens` after the cache's committed length; returns their logits (Q, V)."""
-        past, length = cache
-        P, Q = length[0], len(tokens)
-        mask = attention_mask([P], capacity, Q)
-        feeds = dict(
-            zip(
-                STEP_INPUTS,
-                (
-                    np.array([tokens], np.int64),
-                    np.arange(P, P + Q, dtype=np.int64)[None],
-                    mask,
-                    np.arange(Q, dtype=np.int64)[None],
-                ),
-            )
-        )
-        for i, kv in enumerate(past):
-            feeds.update(zip(io.past(i), kv))
-        out = session.run([LOGITS, *io.present_names], feeds)
-        for i, (k, v) in enumerate(past):
-            k[:, :, P : P + Q], v[:, :, P : P + Q] = out[1 + 2 * i], out[2 + 2 * i]
-        length[0] += Q
-        return out[0][0]
-
-    return _compare(fresh, run, cfg, prefix, steps)
-
-
-def _fused_invariance(session, cfg, prefix: int, steps: int) -> dict:
-    """batch_invariance of the fused graph: its cache written in place, as the runtime runs it."""
-    import numpy as np
-
-    from specrt.engines.ort_inplace import InPlaceRunner
-    from specrt.export.step_io import fused_inputs
-
-    runner, room = InPlaceRunner(session, cfg.num_hidden_layers), prefix + 2 * steps  # the steps and slack
-    buffers = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, room, cfg.head_dim)  # (L, B, Hkv, C, D)
-
-    def fresh():
-        return np.zeros(buffers, np.float32), np.zeros(buffers, np.float32), [0]
-
-    def run(tokens, cache):
-        keys, values, length = cache
-        P, Q = length[0], len(tokens)
-        feeds = {
-            "input_ids": np.array([tokens], np.int64),
-            "position_ids": np.arange(P, P + Q, dtype=np.int64)[None],
-            "logits_index": np.arange(Q, dtype=np.int64)[None],
-            **fused_inputs(np.array([P]), attention_mask([P], room, Q)),
-        }
-        logits, _ = runner.run(feeds, keys, values)
-        length[0] += Q
-        return logits[0]
-
-    return _compare(fresh, run, cfg, prefix, steps)
-
-
-def _compare(fresh, run, cfg, prefix: int, steps: int) -> dict:
-    """The same tokens one per step and as one multi-position step: how far their logits differ."""
-    import numpy as np
-
-    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, prefix + steps).tolist()
-    one, many = fresh(), fresh()
-    run(ids[:prefix], one)
-    run(ids[:prefix], many)
-    single = np.stack([run([t], one)[0] for t in ids[prefix:]])
-    multi = run(ids[prefix:], many)
-    diff = float(np.abs(single - multi).max())
-    return {
-        "max_abs_diff": diff,
-        "relative": diff / max(float(np.ptp(multi)), 1e-12),
-        "argmax_agreement": float((single.argmax(-1) == multi.argmax(-1)).mean()),
-        "positions": steps,
-    }
 
 
 BATCH_VARIANCE_LIMIT = 1e-4  # relative; float32 engines measure ~1e-6
@@ -282,7 +172,8 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
             onnx_dir / ONNX_FILE, tmp / OPT_FILE, OPT_DATA, options, "re-export it with `specrt export`."
         )
         flavour = onnx_manifest.get("graph_flavour", "portable")
-        invariance = batch_invariance(session, onnx_manifest["config"], active, flavour=flavour)
+        invariance = batch_invariance(session, onnx_manifest["config"], flavour)
+        costs = step_costs(session, onnx_manifest["config"], flavour)
         del session
         write_manifest(
             tmp,
@@ -299,6 +190,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "host_cpu": cpu_model(),
                 "graph_optimization_level": "ORT_ENABLE_ALL",
                 "batch_invariance": invariance,
+                "step_ms": costs,  # by positions, batch 1: the cost model's priors
                 "build_seconds": round(time.perf_counter() - t0, 2),
                 "files": {name: file_sha256(tmp / name) for name in (OPT_FILE, OPT_DATA)},
                 "versions": package_versions("onnxruntime"),

@@ -32,6 +32,17 @@ def _by_size(observations) -> list[tuple[float, float, int]]:
     return [(size, _robust(ts), len(ts)) for size, ts in sorted(groups.items())]
 
 
+def _line(x, y, weights) -> tuple[float, float]:
+    """(c0, c1) of the weighted least-squares line y = c0 + c1 * x (at least two distinct x).
+    Closed form in plain Python: np.polyfit took a third of a plan's time, and this runs every step."""
+    sw = sum(weights)
+    mx = sum(w * v for w, v in zip(weights, x)) / sw
+    my = sum(w * v for w, v in zip(weights, y)) / sw
+    sxx = sum(w * (v - mx) ** 2 for w, v in zip(weights, x))
+    c1 = sum(w * (u - mx) * (v - my) for w, u, v in zip(weights, x, y)) / sxx
+    return my - c1 * mx, c1
+
+
 def _robust(times: list[float]) -> float:
     """A size's time: the median once trusted, the fastest before (noise only slows steps).
     (statistics.median: on these few values it is ~20x faster than numpy's, and this runs every step)"""
@@ -136,6 +147,19 @@ class Acceptance:
         return (self.fill + 2.0) / (self.reach + 2.0)
 
 
+def step_priors(step_ms: dict[int, float] | None) -> tuple[float, float] | None:
+    """(alpha, beta) of an engine's step costs measured at build (ms by positions at batch 1,
+    Capabilities.step_ms): the line t(Q) = c0 + c1 * Q through the multi-position steps, over
+    the one-position step t1, gives alpha = c1 / t1 and beta = (c0 + c1) / t1 - 1. None when
+    nothing was measured (the generic priors then)."""
+    if not step_ms or 1 not in step_ms or len([q for q in step_ms if q > 1]) < 2:
+        return None
+    qs = sorted(q for q in step_ms if q > 1)
+    c0, c1 = _line(qs, [step_ms[q] for q in qs], [1.0] * len(qs))
+    t1 = step_ms[1]
+    return max(c1 / t1, 0.0), max((c0 + c1) / t1 - 1.0, 0.0)
+
+
 class StepTimes:
     """The target steps' times: plain steps by batch size and verification steps by positions
     (a window of each), and from them T_decode, alpha and beta at a batch size (policy.py's
@@ -174,8 +198,8 @@ class StepTimes:
         sizes, times, counts = self._sizes(guess, batch)
         line = None
         if len(sizes) >= 2:  # a line through the verification steps (of every batch size)
-            c1, c0 = np.polyfit(sizes, times, 1, w=np.sqrt(counts))
-            line = float(c0), max(float(c1), 0.0)
+            c0, c1 = _line(sizes.tolist(), times.tolist(), counts.tolist())
+            line = c0, max(c1, 0.0)
         if decode is None:
             if not len(sizes):
                 return None
@@ -230,8 +254,8 @@ class DraftTimes:
         if not self.per_token:
             return statistics.median(ts), 0.0
         if len(ns) >= 2:
-            d1, d0 = np.polyfit(ns, ts, 1, w=np.sqrt(counts))
-            return max(float(d0), 0.0), max(float(d1), 0.0)
+            d0, d1 = _line(ns.tolist(), ts.tolist(), counts.tolist())
+            return max(d0, 0.0), max(d1, 0.0)
         return 0.0, float(ts[0] / ns[0])  # one length seen: all of it per token
 
 

@@ -35,6 +35,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.batching import BatchEngine, Request
 from specrt.runtime.drafts.base import DraftInput, Proposer
+from specrt.runtime.estimators import step_priors
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
@@ -222,7 +223,10 @@ class SpeculativeDecoder(Generates):
     # -- a row's life ------------------------------------------------------------------------------
 
     def new_cost_model(self) -> CostModel:
-        return CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token)
+        # the priors: the engine's step costs measured when it was built, where it has them
+        priors = step_priors(self.gen.session.caps.step_ms)
+        alpha_beta = dict(zip(("alpha_prior", "beta_prior"), priors)) if priors else {}
+        return CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token, **alpha_beta)
 
     def new_state(self, batch: int) -> SpecState:
         """The bookkeeping of a batch of `batch` rows, none of them running yet."""

@@ -41,6 +41,8 @@ class Capabilities:
     # None), all Q of every row from its length on: caches get this many slots beyond their capacity
     cache_slack: int = 0
     batch_invariance: dict | None = None  # measured at build: how logits move between 1- and multi-position steps
+    # measured at build: ms per step at batch 1 by the positions it computes ({1: .., 2: .., 17: ..})
+    step_ms: dict[int, float] | None = None
     # what a draft head trained on this target must match (its features are these layers'
     # hidden states, at this precision, of this checkpoint); hash None: unknown (built in memory)
     hidden_layers: tuple[int, ...] = (-1,)  # the layers `hidden_states` carries, in order

@@ -27,6 +27,7 @@ class OrtBackend(StepBackend):
         config: ModelConfig,
         provider: str,
         batch_invariance: dict | None = None,
+        step_ms: dict | None = None,
         hidden_layers=(-1,),
         precision: str = "float32",
         checkpoint_hash: str | None = None,
@@ -42,6 +43,7 @@ class OrtBackend(StepBackend):
         self.caps = Capabilities(
             max_verify=FUSED_STEP_ROOM if fused else None,
             batch_invariance=batch_invariance,
+            step_ms={int(q): float(ms) for q, ms in step_ms.items()} if step_ms else None,
             hidden_layers=tuple(hidden_layers),
             precision=precision,
             checkpoint_hash=checkpoint_hash,
@@ -64,7 +66,8 @@ class OrtBackend(StepBackend):
             session,
             ModelConfig.from_dict(manifest["config"]),
             provider,
-            batch_invariance=manifest.get("batch_invariance"),  # measured at build (engines.ort.batch_invariance)
+            batch_invariance=manifest.get("batch_invariance"),  # measured at build (engines/ort_measure.py)
+            step_ms=manifest.get("step_ms"),  # engines built before it was measured have none
             hidden_layers=manifest["hidden_layers"],
             precision=manifest.get("precision", "float32"),
             checkpoint_hash=manifest["checkpoint"]["hash"],

@@ -50,6 +50,7 @@ class SplitBackend(StepBackend):
             max_batch=_least(a.max_batch, b.max_batch),
             cache_device=b.cache_device,
             batch_invariance=max(inv, key=lambda d: d["relative"]) if len(inv) == 2 else None,
+            step_ms=_split_costs(a.step_ms, b.step_ms),
             hidden_layers=b.hidden_layers,
             precision=b.precision,
             checkpoint_hash=b.checkpoint_hash,
@@ -67,3 +68,10 @@ class SplitBackend(StepBackend):
 
 def _least(x, y):
     return y if x is None else x if y is None else min(x, y)
+
+
+def _split_costs(single: dict | None, multi: dict | None) -> dict | None:
+    """The split's step costs: one position on `single`'s engine, more on `multi`'s."""
+    if not single or not multi or 1 not in single:
+        return None
+    return {1: single[1], **{q: ms for q, ms in multi.items() if q > 1}}
