@@ -8,9 +8,9 @@ from scipy.stats import chisquare
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
+from specrt.runtime.estimators import step_priors
 from specrt.runtime.generator import Generator
 from specrt.runtime.metrics import SpecMetrics
-from specrt.runtime.estimators import step_priors
 from specrt.runtime.policy import AutoPolicy, CostModel
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
