@@ -67,9 +67,10 @@ drafts: build-engines
 generate: build-engines
 	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize gguf --prompt "$(PROMPT)"
 
-# an OpenAI-compatible server on http://127.0.0.1:8000 (speculative decoding with the suffix draft)
+# an OpenAI-compatible server on http://127.0.0.1:8000 on the fastest exact engine (the GGUF's
+# 4-bit blocks decoding, float32 verifying) with its default draft, auto (none where it does not pay)
 serve: build-engines
-	$(SPECRT) serve --artifacts $(ARTIFACTS) --draft suffix
+	$(SPECRT) serve --artifacts $(ARTIFACTS) --quantize gguf --split
 
 # the whole suite; real-model tests must run (not skip), so the model is fetched first
 test: setup model

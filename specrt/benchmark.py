@@ -1,7 +1,8 @@
 """`specrt bench`: speculative decoding on a prompt set, side by side in one run.
 
-For every repeat and prompt (in turn, so machine noise hits all methods alike) it times, end to
-end (prefill included) and greedy:
+For every repeat and prompt (in turn, so machine noise hits all methods alike; after one untimed
+plain run of the prompt, and in an order that rotates with the repeat) it times, end to end
+(prefill included) and greedy:
     specrt plain decoding, each draft method at each fixed N and at N = auto,
     transformers' prompt lookup (prompt_lookup_num_tokens) and transformers' plain generate.
 Then a sweep of fixed N on one prompt class gives measured decode speedup vs N (prefill
@@ -146,25 +147,25 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
     for r in range(cfg.repeats if cfg.main_runs else 0):
         for pi, p in enumerate(prompts):
             ids = gen.encode_prompt(p["prompt"])
-            plain, t_plain = timed(lambda: gen.generate_ids([ids], cfg.max_new_tokens)[0])
+            # untimed: a prompt's first generation pays ORT's first run of its shapes (several % on
+            # whichever variant ran first), and its tokens are what every variant must equal
+            plain = gen.generate_ids([ids], cfg.max_new_tokens)[0]
             base = {"repeat": r, "prompt": pi, "class": p["class"]}
-            runs.append(
-                {
-                    **base,
-                    "variant": "plain",
-                    "tokens": len(plain.token_ids),
-                    "seconds": t_plain,
-                    "same_as_plain": True,
-                    "decode_seconds": plain.decode_seconds,
-                }
-            )
-            line = [f"r{r + 1} #{pi + 1} {p['class']:<13} plain {len(plain.token_ids) / t_plain:5.1f} tok/s"]
-            for label, method, opts, n in variants:
+            timings = {}
+            order = [("plain", None, None, None), *variants]
+            for label, method, opts, n in order[r % len(order) :] + order[: r % len(order)]:  # each repeat rotates
+                if method is None:
+                    res, t = timed(lambda: gen.generate_ids([ids], cfg.max_new_tokens)[0])
+                    runs.append({**base, "variant": "plain", "tokens": len(res.token_ids), "seconds": t})
+                    runs[-1].update(same_as_plain=res.token_ids == plain.token_ids, decode_seconds=res.decode_seconds)
+                    timings[label] = t
+                    continue
                 if opts:
                     opts = {**opts, "target": gen.session.caps}
                 proposer = make_proposer(method, **opts)  # fresh: no cross-prompt memory
                 spec = SpeculativeDecoder(gen, proposer, make_policy(n))
                 res, t = timed(lambda: spec.generate_ids([ids], cfg.max_new_tokens)[0])
+                timings[label] = t
                 m = res.metrics
                 runs.append(
                     {
@@ -182,7 +183,11 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
                         "predicted_speedup": m.predicted_speedup,
                     }
                 )
-                line.append(f"{label.removesuffix(' N=auto')}/{n} {t_plain / t:4.2f}x")
+            t_plain = timings["plain"]
+            line = [f"r{r + 1} #{pi + 1} {p['class']:<13} plain {len(plain.token_ids) / t_plain:5.1f} tok/s"]
+            line += [
+                f"{label.removesuffix(' N=auto')}/{n} {t_plain / timings[label]:4.2f}x" for label, _, _, n in variants
+            ]
             if hf is not None:
                 for name, lookup in (("transformers prompt lookup", True), ("transformers plain", False)):
                     toks, t = timed(lambda: hf_generate(ids, lookup))

@@ -99,3 +99,40 @@ def test_head_variants_follow_the_draft_registry(tmp_path):
         ("medusa", "medusa", None),
     ]
     assert any("skipped eagle chain, eagle tree" in line for line in logged)
+
+
+def test_policy_bench_runs_on_a_virtual_clock(tiny_artifacts):
+    """bench/bench_policy.py: a generation on the virtual clock is a function of the policy alone
+    (the same seconds twice, noise included: it is seeded), its output is plain decoding's, and
+    an ablation runs the same tokens on another clock reading."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_policy import VirtualClock, engine_costs, patched, run_virtual
+
+    from specrt.runtime.generator import Generator
+
+    curve = engine_costs(tiny_artifacts)["f32"]
+    assert sorted(curve) == [1, 2, 3, 5, 9, 17]
+    gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
+    gen.eos_ids = frozenset()
+    ids = [5, 6, 7, 8] * 6  # repetitive: the suffix draft proposes
+    plain = gen.generate_ids([ids], 40)[0].token_ids
+    seconds = []
+    for _ in range(2):
+        res, s = run_virtual(gen, "suffix", ids, 40, VirtualClock(curve, 1e-4, 2e-4, 0.05, seed=3))
+        assert res.token_ids == plain
+        seconds.append(s)
+    assert seconds[0] == seconds[1] > 0
+    restore = patched({"calibration", "spike", "trust"})
+    try:
+        res, _ = run_virtual(
+            gen, "suffix", ids, 40, VirtualClock(curve, 1e-4, 2e-4, 0.05, seed=3), ("probes", "priors")
+        )
+    finally:
+        restore()
+    assert res.token_ids == plain
+    from specrt.runtime import estimators
+
+    assert estimators.SPIKE == 3.0 and estimators.TRUST == 3  # restored

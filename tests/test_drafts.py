@@ -40,6 +40,29 @@ def test_ngram(context, n_min, n_max, k, expected):
     assert one(NgramProposer(n_min, n_max), context, k).tokens.tolist() == expected
 
 
+def _scan(ctx, n_min, n_max, k):
+    """The n-gram draft by a scan of the whole context (the reference for the index)."""
+    L = len(ctx)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        hits = [s for s in range(L - n) if ctx[s : s + n] == ctx[L - n :]]
+        if hits:
+            return ctx[hits[-1] + n : hits[-1] + n + k]
+    return []
+
+
+def test_ngram_index_grows_with_the_context_and_finds_what_a_scan_finds():
+    rng = np.random.default_rng(3)
+    p = NgramProposer(2, 4)
+    for row in (0, 1):  # two rows, each its own index; a row that begins again starts afresh
+        ctx = rng.integers(0, 6, 20).tolist()
+        p.begin([row], [ctx], None)
+        for _ in range(60):
+            assert one(p, ctx, 5, row).tokens.tolist() == _scan(ctx, 2, 4, 5)
+            ctx = ctx + rng.integers(0, 6, int(rng.integers(1, 4))).tolist()
+    p.begin([0], [[1, 2, 1]], None)
+    assert one(p, [1, 2, 1, 2], 3, 0).tokens.tolist() == [1, 2]
+
+
 def test_suffix_trie_counts_substrings():
     t = SuffixTrie(max_depth=3)
     t.extend([1, 2, 1, 2, 3])
@@ -49,6 +72,18 @@ def test_suffix_trie_counts_substrings():
     assert 3 not in t.root.children[1].children[2].children[1].children  # depth 3 is the limit
     node, m = t.match([9, 1, 2], max_match=8)
     assert m == 2 and set(node.children) == {1, 3}
+
+
+def test_suffix_match_of_the_fed_sequence_equals_the_walk():
+    """The request trie matches from its open nodes (the suffixes of what it was fed); a walk
+    from the root finds the same node."""
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        ctx = rng.integers(0, 4, int(rng.integers(2, 60))).tolist()
+        t = SuffixTrie(max_depth=int(rng.integers(3, 12)))
+        t.extend(ctx)
+        for max_match in (1, 4, 32):
+            assert t.match_fed(max_match) == t.match(ctx, max_match)
 
 
 def test_suffix_tree_proposal_scores_by_frequency():

@@ -144,6 +144,15 @@ def _flags(names) -> str:
 def _engine_options(fn):
     """The options that choose the engine, backend and draft (shared by generate and serve); the
     command receives them as one RunnerSpec (runtime/runner.py), `choice`."""
+    return engine_options()(fn)
+
+
+def engine_options(draft: str = "none"):
+    """_engine_options with another default --draft (serve: auto)."""
+    return functools.partial(_with_engine_options, draft=draft)
+
+
+def _with_engine_options(fn, draft: str):
     options = [
         click.option(
             "--artifacts",
@@ -204,7 +213,7 @@ def _engine_options(fn):
         ),
         click.option(
             "--draft",
-            default="none",
+            default=draft,
             show_default=True,
             type=click.Choice(DRAFT_CHOICES),
             help="Draft method for speculative decoding: "

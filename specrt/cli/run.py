@@ -17,6 +17,7 @@ from specrt.cli.common import (
     _friendly_errors,
     _parse_fixed_n,
     _parse_methods,
+    engine_options,
     main,
     open_chosen,
 )
@@ -77,7 +78,7 @@ def generate(
 
 
 @main.command()
-@_engine_options
+@engine_options(draft="auto")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option(
@@ -146,8 +147,9 @@ def serve(
     ray_address,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/models, streaming included), optionally with speculative decoding (--draft), on one
-    engine or on several behind Ray Serve (--ray --replicas N)."""
+    /v1/models, streaming included), with speculative decoding (--draft auto by default: per row
+    and step the copy draft that serves it best, or none where drafting does not pay; --draft
+    none for plain decoding), on one engine or on several behind Ray Serve (--ray --replicas N)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

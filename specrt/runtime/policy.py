@@ -171,21 +171,27 @@ class CostModel:
         some = 1.0 - (1.0 - self.fill_rates()) ** batch  # some row drafted depth j
         return np.concatenate([[0.0], np.cumsum(some)])
 
-    def row_expected_tokens(self, rows: list[int]) -> np.ndarray:
+    def row_expected_tokens(self, rows: list[int], upper: bool = False) -> np.ndarray:
         """(max_draft + 1,) E[tokens per row | N], the mean over the rows of each row's own
         (its acceptance: its counts, the batch's rates as the prior; a failing row drafts nothing,
-        so it brings one token whatever N is)."""
-        rates = np.stack([np.zeros(self.max_draft) if self.failing(b) else self.row_acceptance(b) for b in rows])
+        so it brings one token whatever N is). `upper`: the most it can grow to before anything
+        more is observed (a row's counts decay every step toward the batch's rates, and a row
+        stops failing), each row's rates the larger of its own and the batch's."""
+        if upper:
+            rates = np.stack([np.maximum(self.row_acceptance(b), self.acceptance()) for b in rows])
+        else:
+            rates = np.stack([np.zeros(self.max_draft) if self.failing(b) else self.row_acceptance(b) for b in rows])
         return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates, axis=1).mean(axis=0))])
 
-    def speedups(self, batch: int, rows: list[int] | None = None) -> np.ndarray:
-        """speedup(N) for N = 0 .. max_draft; with `rows`, E[tokens] from each row's own acceptance."""
+    def speedups(self, batch: int, rows: list[int] | None = None, upper: bool = False) -> np.ndarray:
+        """speedup(N) for N = 0 .. max_draft; with `rows`, E[tokens] from each row's own acceptance
+        (`upper`: the most it can drift to while nothing is observed, `row_expected_tokens`)."""
         cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0)
         n = np.arange(self.max_draft + 1)
         positions = self.expected_positions(batch)
         drafts = np.where(n > 0, positions[1], 0.0)  # the chance some row drafted at all
         relative = 1.0 + cost.beta * drafts + cost.alpha * positions + cost.draft_ratio(n)
-        expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows)
+        expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows, upper)
         return (1.0 + self.calibration() * (expected - 1.0)) / relative
 
 
@@ -199,17 +205,31 @@ class FixedPolicy:
 
 
 class AutoPolicy:
+    """N per step from the cost model (module docstring); while speculation is off, a probe
+    drafts `probe_draft` tokens every `probe_every` steps. While off, the estimates move only by
+    the rows' own counts fading toward the batch's (nothing drafts, so nothing else is
+    observed): when even the most they can fade to does not pay, the plan is not worked out
+    again before the next probe (its reading of the estimates took ~0.25 ms a step here, on
+    an 11-16 ms step), unless the batch changes."""
+
     def __init__(self, max_draft: int = 16, probe_every: int = 8, probe_draft: int = 2):
         self.max_draft = max_draft
         self.probe_every, self.probe_draft = probe_every, probe_draft
         self._off_steps = 0
+        self._quiet: int | None = None  # off, and stays off at this batch size until the next probe
 
     def num_draft(self, model: CostModel, batch: int, rows: list[int] | None = None) -> int:
+        if self._quiet == batch and (self._off_steps + 1) % self.probe_every:
+            self._off_steps += 1
+            return 0
+        self._quiet = None
         n = int(np.argmax(model.speedups(batch, rows)))
         if n == 0:
             self._off_steps += 1
             if self._off_steps % self.probe_every == 0:
                 return self.probe_draft
+            if rows is None or int(np.argmax(model.speedups(batch, rows, upper=True))) == 0:
+                self._quiet = batch
         else:
             self._off_steps = 0
         return n

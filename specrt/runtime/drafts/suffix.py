@@ -76,6 +76,15 @@ class SuffixTrie:
                 return node, m
         return None, 0
 
+    def match_fed(self, max_match: int) -> tuple[_Node | None, int]:
+        """`match` of the sequence this trie was fed: the nodes of its suffixes are the open ones
+        (deepest first), so the longest with a continuation is found without walking from the
+        root (a walk per length was ~0.1 ms a step, beside an 11-16 ms target step)."""
+        for node in self._open:
+            if node.depth <= max_match and node.children:
+                return node, node.depth
+        return None, 0
+
     @staticmethod
     def grow(node: _Node, budget: int, min_score: float) -> DraftTree:
         """Best-first tree of at most `budget` nodes below `node`, scored by frequency."""
@@ -149,8 +158,8 @@ class SuffixProposer:
             trie = self._requests[row] = SuffixTrie(self.max_depth)
         trie.extend(context[trie.fed :])  # context only grows: feed what is new
         best = DraftTree.empty()
-        for t in (trie, self.global_trie):
-            node, m = t.match(context, self.max_match)
+        for t in (trie, self.global_trie):  # the request trie was fed the context: its open nodes are its suffixes
+            node, m = t.match_fed(self.max_match) if t is trie else t.match(context, self.max_match)
             if node is None:
                 continue
             budget = min(max_tokens, math.ceil(self.spec_factor * m))
