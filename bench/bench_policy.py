@@ -193,6 +193,7 @@ def main() -> None:
     ap.add_argument("--methods", default="ngram,suffix,auto", help="Drafts, each with N = auto.")
     ap.add_argument("--ablate", default="", help=f"Comma-separated, each a variant of the first method: {ABLATIONS}.")
     ap.add_argument("--noise", type=float, default=0.0, help="Step-time disturbance (lognormal sigma).")
+    ap.add_argument("--seed", type=int, default=0, help="The noise's seed (each prompt its own stream of it).")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
 
@@ -224,7 +225,7 @@ def main() -> None:
         for pi, (p, ids) in enumerate(zip(prompts, encoded)):
             plain = gen.generate_ids([ids], args.max_new_tokens)[0]
             n = len(plain.token_ids)
-            noise_seed = 1000 * pi
+            noise_seed = 1000 * pi + args.seed
             plain_clock = VirtualClock(curve, 0.0, 0.0, args.noise, noise_seed)
             plain_s = sum(plain_clock.step(1, 1) for _ in range(n - 1))
             row = {"prompt": pi, "class": p["class"], "tokens": n}
@@ -258,7 +259,13 @@ def main() -> None:
     result = {
         **envelope("onnxruntime", "numpy"),
         "benchmark": "policy-virtual-clock",
-        "config": {"methods": methods, "ablate": ablations, "noise": args.noise, "max_new_tokens": args.max_new_tokens},
+        "config": {
+            "methods": methods,
+            "ablate": ablations,
+            "noise": args.noise,
+            "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens,
+        },
         "runtime_work_s": {m: {"plan": w[0], "lookup": w[1]} for m, w in work.items()},
         "engines": results,
     }
