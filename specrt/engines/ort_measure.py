@@ -133,12 +133,13 @@ def step_costs(session, config: dict, flavour: str = "portable", prefix: int = 1
     top = max(COST_POSITIONS)
     fresh, run = _runner(session, cfg, flavour, prefix + 2 * top)
     cache = fresh()
-    run(np.random.default_rng(0).integers(3, cfg.vocab_size, prefix).tolist(), cache)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, prefix + top).tolist()  # any vocabulary size
+    run(ids[:prefix], cache)
     times: dict[int, list[float]] = {q: [] for q in COST_POSITIONS}
     for r in range(COST_REPEATS + 1):
         for q in COST_POSITIONS:
             t = time.perf_counter()
-            run(list(range(3, 3 + q)), cache)
+            run(ids[prefix : prefix + q], cache)
             if r:  # the first round warms each shape up
                 times[q].append(time.perf_counter() - t)
             cache[-1][0] = prefix  # roll back: every step sees the same past
