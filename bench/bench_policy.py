@@ -145,7 +145,6 @@ def run_virtual(gen, method: str, ids: list[int], tokens: int, clock: VirtualClo
         return model
 
     decoder.new_cost_model = new_cost_model
-    clock.planned = planned
     clock.total = 0.0
     result = decoder.generate_ids([ids], tokens)[0]
     return result, clock.total

@@ -99,16 +99,16 @@ def load_prompts(path: Path) -> list[dict]:
 
 def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print) -> dict:
     from specrt.runtime.drafts import make_proposer
-    from specrt.runtime.runner import RunnerSpec, check_options, open_generator
+    from specrt.runtime.runner import RunnerSpec, open_generator, open_runner
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
     prompts = load_prompts(cfg.prompts)
     if cfg.quantize == "none" and not cfg.split:
         gen = open_generator(RunnerSpec(engine=cfg.engine_dir, checkpoint=cfg.checkpoint))
     else:
-        spec = RunnerSpec(artifacts=cfg.artifacts, checkpoint=cfg.checkpoint, quantize=cfg.quantize, split=cfg.split)
-        check_options(spec)
-        gen = open_generator(spec)
+        gen, _ = open_runner(  # its option checks: --split without --quantize gguf is refused
+            RunnerSpec(artifacts=cfg.artifacts, checkpoint=cfg.checkpoint, quantize=cfg.quantize, split=cfg.split)
+        )
     hf = None
     if cfg.transformers and cfg.main_runs:
         import torch
@@ -156,8 +156,16 @@ def run_spec_benchmark(cfg: SpecBenchConfig, log: Callable[[str], None] = print)
             for label, method, opts, n in order[r % len(order) :] + order[: r % len(order)]:  # each repeat rotates
                 if method is None:
                     res, t = timed(lambda: gen.generate_ids([ids], cfg.max_new_tokens)[0])
-                    runs.append({**base, "variant": "plain", "tokens": len(res.token_ids), "seconds": t})
-                    runs[-1].update(same_as_plain=res.token_ids == plain.token_ids, decode_seconds=res.decode_seconds)
+                    runs.append(
+                        {
+                            **base,
+                            "variant": "plain",
+                            "tokens": len(res.token_ids),
+                            "seconds": t,
+                            "same_as_plain": res.token_ids == plain.token_ids,
+                            "decode_seconds": res.decode_seconds,
+                        }
+                    )
                     timings[label] = t
                     continue
                 if opts:

@@ -87,6 +87,8 @@ def test_generate_with_wrong_checkpoint_is_refused(tiny_artifacts, tmp_path):
             "does not exist. Create it with: specrt build-engines",
         ),
         (["generate", "--prompt", "hi"], "give --artifacts DIR"),
+        (["bench", "--methods", "suffix,eagle3"], "eagle3: choose among ngram, suffix, auto, lookahead"),
+        (["bench", "--split", "--artifacts", "/nonexistent"], "--split runs two ORT engines of --artifacts"),
         (["export", "--model", "/nonexistent", "--out", "/tmp/x"], "checkpoint directory /nonexistent does not exist"),
         (
             ["export", "--model", "/nonexistent", "--out", "/tmp/x", "--hidden-layers", "a,b"],
@@ -411,3 +413,11 @@ def test_train_draft_then_generate_with_it(tiny_checkpoint, tiny_artifacts, tmp_
     assert r.exit_code == 2 and "TOP_K,DEPTH" in r.output
     r = CliRunner().invoke(main, ["inspect", str(out)])
     assert "[onnx-draft-head]" in r.output and "[ort-draft-head]" in r.output and r.exit_code == 0
+
+
+def test_serve_speculates_by_default_and_generate_does_not():
+    """serve's --draft defaults to auto (plain decoding is --draft none), generate's to none."""
+    defaults = {
+        name: next(p.default for p in main.commands[name].params if p.name == "draft") for name in ("serve", "generate")
+    }
+    assert defaults["serve"] == "auto" and defaults["generate"] == "none"

@@ -141,14 +141,37 @@ def _flags(names) -> str:
     return ", ".join(f"--{n.replace('_', '-')}" for n in names)
 
 
-def _engine_options(fn):
-    """The options that choose the engine, backend and draft (shared by generate and serve); the
-    command receives them as one RunnerSpec (runtime/runner.py), `choice`."""
-    return engine_options()(fn)
+def _precision_options() -> list:
+    """--quantize and --split: which of an artifact directory's ORT engines runs (the engine
+    options below, and bench's)."""
+    return [
+        click.option(
+            "--quantize",
+            default="none",
+            show_default=True,
+            type=click.Choice(QUANT_SCHEMES),
+            help="--artifacts: run the quantized ORT engine of this scheme (build-engines --quantize).",
+        ),
+        click.option(
+            "--split",
+            is_flag=True,
+            help="--quantize gguf: one-position steps (decoding) on the 4-bit engine, longer ones (prefill, "
+            "verification) on the float32 engine, which is faster for them here; both compute the same model.",
+        ),
+    ]
+
+
+def precision_options(fn):
+    """A command's --quantize and --split (bench: it takes no other engine option)."""
+    for option in reversed(_precision_options()):
+        fn = option(fn)
+    return fn
 
 
 def engine_options(draft: str = "none"):
-    """_engine_options with another default --draft (serve: auto)."""
+    """The options that choose the engine, backend and draft (shared by generate and serve, each
+    with its default --draft); the command receives them as one RunnerSpec (runtime/runner.py),
+    `choice`."""
     return functools.partial(_with_engine_options, draft=draft)
 
 
@@ -180,19 +203,7 @@ def _with_engine_options(fn, draft: str):
             type=click.Choice(["cpu", "cuda", "tensorrt"]),
             help="ONNX Runtime execution provider.",
         ),
-        click.option(
-            "--quantize",
-            default="none",
-            show_default=True,
-            type=click.Choice(QUANT_SCHEMES),
-            help="--artifacts: run the quantized ORT engine of this scheme (build-engines --quantize).",
-        ),
-        click.option(
-            "--split",
-            is_flag=True,
-            help="--quantize gguf: one-position steps (decoding) on the 4-bit engine, longer ones (prefill, "
-            "verification) on the float32 engine, which is faster for them here; both compute the same model.",
-        ),
+        *_precision_options(),
         click.option(
             "--threads",
             default=0,

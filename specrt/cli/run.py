@@ -10,16 +10,15 @@ from typing import TYPE_CHECKING
 import click
 
 from specrt.cli.common import (
-    QUANT_SCHEMES,
     SERVER,
     FiniteFloat,
-    _engine_options,
     _friendly_errors,
     _parse_fixed_n,
     _parse_methods,
     engine_options,
     main,
     open_chosen,
+    precision_options,
 )
 from specrt.errors import SpecrtError
 from specrt.server.limits import ServerLimits
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 @main.command()
 @click.argument("prompt", required=False)
 @click.option("--prompt", "prompt_opt", help="Prompt text (or give it as the argument; '-' reads stdin).")
-@_engine_options
+@engine_options()
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0), help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables.")
@@ -273,18 +272,7 @@ def _serve_ray(choice: RunnerSpec, served_model_name, limits, host, port, replic
     show_default=True,
     help="Draft methods run beside plain decoding, comma-separated (any of --draft's lookups).",
 )
-@click.option(
-    "--quantize",
-    default="none",
-    show_default=True,
-    type=click.Choice(QUANT_SCHEMES),
-    help="Run the quantized ORT engine of this scheme (build-engines --quantize).",
-)
-@click.option(
-    "--split",
-    is_flag=True,
-    help="--quantize gguf: one-position steps on the 4-bit engine, longer ones on the float32 engine.",
-)
+@precision_options
 @click.option(
     "--drafts",
     type=click.Path(path_type=Path),
