@@ -30,6 +30,7 @@ from specrt.runtime.verification import DraftTree
 class SelfDraftProposer:
     name = "self"
     cost_per_token = True  # one batched forward per drafted token
+    lookup = False
 
     def __init__(
         self, backend, temperature_scale: float = 1.0, check_features: bool = False, tree: tuple[int, int] | None = None

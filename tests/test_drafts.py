@@ -165,7 +165,7 @@ def test_a_registry_entry_is_what_the_option_checks_read(monkeypatch):
 class Recording:
     """A draft that repeats each row's last token, too long on purpose, and records every call."""
 
-    name, needs_features, cost_per_token = "recording", False, False
+    name, needs_features, cost_per_token, lookup = "recording", False, False, False
 
     def __init__(self):
         self.begun, self.proposed, self.committed, self.ended = [], [], [], []
@@ -217,7 +217,7 @@ def test_follows_walks_the_tree_along_the_emitted_tokens():
 class _Fixed:
     """A lookup that always proposes the same chain."""
 
-    needs_features = cost_per_token = False
+    needs_features = cost_per_token = lookup = False
 
     def __init__(self, tokens):
         self.tokens, self.ended = tokens, []

@@ -131,7 +131,7 @@ def train_toy(target, data, cfg: ToyTrainConfig, out_dir, progress: bool = True)
 
 
 class ToyProposer:
-    name, needs_features, cost_per_token = TOY, True, False
+    name, needs_features, cost_per_token, lookup = TOY, True, False, False
 
     def __init__(self, draft_dir, target):
         self.head = open_head(draft_dir)

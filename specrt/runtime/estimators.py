@@ -55,8 +55,9 @@ class Acceptance:
     over the batch, and each row's own acceptance counts (decayed per target step, drafted or
     not, so a row that stopped drafting is tried again once its old failures have faded)."""
 
-    def __init__(self, max_draft: int, decay: float):
-        self.max_draft, self.decay = max_draft, decay
+    def __init__(self, max_draft: int, decay: float, prior: float = 0.5):
+        """prior: depth 1's rate before anything is observed (two pseudo-observations)."""
+        self.max_draft, self.decay, self.prior = max_draft, decay, prior
         self.tried = np.zeros(max_draft)
         self.hit = np.zeros(max_draft)
         self.reach = np.zeros(max_draft)
@@ -123,7 +124,7 @@ class Acceptance:
         behave like the deepest one seen, so N can grow into them."""
         if self._rates is None:
             rates = np.empty(self.max_draft)
-            prior = 0.5
+            prior = self.prior
             for j in range(self.max_draft):
                 rates[j] = (self.hit[j] + 2.0 * prior) / (self.tried[j] + 2.0)
                 prior = rates[j]

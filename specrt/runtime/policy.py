@@ -85,8 +85,9 @@ class CostModel:
         beta_prior: float = 0.1,
         draft_per_token: bool = False,
     ):
-        self.max_draft = max_draft
+        self.max_draft, self.decay = max_draft, decay
         self.accept = Acceptance(max_draft, decay)
+        self._evidence: dict[tuple, Acceptance] = {}  # lookups' drafts: acceptance by their evidence
         self.steps = StepTimes(window, alpha_prior, beta_prior)
         self.drafts = DraftTimes(window, draft_per_token)
         self.calibrated = Calibration(decay)
@@ -109,7 +110,44 @@ class CostModel:
 
     def batched_step(self):
         """The rows' observations of one step, aged once (Acceptance.age)."""
+        if EVIDENCE_AGING == "step":
+            for acc in self._evidence.values():
+                acc.age()
         return self.accept.batched_step()
+
+    # -- drafts the plan sees before it decides (lookups): acceptance by their evidence -----------
+
+    def evidence(self, key: tuple) -> Acceptance:
+        """The acceptance of drafts with this evidence (DraftTree.evidence), from its prior on."""
+        acc = self._evidence.get(key)
+        if acc is None:
+            acc = self._evidence[key] = Acceptance(self.max_draft, self.decay, evidence_prior(key))
+        return acc
+
+    def observe_evidence(self, key: tuple, accepted: int, nodes: int) -> None:
+        """A verified draft of `nodes` nodes with this evidence: how many were accepted."""
+        acc = self.evidence(key)
+        if EVIDENCE_AGING == "observation":
+            acc.age()
+        with acc.batched_step():
+            acc.observe(nodes, accepted, None, nodes, nodes)
+
+    def reach(self, tree) -> np.ndarray:
+        """(len(tree) + 1,) E[accepted tokens] when the first n nodes of `tree` are verified, n = 0 ..
+        len(tree), by the acceptance of drafts with its evidence."""
+        rates = self.evidence(tree.evidence).rates()[: len(tree)]
+        return np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
+
+    def draft_speedups(self, batch: int, reaches: list[np.ndarray]) -> np.ndarray:
+        """speedup(N) for N = 0 .. the longest draft, when each row verifies the first min(N, its
+        draft's length) nodes of its draft (`reach`: what each prefix is expected to give). The
+        step is dense, so its positions are the longest row's; the lookups are paid already."""
+        longest = max(len(r) for r in reaches) - 1
+        n = np.arange(longest + 1)
+        gain = np.mean([r[np.minimum(n, len(r) - 1)] for r in reaches], axis=0)
+        cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0)
+        relative = 1.0 + np.where(n > 0, cost.beta + cost.alpha * n, 0.0)
+        return (1.0 + self.calibration() * gain) / relative
 
     def forget_row(self, row: int) -> None:
         """The row's request is over (continuous batching hands its slot to another)."""
@@ -149,13 +187,17 @@ class CostModel:
                 self._fits[batch] = StepCost(decode, alpha, beta, d0 / decode, d1 / decode)
         return self._fits[batch]
 
-    def observe_gain(self, rows: list[int], asked: dict[int, int], accepted: dict[int, int]) -> None:
+    def observe_gain(self, rows: list[int], asked: dict[int, int], accepted: dict[int, int], trees=None) -> None:
         """One drafting step's extra tokens per row (beyond the one every step brings): what the
-        acceptance estimates predicted for the lengths asked, and what the rows got. Call before
-        the step's verdicts go into the estimates."""
-        rates = np.stack([self.accept.row_rates(b) for b in rows])
-        reach = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # E[accepted | asked n] at column n - 1
-        predicted = np.mean([reach[i, asked[b] - 1] if asked[b] > 0 else 0.0 for i, b in enumerate(rows)])
+        acceptance estimates predicted for the lengths asked (`trees`: the verified drafts of a
+        lookup, predicted by their evidence), and what the rows got. Call before the step's
+        verdicts go into the estimates."""
+        if trees is not None:
+            predicted = np.mean([self.reach(trees[b])[-1] for b in rows])
+        else:
+            rates = np.stack([self.accept.row_rates(b) for b in rows])
+            reach = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # E[accepted | asked n] at column n - 1
+            predicted = np.mean([reach[i, asked[b] - 1] if asked[b] > 0 else 0.0 for i, b in enumerate(rows)])
         self.calibrated.observe(float(predicted), float(np.mean([accepted[b] for b in rows])))
 
     def calibration(self) -> float:
@@ -195,11 +237,22 @@ class CostModel:
         return (1.0 + self.calibration() * (expected - 1.0)) / relative
 
 
+EVIDENCE_AGING = "step"
+PRIOR_MATCH = 2.0
+
+
+def evidence_prior(key: tuple) -> float:
+    """Depth 1's acceptance before any draft of this evidence was verified: a lookup that matched
+    m tokens of context continues with m / (m + PRIOR_MATCH)."""
+    m = key[1] if len(key) > 1 else 1
+    return m / (m + PRIOR_MATCH)
+
+
 class FixedPolicy:
     def __init__(self, num_draft: int):
         self.max_draft = num_draft
 
-    def plan(self, model: CostModel, rows: list[int]) -> dict[int, int]:
+    def plan(self, model: CostModel, rows: list[int], trees=None) -> dict[int, int]:
         """Draft tokens per row: N for every row."""
         return dict.fromkeys(rows, self.max_draft)
 
@@ -234,10 +287,21 @@ class AutoPolicy:
             self._off_steps = 0
         return n
 
-    def plan(self, model: CostModel, rows: list[int]) -> dict[int, int]:
+    def plan(self, model: CostModel, rows: list[int], trees=None) -> dict[int, int]:
         """Draft tokens per row: the batch's N (`num_draft`), except for rows whose drafts keep
-        failing (`CostModel.failing`), which draft nothing; a probe drafts a little on every row."""
+        failing (`CostModel.failing`), which draft nothing; a probe drafts a little on every row.
+        `trees`: a lookup's drafts, already made: how much of each to verify (`plan_drafts`)."""
+        if trees is not None:
+            return self.plan_drafts(model, rows, trees)
         n = self.num_draft(model, len(rows), rows)
         if n == 0 or self._off_steps > 0:  # off, or probing while off
             return dict.fromkeys(rows, n)
         return {b: 0 if model.failing(b) else n for b in rows}
+
+    def plan_drafts(self, model: CostModel, rows: list[int], trees) -> dict[int, int]:
+        """The N that maximizes the step's speedup when each row verifies the first min(N, its
+        length) nodes of its draft, each draft judged by its evidence (CostModel.draft_speedups)."""
+        if not any(len(trees[b]) for b in rows):
+            return dict.fromkeys(rows, 0)
+        n = int(np.argmax(model.draft_speedups(len(rows), [model.reach(trees[b]) for b in rows])))
+        return {b: min(n, len(trees[b])) for b in rows}

@@ -273,8 +273,13 @@ class SpeculativeDecoder(Generates):
         """One speculative step over the active rows: propose → verify → accept → commit."""
         rows = [int(b) for b in np.flatnonzero(state.rows.active)]
         t0 = time.perf_counter()
-        plan = self.policy.plan(state.cost, rows)
-        trees = self.propose(state, rows, plan)
+        if self.proposer.lookup:  # drafting is cheap: see every row's draft, then decide how much to verify
+            trees = self.propose(state, rows, dict.fromkeys(rows, self.policy.max_draft))
+            plan = self.policy.plan(state.cost, rows, trees)
+            trees = {b: tree.truncate(plan[b]) for b, tree in trees.items()}
+        else:
+            plan = self.policy.plan(state.cost, rows)
+            trees = self.propose(state, rows, plan)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
         out = self.verify(state, rows, trees, depths)
@@ -391,14 +396,17 @@ class SpeculativeDecoder(Generates):
         metrics.draft_seconds += r.draft_seconds
         state.step_times.append(r.verify_seconds + r.draft_seconds)
 
-    @staticmethod
-    def _teach(cost: CostModel, r: StepRecord, drafted: float) -> None:
+    def _teach(self, cost: CostModel, r: StepRecord, drafted: float) -> None:
+        lookup = self.proposer.lookup
         if any(r.asked[b] > 0 for b in r.rows):  # how far the estimates were off, before they move
-            cost.observe_gain(r.rows, r.asked, {b: len(r.verdicts[b].accepted) for b in r.rows})
+            accepted = {b: len(r.verdicts[b].accepted) for b in r.rows}
+            cost.observe_gain(r.rows, r.asked, accepted, r.trees if lookup else None)
         with cost.batched_step():  # the rows' verdicts age the estimates by one step, not one per row
             for b in r.rows:
-                if r.asked[b] > 0:  # asked and not drafted counts too: the cost model plans by what it asks
-                    tree, verdict = r.trees[b], r.verdicts[b]
+                tree, verdict = r.trees[b], r.verdicts[b]
+                if lookup and len(tree):  # a draft seen before the plan: learnt by its evidence
+                    cost.observe_evidence(tree.evidence, len(verdict.accepted), len(tree))
+                elif r.asked[b] > 0:  # asked and not drafted counts too: the cost model plans by what it asks
                     depth = int(r.depths[b].max()) if len(tree) else 0
                     cost.observe_acceptance(depth, len(verdict.accepted), b, asked=r.asked[b], positions=len(tree))
         cost.observe_step(r.positions, len(r.rows), r.verify_seconds)

@@ -38,6 +38,9 @@ class DraftTree:
     parents: np.ndarray  # (n,) int64 parent node index, -1 = root; parents come before children
     q: np.ndarray | None = None  # (n, V) distribution each token was drawn from; None = point masses
     scores: np.ndarray | None = None  # (n,) proposer's estimate that each node is accepted (optional)
+    # what the proposer knew when it drafted, as a class the cost model keeps acceptance for
+    # (a lookup: its method and the length of the match it continues, drafts/base.match_evidence)
+    evidence: tuple = ()
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int64)
@@ -51,9 +54,9 @@ class DraftTree:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens, q=None, scores=None) -> "DraftTree":
+    def chain(cls, tokens, q=None, scores=None, evidence: tuple = ()) -> "DraftTree":
         tokens = np.asarray(tokens, dtype=np.int64)
-        return cls(tokens, np.arange(len(tokens)) - 1, q, scores)
+        return cls(tokens, np.arange(len(tokens)) - 1, q, scores, evidence)
 
     @classmethod
     def empty(cls) -> "DraftTree":
@@ -87,6 +90,7 @@ class DraftTree:
             self.parents[:n],
             None if self.q is None else self.q[:n],
             None if self.scores is None else self.scores[:n],
+            self.evidence,
         )
 
 

@@ -53,6 +53,7 @@ class AutoProposer:
     name = "auto"
     needs_features = False
     cost_per_token = False  # lookups: about the same for any length
+    lookup = True  # its members are
 
     def __init__(self, methods: dict | None = None):
         # members must be lookups: stateless but for begin/end (their commit ignores the trees,

@@ -15,18 +15,23 @@ A generation tells its proposer, for the rows of its batch:
     end(rows, outputs)                  the rows finished; methods that learn across requests
                                         (suffix) keep the outputs
 
-and declares two facts about itself:
+and declares three facts about itself:
 
     needs_features   whether DraftInput.features is filled (it costs a host copy of the target's
                      hidden states on every step, so lookups leave it False)
     cost_per_token   whether drafting costs time per drafted token (a model runs once per token)
                      or about the same for any length (a lookup); the cost model fits T_draft(N)
                      accordingly
+    lookup           whether drafting is cheap enough beside a target step to run on every step
+                     (a lookup in the context): then every running row drafts up to the most the
+                     policy allows, and the plan decides from the trees and their evidence how
+                     much of each to verify (runtime/policy.py); otherwise the plan comes first and
+                     only the rows it gives a draft length draft
 
 What the runtime guarantees, and what it asks of a method:
 
-- Calls. `propose` gets the rows that draft this step (those the policy gives at least one
-  token), one call per sampling setting (temperature, top-k, top-p): greedy rows together,
+- Calls. `propose` gets the rows that draft this step (a lookup: every running row; otherwise
+  those the policy gives at least one token), one call per sampling setting (temperature, top-k, top-p): greedy rows together,
   sampled rows of one setting together. Every row has its own random generator (`rngs`, one per
   request and per row of a static batch): draw a row's tokens from its own only, in the order
   it would alone, and its output is what it would be alone, whatever else runs.
@@ -86,6 +91,7 @@ class Proposer(Protocol):
     name: str
     needs_features: bool
     cost_per_token: bool
+    lookup: bool
 
     def begin(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], prefilled: Prefilled) -> None: ...
 
@@ -98,10 +104,24 @@ class Proposer(Protocol):
     def end(self, rows: Sequence[int], outputs: Sequence[Sequence[int]]) -> None: ...
 
 
+# a lookup's match length, in the classes the cost model learns acceptance for (each a lower bound)
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+def match_evidence(method: str, match: int) -> tuple[str, int]:
+    """A lookup draft's evidence (DraftTree.evidence): its method and the length of the context's
+    suffix it continues, bucketed. How far a copy is accepted follows the match length more than
+    anything else a lookup knows: offline, over the 12 benchmark prompts' greedy answers, suffix
+    trees after a 1-token match were accepted 0.4 tokens deep, after 3 tokens 2.7, after 8 or
+    more 8-13."""
+    bucket = max((m for m in MATCH_BUCKETS if m <= match), default=0)
+    return method, bucket
+
+
 class NoDraft:
     """Plain decoding's proposer: it drafts nothing, so each step verifies the root alone (N = 0)."""
 
-    name, needs_features, cost_per_token = "none", False, False
+    name, needs_features, cost_per_token, lookup = "none", False, False, False
 
     def begin(self, rows, prompts, prefilled) -> None:
         pass

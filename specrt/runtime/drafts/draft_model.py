@@ -32,6 +32,7 @@ class DraftModelProposer:
     name = "draft-model"
     needs_features = False
     cost_per_token = True  # one draft step per drafted token
+    lookup = False
 
     def __init__(self, draft_dir: str | Path, target: Capabilities, threads: int = 0, verify: str = "auto"):
         """draft_dir: the draft's build-engines output (its engines/ort-cpu); target: the target

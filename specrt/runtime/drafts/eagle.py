@@ -40,6 +40,7 @@ CONFIDENCE = SamplingParams(temperature=1.0)  # greedy requests: trees follow th
 class EagleProposer:
     needs_features = True
     cost_per_token = True  # one head call per drafted token (per depth for trees)
+    lookup = False
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ class HybridProposer:
     name = "hybrid"
     needs_features = True
     cost_per_token = False  # mostly the suffix draft (constant)
+    lookup = False  # the head's part is not
 
     def __init__(self, eagle: EagleProposer, suffix: SuffixProposer | None = None):
         self.eagle, self.suffix = eagle, suffix or SuffixProposer()

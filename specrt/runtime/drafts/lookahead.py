@@ -53,6 +53,7 @@ class LookaheadProposer:
     name = "lookahead"
     needs_features = False
     cost_per_token = False  # the lookahead branch costs target positions, not draft time
+    lookup = False  # its Jacobi window advances only when verified: drafted where the plan asks
 
     def __init__(
         self,

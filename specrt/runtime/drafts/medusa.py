@@ -31,6 +31,7 @@ class MedusaProposer:
     name = MEDUSA
     needs_features = True
     cost_per_token = False  # one head call for any tree size
+    lookup = False  # a head call: drafted only where the plan asks for a draft
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ on every step beside the suffix draft's).
 
 from __future__ import annotations
 
+from specrt.runtime.drafts.base import MATCH_BUCKETS, match_evidence
 from specrt.runtime.verification import DraftTree
 
 
@@ -35,6 +36,7 @@ class NgramProposer:
     name = "ngram"
     needs_features = False
     cost_per_token = False  # a lookup costs about the same for any draft length
+    lookup = True  # cheap enough to draft every step: the plan sees each chain and its evidence first
 
     def __init__(self, n_min: int = 2, n_max: int = 4):
         if not 1 <= n_min <= n_max:
@@ -72,5 +74,12 @@ class NgramProposer:
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             start = index.starts[n].get(tuple(ctx[L - n :]))
             if start is not None:
-                return DraftTree.chain(ctx[start + n : start + n + max_tokens])
+                match = n  # how far back the copy agrees with the context: the draft's evidence
+                while match < MATCH_BUCKETS[-1] and start + n - match > 0:
+                    if ctx[start + n - match - 1] != ctx[L - match - 1]:
+                        break
+                    match += 1
+                return DraftTree.chain(
+                    ctx[start + n : start + n + max_tokens], evidence=match_evidence(self.name, match)
+                )
         return DraftTree.empty()

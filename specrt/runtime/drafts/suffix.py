@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from specrt.runtime.drafts.base import match_evidence
 from specrt.runtime.verification import DraftTree
 
 
@@ -113,6 +114,7 @@ class SuffixProposer:
     name = "suffix"
     needs_features = False
     cost_per_token = False  # growing a tree from a trie costs about the same for any size here
+    lookup = True  # cheap enough to draft every step: the plan sees each tree and its evidence first
 
     def __init__(
         self,
@@ -166,4 +168,5 @@ class SuffixProposer:
             tree = SuffixTrie.grow(node, budget, self.min_score)
             if len(tree) and (not len(best) or tree.scores.sum() > best.scores.sum()):
                 best = tree
+                best.evidence = match_evidence(self.name, m)
         return best
