@@ -31,10 +31,11 @@ and declares three facts about itself:
 What the runtime guarantees, and what it asks of a method:
 
 - Calls. `propose` gets the rows that draft this step (a lookup: every running row; otherwise
-  those the policy gives at least one token), one call per sampling setting (temperature, top-k, top-p): greedy rows together,
-  sampled rows of one setting together. Every row has its own random generator (`rngs`, one per
-  request and per row of a static batch): draw a row's tokens from its own only, in the order
-  it would alone, and its output is what it would be alone, whatever else runs.
+  those the policy gives at least one token), one call per sampling setting (temperature,
+  top-k, top-p): greedy rows together, sampled rows of one setting together. Every row has its
+  own random generator (`rngs`, one per request and per row of a static batch): draw a row's
+  tokens from its own only, in the order it would alone, and its output is what it would be
+  alone, whatever else runs.
 - Order. In `begin`, `prompts` and `prefilled` (its logits and hidden rows) follow `rows`.
 - Rows come and go. Every generation runs on the batching engine (runtime/batching.py; a
   static batch is one whose requests all arrive at step 0): `begin` names each row as its

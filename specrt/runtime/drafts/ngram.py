@@ -56,9 +56,9 @@ class NgramProposer:
             self._rows.pop(b, None)
 
     def propose(self, inp) -> list[DraftTree]:
-        return [self.lookup(ctx, inp.max_tokens, row) for row, ctx in zip(inp.rows, inp.contexts)]
+        return [self.match(ctx, inp.max_tokens, row) for row, ctx in zip(inp.rows, inp.contexts)]
 
-    def lookup(self, context, max_tokens: int, row: int | None = None) -> DraftTree:
+    def match(self, context, max_tokens: int, row: int | None = None) -> DraftTree:
         """The chain that followed the longest recent match of the context's last n tokens (`row`:
         whose index to grow; a row's context only grows between its begin and end)."""
         ctx = [int(t) for t in context] if not isinstance(context, list) else context
