@@ -1,15 +1,17 @@
 """Draft methods without weights: n-gram / prompt lookup and suffix decoding."""
 
+import heapq
+import itertools
+
 import numpy as np
 import pytest
 
 from specrt.errors import SpecrtError
 from specrt.runtime.drafts import DRAFT_METHODS, DraftInput, make_proposer
-from specrt.runtime.drafts.auto import follows
 from specrt.runtime.drafts.ngram import NgramProposer
-from specrt.runtime.drafts.suffix import SuffixProposer, SuffixTrie
+from specrt.runtime.drafts.suffix import SuffixIndex, SuffixProposer
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.verification import DraftTree, Verdict
+from specrt.runtime.verification import DraftTree
 
 
 def draft(proposer, contexts, n, rows=None):
@@ -63,27 +65,88 @@ def test_ngram_index_grows_with_the_context_and_finds_what_a_scan_finds():
     assert one(p, [1, 2, 1, 2], 3, 0).tokens.tolist() == [1, 2]
 
 
-def test_suffix_trie_counts_substrings():
-    t = SuffixTrie(max_depth=3)
-    t.extend([1, 2, 1, 2, 3])
-    assert t.root.children[1].count == 2 and t.root.children[2].count == 2
-    assert t.root.children[1].children[2].count == 2
-    assert t.root.children[1].children[2].children[1].count == 1
-    assert 3 not in t.root.children[1].children[2].children[1].children  # depth 3 is the limit
-    node, m = t.match([9, 1, 2], max_match=8)
-    assert m == 2 and set(node.children) == {1, 3}
+class _Trie:
+    """The reference the suffix index answers like: a trie of every substring of the sequences
+    fed (none across a sequence's end), each node with its count."""
+
+    def __init__(self):
+        self.root = {}  # token -> [count, children]
+
+    def feed(self, seq):
+        for start in range(len(seq)):
+            node = self.root
+            for t in seq[start:]:
+                child = node.setdefault(t, [0, {}])
+                child[0] += 1
+                node = child[1]
+
+    def match(self, context, max_match):
+        """(m, node) of the longest suffix of `context` (<= max_match) with a continuation."""
+        for m in range(min(max_match, len(context)), 0, -1):
+            node = self.root
+            for t in context[len(context) - m :]:
+                node = node.get(t, [0, None])[1]
+                if node is None:
+                    break
+            if node:
+                return m, node
+        return 0, None
+
+    @staticmethod
+    def grow(children, budget, min_score):
+        """Best-first by frequency, as the suffix draft grows its trees (ties: first seen first)."""
+        tokens, parents, scores, tie, heap = [], [], [], itertools.count(), []
+
+        def push(kids, parent, score):
+            total = sum(c[0] for c in kids.values())
+            for tok, c in kids.items():
+                if score * c[0] / total >= min_score:
+                    heapq.heappush(heap, (-score * c[0] / total, next(tie), tok, c[1], parent))
+
+        push(children, -1, 1.0)
+        while heap and len(tokens) < budget:
+            neg, _, tok, kids, parent = heapq.heappop(heap)
+            tokens.append(tok)
+            parents.append(parent)
+            scores.append(-neg)
+            push(kids, len(tokens) - 1, -neg)
+        return tokens, parents, scores
 
 
-def test_suffix_match_of_the_fed_sequence_equals_the_walk():
-    """The request trie matches from its open nodes (the suffixes of what it was fed); a walk
-    from the root finds the same node."""
+def test_suffix_index_proposes_the_trees_a_trie_of_every_substring_would():
+    """Matches and trees of the index against a trie of every substring (fed whole sequences,
+    none across their ends): the request's own context, and earlier sequences."""
     rng = np.random.default_rng(5)
-    for _ in range(50):
-        ctx = rng.integers(0, 4, int(rng.integers(2, 60))).tolist()
-        t = SuffixTrie(max_depth=int(rng.integers(3, 12)))
-        t.extend(ctx)
-        for max_match in (1, 4, 32):
-            assert t.match_fed(max_match) == t.match(ctx, max_match)
+    for _ in range(150):
+        index, trie = SuffixIndex(), _Trie()
+        for _ in range(int(rng.integers(0, 3))):  # earlier sequences
+            seq = rng.integers(0, 4, int(rng.integers(1, 30))).tolist()
+            index.extend(seq)
+            index.end_sequence()
+            trie.feed(seq)
+        ctx = rng.integers(0, 4, int(rng.integers(1, 40))).tolist()
+        index.extend(ctx)
+        trie.feed(ctx)
+        for max_match in (1, 3, 32):
+            m, ends = index.match(ctx, max_match)
+            want_m, node = trie.match(ctx, max_match)
+            assert m == want_m
+            if m:
+                budget = int(rng.integers(1, 12))
+                tree = index.grow(ends, budget, 0.05)
+                tokens, parents, scores = _Trie.grow(node, budget, 0.05)
+                assert tree.tokens.tolist() == tokens and tree.parents.tolist() == parents
+                np.testing.assert_allclose(tree.scores, scores, rtol=1e-12)
+
+
+def test_suffix_index_matches_none_across_a_sequence_end():
+    index = SuffixIndex()
+    index.extend([1, 2])
+    index.end_sequence()
+    index.extend([3, 1, 2])  # "1 2" occurred, but only at the end of a sequence: no continuation
+    assert index.match([3, 1, 2], 8) == (0, [])
+    index.extend([5])
+    assert index.match([9, 1, 2], 8) == (2, [5])  # the "1 2" of the current sequence, followed by 5
 
 
 def test_suffix_tree_proposal_scores_by_frequency():
@@ -207,13 +270,6 @@ def test_the_proposer_contract_as_stated(tiny_artifacts):
     assert sorted(engine.ended) == [[0], [1], [2]] and all(n <= 3 for step in engine.committed for n in step)
 
 
-def test_follows_walks_the_tree_along_the_emitted_tokens():
-    tree = DraftTree([4, 5, 6, 7], [-1, -1, 1, 2])  # 4 | 5 -> 6 -> 7
-    assert follows(tree, [5, 6, 9]) == 2 and follows(tree, [4, 1]) == 1 and follows(tree, [8]) == 0
-    assert follows(tree, [5, 6]) == 2  # no deeper than what was emitted
-    assert follows(DraftTree.empty(), [1, 2]) == 0
-
-
 class _Fixed:
     """A lookup that always proposes the same chain."""
 
@@ -225,8 +281,10 @@ class _Fixed:
     def begin(self, rows, prompts, prefilled):
         pass
 
+    evidence = ()
+
     def propose(self, inp):
-        return [DraftTree.chain(self.tokens[: inp.max_tokens]) for _ in inp.rows]
+        return [DraftTree.chain(self.tokens[: inp.max_tokens], evidence=self.evidence) for _ in inp.rows]
 
     def commit(self, rows, trees, verdicts, step):
         pass
@@ -235,26 +293,25 @@ class _Fixed:
         self.ended += list(rows)
 
 
-def test_auto_gives_each_row_the_method_that_served_it_best():
-    """Row 0's text follows method `b`, row 1's method `a`: after a few steps each row gets its
-    own method's tree (though `a` comes first in the registry's order), a new request starts from
-    what served all rows, and end reaches every member."""
+def test_auto_gives_each_row_the_draft_the_judge_values_most_and_keeps_the_rest_as_rivals():
+    """The judge (the cost model's, by evidence) picks between the members' drafts per row; ties
+    go to the first member; the drafts not chosen ride along for hindsight; without a judge the
+    first member that drafted wins; end reaches every member."""
     from specrt.runtime.drafts.auto import AutoProposer
 
     a, b = _Fixed([1, 2, 3]), _Fixed([7, 8, 9])
+    a.evidence, b.evidence = ("a", 2), ("b", 2)
     auto = AutoProposer({"a": a, "b": b})
     auto.begin([0, 1], [[0], [0]], None)
-    truth = {0: [7, 8, 9, 10], 1: [1, 2, 5]}
-    for _ in range(3):
-        trees = draft(auto, [[0], [0]], 3)
-        verdicts = []
-        for b_, tree in zip((0, 1), trees):  # what a greedy target emits: the common prefix, then its token
-            k = follows(tree, truth[b_])
-            verdicts.append(Verdict(list(range(k)), truth[b_][k]))
-        auto.commit([0, 1], trees, verdicts, None)
-    trees = draft(auto, [[0], [0]], 3)
-    assert [t.tokens.tolist() for t in trees] == [[7, 8, 9], [1, 2, 3]]
-    assert auto.chosen["a"] >= 1 and auto.chosen["b"] >= 1
+    values = {("a", 2): 1.1, ("b", 2): 1.4}
+    inp = DraftInput([0, 1], [[0], [0]], 3, [9, 9], SamplingParams(), [np.random.default_rng(0)] * 2)
+    inp.judge = lambda evidence, n: (n, values[evidence])
+    trees = auto.propose(inp)
+    assert [t.tokens.tolist() for t in trees] == [[7, 8, 9]] * 2 and auto.chosen["b"] == 2
+    assert [r.tokens.tolist() for r in trees[0].rivals] == [[1, 2, 3]]
+    values[("a", 2)] = 1.4  # a tie: the first member
+    assert auto.propose(inp)[0].tokens.tolist() == [1, 2, 3]
+    inp.judge = None
+    assert auto.propose(inp)[0].tokens.tolist() == [1, 2, 3]
     auto.end([0], [[7, 8]])
     assert a.ended == b.ended == [0]
-    assert not np.allclose(auto.estimates(0), 0.5)  # a new request in row 0: what served all rows, not the blank prior

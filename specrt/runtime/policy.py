@@ -51,7 +51,9 @@ import dataclasses
 
 import numpy as np
 
+from specrt.runtime import estimators
 from specrt.runtime.estimators import Acceptance, Calibration, DraftTimes, StepTimes
+from specrt.runtime.verification import DraftTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +89,13 @@ class CostModel:
     ):
         self.max_draft, self.decay = max_draft, decay
         self.accept = Acceptance(max_draft, decay)
-        self._evidence: dict[tuple, Acceptance] = {}  # lookups' drafts: acceptance by their evidence
+        self._evidence: dict[tuple, list] = {}  # lookups' drafts: [acceptance, step aged to] by evidence
+        self._pooled: dict[tuple, tuple] = {}  # evidence -> (stamp, counts): _counts of this step
+        self.readings = 0  # hindsight's readings so far (a new one changes the counts)
         self.steps = StepTimes(window, alpha_prior, beta_prior)
         self.drafts = DraftTimes(window, draft_per_token)
         self.calibrated = Calibration(decay)
-        self._fits: dict[int, StepCost | None] = {}  # per batch size, cleared by each new time
+        self._fits: dict[int, tuple[StepCost | None, int]] = {}  # per batch size: the fit, and its step
 
     def observe_acceptance(
         self,
@@ -110,44 +114,88 @@ class CostModel:
 
     def batched_step(self):
         """The rows' observations of one step, aged once (Acceptance.age)."""
-        if EVIDENCE_AGING == "step":
-            for acc in self._evidence.values():
-                acc.age()
         return self.accept.batched_step()
 
     # -- drafts the plan sees before it decides (lookups): acceptance by their evidence -----------
 
     def evidence(self, key: tuple) -> Acceptance:
-        """The acceptance of drafts with this evidence (DraftTree.evidence), from its prior on."""
-        acc = self._evidence.get(key)
-        if acc is None:
-            acc = self._evidence[key] = Acceptance(self.max_draft, self.decay, evidence_prior(key))
+        """The acceptance of drafts with this evidence (DraftTree.evidence), from its prior on,
+        its counts aged to this step (every target step ages them, as the batch's; lazily, as
+        most evidence is not seen on most steps)."""
+        entry = self._evidence.get(key)
+        if entry is None:
+            entry = self._evidence[key] = [Acceptance(self.max_draft, self.decay, evidence_prior(key)), 0]
+        acc, at = entry
+        acc.age(self.accept.steps - at)
+        entry[1] = self.accept.steps
         return acc
 
-    def observe_evidence(self, key: tuple, accepted: int, nodes: int) -> None:
-        """A verified draft of `nodes` nodes with this evidence: how many were accepted."""
-        acc = self.evidence(key)
-        if EVIDENCE_AGING == "observation":
-            acc.age()
-        with acc.batched_step():
-            acc.observe(nodes, accepted, None, nodes, nodes)
+    def _counts(self, key: tuple) -> tuple[list[float], list[float]]:
+        """(tried, hit) by depth of the drafts of this evidence or of the same method after a
+        shorter match: a longer match is accepted at least as well, so a copy that has just
+        begun is judged by how the row's shorter matches fared (each bucket of match length
+        alone would wait for a draft of that very length). Read once per step and evidence."""
+        stamp = (self.accept.steps, self.readings)
+        cached = self._pooled.get(key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        tried, hit = np.zeros(self.max_draft), np.zeros(self.max_draft)
+        for other in list(self._evidence):
+            if other == key or (len(key) > 1 and other[0] == key[0] and other[1] < key[1]):
+                acc = self.evidence(other)
+                tried += acc.tried
+                hit += acc.hit
+        counts = tried.tolist(), hit.tolist()
+        self._pooled[key] = stamp, counts
+        return counts
 
-    def reach(self, tree) -> np.ndarray:
-        """(len(tree) + 1,) E[accepted tokens] when the first n nodes of `tree` are verified, n = 0 ..
-        len(tree), by the acceptance of drafts with its evidence."""
-        rates = self.evidence(tree.evidence).rates()[: len(tree)]
-        return np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
+    def rates_of(self, key: tuple) -> list[float]:
+        """The acceptance by depth of a draft of this evidence: its pooled counts (`_counts`),
+        each depth's prior two observations at the rate of the depth before (the first: the
+        evidence's prior)."""
+        tried, hit = self._counts(key)
+        rates, prior = [], evidence_prior(key)
+        for h, t in zip(hit, tried):
+            prior = (h + 2.0 * prior) / (t + 2.0)
+            rates.append(prior)
+        return rates
 
-    def draft_speedups(self, batch: int, reaches: list[np.ndarray]) -> np.ndarray:
+    def backed(self, key: tuple) -> bool:
+        """Whether hindsight has read enough drafts of this evidence (estimators.BACKED decayed
+        drafts, shorter matches of its method included) for their acceptance to be believed:
+        a draft is verified on what drafts like it did, never on a prior alone."""
+        return self._counts(key)[0][0] >= estimators.BACKED
+
+    def observe_reading(self, r) -> None:
+        """What hindsight read of a draft (runtime/hindsight.Reading), into its evidence's counts:
+        a draft that ended short of its size missed the depth after its last hit."""
+        self.evidence(r.evidence).observe_path(r.depth, r.hits, r.ended and r.depth + r.hits < r.size)
+        self.readings += 1
+
+    def reach(self, tree, length: int | None = None) -> list[float]:
+        """E[accepted tokens] when the first n nodes of `tree` are verified, n = 0 .. len(tree), by
+        the acceptance of drafts with its evidence (`tree` may be the evidence, with the draft's
+        `length`). (Plain Python here and in draft_speedups: on 17 numbers numpy's calls cost
+        more than the arithmetic, and this runs every step.)"""
+        evidence, length = (tree, length) if length is not None else (tree.evidence, len(tree))
+        out, p, total = [0.0], 1.0, 0.0
+        for a in self.rates_of(evidence)[:length]:
+            p *= a
+            total += p
+            out.append(total)
+        return out
+
+    def draft_speedups(self, batch: int, reaches: list[list[float]]) -> list[float]:
         """speedup(N) for N = 0 .. the longest draft, when each row verifies the first min(N, its
         draft's length) nodes of its draft (`reach`: what each prefix is expected to give). The
         step is dense, so its positions are the longest row's; the lookups are paid already."""
-        longest = max(len(r) for r in reaches) - 1
-        n = np.arange(longest + 1)
-        gain = np.mean([r[np.minimum(n, len(r) - 1)] for r in reaches], axis=0)
         cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0)
-        relative = 1.0 + np.where(n > 0, cost.beta + cost.alpha * n, 0.0)
-        return (1.0 + self.calibration() * gain) / relative
+        scale = self.calibration() / len(reaches)
+        out = [1.0]
+        for n in range(1, max(len(r) for r in reaches)):
+            gain = sum(r[n] if n < len(r) else r[-1] for r in reaches)
+            out.append((1.0 + scale * gain) / (1.0 + cost.beta + cost.alpha * n))
+        return out
 
     def forget_row(self, row: int) -> None:
         """The row's request is over (continuous batching hands its slot to another)."""
@@ -169,23 +217,24 @@ class CostModel:
         """One target step over `positions` positions for `batch` rows (positions == batch: no draft)."""
         self.steps.observe(positions, batch, seconds)
         self.accept.next_step()
-        self._fits.clear()
 
     def observe_draft(self, tokens_per_row: float, seconds: float) -> None:
         """One proposer call that drafted `tokens_per_row` tokens per row on average."""
-        if self.drafts.observe(tokens_per_row, seconds):
-            self._fits.clear()
+        self.drafts.observe(tokens_per_row, seconds)
 
     def cost(self, batch: int) -> StepCost | None:
-        if batch not in self._fits:
-            fit = self.steps.fit(batch)
-            if fit is None:
-                self._fits[batch] = None
-            else:
-                decode, alpha, beta = fit
+        """The step and draft costs at this batch size, refitted every step at first and every
+        REFIT_STEPS target steps from step REFIT_STEPS**2 on (a fit reads the whole window of
+        times: ~50 us a step here, a third of a plan)."""
+        fit, at = self._fits.get(batch, (None, -REFIT_STEPS))
+        if fit is None or self.accept.steps - at >= min(REFIT_STEPS, 1 + at // REFIT_STEPS):
+            times = self.steps.fit(batch)
+            if times is not None:
+                decode, alpha, beta = times
                 d0, d1 = self.drafts.line()
-                self._fits[batch] = StepCost(decode, alpha, beta, d0 / decode, d1 / decode)
-        return self._fits[batch]
+                fit = StepCost(decode, alpha, beta, d0 / decode, d1 / decode)
+            self._fits[batch] = fit, self.accept.steps
+        return fit
 
     def observe_gain(self, rows: list[int], asked: dict[int, int], accepted: dict[int, int], trees=None) -> None:
         """One drafting step's extra tokens per row (beyond the one every step brings): what the
@@ -193,7 +242,7 @@ class CostModel:
         lookup, predicted by their evidence), and what the rows got. Call before the step's
         verdicts go into the estimates."""
         if trees is not None:
-            predicted = np.mean([self.reach(trees[b])[-1] for b in rows])
+            predicted = sum(self.reach(trees[b])[-1] for b in rows) / len(rows)
         else:
             rates = np.stack([self.accept.row_rates(b) for b in rows])
             reach = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # E[accepted | asked n] at column n - 1
@@ -237,7 +286,8 @@ class CostModel:
         return (1.0 + self.calibration() * (expected - 1.0)) / relative
 
 
-EVIDENCE_AGING = "step"
+EMPTY = DraftTree.empty()
+REFIT_STEPS = 8  # target steps a fit of the step costs is kept
 PRIOR_MATCH = 2.0
 
 
@@ -255,6 +305,9 @@ class FixedPolicy:
     def plan(self, model: CostModel, rows: list[int], trees=None) -> dict[int, int]:
         """Draft tokens per row: N for every row."""
         return dict.fromkeys(rows, self.max_draft)
+
+    def judge(self, model: CostModel, batch: int):
+        return None  # every draft is verified to N
 
 
 class AutoPolicy:
@@ -298,10 +351,36 @@ class AutoPolicy:
             return dict.fromkeys(rows, n)
         return {b: 0 if model.failing(b) else n for b in rows}
 
+    def judge(self, model: CostModel, batch: int):
+        """DraftInput.judge: a draft of this evidence and length, alone at this batch size, is
+        worth its prefix of the best speedup (CostModel.draft_speedups). Drafts of evidence not
+        backed by hindsight are worth making in full (hindsight reads them) and promise nothing
+        (they are not verified). In a batch of more rows every draft is made in full: one row's
+        draft sets the step's positions and makes the others' free."""
+
+        def judge(evidence: tuple, most: int) -> tuple[int, float]:
+            if not model.backed(evidence):
+                return most, 1.0
+            speedups = model.draft_speedups(batch, [model.reach(evidence, most)])
+            n = max(range(len(speedups)), key=speedups.__getitem__)
+            return (n if batch == 1 else most), speedups[n]
+
+        return judge
+
     def plan_drafts(self, model: CostModel, rows: list[int], trees) -> dict[int, int]:
         """The N that maximizes the step's speedup when each row verifies the first min(N, its
         length) nodes of its draft, each draft judged by its evidence (CostModel.draft_speedups)."""
         if not any(len(trees[b]) for b in rows):
             return dict.fromkeys(rows, 0)
-        n = int(np.argmax(model.draft_speedups(len(rows), [model.reach(trees[b]) for b in rows])))
+        # a draft is verified on evidence only: its acceptance read in hindsight, never its prior alone
+        n = self._best(
+            model, rows, [trees[b] if len(trees[b]) and model.backed(trees[b].evidence) else EMPTY for b in rows]
+        )
         return {b: min(n, len(trees[b])) for b in rows}
+
+    @staticmethod
+    def _best(model: CostModel, rows: list[int], trees: list) -> int:
+        if not any(len(t) for t in trees):
+            return 0
+        speedups = model.draft_speedups(len(rows), [model.reach(t) for t in trees])
+        return max(range(len(speedups)), key=speedups.__getitem__)  # the first of equals, as argmax

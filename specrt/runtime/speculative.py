@@ -36,6 +36,7 @@ from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.batching import BatchEngine, Request
 from specrt.runtime.drafts.base import DraftInput, Proposer
 from specrt.runtime.estimators import step_priors
+from specrt.runtime.hindsight import Hindsight
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
@@ -93,6 +94,7 @@ class SpecState:
     pending: list[list[np.ndarray]] | None = None
     step_times: list[float] = dataclasses.field(default_factory=list)
     drafted_per_step: list[float] = dataclasses.field(default_factory=list)
+    hindsight: Hindsight = dataclasses.field(default_factory=Hindsight)  # a lookup's drafts, read as rows emit
 
 
 @dataclasses.dataclass
@@ -104,6 +106,7 @@ class StepRecord:
     trees: dict[int, DraftTree]
     depths: dict[int, np.ndarray]  # per row, each node's depth
     verdicts: dict[int, Verdict]
+    drafted: dict[int, DraftTree]  # per row, what a lookup drafted before the plan cut it (else: the trees)
     positions: int  # computed by the target step: rows x the longest row's positions
     draft_seconds: float
     verify_seconds: float
@@ -265,6 +268,7 @@ class SpeculativeDecoder(Generates):
         """Row b finished or was cancelled: the proposer and the cost model forget it."""
         self.proposer.end([b], [state.rows.out[b]])
         state.cost.forget_row(b)
+        state.hindsight.forget(b)
         state.row_metrics[b] = None
         if state.pending is not None:
             state.pending[b] = []
@@ -274,12 +278,13 @@ class SpeculativeDecoder(Generates):
         rows = [int(b) for b in np.flatnonzero(state.rows.active)]
         t0 = time.perf_counter()
         if self.proposer.lookup:  # drafting is cheap: see every row's draft, then decide how much to verify
-            trees = self.propose(state, rows, dict.fromkeys(rows, self.policy.max_draft))
-            plan = self.policy.plan(state.cost, rows, trees)
-            trees = {b: tree.truncate(plan[b]) for b, tree in trees.items()}
+            judge = self.policy.judge(state.cost, len(rows))
+            drafted = self.propose(state, rows, dict.fromkeys(rows, self.policy.max_draft), judge)
+            plan = self.policy.plan(state.cost, rows, drafted)
+            trees = {b: tree.truncate(plan[b]) for b, tree in drafted.items()}
         else:
             plan = self.policy.plan(state.cost, rows)
-            trees = self.propose(state, rows, plan)
+            drafted = trees = self.propose(state, rows, plan)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
         out = self.verify(state, rows, trees, depths)
@@ -288,16 +293,17 @@ class SpeculativeDecoder(Generates):
         # the step is dense: every row is computed at the longest row's length
         positions = len(rows) * max(len(trees[b]) + 1 for b in rows)
         elapsed = time.perf_counter() - t1
-        record = StepRecord(rows, plan, trees, depths, verdicts, positions, t1 - t0, elapsed, new_tokens)
+        record = StepRecord(rows, plan, trees, depths, verdicts, drafted, positions, t1 - t0, elapsed, new_tokens)
         self.observe(state, record)
         return record
 
     # -- the verbs -------------------------------------------------------------------------------
 
-    def propose(self, state: SpecState, rows: list[int], plan: dict[int, int]) -> dict[int, DraftTree]:
+    def propose(self, state: SpecState, rows: list[int], plan: dict[int, int], judge=None) -> dict[int, DraftTree]:
         """A draft tree per row, of at most as many nodes as the plan gives the row (0: none). Rows
         that draft are proposed for together, one call per sampling setting; each row draws from
-        its own random generator, so its draws are the same as when it runs by itself."""
+        its own random generator, so its draws are the same as when it runs by itself. `judge`:
+        the cost model's, for a lookup (DraftInput.judge)."""
         trees = {b: DraftTree.empty() for b in rows}
         groups: dict[SamplingParams, list[int]] = {}
         for b in rows:
@@ -320,6 +326,7 @@ class SpeculativeDecoder(Generates):
                 state.sampling[group[0]],
                 [state.rng[b] for b in group],
                 features,
+                judge,
             )
             drafted = self.proposer.propose(inp)
             if len(drafted) != len(group):
@@ -390,23 +397,30 @@ class SpeculativeDecoder(Generates):
                     m.observe_draft(len(tree), len(verdict.accepted), depth)
         drafted = sum(len(r.trees[b]) for b in r.rows) / len(r.rows)
         if self.policy.max_draft:  # a decoder that never drafts (plain) has no use for the cost model
-            self._teach(state.cost, r, drafted)
+            self._teach(state, r, drafted)
         state.drafted_per_step.append(drafted)
         metrics.step_seconds += r.verify_seconds
         metrics.draft_seconds += r.draft_seconds
         state.step_times.append(r.verify_seconds + r.draft_seconds)
 
-    def _teach(self, cost: CostModel, r: StepRecord, drafted: float) -> None:
-        lookup = self.proposer.lookup
+    def _teach(self, state: SpecState, r: StepRecord, drafted: float) -> None:
+        cost, lookup = state.cost, self.proposer.lookup
         if any(r.asked[b] > 0 for b in r.rows):  # how far the estimates were off, before they move
             accepted = {b: len(r.verdicts[b].accepted) for b in r.rows}
             cost.observe_gain(r.rows, r.asked, accepted, r.trees if lookup else None)
+        if lookup:  # every draft, verified or not, read against what its row emitted (hindsight.py)
+            for b in r.rows:
+                out = state.rows.out[b]
+                start = len(out) - len(r.new_tokens[b])
+                for tree in (r.drafted[b], *r.drafted[b].rivals):
+                    state.hindsight.draft(b, tree, start)
+                for reading in state.hindsight.read(b, out):
+                    cost.observe_reading(reading)
         with cost.batched_step():  # the rows' verdicts age the estimates by one step, not one per row
             for b in r.rows:
                 tree, verdict = r.trees[b], r.verdicts[b]
-                if lookup and len(tree):  # a draft seen before the plan: learnt by its evidence
-                    cost.observe_evidence(tree.evidence, len(verdict.accepted), len(tree))
-                elif r.asked[b] > 0:  # asked and not drafted counts too: the cost model plans by what it asks
+                # asked and not drafted counts too: the cost model plans by what it asks
+                if not lookup and r.asked[b] > 0:
                     depth = int(r.depths[b].max()) if len(tree) else 0
                     cost.observe_acceptance(depth, len(verdict.accepted), b, asked=r.asked[b], positions=len(tree))
         cost.observe_step(r.positions, len(r.rows), r.verify_seconds)

@@ -41,6 +41,8 @@ class DraftTree:
     # what the proposer knew when it drafted, as a class the cost model keeps acceptance for
     # (a lookup: its method and the length of the match it continues, drafts/base.match_evidence)
     evidence: tuple = ()
+    # drafts made beside this one and not chosen (drafts/auto.py): hindsight reads them too
+    rivals: tuple = ()
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int64)
@@ -84,7 +86,10 @@ class DraftTree:
         return np.flatnonzero(self.parents == node)
 
     def truncate(self, n: int) -> "DraftTree":
-        """The first n nodes (a valid tree since parents come first)."""
+        """The first n nodes (a valid tree since parents come first); the tree itself when it has
+        no more (trees are not changed once made)."""
+        if n >= len(self):
+            return self
         return DraftTree(
             self.tokens[:n],
             self.parents[:n],
@@ -106,6 +111,8 @@ class Verdict:
 
 def accept_greedy(tree: DraftTree, target_argmax: np.ndarray) -> Verdict:
     """target_argmax: (n+1,) argmax of the target at the root (row 0) and at each node (row i+1)."""
+    if not len(tree):  # plain decoding's step: the root's argmax
+        return Verdict([], int(target_argmax[0]))
     accepted, node = [], -1
     while True:
         want = int(target_argmax[node + 1])

@@ -63,7 +63,7 @@ Methods are looked up by name in `specrt.runtime.drafts.DRAFT_METHODS`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -86,6 +86,10 @@ class DraftInput:
     # per row: the target's features at the positions committed since the row's previous
     # proposal (the whole prompt at the first), oldest first; None unless `needs_features`
     features: list[np.ndarray] | None = None
+    # the cost model's judgement of a lookup's draft by its evidence (None: none, a fixed N):
+    # judge(evidence, n) -> (how many of the draft's first n nodes to make, the speedup its best
+    # prefix promises alone); a lookup need not make the rest (0: no draft)
+    judge: Callable[[tuple, int], tuple[int, float]] | None = None
 
 
 class Proposer(Protocol):

@@ -56,11 +56,12 @@ class NgramProposer:
             self._rows.pop(b, None)
 
     def propose(self, inp) -> list[DraftTree]:
-        return [self.match(ctx, inp.max_tokens, row) for row, ctx in zip(inp.rows, inp.contexts)]
+        return [self.match(ctx, inp.max_tokens, row, inp.judge) for row, ctx in zip(inp.rows, inp.contexts)]
 
-    def match(self, context, max_tokens: int, row: int | None = None) -> DraftTree:
+    def match(self, context, max_tokens: int, row: int | None = None, judge=None) -> DraftTree:
         """The chain that followed the longest recent match of the context's last n tokens (`row`:
-        whose index to grow; a row's context only grows between its begin and end)."""
+        whose index to grow; a row's context only grows between its begin and end; `judge`:
+        DraftInput.judge)."""
         ctx = [int(t) for t in context] if not isinstance(context, list) else context
         L = len(ctx)
         if max_tokens <= 0:
@@ -79,7 +80,8 @@ class NgramProposer:
                     if ctx[start + n - match - 1] != ctx[L - match - 1]:
                         break
                     match += 1
-                return DraftTree.chain(
-                    ctx[start + n : start + n + max_tokens], evidence=match_evidence(self.name, match)
-                )
+                chain, evidence = ctx[start + n : start + n + max_tokens], match_evidence(self.name, match)
+                if judge is not None:
+                    chain = chain[: judge(evidence, len(chain))[0]]
+                return DraftTree.chain(chain, evidence=evidence) if chain else DraftTree.empty()
         return DraftTree.empty()

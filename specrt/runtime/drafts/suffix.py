@@ -1,17 +1,26 @@
-"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): draft trees from suffix tries over the
-current request (prompt and output so far) and over the outputs of earlier requests.
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): draft trees from the current request
+(prompt and output so far) and from the outputs of earlier requests, as a suffix tree of each
+would give them.
 
-A trie of depth D holds every substring of length <= D with its count. To propose, the longest
-suffix of the context that occurs with a continuation is found (the match, length m); from its
-node a tree is grown best-first by frequency: a child's score is its parent's score times the
-fraction of the parent's continuations that go through it, an estimate of the probability the
-target accepts it. At most min(max_tokens, ceil(spec_factor * m)) nodes with score >= min_score
-are kept, so long matches speculate far and short ones little. The request trie and the global
-trie each propose; the tree with the larger expected accepted length (sum of scores) is used.
+To propose, the longest suffix of the context that occurred before with a continuation is found
+(the match, length m); the continuations of its occurrences form a tree, grown best-first by
+frequency: a child's score is its parent's score times the fraction of the parent's
+continuations that go through it, an estimate of the probability the target accepts it. At most
+min(max_tokens, ceil(spec_factor * m)) nodes with score >= min_score are kept, so long matches
+speculate far and short ones little. The request and the earlier outputs each propose; the tree
+with the larger expected accepted length (sum of scores) is used.
+
+Why an index of occurrences rather than a suffix trie: a trie holds every substring up to its
+depth, ~35 new nodes per token at depth 48 (33 us a token here, and gigabytes for the earlier
+outputs of a long-running server); the index appends each token to two lists (where it occurs,
+and where the pair it ends occurs), and a proposal reads the few occurrences of the context's
+last tokens. Both give the same trees, up to a bound on how many occurrences are read
+(CANDIDATES, the most recent).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -21,152 +30,153 @@ import numpy as np
 from specrt.runtime.drafts.base import match_evidence
 from specrt.runtime.verification import DraftTree
 
-
-class _Node:
-    __slots__ = ("children", "count", "depth")
-
-    def __init__(self, depth: int):
-        self.children: dict[int, _Node] = {}
-        self.count = 0
-        self.depth = depth
+SEP = -1  # ends a sequence in an index: no match or continuation runs across it
+CANDIDATES = 64  # occurrences of a suffix's last tokens a proposal reads (the most recent)
 
 
-class SuffixTrie:
-    """All substrings (up to max_depth tokens) of the sequences fed to it, with counts."""
+class SuffixIndex:
+    """Sequences of tokens with, for every token and every pair of tokens, the positions where
+    they occur (a pair: the position of its second token)."""
 
-    def __init__(self, max_depth: int = 64):
-        self.max_depth = max_depth
-        self.root = _Node(0)
-        self._open: list[_Node] = []  # nodes of the suffixes ending at the last token fed
-        self.fed = 0  # tokens fed into the current sequence
-
-    def append(self, token: int) -> None:
-        nxt = []
-        for node in itertools.chain(self._open, (self.root,)):
-            child = node.children.get(token)
-            if child is None:
-                child = node.children[token] = _Node(node.depth + 1)
-            child.count += 1
-            if child.depth < self.max_depth:
-                nxt.append(child)
-        self._open = nxt
-        self.fed += 1
+    def __init__(self):
+        self.tokens: list[int] = []
+        self._ones: collections.defaultdict[int, list[int]] = collections.defaultdict(list)
+        self._twos: collections.defaultdict[tuple[int, int], list[int]] = collections.defaultdict(list)
+        self.fed = 0  # tokens of the current sequence
 
     def extend(self, tokens) -> None:
+        seq = self.tokens
         for t in tokens:
-            self.append(int(t))
+            t = int(t)
+            i = len(seq)
+            seq.append(t)
+            self._ones[t].append(i)
+            if self.fed:
+                self._twos[(seq[i - 1], t)].append(i)
+            self.fed += 1
 
     def end_sequence(self) -> None:
-        """The next token fed starts a new sequence (no substring spans the boundary)."""
-        self._open = []
+        """The next token fed starts a new sequence."""
+        self.tokens.append(SEP)
         self.fed = 0
 
-    def _walk(self, tokens) -> _Node | None:
-        node = self.root
-        for t in tokens:
-            node = node.children.get(int(t))
-            if node is None:
-                return None
-        return node
+    def match(self, context, max_match: int) -> tuple[int, list[int]]:
+        """(m, ends): the longest m <= max_match such that the context's last m tokens occurred
+        here followed by a token, and where those occurrences end (oldest first); (0, [])
+        when not even the last token did."""
+        seq, n = self.tokens, len(self.tokens)
+        if not context or max_match < 1:
+            return 0, []
+        if len(context) >= 2 and max_match >= 2:
+            ends = [i for i in self._twos.get((context[-2], context[-1]), ())[-CANDIDATES:] if i + 1 < n]
+            ends = [i for i in ends if seq[i + 1] != SEP]
+            if ends:
+                most = min(max_match, len(context))
+                lengths = []
+                for i in ends:  # how far back each occurrence agrees with the context
+                    k = 2
+                    while k < most and k <= i and seq[i - k] == context[-1 - k]:
+                        k += 1
+                    lengths.append(k)
+                m = max(lengths)
+                return m, [i for i, k in zip(ends, lengths) if k == m]
+        ends = [i for i in self._ones.get(context[-1], ())[-CANDIDATES:] if i + 1 < n and seq[i + 1] != SEP]
+        return (1, ends) if ends else (0, [])
 
-    def match(self, context, max_match: int) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` (<= max_match tokens) that has a continuation."""
-        for m in range(min(max_match, len(context), self.max_depth - 1), 0, -1):
-            node = self._walk(context[len(context) - m :])
-            if node is not None and node.children:
-                return node, m
-        return None, 0
-
-    def match_fed(self, max_match: int) -> tuple[_Node | None, int]:
-        """`match` of the sequence this trie was fed: the nodes of its suffixes are the open ones
-        (deepest first), so the longest with a continuation is found without walking from the
-        root (a walk per length was ~0.1 ms a step, beside an 11-16 ms target step)."""
-        for node in self._open:
-            if node.depth <= max_match and node.children:
-                return node, node.depth
-        return None, 0
-
-    @staticmethod
-    def grow(node: _Node, budget: int, min_score: float) -> DraftTree:
-        """Best-first tree of at most `budget` nodes below `node`, scored by frequency."""
+    def grow(self, ends: list[int], budget: int, min_score: float) -> DraftTree:
+        """Best-first tree of at most `budget` nodes over the continuations after `ends`, scored
+        by frequency (siblings in the order their token first followed)."""
+        root: dict[int, list] = {}  # token -> [count, children], as a trie of the continuations
+        seq = self.tokens
+        for i in ends:
+            node = root
+            for t in seq[i + 1 : i + 1 + budget]:  # a tree of `budget` nodes is at most that deep
+                if t == SEP:
+                    break
+                child = node.get(t)
+                if child is None:
+                    child = node[t] = [0, {}]
+                child[0] += 1
+                node = child[1]
         tokens, parents, scores = [], [], []
         tie = itertools.count()
         heap: list = []
 
-        def push_children(n: _Node, parent_index: int, score: float):
-            total = sum(c.count for c in n.children.values())
-            for tok, c in n.children.items():
-                s = score * c.count / total
+        def push_children(children: dict, parent_index: int, score: float):
+            total = sum(c[0] for c in children.values())
+            for tok, c in children.items():
+                s = score * c[0] / total
                 if s >= min_score:
-                    heapq.heappush(heap, (-s, next(tie), tok, c, parent_index))
+                    heapq.heappush(heap, (-s, next(tie), tok, c[1], parent_index))
 
-        push_children(node, -1, 1.0)
+        push_children(root, -1, 1.0)
         while heap and len(tokens) < budget:
-            neg, _, tok, c, parent = heapq.heappop(heap)
+            neg, _, tok, children, parent = heapq.heappop(heap)
             tokens.append(tok)
             parents.append(parent)
             scores.append(-neg)
-            push_children(c, len(tokens) - 1, -neg)
+            push_children(children, len(tokens) - 1, -neg)
         return DraftTree(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64), None, np.array(scores))
 
 
 class SuffixProposer:
     name = "suffix"
     needs_features = False
-    cost_per_token = False  # growing a tree from a trie costs about the same for any size here
+    cost_per_token = False  # growing a tree from the index costs about the same for any size here
     lookup = True  # cheap enough to draft every step: the plan sees each tree and its evidence first
 
     def __init__(
         self,
-        max_depth: int = 48,
         max_match: int = 32,
         spec_factor: float = 2.0,
         min_score: float = 0.1,
-        max_outputs: int = 4096,
+        max_global_tokens: int = 1 << 20,
     ):
-        self.max_depth, self.max_match = max_depth, max_match
+        self.max_match = max_match
         self.spec_factor, self.min_score = spec_factor, min_score
-        self.global_trie = SuffixTrie(max_depth)  # outputs of earlier requests
-        self.max_outputs = max_outputs
-        self._outputs = 0
-        self._requests: dict[int, SuffixTrie] = {}
+        self.earlier = SuffixIndex()  # outputs of earlier requests
+        self.max_global_tokens = max_global_tokens
+        self._requests: dict[int, SuffixIndex] = {}
 
     def begin(self, rows, prompts, prefilled):
         for row, prompt in zip(rows, prompts):
-            trie = SuffixTrie(self.max_depth)
-            trie.extend(prompt)
-            self._requests[row] = trie
+            index = SuffixIndex()
+            index.extend(prompt)
+            self._requests[row] = index
 
     def commit(self, rows, trees, verdicts, step):
-        pass  # the request trie catches up from the context at the next proposal
+        pass  # the request's index catches up from the context at the next proposal
 
     def end(self, rows, outputs):
         for row, output in zip(rows, outputs):
             self._requests.pop(row, None)
-            if self._outputs >= self.max_outputs:  # bound memory: start a fresh global trie
-                self.global_trie, self._outputs = SuffixTrie(self.max_depth), 0
-            self.global_trie.extend(output)
-            self.global_trie.end_sequence()
-            self._outputs += 1
+            if len(self.earlier.tokens) + len(output) > self.max_global_tokens:  # bound memory: start afresh
+                self.earlier = SuffixIndex()
+            self.earlier.extend(output)
+            self.earlier.end_sequence()
 
     def propose(self, inp) -> list[DraftTree]:
-        return [self.draft(row, ctx, inp.max_tokens) for row, ctx in zip(inp.rows, inp.contexts)]
+        return [self.draft(row, ctx, inp.max_tokens, inp.judge) for row, ctx in zip(inp.rows, inp.contexts)]
 
-    def draft(self, row: int, context, max_tokens: int) -> DraftTree:
+    def draft(self, row: int, context, max_tokens: int, judge=None) -> DraftTree:
         if max_tokens <= 0:
             return DraftTree.empty()
-        trie = self._requests.get(row)
-        if trie is None:
-            trie = self._requests[row] = SuffixTrie(self.max_depth)
-        trie.extend(context[trie.fed :])  # context only grows: feed what is new
+        index = self._requests.get(row)
+        if index is None:
+            index = self._requests[row] = SuffixIndex()
+        index.extend(context[index.fed :])  # the context only grows: feed what is new
         best = DraftTree.empty()
-        for t in (trie, self.global_trie):  # the request trie was fed the context: its open nodes are its suffixes
-            node, m = t.match_fed(self.max_match) if t is trie else t.match(context, self.max_match)
-            if node is None:
+        for source in (index, self.earlier):
+            m, ends = source.match(context, self.max_match)
+            if not ends:
                 continue
-            budget = min(max_tokens, math.ceil(self.spec_factor * m))
-            tree = SuffixTrie.grow(node, budget, self.min_score)
+            budget, evidence = min(max_tokens, math.ceil(self.spec_factor * m)), match_evidence(self.name, m)
+            if judge is not None:  # the first nodes best-first are the same for any budget
+                budget = judge(evidence, budget)[0]
+            if budget <= 0:
+                continue
+            tree = source.grow(ends, budget, self.min_score)
             if len(tree) and (not len(best) or tree.scores.sum() > best.scores.sum()):
                 best = tree
-                best.evidence = match_evidence(self.name, m)
+                best.evidence = evidence
         return best

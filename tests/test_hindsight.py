@@ -1,0 +1,122 @@
+"""Lookups' drafts judged by their evidence: hindsight reads every draft against what its row
+emitted, the cost model learns acceptance per evidence from those readings, and the plan
+verifies a draft only on evidence (never on a prior alone)."""
+
+import pytest
+
+from specrt.runtime.backends import TorchBackend
+from specrt.runtime.drafts import make_proposer
+from specrt.runtime.drafts.base import match_evidence
+from specrt.runtime.generator import Generator
+from specrt.runtime.hindsight import Hindsight
+from specrt.runtime.policy import AutoPolicy, CostModel
+from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+from specrt.runtime.verification import DraftTree
+
+from conftest import random_model, tiny_hf_config
+
+
+def test_hindsight_reads_a_draft_depth_by_depth_as_its_row_emits():
+    tree = DraftTree([4, 5, 6, 7], [-1, -1, 1, 2], evidence=("x", 2))  # 4 | 5 -> 6 -> 7
+    h = Hindsight()
+    out = [1, 2]
+    h.draft(0, tree, start=len(out))
+    assert h.read(0, out) == []  # nothing emitted after the root yet
+    out.append(5)
+    (r,) = h.read(0, out)
+    assert (r.evidence, r.size, r.depth, r.hits, r.ended) == (("x", 2), 4, 0, 1, False)
+    out += [6, 9]  # 6 follows; 9 is no child of 6: the draft ends with a miss at depth 3
+    (r,) = h.read(0, out)
+    assert (r.depth, r.hits, r.ended) == (1, 1, True)
+    out.append(3)
+    assert h.read(0, out) == []  # read to its end: dropped
+
+
+def test_hindsight_ends_a_draft_at_a_leaf_and_forgets_a_row_that_ends():
+    h = Hindsight()
+    h.draft(0, DraftTree.chain([5, 6]), start=0)
+    (r,) = h.read(0, [5, 6, 7])
+    assert (r.hits, r.ended) == (2, True)  # a leaf: nothing deeper was drafted
+    h.draft(1, DraftTree.chain([5, 6]), start=0)
+    h.forget(1)
+    assert h.read(1, [5, 6]) == []
+    h.draft(2, DraftTree.empty(), start=0)
+    assert h.read(2, [1]) == []
+
+
+def test_readings_teach_the_evidence_and_shorter_matches_back_longer_ones():
+    m = CostModel(max_draft=8)
+    key, longer = match_evidence("suffix", 3), match_evidence("suffix", 8)
+    assert not m.backed(key) and not m.backed(longer) and not m.backed(("ngram", 8))
+    h = Hindsight()
+    for _ in range(6):  # six drafts after a 3-token match, each accepted 4 deep of 6
+        h.draft(0, DraftTree.chain([1, 2, 3, 4, 5, 6], evidence=key), start=0)
+        for r in h.read(0, [1, 2, 3, 4, 9]):
+            m.observe_reading(r)
+    rates = m.rates_of(key)
+    assert rates[0] > 0.8 and rates[3] > 0.8 and rates[4] < 0.3  # the miss at depth 5
+    assert m.backed(key) and m.backed(longer)  # a longer match of the same method: backed by it
+    assert not m.backed(("ngram", 8)) and not m.backed(match_evidence("suffix", 2))
+
+
+def _teach(model, key, hits, size, times):
+    for _ in range(times):
+        h = Hindsight()
+        h.draft(0, DraftTree.chain(list(range(1, size + 1)), evidence=key), start=0)
+        for r in h.read(0, list(range(1, hits + 1)) + [0]):
+            model.observe_reading(r)
+
+
+def test_the_plan_verifies_on_evidence_never_on_a_prior_alone():
+    """A draft after a 32-token match has a prior that pays; with nothing read of drafts like
+    it, it is not verified. Read as good, it is verified to the length that pays; read as bad,
+    not at all; and the judge says how much of such a draft a lookup need make."""
+    model, policy = CostModel(max_draft=16), AutoPolicy(max_draft=16)
+    for _ in range(4):
+        model.observe_step(1, 1, 0.010)
+        model.observe_step(9, 1, 0.015)
+    key = match_evidence("suffix", 32)
+    tree = DraftTree.chain(list(range(16)), evidence=key)
+    assert model.draft_speedups(1, [model.reach(tree)])[16] > 1  # the prior alone would verify it
+    assert policy.plan(model, [0], {0: tree}) == {0: 0}
+    assert policy.judge(model, 1)(key, 16) == (16, 1.0)  # unread: made in full, for hindsight
+    _teach(model, key, 16, 16, 20)
+    assert policy.plan(model, [0], {0: tree}) == {0: 16}
+    n, speedup = policy.judge(model, 1)(key, 16)
+    assert n == 16 and speedup > 3
+    bad = match_evidence("ngram", 32)
+    _teach(model, bad, 0, 16, 20)
+    assert policy.plan(model, [0], {0: DraftTree.chain(list(range(16)), evidence=bad)}) == {0: 0}
+    assert policy.judge(model, 1)(bad, 16)[0] == 0  # not worth making
+    assert policy.judge(model, 4)(bad, 16)[0] == 16  # in a batch another row's draft may make it free
+
+
+def test_a_batch_verifies_every_row_to_the_step_length_its_best_drafts_set():
+    """The step is dense: once one row's draft pays, the others' ride along up to that length."""
+    model, policy = CostModel(max_draft=8), AutoPolicy(max_draft=8)
+    good, poor = match_evidence("suffix", 16), match_evidence("suffix", 1)
+    _teach(model, good, 8, 8, 20)
+    _teach(model, poor, 0, 8, 20)
+    trees = {0: DraftTree.chain(list(range(8)), evidence=good), 1: DraftTree.chain([1, 2, 3], evidence=poor)}
+    assert policy.plan(model, [0, 1], trees) == {0: 8, 1: 3}
+
+
+@pytest.fixture(scope="module")
+def loopy_gen():
+    return Generator(TorchBackend(random_model(tiny_hf_config(vocab_size=32), seed=3, scale=0.3)))
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
+def test_lookups_learn_from_drafts_that_were_never_verified(loopy_gen, method):
+    """On a repetitive text the cost model's readings come from every step's draft: more readings
+    than verified drafts, and greedy output equal to plain."""
+    ids = [5, 6, 7, 8, 9] * 8
+    plain = loopy_gen.generate_ids([ids], 40)[0].token_ids
+    decoder = SpeculativeDecoder(loopy_gen, make_proposer(method), make_policy("auto"))
+    states = []
+    new_state = decoder.new_state
+    decoder.new_state = lambda batch: states.append(new_state(batch)) or states[-1]
+    result = decoder.generate_ids([ids], 40)[0]
+    assert result.token_ids == plain
+    verified = result.metrics.drafted_at_depth[0] if result.metrics.drafted_at_depth else 0
+    assert states[0].cost.readings > verified >= 1
