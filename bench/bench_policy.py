@@ -1,35 +1,42 @@
 """The speculation policy on a virtual clock: which draft and N choices pay, free of machine noise.
 
     python bench/bench_policy.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--engines f32,gguf,split]
-                                 [--methods ngram,suffix,auto] [--ablate calibration,...] [--noise 0.05]
+                                 [--methods ngram,suffix,auto] [--ablate gate,pooling,...] [--noise 0.05]
+                                 [--prompts bench/prompts.jsonl | --prompt-set 64]
 
 This machine's speed drifts by up to 50 % over minutes, so end-to-end runs (specrt bench) cannot
-tell a policy change worth 3 % from noise. Here every generation runs for real on the float32
-engine (greedy: the tokens, drafts and verdicts are the real ones, and every output is checked
-against plain decoding), but the clock the cost model reads is virtual: a target step of P
-positions over B rows takes what the engine's build measured for P / B positions (its manifest's
-step_ms, interpolated; `split`: one position on the gguf engine, more on float32), and the
-runtime's own work per step (the policy's plan, the lookups) what a calibration pass measured
-on this machine, as constants (the plan's charged on the steps where it read the estimates).
-So a run is a function of the policy alone, and two policies compare exactly. `--noise` adds a
-seeded disturbance (each step x lognormal(0, noise), and 3 % of steps 2-6x slower: what the cost
-model's robust fit is for); every variant sees the same sequence.
+tell a policy change worth 3 % from noise. Here each prompt's greedy answer is made once for real
+on the float32 engine, and then every variant generates on a target that replays those answers
+(bench/replay.py): the drafts, verdicts and step shapes are the ones the real engine gives, and
+every output is checked against the recorded answer. The clock is virtual: a target step of P
+positions over B rows takes what the engine's build measured for P / B positions (its
+manifest's step_ms, interpolated; `split`: one position on the gguf engine, more on float32),
+and each draft method's own host work per step (drafting, planning, reading its drafts in
+hindsight) what a calibration pass measured on this machine beyond plain decoding's, in the
+real loop on the float32 engine, as a fraction of a decode step. So a run is a function of the
+policy alone, and two policies compare exactly. `--noise` adds a seeded disturbance (each step x
+lognormal(0, noise), and 3 % of steps 2-6x slower: what the cost model's robust fit is for);
+every variant sees the same sequence.
 
 The figure per prompt is the decode speedup over plain decoding on the same virtual clock
-(prefill excluded: it is the same for all). Ablations (--ablate) switch one heuristic of the
-cost model off, to show what it buys:
+(prefill excluded: it is the same for all). Ablations (--ablate) switch one heuristic off, to show
+what it buys:
+    hindsight     lookups learn only from the drafts that were verified
+    gate          a lookup's draft may be verified on its evidence's prior alone
+    pooling       each match length learnt alone (shorter matches of the method not pooled in)
     calibration   predictions not scaled by realized / predicted extra tokens
     spike         no spike filter for less-observed step sizes (estimators.SPIKE)
     trust         a size's time is its median from the first observation (estimators.TRUST = 1)
-    probes        no probes while speculation is off
     priors        the generic alpha, beta priors instead of the engine's measured step costs
-Prints a table per engine (rows: prompts; columns: variants; last rows: the minimum and the
-geometric mean) and writes JSON (date, versions, machine) to bench/results/.
+`--prompt-set N` runs the first N prompts of the offline prompt set (specrt/training/prompts.py,
+which holds the benchmark's prompts out) instead of the benchmark file: what a policy is tuned
+on, so that the benchmark's figures are not fitted to it. Prints a table per engine (rows:
+prompts; columns: variants; last rows: the minimum and the geometric mean, over all prompts and
+per class) and writes JSON (date, versions, machine) to bench/results/.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -39,10 +46,11 @@ from pathlib import Path
 import numpy as np
 
 from harness import bench_arguments, envelope
+from replay import ReplayBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-ABLATIONS = ("calibration", "spike", "trust", "probes", "priors")
+ABLATIONS = ("hindsight", "gate", "pooling", "calibration", "spike", "trust", "priors")
 
 
 def engine_costs(artifacts: Path) -> dict[str, dict[int, float]]:
@@ -66,12 +74,14 @@ def engine_costs(artifacts: Path) -> dict[str, dict[int, float]]:
 
 
 class VirtualClock:
-    """Step times from a cost curve, runtime work as constants, optional seeded noise."""
+    """Step times from a cost curve, a method's host work as a share of a decode step, optional
+    seeded noise."""
 
-    def __init__(self, curve: dict[int, float], plan_s: float, draft_s: float, noise: float, seed: int):
+    def __init__(self, curve: dict[int, float], work: float, noise: float, seed: int):
         self.qs = np.array(sorted(curve), np.float64)
         self.ms = np.array([curve[q] for q in sorted(curve)])
-        self.plan_s, self.draft_s, self.noise = plan_s, draft_s, noise
+        self.work_s = work * self.ms[0] * 1e-3
+        self.noise = noise
         self.rng = np.random.default_rng(seed)
         self.total = 0.0
 
@@ -88,34 +98,45 @@ def patched(ablations: set[str]):
     """Switch the named heuristics off (this process only); returns a function that restores them."""
     from specrt.runtime import estimators, policy
 
+    model = policy.CostModel
     saved = {
         "SPIKE": estimators.SPIKE,
         "TRUST": estimators.TRUST,
-        "calibration": policy.CostModel.calibration,
+        "calibration": model.calibration,
+        "backed": model.backed,
+        "_counts": model._counts,
     }
     if "spike" in ablations:
         estimators.SPIKE = float("inf")
     if "trust" in ablations:
         estimators.TRUST = 1
     if "calibration" in ablations:
-        policy.CostModel.calibration = lambda self: 1.0
+        model.calibration = lambda self: 1.0
+    if "gate" in ablations:
+        model.backed = lambda self, key: True
+    if "pooling" in ablations:
+
+        def own(self, key):
+            acc = self.evidence(key)
+            return acc.tried.tolist(), acc.hit.tolist()
+
+        model._counts = own
 
     def restore():
         estimators.SPIKE, estimators.TRUST = saved["SPIKE"], saved["TRUST"]
-        policy.CostModel.calibration = saved["calibration"]
+        model.calibration, model.backed, model._counts = saved["calibration"], saved["backed"], saved["_counts"]
 
     return restore
 
 
-def run_virtual(gen, method: str, ids: list[int], tokens: int, clock: VirtualClock, ablate=()):
+def run_virtual(target, method: str, ids: list[int], tokens: int, clock: VirtualClock, ablate=()):
     """One greedy generation with the cost model on `clock`; (result, virtual decode seconds)."""
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.policy import CostModel
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+    from specrt.runtime.verification import DraftTree
 
-    decoder = SpeculativeDecoder(gen, make_proposer(method), make_policy("auto"))
-    if "probes" in ablate:
-        decoder.policy.probe_every = 10**9
+    decoder = SpeculativeDecoder(target, make_proposer(method), make_policy("auto"))
     if "priors" in ablate:  # the generic priors
         per_token = decoder.proposer.cost_per_token
         decoder.new_cost_model = lambda: CostModel(decoder.policy.max_draft, draft_per_token=per_token)
@@ -123,67 +144,87 @@ def run_virtual(gen, method: str, ids: list[int], tokens: int, clock: VirtualClo
 
     def observe(state, r):
         r.verify_seconds = clock.step(r.positions, len(r.rows))
-        drafted = any(n > 0 for n in r.asked.values())
-        r.draft_seconds = (clock.plan_s if planned[0] else 0.0) + (clock.draft_s if drafted else 0.0)
-        planned[0] = False
+        r.draft_seconds = clock.work_s
         clock.total += r.verify_seconds + r.draft_seconds
+        if "hindsight" in ablate:  # only what was verified is read (no rivals)
+            r.drafted = {b: DraftTree(t.tokens, t.parents, t.q, t.scores, t.evidence) for b, t in r.trees.items()}
         real_observe(state, r)
 
     decoder.observe = observe
-    planned = [False]  # whether this step's plan read the estimates (a policy may skip it while off)
-    make_model = decoder.new_cost_model
-
-    def new_cost_model():
-        model = make_model()
-        speedups = model.speedups
-
-        def counted(*a, **k):
-            planned[0] = True
-            return speedups(*a, **k)
-
-        model.speedups = counted
-        return model
-
-    decoder.new_cost_model = new_cost_model
     clock.total = 0.0
     result = decoder.generate_ids([ids], tokens)[0]
     return result, clock.total
 
 
-def calibrate(gen, methods, prompts, tokens: int) -> dict[str, tuple[float, float]]:
-    """(plan seconds per step, lookup seconds per drafting step) per method, measured here: the
-    median of the real runtime work between steps (the plan, and the proposer's call)."""
+def host_work(gen, methods, prompts, tokens: int, rounds: int = 2) -> dict[str, float]:
+    """Each method's host work per step beyond plain decoding's, as a share of a plain decode step,
+    measured here in the real loop: per step, its time outside the engine's own step (median),
+    less plain decoding's, over the median engine step of plain decoding; methods interleaved."""
     from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.drafts.base import NoDraft
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
-    out = {}
-    for method in methods:
-        plans, drafts = [], []
-        decoder = SpeculativeDecoder(gen, make_proposer(method), make_policy("auto"))
-        plan, propose = decoder.policy.plan, decoder.propose
+    backend = gen.session.backend
+    inner = backend.step
+    host: dict[str, list[float]] = {m: [] for m in ("none", *methods)}
+    engine: list[float] = []
+    spent = [0.0]
 
-        def timed_plan(model, rows, _plan=plan):
-            read, speedups = [], model.speedups
-            model.speedups = lambda *a, **k: read.append(1) or speedups(*a, **k)
-            t = time.perf_counter()
-            out_ = _plan(model, rows)
-            if read:  # a plan that read the estimates (a policy may skip it while off)
-                plans.append(time.perf_counter() - t)
-            model.speedups = speedups
-            return out_
+    def timed_step(*a, **k):
+        t = time.perf_counter()
+        out = inner(*a, **k)
+        spent[0] += time.perf_counter() - t
+        return out
 
-        def timed_propose(state, rows, p, _propose=propose):
-            t = time.perf_counter()
-            out_ = _propose(state, rows, p)
-            if any(n > 0 for n in p.values()):
-                drafts.append(time.perf_counter() - t)
-            return out_
+    backend.step = timed_step
+    try:
+        for _ in range(rounds):
+            for method in host:
+                plain = method == "none"
+                decoder = SpeculativeDecoder(
+                    gen, NoDraft() if plain else make_proposer(method), make_policy(0 if plain else "auto")
+                )
+                step = decoder.step
 
-        decoder.policy.plan, decoder.propose = timed_plan, timed_propose
-        for ids in prompts:
-            decoder.generate_ids([ids], tokens)
-        out[method] = (statistics.median(plans), statistics.median(drafts) if drafts else 0.0)
-    return out
+                def timed(state, _step=step, _method=method):
+                    spent[0] = 0.0
+                    t = time.perf_counter()
+                    record = _step(state)
+                    host[_method].append(time.perf_counter() - t - spent[0])
+                    if _method == "none":
+                        engine.append(spent[0])
+                    return record
+
+                decoder.step = timed
+                for ids in prompts:
+                    decoder.generate_ids([ids], tokens)
+    finally:
+        backend.step = inner
+    base, step_s = statistics.median(host["none"]), statistics.median(engine)
+    return {m: max(statistics.median(v) - base, 0.0) / step_s for m, v in host.items() if m != "none"}
+
+
+def load_prompt_rows(args) -> list[dict]:
+    from specrt.benchmark import load_prompts
+    from specrt.training.prompts import benchmark_prompts, build_prompt_set
+
+    if not args.prompt_set:
+        return load_prompts(args.prompts)
+    made = build_prompt_set(args.prompt_set, exclude=benchmark_prompts(args.prompts))
+    return [{"class": p.kind, "prompt": p.prompt} for p in made]
+
+
+def summary(rows: list[dict], labels: list[str]) -> dict:
+    def gmean(values):
+        return float(np.exp(np.mean(np.log(values))))
+
+    classes = list(dict.fromkeys(r["class"] for r in rows))
+    return {
+        "min": {v: min(r[v] for r in rows) for v in labels},
+        "gmean": {v: gmean([r[v] for r in rows]) for v in labels},
+        "gmean_by_class": {c: {v: gmean([r[v] for r in rows if r["class"] == c]) for v in labels} for c in classes},
+        "min_by_class": {c: {v: min(r[v] for r in rows if r["class"] == c) for v in labels} for c in classes},
+    }
 
 
 def main() -> None:
@@ -193,11 +234,13 @@ def main() -> None:
     ap.add_argument("--ablate", default="", help=f"Comma-separated, each a variant of the first method: {ABLATIONS}.")
     ap.add_argument("--noise", type=float, default=0.0, help="Step-time disturbance (lognormal sigma).")
     ap.add_argument("--seed", type=int, default=0, help="The noise's seed (each prompt its own stream of it).")
+    ap.add_argument("--prompt-set", type=int, default=0, help="Run this many offline prompt-set prompts instead.")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
 
-    from specrt.benchmark import load_prompts, write_result_json
+    from specrt.benchmark import write_result_json
     from specrt.runtime.runner import RunnerSpec, open_generator
+    from specrt.runtime.target import Target
 
     curves = engine_costs(args.artifacts)
     engines = [e for e in args.engines.split(",") if e]
@@ -209,52 +252,54 @@ def main() -> None:
     if set(ablations) - set(ABLATIONS):
         raise SystemExit(f"--ablate: choose among {', '.join(ABLATIONS)}")
     gen = open_generator(RunnerSpec(artifacts=args.artifacts))
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompt_rows(args)
     encoded = [gen.encode_prompt(p["prompt"]) for p in prompts]
-    work = calibrate(gen, methods, encoded[:3], 48)
-    for m, (plan, draft) in work.items():
-        print(f"runtime work per step, {m}: plan {plan * 1e6:.0f} us, lookup {draft * 1e6:.0f} us (measured here)")
+    work = host_work(gen, methods, encoded[:3], 48)
+    for m, share in work.items():
+        print(f"host work per step beyond plain decoding, {m}: {share:.2%} of a decode step (measured here)")
+    t = time.perf_counter()
+    answers = [gen.generate_ids([ids], args.max_new_tokens)[0].token_ids for ids in encoded]
+    print(f"{len(answers)} answers recorded on the float32 engine in {time.perf_counter() - t:.0f} s", flush=True)
     variants = [(m, m, ()) for m in methods] + [(f"{methods[0]} -{a}", methods[0], (a,)) for a in ablations]
     results = {}
     for engine in engines:
         curve = curves[engine]
-        caps = gen.backend.caps
-        gen.backend.caps = dataclasses.replace(caps, step_ms=curve)  # the cost model's priors: this engine's
+        replay = ReplayBackend(
+            {tuple(ids): a for ids, a in zip(encoded, answers)},
+            gen.config.vocab_size,
+            tuple(sorted(gen.eos_ids)),
+            step_ms=curve,  # the cost model's priors: this engine's
+        )
+        target = Target(replay)
         rows = []
-        for pi, (p, ids) in enumerate(zip(prompts, encoded)):
-            plain = gen.generate_ids([ids], args.max_new_tokens)[0]
-            n = len(plain.token_ids)
+        for pi, (p, ids, answer) in enumerate(zip(prompts, encoded, answers)):
             noise_seed = 1000 * pi + args.seed
-            plain_clock = VirtualClock(curve, 0.0, 0.0, args.noise, noise_seed)
-            plain_s = sum(plain_clock.step(1, 1) for _ in range(n - 1))
-            row = {"prompt": pi, "class": p["class"], "tokens": n}
+            plain_clock = VirtualClock(curve, 0.0, args.noise, noise_seed)
+            plain_s = sum(plain_clock.step(1, 1) for _ in range(len(answer) - 1))
+            row = {"prompt": pi, "class": p["class"], "tokens": len(answer)}
             for label, method, ablate in variants:
                 restore = patched(set(ablate))
                 try:
-                    clock = VirtualClock(curve, *work[method], args.noise, noise_seed)
-                    res, seconds = run_virtual(gen, method, ids, args.max_new_tokens, clock, ablate)
+                    clock = VirtualClock(curve, work[method], args.noise, noise_seed)
+                    res, seconds = run_virtual(target, method, ids, args.max_new_tokens, clock, ablate)
                 finally:
                     restore()
-                if res.token_ids != plain.token_ids:
-                    raise SystemExit(f"{label} on prompt {pi}: output differs from plain decoding")
+                if res.token_ids != answer:
+                    raise SystemExit(f"{label} on prompt {pi}: output differs from the recorded answer")
                 row[label] = plain_s / seconds
             rows.append(row)
-            cells = "".join(f" {row[v[0]]:5.2f}" for v in variants)
-            print(f"{engine:5s} #{pi:<2d} {p['class']:<13}{cells}", flush=True)
-        gen.backend.caps = caps
+            if len(prompts) <= 16:
+                cells = "".join(f" {row[v[0]]:5.2f}" for v in variants)
+                print(f"{engine:5s} #{pi:<2d} {p['class']:<13}{cells}", flush=True)
         labels = [v[0] for v in variants]
-        results[engine] = {
-            "rows": rows,
-            "min": {v: min(r[v] for r in rows) for v in labels},
-            "gmean": {v: float(np.exp(np.mean([np.log(r[v]) for r in rows]))) for v in labels},
-            "step_ms": {str(q): t for q, t in curve.items()},
-        }
+        results[engine] = {"rows": rows, **summary(rows, labels), "step_ms": {str(q): t for q, t in curve.items()}}
     print()
-    head = f"{'engine':<7}{'':>6}" + "".join(f"{v[0]:>18}" for v in variants)
-    print(head)
+    print(f"{'engine':<7}{'':>14}" + "".join(f"{v[0]:>18}" for v in variants))
     for engine, r in results.items():
         for what in ("min", "gmean"):
-            print(f"{engine:<7}{what:>6}" + "".join(f"{r[what][v[0]]:>17.3f}x" for v in variants))
+            print(f"{engine:<7}{what:>14}" + "".join(f"{r[what][v[0]]:>17.3f}x" for v in variants))
+        for c, by in r["gmean_by_class"].items():
+            print(f"{engine:<7}{c[:14]:>14}" + "".join(f"{by[v[0]]:>17.3f}x" for v in variants))
     result = {
         **envelope("onnxruntime", "numpy"),
         "benchmark": "policy-virtual-clock",
@@ -264,8 +309,9 @@ def main() -> None:
             "noise": args.noise,
             "seed": args.seed,
             "max_new_tokens": args.max_new_tokens,
+            "prompts": f"prompt set, first {args.prompt_set}" if args.prompt_set else str(args.prompts),
         },
-        "runtime_work_s": {m: {"plan": w[0], "lookup": w[1]} for m, w in work.items()},
+        "host_work_share": work,
         "engines": results,
     }
     print(f"wrote {write_result_json(result, args.out, 'policy')}")

@@ -103,15 +103,19 @@ def test_head_variants_follow_the_draft_registry(tmp_path):
 
 def test_policy_bench_runs_on_a_virtual_clock(tiny_artifacts):
     """bench/bench_policy.py: a generation on the virtual clock is a function of the policy alone
-    (the same seconds twice, noise included: it is seeded), its output is plain decoding's, and
-    an ablation runs the same tokens on another clock reading."""
+    (the same seconds twice, noise included: it is seeded); on the replay target it emits the
+    recorded answer; an ablation runs the same tokens on another clock reading, and the
+    heuristics are restored after it."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from bench_policy import VirtualClock, engine_costs, patched, run_virtual
-
     from specrt.runtime.generator import Generator
+    from specrt.runtime.policy import CostModel
+    from specrt.runtime.target import Target
+
+    from bench_policy import VirtualClock, engine_costs, patched, run_virtual
+    from replay import ReplayBackend
 
     curve = engine_costs(tiny_artifacts)["f32"]
     assert sorted(curve) == [1, 2, 3, 5, 9, 17]
@@ -119,16 +123,18 @@ def test_policy_bench_runs_on_a_virtual_clock(tiny_artifacts):
     gen.eos_ids = frozenset()
     ids = [5, 6, 7, 8] * 6  # repetitive: the suffix draft proposes
     plain = gen.generate_ids([ids], 40)[0].token_ids
+    replay = Target(ReplayBackend({tuple(ids): plain}, gen.config.vocab_size, (), step_ms=curve))
     seconds = []
-    for _ in range(2):
-        res, s = run_virtual(gen, "suffix", ids, 40, VirtualClock(curve, 1e-4, 2e-4, 0.05, seed=3))
+    for target in (gen, replay, replay):
+        res, s = run_virtual(target, "suffix", ids, 40, VirtualClock(curve, 0.01, 0.05, seed=3))
         assert res.token_ids == plain
         seconds.append(s)
-    assert seconds[0] == seconds[1] > 0
-    restore = patched({"calibration", "spike", "trust"})
+    assert seconds[1] == seconds[2] > 0
+    counts, backed = CostModel._counts, CostModel.backed
+    restore = patched({"calibration", "spike", "trust", "gate", "pooling"})
     try:
         res, _ = run_virtual(
-            gen, "suffix", ids, 40, VirtualClock(curve, 1e-4, 2e-4, 0.05, seed=3), ("probes", "priors")
+            replay, "suffix", ids, 40, VirtualClock(curve, 0.01, 0.05, seed=3), ("hindsight", "priors")
         )
     finally:
         restore()
@@ -136,3 +142,4 @@ def test_policy_bench_runs_on_a_virtual_clock(tiny_artifacts):
     from specrt.runtime import estimators
 
     assert estimators.SPIKE == 3.0 and estimators.TRUST == 3  # restored
+    assert CostModel._counts is counts and CostModel.backed is backed

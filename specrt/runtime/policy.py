@@ -43,6 +43,28 @@ The estimates run high in a batch of mixed requests (the policy asks for N where
 be highest, and the rows that copy their context keep them up), so each drafting step also
 compares the extra tokens they predicted for the lengths asked with what the rows got, and
 predictions are scaled by that decayed ratio (`calibration`, prior 1).
+
+Lookups (the copy drafts: drafts/base.py `lookup`) are planned the other way round: every row
+drafts first, up to max_draft, and the plan sees each draft and its evidence (DraftTree.evidence:
+the method and the length of the context's suffix the copy continues) before it decides:
+
+    reach_k(n)    E[accepted | the first n nodes of a draft of evidence k], from a_j of that
+                    evidence: acceptance is learnt per evidence, not per batch or row, since
+                    how far a copy is accepted follows how long its match is (a 1-token match
+                    ~0.4 tokens, 8 or more tokens ~8-13, on the benchmark's answers);
+    speedup(N)    (1 + calibration * mean_b reach_b(min(N, len_b))) / (1 + beta_B + alpha_B * N)
+                    for N up to the longest draft (the step is dense: its positions are the
+                    longest row's, and a shorter draft rides along for free); the lookups' own
+                    time is spent already, whatever the plan;
+
+and the counts come from hindsight (runtime/hindsight.py): every draft, verified or not, is read
+against the tokens its row goes on to emit, so each evidence's acceptance is learnt from every
+step, at no cost. Hence the rule that replaces probing: a draft is verified only on evidence
+(`CostModel.backed`: hindsight read drafts like it), never on a prior alone, and drafts of a
+method after a shorter match count for a longer one (a copy that has just begun is judged by how
+its shorter matches fared, `CostModel._counts`). At batch 1 the plan also tells the lookups, by
+evidence, how much of a draft is worth making (`AutoPolicy.judge`), and `auto` uses the same
+judgement to pick between its members' drafts.
 """
 
 from __future__ import annotations
@@ -288,7 +310,7 @@ class CostModel:
 
 EMPTY = DraftTree.empty()
 REFIT_STEPS = 8  # target steps a fit of the step costs is kept
-PRIOR_MATCH = 2.0
+PRIOR_MATCH = 2.0  # m / (m + 2): a 1-token match's prior 0.33, 8 tokens 0.8, 32 tokens 0.94
 
 
 def evidence_prior(key: tuple) -> float:
