@@ -2,7 +2,7 @@
 against speculation with a fixed N and with the cost model's N (the crossover).
 
     python bench/bench_batch.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--draft suffix]
-                                [--clients 1,2,4,8,16] [--fixed-n 3] [--repeats 2]
+                                [--clients 1,2,4,8,16] [--fixed-n 3] [--repeats 2] [--quantize gguf [--split]]
 
 C clients each send a request, wait for its answer and send the next (a closed loop) into a
 BatchEngine with C slots. The requests are the prompts of the classes chat, code editing and
@@ -73,20 +73,23 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--fixed-n", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quantize", default="none", help="the engine's precision (gguf: the 4-bit engine)")
+    ap.add_argument("--split", action="store_true", help="--quantize gguf: decode on it, verify on float32")
     args = ap.parse_args()
 
     from specrt.benchmark import load_prompts, write_result_json
     from specrt.runtime.batching import BatchEngine
     from specrt.runtime.runner import RunnerSpec, open_generator, open_runner
 
-    gen = open_generator(RunnerSpec(artifacts=args.artifacts))
+    engine = dict(artifacts=args.artifacts, quantize=args.quantize, split=args.split)
+    gen = open_generator(RunnerSpec(**engine))
     prompts = [gen.encode_prompt(p["prompt"]) for p in load_prompts(args.prompts) if p["class"] in CLASSES]
     alone = {tuple(p): gen.generate_ids([p], args.max_tokens)[0].token_ids for p in prompts}
     clients = [int(c) for c in args.clients.split(",")]
 
     def runner(num_draft):  # a fresh draft each time, over the one generator loaded above
         draft_dir = None if args.drafts is None else args.drafts / args.draft
-        spec = RunnerSpec(artifacts=args.artifacts, draft=args.draft, num_draft=num_draft, draft_dir=draft_dir)
+        spec = RunnerSpec(**engine, draft=args.draft, num_draft=num_draft, draft_dir=draft_dir)
         return open_runner(spec, generator=gen)[1]
 
     modes = {
@@ -139,6 +142,8 @@ def main():
         "engine": gen.backend.description,
         "settings": {
             "draft": args.draft,
+            "quantize": args.quantize,
+            "split": args.split,
             "fixed_n": args.fixed_n,
             "clients": clients,
             "max_tokens": args.max_tokens,
