@@ -88,7 +88,7 @@ def test_the_plan_verifies_on_evidence_never_on_a_prior_alone():
     _teach(model, bad, 0, 16, 20)
     assert policy.plan(model, [0], {0: DraftTree.chain(list(range(16)), evidence=bad)}) == {0: 0}
     assert policy.judge(model, 1)(bad, 16)[0] == 0  # not worth making
-    assert policy.judge(model, 4)(bad, 16)[0] == 16  # in a batch another row's draft may make it free
+    assert policy.judge(model, 4)(bad, 16)[0] == 0  # nor in a batch, where it would count for less
 
 
 def test_a_batch_verifies_every_row_to_the_step_length_its_best_drafts_set():

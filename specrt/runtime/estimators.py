@@ -21,7 +21,7 @@ import numpy as np
 TRUST = 3  # observations of a size before its median is believed
 ROW_EVIDENCE = 4.0  # a row's decayed depth-1 drafts before it may be judged failing
 ROW_FAILING = 1 / 3  # ... failing: its rate under this share of the batch's
-BACKED = 1.0  # decayed verified drafts of an evidence before its acceptance is believed over its prior
+BACKED = 1.0  # decayed drafts of an evidence read in hindsight before it may be verified (policy.py)
 SPIKE = 3.0  # a less-observed size this many times dearer than the priors predict is a spike
 
 
