@@ -145,7 +145,7 @@ def run_virtual(target, method: str, ids: list[int], tokens: int, clock: Virtual
     real_observe = decoder.observe
 
     def observe(state, r):
-        r.verify_seconds = clock.step(r.positions, len(r.rows))
+        r.verify_seconds = clock.step(r.positions, r.batch)
         r.draft_seconds = clock.work_s
         clock.total += r.verify_seconds + r.draft_seconds
         if "hindsight" in ablate:  # only what was verified is read (no rivals)

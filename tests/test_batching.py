@@ -211,6 +211,38 @@ def test_a_batch_that_always_drafts_learns_its_decode_cost_from_the_line():
     assert AutoPolicy(max_draft=16).num_draft(model, 8) == 0
 
 
+def test_the_cost_of_a_position_is_read_at_the_batch_size_that_pays_it():
+    """Steps of one row read the weights once per position (memory-bound: 1 ms a position), steps
+    of eight rows compute (8 ms a row-position): the cost of a draft position at batch 8 comes
+    from the batch-8 steps, not from a line through both (which made it look 3x cheaper there,
+    measured on the virtual crossover: 16 clients at 0.90x plain)."""
+    model = CostModel(max_draft=16)
+    for _ in range(10):
+        for q in (1, 5, 17, 9):
+            model.observe_step(q, 1, 0.020 + 0.001 * (q - 1))
+        model.observe_step(8, 8, 0.050)
+        for q in (2, 5):
+            model.observe_step(8 * q, 8, 0.050 + 0.008 * 8 * (q - 1))
+    assert model.cost(8).alpha == pytest.approx(0.008 * 8 / 0.050, rel=0.05)
+    assert model.cost(1).alpha == pytest.approx(0.001 / 0.020, rel=0.05)
+
+
+def test_a_step_weighs_the_rows_it_computes_idle_slots_included():
+    """Continuous batching steps the cache's rows up to the last one in use; a slot between them
+    whose request ended is computed too (padded to the step's length). The step's record, and so
+    the cost model's step times and plan, count the rows computed."""
+    gen = Generator(TorchBackend(random_model(LOOPY, seed=3, scale=0.3)))
+    gen.eos_ids = frozenset()  # every request runs to its budget
+    records = []
+    decoder = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto"))
+    observe = decoder.observe
+    decoder.observe = lambda state, r: records.append((r.batch, r.positions, len(r.rows), r.trees)) or observe(state, r)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10], [5, 6, 7, 8] * 3]
+    BatchEngine(decoder, max_batch=3).run([Request(p, n) for p, n in zip(prompts, (30, 2, 30))])
+    idle = [r for r in records if r[2] == 2 and r[0] == 3]  # rows 0 and 2 running, row 1 ended
+    assert idle and all(positions == 3 * (1 + max(len(t) for t in trees.values())) for _, positions, _, trees in idle)
+
+
 def test_predictions_that_run_high_are_scaled_by_what_the_steps_gave():
     """The cost model compares, each drafting step, the extra tokens its estimates predicted for
     the lengths asked with what the rows got, and scales its predictions by that ratio."""

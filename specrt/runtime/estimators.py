@@ -181,21 +181,25 @@ class StepTimes:
 
     def __init__(self, window: int, alpha_prior: float, beta_prior: float):
         self.plain: collections.deque = collections.deque(maxlen=window)  # (batch, seconds)
-        self.spec: collections.deque = collections.deque(maxlen=window)  # (positions, seconds)
+        self.spec: collections.deque = collections.deque(maxlen=window)  # (positions, seconds, batch)
         self.alpha_prior, self.beta_prior = alpha_prior, beta_prior
 
     def observe(self, positions: int, batch: int, seconds: float) -> None:
-        (self.plain if positions == batch else self.spec).append((positions, seconds))
+        if positions == batch:
+            self.plain.append((batch, seconds))
+        else:
+            self.spec.append((positions, seconds, batch))
 
     def _prior(self, positions: float, batch: int) -> float:
         """Relative cost of a verification step of `positions` positions by the priors."""
         return 1 + self.beta_prior + self.alpha_prior * (positions / batch - 1)
 
-    def _sizes(self, decode: float | None, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(sizes, robust time per size, count per size) of the verification steps, spikes left out."""
+    def _sizes(self, decode: float | None, batch: int, spec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sizes, robust time per size, count per size) of verification steps (positions,
+        seconds), spikes left out."""
         kept = [
             (size, value, count)
-            for size, value, count in _by_size(self.spec)
+            for size, value, count in _by_size(spec)
             # a size seen less than TRUST times and far over the priors: more likely a slow moment
             if count >= TRUST or decode is None or value <= SPIKE * decode * self._prior(size, batch)
         ]
@@ -208,10 +212,16 @@ class StepTimes:
         decode = _robust(plain) if plain else None
         # without a plain step, judge spikes against the fastest verification step (scaled by the
         # priors): noise only ever makes a step slower
-        guess = decode or min((t / self._prior(z, batch) for z, t in self.spec), default=None)
-        sizes, times, counts = self._sizes(guess, batch)
+        # the verification steps at this batch size where they are enough for a line (the cost of
+        # a position is not the same at every batch size: on a CPU a few rows read the weights
+        # once, many compute), of every batch size otherwise
+        spec = [(p, t) for p, t, b in self.spec if b == batch]
+        if len({p for p, _ in spec}) < 2:
+            spec = [(p, t) for p, t, _ in self.spec]
+        guess = decode or min((t / self._prior(z, batch) for z, t in spec), default=None)
+        sizes, times, counts = self._sizes(guess, batch, spec)
         line = None
-        if len(sizes) >= 2:  # a line through the verification steps (of every batch size)
+        if len(sizes) >= 2:  # a line through the verification steps
             c0, c1 = _line(sizes.tolist(), times.tolist(), counts.tolist())
             line = c0, max(c1, 0.0)
         if decode is None:

@@ -325,7 +325,7 @@ class FixedPolicy:
     def __init__(self, num_draft: int):
         self.max_draft = num_draft
 
-    def plan(self, model: CostModel, rows: list[int], trees=None) -> dict[int, int]:
+    def plan(self, model: CostModel, rows: list[int], trees=None, batch: int | None = None) -> dict[int, int]:
         """Draft tokens per row: N for every row."""
         return dict.fromkeys(rows, self.max_draft)
 
@@ -363,13 +363,15 @@ class AutoPolicy:
             self._off_steps = 0
         return n
 
-    def plan(self, model: CostModel, rows: list[int], trees=None) -> dict[int, int]:
+    def plan(self, model: CostModel, rows: list[int], trees=None, batch: int | None = None) -> dict[int, int]:
         """Draft tokens per row: the batch's N (`num_draft`), except for rows whose drafts keep
         failing (`CostModel.failing`), which draft nothing; a probe drafts a little on every row.
-        `trees`: a lookup's drafts, already made: how much of each to verify (`plan_drafts`)."""
+        `trees`: a lookup's drafts, already made: how much of each to verify (`plan_drafts`).
+        `batch`: the rows the step computes (default: `rows`), whose costs the plan weighs."""
+        batch = batch or len(rows)
         if trees is not None:
-            return self.plan_drafts(model, rows, trees)
-        n = self.num_draft(model, len(rows), rows)
+            return self.plan_drafts(model, rows, trees, batch)
+        n = self.num_draft(model, batch, rows)
         if n == 0 or self._off_steps > 0:  # off, or probing while off
             return dict.fromkeys(rows, n)
         return {b: 0 if model.failing(b) else n for b in rows}
@@ -392,18 +394,17 @@ class AutoPolicy:
 
         return judge
 
-    def plan_drafts(self, model: CostModel, rows: list[int], trees) -> dict[int, int]:
+    def plan_drafts(self, model: CostModel, rows: list[int], trees, batch: int | None = None) -> dict[int, int]:
         """The N that maximizes the step's speedup when each row verifies the first min(N, its
         length) nodes of its draft, each draft judged by its evidence (CostModel.draft_speedups)."""
         # a draft is verified on evidence only: its acceptance read in hindsight, never its prior alone
-        n = self._best(
-            model, rows, [trees[b] if len(trees[b]) and model.backed(trees[b].evidence) else EMPTY for b in rows]
-        )
+        backed = [trees[b] if len(trees[b]) and model.backed(trees[b].evidence) else EMPTY for b in rows]
+        n = self._best(model, batch or len(rows), backed)
         return {b: min(n, len(trees[b])) for b in rows}
 
     @staticmethod
-    def _best(model: CostModel, rows: list[int], trees: list) -> int:
+    def _best(model: CostModel, batch: int, trees: list) -> int:
         if not any(len(t) for t in trees):
             return 0
-        speedups = model.draft_speedups(len(rows), [model.reach(t) for t in trees])
+        speedups = model.draft_speedups(batch, [model.reach(t) for t in trees])
         return max(range(len(speedups)), key=speedups.__getitem__)  # the first of equals, as argmax

@@ -107,7 +107,8 @@ class StepRecord:
     depths: dict[int, np.ndarray]  # per row, each node's depth
     verdicts: dict[int, Verdict]
     drafted: dict[int, DraftTree]  # per row, what a lookup drafted before the plan cut it (else: the trees)
-    positions: int  # computed by the target step: rows x the longest row's positions
+    batch: int  # rows the target step computed (the cache's: idle slots among the rows included)
+    positions: int  # computed by the target step: batch x the longest row's positions
     draft_seconds: float
     verify_seconds: float
     new_tokens: list[list[int]]
@@ -276,14 +277,17 @@ class SpeculativeDecoder(Generates):
     def step(self, state: SpecState) -> StepRecord:
         """One speculative step over the active rows: propose → verify → accept → commit."""
         rows = [int(b) for b in np.flatnonzero(state.rows.active)]
+        # the rows the step computes: the cache's, idle slots among them included (a dense step
+        # pads them to the longest row): what a step costs, and so what the plan weighs
+        batch = state.cache.batch
         t0 = time.perf_counter()
         if self.proposer.lookup:  # drafting is cheap: see every row's draft, then decide how much to verify
-            judge = self.policy.judge(state.cost, len(rows))
+            judge = self.policy.judge(state.cost, batch)
             drafted = self.propose(state, rows, dict.fromkeys(rows, self.policy.max_draft), judge)
-            plan = self.policy.plan(state.cost, rows, drafted)
+            plan = self.policy.plan(state.cost, rows, drafted, batch)
             trees = {b: tree.truncate(plan[b]) for b, tree in drafted.items()}
         else:
-            plan = self.policy.plan(state.cost, rows)
+            plan = self.policy.plan(state.cost, rows, batch=batch)
             drafted = trees = self.propose(state, rows, plan)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
@@ -291,9 +295,11 @@ class SpeculativeDecoder(Generates):
         verdicts = self.accept(state, rows, trees, out)
         new_tokens = self.commit(state, rows, trees, verdicts, out)
         # the step is dense: every row is computed at the longest row's length
-        positions = len(rows) * max(len(trees[b]) + 1 for b in rows)
+        positions = batch * max(len(trees[b]) + 1 for b in rows)
         elapsed = time.perf_counter() - t1
-        record = StepRecord(rows, plan, trees, depths, verdicts, drafted, positions, t1 - t0, elapsed, new_tokens)
+        record = StepRecord(
+            rows, plan, trees, depths, verdicts, drafted, batch, positions, t1 - t0, elapsed, new_tokens
+        )
         self.observe(state, record)
         return record
 
@@ -423,7 +429,7 @@ class SpeculativeDecoder(Generates):
                 if not lookup and r.asked[b] > 0:
                     depth = int(r.depths[b].max()) if len(tree) else 0
                     cost.observe_acceptance(depth, len(verdict.accepted), b, asked=r.asked[b], positions=len(tree))
-        cost.observe_step(r.positions, len(r.rows), r.verify_seconds)
+        cost.observe_step(r.positions, r.batch, r.verify_seconds)
         cost.observe_draft(drafted, r.draft_seconds)
 
     def finish(self, state: SpecState) -> SpecMetrics | None:
