@@ -119,8 +119,8 @@ def test_the_gguf_file_comes_from_the_checkpoints_record(gguf_target, tmp_path):
 
 
 def test_split_backend_decodes_on_gguf_and_verifies_on_float(gguf_target):
-    """--split: one-position steps on the gguf engine, the rest on float32; the same greedy and
-    speculative output as float32 alone."""
+    """--split: steps of one row and one position on the gguf engine, the rest (a batch's steps
+    too) on float32; the same greedy and speculative output as float32 alone."""
     from specrt.runtime.backends import SplitBackend
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
@@ -154,6 +154,9 @@ def test_split_backend_decodes_on_gguf_and_verifies_on_float(gguf_target):
     costs = split.backend.caps.step_ms
     assert costs[1] == split.backend.single.caps.step_ms[1]
     assert costs[9] == flt.backend.caps.step_ms[9] and sorted(costs) == [1, 2, 3, 5, 9, 17]
+    single = len(calls["single"])
+    split.generate_ids([prompt[0], prompt[0][:12]], 6)  # two rows: every step on float32
+    assert len(calls["single"]) == single and 1 in calls["multi"]
 
 
 def test_split_refuses_engines_of_different_models(gguf_target, tmp_path):

@@ -155,8 +155,9 @@ def _precision_options() -> list:
         click.option(
             "--split",
             is_flag=True,
-            help="--quantize gguf: one-position steps (decoding) on the 4-bit engine, longer ones (prefill, "
-            "verification) on the float32 engine, which is faster for them here; both compute the same model.",
+            help="--quantize gguf: one row's one-position steps (decoding) on the 4-bit engine, the others "
+            "(prefill, verification, batches) on the float32 engine, which is faster for them here; both compute "
+            "the same model.",
         ),
     ]
 

@@ -36,7 +36,7 @@ class RunnerSpec:
     backend: str = "ort"  # ort, trt or torch
     provider: str = "cpu"
     quantize: str = "none"
-    split: bool = False  # --quantize gguf: one-position steps on the 4-bit engine, the rest on float32
+    split: bool = False  # --quantize gguf: one row's one-position steps on the 4-bit engine, the rest on float32
     threads: int = 0  # ORT intra-op threads (0: one per physical core)
     device: str | None = None
     cuda_graphs: bool = False

@@ -1,12 +1,16 @@
-"""Two engines of one model as one backend: one for single-position steps, one for the rest.
+"""Two engines of one model as one backend: one for steps of a single position, one for the rest.
 
     backend = SplitBackend(single=gguf_backend, multi=float32_backend)
 
 Which engine is fastest depends on how many positions a step computes. On this CPU ONNX
 Runtime's 4-bit kernel (the `gguf` engine) makes a one-position step 1.6x faster than float32,
 but its steps of 2 to 16 positions slower (they dequantize to float32 first): 26.7 against 21.0
-ms at 2 positions, 37.5 against 32.1 at 16 (`specrt calibrate --report`, quant-report-2026-12-01). Plain decoding is all
-one-position steps; speculative decoding's verification and the prompt's prefill are not.
+ms at 2 positions, 37.5 against 32.1 at 16 (`specrt calibrate --report`, quant-report-2026-12-01). What counts is
+the positions of the whole step, rows times positions per row (the kernel's matrix rows): a
+plain step of two rows is as slow there as a two-position step of one (continuous batching of
+2-16 clients decoded at 0.74-0.75x float32's throughput when their one-position steps went to
+the 4-bit engine, bench_batch.py). So only a step of one row and one position (plain decoding
+alone) runs on `single`; speculative verification, prefill and batched steps run on `multi`.
 
 Only engines that compute the same model may be split: the same checkpoint, features and
 precision class (`gguf` computes the float32 model within float rounding; its manifest precision
@@ -62,7 +66,7 @@ class SplitBackend(StepBackend):
     def step(
         self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None, want_logits=True
     ) -> StepOutput:
-        backend = self.single if input_ids.shape[1] == 1 else self.multi
+        backend = self.single if input_ids.size == 1 else self.multi
         return backend.step(input_ids, position_ids, attention_mask, logits_index, cache, hidden_index, want_logits)
 
 
