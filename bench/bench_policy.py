@@ -26,7 +26,8 @@ what it buys:
                   would ever back a draft, may verify on priors: the gate off too)
     gate          a lookup's draft may be verified on its evidence's prior alone
     pooling       each match length learnt alone (shorter matches of the method not pooled in)
-    calibration   predictions not scaled by realized / predicted extra tokens
+    calibration   predictions not scaled by realized / predicted extra tokens (drafts with weights;
+                  the lookups' plan does not use it)
     spike         no spike filter for less-observed step sizes (estimators.SPIKE)
     trust         a size's time is its median from the first observation (estimators.TRUST = 1)
     priors        the generic alpha, beta priors instead of the engine's measured step costs

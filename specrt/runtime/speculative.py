@@ -411,9 +411,8 @@ class SpeculativeDecoder(Generates):
 
     def _teach(self, state: SpecState, r: StepRecord, drafted: float) -> None:
         cost, lookup = state.cost, self.proposer.lookup
-        if any(r.asked[b] > 0 for b in r.rows):  # how far the estimates were off, before they move
-            accepted = {b: len(r.verdicts[b].accepted) for b in r.rows}
-            cost.observe_gain(r.rows, r.asked, accepted, r.trees if lookup else None)
+        if not lookup and any(r.asked[b] > 0 for b in r.rows):  # how far the estimates were off, before they move
+            cost.observe_gain(r.rows, r.asked, {b: len(r.verdicts[b].accepted) for b in r.rows})
         if lookup:  # every draft, verified or not, read against what its row emitted (hindsight.py)
             for b in r.rows:
                 out = state.rows.out[b]
