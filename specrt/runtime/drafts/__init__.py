@@ -44,7 +44,7 @@ _HEAD = "a trained head in --draft-dir"
 DRAFT_METHODS: dict[str, DraftMethod] = {
     "ngram": DraftMethod(NgramProposer, "prompt lookup (no weights)"),
     "suffix": DraftMethod(SuffixProposer, "the prompt and earlier answers, SuffixDecoding (no weights)"),
-    "auto": DraftMethod(AutoProposer, "per row and step the copy draft (suffix, ngram) that has served the row best"),
+    "auto": DraftMethod(AutoProposer, "per row and step the copy draft (suffix, ngram) whose draft promises most, or none"),
     "lookahead": DraftMethod(LookaheadProposer, "Jacobi iteration's n-grams (no weights)"),
     # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
     "eagle": DraftMethod(functools.partial(EagleProposer, method="eagle"), _HEAD, True, True),
