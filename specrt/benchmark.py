@@ -63,10 +63,12 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
 
     out = []
     for method, entry in DRAFT_METHODS.items():  # those with weights, in a `make drafts` directory each
-        if not entry.needs_draft_dir:
+        if not (entry.needs_draft_dir or entry.head_optional):
             continue
         d = Path(cfg.drafts) / (entry.reads or method)
-        if entry.reads:  # a composite (hybrid): its trees
+        if entry.head_optional:  # auto with the head: its trees where no copy serves
+            shapes = [(f"{method}+{entry.reads}", cfg.tree)]
+        elif entry.reads:  # a composite (hybrid): its trees
             shapes = [(method, cfg.tree)]
         elif entry.takes_tree:
             shapes = [(f"{method} chain", None), (f"{method} tree", cfg.tree)]

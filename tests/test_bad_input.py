@@ -41,7 +41,11 @@ def last_line(r) -> str:
     "extra, message",
     [
         # the tree was silently ignored (Medusa refused it)
-        (["--draft", "lookahead", "--draft-tree", "4,6"], "--draft-tree is for --draft eagle, eagle3, mtp, hybrid"),
+        (
+            ["--draft", "lookahead", "--draft-tree", "4,6"],
+            "--draft-tree is for --draft auto, eagle, eagle3, mtp, hybrid",
+        ),
+        (["--draft", "auto", "--draft-tree", "4,6"], "shapes the head's drafts: give its --draft-dir too"),
         (["--draft", "suffix", "--draft-tree", "2,3"], "not --draft suffix"),
         (["--draft", "medusa", "--draft-dir", ".", "--draft-tree", "2,3"], "Medusa drafts its own tree"),
         # a head given without --draft: plain decoding, the head silently unused

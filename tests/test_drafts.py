@@ -315,3 +315,65 @@ def test_auto_gives_each_row_the_draft_the_judge_values_most_and_keeps_the_rest_
     assert auto.propose(inp)[0].tokens.tolist() == [1, 2, 3]
     auto.end([0], [[7, 8]])
     assert a.ended == b.ended == [0]
+
+
+class _Head:
+    """A stand-in for an EAGLE head in auto: chains of its token, the features it was fed."""
+
+    name = "eagle3"
+
+    def __init__(self):
+        self.fed, self.sizes = {}, []
+
+    def begin(self, rows, prompts, prefilled):
+        pass
+
+    def catch_up(self, inp):
+        for b, feats in zip(inp.rows, inp.features):
+            self.fed[b] = self.fed.get(b, 0) + len(feats)
+        return {}
+
+    def draft(self, inp, roots):
+        self.sizes.append(inp.max_tokens)
+        return [DraftTree.chain([5] * inp.max_tokens) for _ in inp.rows]
+
+    def commit(self, rows, trees, verdicts, step):
+        pass
+
+    def end(self, rows, outputs):
+        pass
+
+
+def test_auto_head_drafts_where_no_copy_serves_when_judged_worth_its_time():
+    """auto with a head: the head drafts where its judged speedup after its own time beats 1 and
+    the row's copy draft; where no copy serves and the head does not pay, a short probe every
+    PROBE_EVERY-th such step. Its drafts carry their own evidence,
+    the copy draft rides along as a rival, and it catches up on every feature it skipped."""
+    from specrt.runtime.drafts import auto as auto_module
+
+    copy = _Fixed([1, 2, 3])
+    copy.evidence = ("a", 2)
+    head = _Head()
+    auto = auto_module.AutoProposer({"a": copy}, head=head)
+    auto.begin([0, 1], [[0], [0]], None)
+    worth = {("a", 2): 0.4, ("eagle3", 0): 0.0}  # the copy (3 tokens) not worth it, the head unbacked
+    judge = lambda evidence, n: (n, worth[evidence] + 0.2 * n if n else 1.0)  # noqa: E731
+    feats = [np.zeros((1, 4)), np.zeros((1, 4))]
+    inp = DraftInput([0, 1], [[0], [0]], 4, [9, 9], SamplingParams(), [np.random.default_rng(0)] * 2, feats, judge)
+    for step in range(1, auto_module.PROBE_EVERY + 1):
+        trees = auto.propose(inp)
+        probing = step % auto_module.PROBE_EVERY == 0
+        assert [t.tokens.tolist()[:1] for t in trees] == ([[5]] * 2 if probing else [[1]] * 2)
+    assert head.sizes == [auto_module.PROBE_DRAFT] and head.fed == {0: 8, 1: 8}
+    assert trees[0].evidence == ("eagle3", 0) and [r.tokens.tolist() for r in trees[0].rivals] == [[1, 2, 3]]
+    auto.head.times.observe(4, 0.001)  # the head's time: a tenth of a step at 4 tokens
+    auto.head.step_s.append(0.01)
+    worth[("eagle3", 0)] = 1.0  # read to pay: (1 + 0.2 * 4) / 1.1 at 4 tokens beats the copy's 1.0
+    assert [t.tokens.tolist() for t in auto.propose(inp)] == [[5] * 4] * 2
+    worth[("a", 2)] = 1.2  # a copy worth 1.8: more than the head after its time
+    assert [t.tokens.tolist() for t in auto.propose(inp)] == [[1, 2, 3]] * 2
+    auto.head.times.calls.clear()
+    auto.head.times.observe(4, 0.02)  # the head now costs two steps: not worth it
+    worth[("a", 2)] = 0.4
+    assert [t.tokens.tolist()[:1] for t in auto.propose(inp)] == [[1]] * 2
+    assert auto.chosen["eagle3"] == 4 and auto.chosen["a"] == 2 * auto_module.PROBE_EVERY - 2 + 4

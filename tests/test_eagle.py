@@ -250,6 +250,38 @@ def test_hybrid_head_catches_up_on_the_steps_the_suffix_draft_won(ort_gen, tiny_
     assert len(caught_up) < out[0].metrics.steps and max(max(c) for c in caught_up[1:]) > 5
 
 
+def test_greedy_auto_with_a_head_equals_plain(ort_gen, tiny_checkpoint, tmp_path):
+    """--draft auto --draft-dir: with a fixed N the head drafts the rows no copy draft serves
+    (one prompt repeats, one does not), catching up on the features of the steps it skipped;
+    the output is plain greedy either way."""
+    layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64)
+    prompts = [[5, 9, 13, 21, 34] * 6, [77, 78]]
+    plain = ort_gen.generate_ids(prompts, 60)
+    prop = make_proposer("auto", draft_dir=layout.root, target=ort_gen.session.caps)
+    assert prop.needs_features
+    out = SpeculativeDecoder(ort_gen, prop, make_policy(4)).generate_ids(prompts, 60)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert prop.chosen["eagle3"] > 0 and prop.chosen["suffix"] + prop.chosen["ngram"] > 0
+
+
+def test_auto_judges_its_head_by_hindsight(ort_gen, tiny_checkpoint, tmp_path, monkeypatch):
+    """With N = auto the head is not verified on a prior: it probes where no copy draft is worth
+    verifying (here its time is ~3 tiny target steps, so it only probes), and hindsight reads
+    its drafts under their own evidence. Output stays plain greedy."""
+    from specrt.runtime.policy import CostModel
+
+    layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64)
+    prompts = [[77, 78], [3, 100, 7]]
+    plain = ort_gen.generate_ids(prompts, 80)
+    read = []
+    real = CostModel.observe_reading
+    monkeypatch.setattr(CostModel, "observe_reading", lambda self, r: read.append(r.evidence) or real(self, r))
+    prop = make_proposer("auto", draft_dir=layout.root, target=ort_gen.session.caps)
+    out = SpeculativeDecoder(ort_gen, prop, make_policy("auto")).generate_ids(prompts, 80)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert prop.head.times.calls and ("eagle3", 0) in read
+
+
 @pytest.fixture(scope="module")
 def small_target(tmp_path_factory):
     """The chi-square model (vocab 8) as a checkpoint, so a head can be exported against it."""
@@ -269,6 +301,17 @@ def test_sampled_eagle_follows_the_target(small_target, tree, tmp_path):
     prop = make_proposer("eagle3", draft_dir=layout.root, target=gen.session.caps, tree=tree)
     spec = SpeculativeDecoder(gen, prop, make_policy(3))
     assert two_token_pvalue(gen, spec, rounds=12, new_tokens=3) > 1e-3
+
+
+def test_sampled_auto_with_a_head_follows_the_target(small_target, tmp_path):
+    """auto's head chains carry their q through the choice: the first two sampled tokens follow
+    the target's joint (chi-square), and the head drafted."""
+    ckpt, gen = small_target
+    layout = make_head_dir(ckpt, "eagle3", tmp_path / "h", draft_vocab=6)
+    prop = make_proposer("auto", draft_dir=layout.root, target=gen.session.caps)
+    spec = SpeculativeDecoder(gen, prop, make_policy(3))
+    assert two_token_pvalue(gen, spec, rounds=12, new_tokens=3) > 1e-3
+    assert prop.chosen["eagle3"] > 0
 
 
 # -- refusals --------------------------------------------------------------------------------

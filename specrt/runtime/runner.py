@@ -105,7 +105,9 @@ def _check_draft_options(spec: RunnerSpec) -> None:
         own = " (Medusa drafts its own tree of choices)" if draft == "medusa" else ""
         raise UsageError(f"--draft-tree is for --draft {trees}, not --draft {draft}{own}")
     weights = ", ".join(n for n, m in DRAFT_METHODS.items() if m.needs_draft_dir)
-    if not entry.needs_draft_dir and spec.draft_dir is not None:
+    if entry.head_optional and spec.draft_tree != "chain" and spec.draft_dir is None:
+        raise UsageError(f"--draft-tree with --draft {draft} shapes the head's drafts: give its --draft-dir too")
+    if not (entry.needs_draft_dir or entry.head_optional) and spec.draft_dir is not None:
         raise UsageError(f"--draft-dir is for a draft with weights (--draft {weights}), not --draft {draft}")
     if entry.needs_draft_dir and spec.draft_dir is None:
         raise UsageError(

@@ -23,6 +23,11 @@ from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
 
 
+def _auto(**head) -> AutoProposer:
+    """The copy drafts, and a trained head when its directory is given (options: EagleProposer's)."""
+    return AutoProposer(head=EagleProposer(**head) if head.get("draft_dir") is not None else None)
+
+
 def _hybrid(**head) -> HybridProposer:
     """The suffix draft and an EAGLE head (options: EagleProposer's)."""
     return HybridProposer(EagleProposer(**head))
@@ -38,13 +43,21 @@ class DraftMethod:
     needs_draft_dir: bool = False  # a method with weights: --draft-dir DIR
     takes_tree: bool = False  # drafts EAGLE-2 dynamic trees: --draft-tree TOP_K,DEPTH
     reads: str | None = None  # its --draft-dir is another method's (`make drafts` names directories by method)
+    head_optional: bool = False  # takes a trained head in --draft-dir when given (auto)
 
 
 _HEAD = "a trained head in --draft-dir"
 DRAFT_METHODS: dict[str, DraftMethod] = {
     "ngram": DraftMethod(NgramProposer, "prompt lookup (no weights)"),
     "suffix": DraftMethod(SuffixProposer, "the prompt and earlier answers, SuffixDecoding (no weights)"),
-    "auto": DraftMethod(AutoProposer, "per row and step the copy draft (suffix, ngram) whose draft promises most, or none"),
+    "auto": DraftMethod(
+        _auto,
+        "per row and step the copy draft (suffix, ngram) whose draft promises most, or none; with --draft-dir, "
+        "also the head there where no copy serves",
+        takes_tree=True,
+        reads="eagle3",
+        head_optional=True,
+    ),
     "lookahead": DraftMethod(LookaheadProposer, "Jacobi iteration's n-grams (no weights)"),
     # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
     "eagle": DraftMethod(functools.partial(EagleProposer, method="eagle"), _HEAD, True, True),
