@@ -80,6 +80,22 @@ def test_speculative_requests_joining_and_leaving_get_their_output_alone(loopy_g
         assert spec.proposer.features_checked > 0 and spec.proposer.cache is None  # all rows ended
 
 
+@pytest.mark.parametrize("method", ["ngram-3", "suffix-auto"])
+def test_a_request_sets_its_own_speculation(loopy_gen, method):
+    """Request.max_draft: a request with 0 never drafts, one with 1 drafts at most one token a
+    step, the others the decoder's; every output is still its greedy output alone, and the
+    row's own metrics show it (the server's per-request `speculation` field rides on this)."""
+    spec = speculative(loopy_gen, method)
+    caps = [1, 0, None, 0, None]
+    reqs = [Request(p, n, max_draft=c) for p, n, c in zip(PROMPTS, BUDGETS, caps)]
+    out = BatchEngine(spec, max_batch=3, prefill_budget=8).run(reqs, ARRIVALS)
+    assert [r.token_ids for r in out] == alone(loopy_gen)
+    deep = [sum(r.metrics.drafted_at_depth[1:]) for r in out]  # drafted past the first token
+    assert out[1].metrics.drafted_tokens == out[3].metrics.drafted_tokens == 0
+    assert out[0].metrics.drafted_tokens > 0 and deep[0] == 0
+    assert deep[2] + deep[4] > 0  # the others draft as the decoder does
+
+
 def test_eagle_tree_in_a_continuous_batch_equals_plain(ort_gen, tiny_checkpoint, tmp_path):
     layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64)
     prop = make_proposer("eagle3", draft_dir=layout.root, target=ort_gen.session.caps, tree=(3, 4))

@@ -4,6 +4,7 @@ Outputs are checked against the generator itself (greedy: the same tokens; strea
 text as the non-streamed answer); every refusal is checked for its status and OpenAI error body.
 """
 
+import contextlib
 import json
 import socket
 import threading
@@ -69,6 +70,36 @@ def test_chat_completion_equals_the_generator(gen, speculative):
         body["specrt"]["backend"].startswith("onnxruntime")
         and ("mean_accepted_length" in body["specrt"]) == speculative
     )
+
+
+def test_a_request_sets_its_own_speculation(gen):
+    """`speculation`: a request runs with no draft, or caps the draft tokens a step verifies,
+    beside others on the server's settings; every answer is the greedy text, the `specrt` object
+    echoes the settings, and one that cannot be honoured is a 400 naming its key."""
+    c = client(SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)))
+    _, ref = expected_chat(gen, 24)
+    base = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    for spec, echo in [
+        (None, {"draft": "suffix", "num_draft": 4}),
+        ({"draft": "none"}, {"draft": "none", "num_draft": 0}),
+        ({"num_draft": 1}, {"draft": "suffix", "num_draft": 1}),
+        ({"draft": "suffix", "num_draft": 0}, {"draft": "none", "num_draft": 0}),
+    ]:
+        body = c.post("/v1/chat/completions", json=base | ({"speculation": spec} if spec else {})).json()
+        assert body["choices"][0]["message"]["content"] == gen.decode(ref.token_ids)
+        assert body["specrt"]["speculation"] == echo
+        if echo["num_draft"] == 0:  # nothing drafted: every step brought one token
+            assert body["specrt"]["mean_accepted_length"] == 1.0
+    drafted = c.post("/v1/chat/completions", json=base).json()["specrt"]["mean_accepted_length"]
+    assert drafted > 1.0  # the prompt repeats: the server's own setting drafts and is accepted
+    for spec, param, message in [
+        ({"draft": "ngram"}, "speculation.draft", "this server drafts with 'suffix'; give 'suffix' or 'none'"),
+        ({"num_draft": 5}, "speculation.num_draft", "an integer in [0, 4], got 5"),
+        ({"num_draft": True}, "speculation.num_draft", "got true"),
+    ]:
+        r = c.post("/v1/chat/completions", json=base | {"speculation": spec})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert message in r.json()["error"]["message"]
 
 
 def test_streaming_gives_the_same_text(gen):
@@ -227,6 +258,16 @@ def test_prometheus_metrics(gen, speculative):
         ({"messages": MESSAGES, "logit_bias": {"5": 100}}, 400, "logit_bias", "only {} (no bias)"),
         ({"messages": MESSAGES, "store": True}, 400, "store", "nothing is stored"),
         ({"messages": MESSAGES, "max_tokenz": 5}, 400, "max_tokenz", "not a chat completion field"),
+        # specrt's speculation field, on a server that runs without a draft
+        ({"messages": MESSAGES, "speculation": "fast"}, 400, "speculation", "must be an object"),
+        ({"messages": MESSAGES, "speculation": {"n": 1}}, 400, "speculation.n", "not a speculation setting"),
+        ({"messages": MESSAGES, "speculation": {"draft": "suffix"}}, 400, "speculation.draft", "drafts with 'none'"),
+        (
+            {"messages": MESSAGES, "speculation": {"num_draft": 2}},
+            400,
+            "speculation.num_draft",
+            "0 (the server runs without a draft)",
+        ),
         ({"messages": MESSAGES, "best_of": 1}, 400, "best_of", "not a chat completion field"),
     ],
 )
@@ -407,29 +448,62 @@ def test_a_cancelled_ticket_in_the_queue_never_runs(gen):
     service.close()
 
 
-@pytest.fixture(params=["plain", "suffix"])
-def live_server(gen, request):
-    """A real uvicorn server on a free loopback port over the slow tiny engine, plain or with
-    speculative decoding (whose generator objects hold reference cycles: before the engine
-    thread, an abandoned one was only closed by the garbage collector): (service, port)."""
+@contextlib.contextmanager
+def serving(service: CompletionService):
+    """A real uvicorn server of `service` on a free loopback port: yields the port."""
     import uvicorn
 
     from specrt.server import bind_socket
 
-    if request.param == "plain":
-        runner = slow_generator(gen)
-    else:  # up to 5 tokens a step: a slower step keeps the generation as long
-        runner = SpeculativeDecoder(slow_generator(gen, 0.2), make_proposer("suffix"), make_policy(4))
-    service = CompletionService(runner, "tiny", ServerLimits(max_batch=1))  # one at a time: others queue
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started, 10)
-    yield service, sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
-    service.close()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        service.close()
+
+
+@pytest.fixture(params=["plain", "suffix"])
+def live_server(gen, request):
+    """A real uvicorn server on a free loopback port over the slow tiny engine, plain or with
+    speculative decoding (whose generator objects hold reference cycles: before the engine
+    thread, an abandoned one was only closed by the garbage collector): (service, port)."""
+    if request.param == "plain":
+        runner = slow_generator(gen)
+    else:  # up to 5 tokens a step: a slower step keeps the generation as long
+        runner = SpeculativeDecoder(slow_generator(gen, 0.2), make_proposer("suffix"), make_policy(4))
+    service = CompletionService(runner, "tiny", ServerLimits(max_batch=1))  # one at a time: others queue
+    with serving(service) as port:
+        yield service, port
+
+
+def test_speculation_per_request_through_the_openai_client(gen):
+    """The `openai` client on loopback: `speculation` in extra_body runs the request without a
+    draft or with a capped one, the text stays the greedy text, the settings come back under
+    `specrt`, and a setting the server cannot honour raises the client's BadRequestError."""
+    openai = pytest.importorskip("openai", reason="openai is not installed (the test extra)")
+    service = CompletionService(SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)), "tiny")
+    _, ref = expected_chat(gen, 24)
+    with serving(service) as port:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        for spec, echo in [
+            ({"draft": "none"}, {"draft": "none", "num_draft": 0}),
+            ({"num_draft": 2}, {"draft": "suffix", "num_draft": 2}),
+        ]:
+            r = c.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, extra_body={"speculation": spec}
+            )
+            assert r.choices[0].message.content == gen.decode(ref.token_ids)
+            assert r.model_extra["specrt"]["speculation"] == echo
+        with pytest.raises(openai.BadRequestError, match="speculation.num_draft"):
+            c.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=4, extra_body={"speculation": {"num_draft": 9}}
+            )
 
 
 def raw_request(port: int, body: dict) -> socket.socket:

@@ -65,7 +65,7 @@ class Decoder(Protocol):
     draft's demands, and the verbs of a row's life: join, step, leave."""
 
     gen: Target
-    policy: object  # its max_draft: the most draft nodes one step verifies
+    policy: object  # its max_draft: the most draft nodes one step verifies; its setting: N or "auto"
 
     @property
     def needs_features(self) -> bool: ...
@@ -85,6 +85,8 @@ class Request:
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
     rng: np.random.Generator | None = None  # its random generator (default: one from sampling.seed)
+    # the most draft tokens a step verifies for it (0: it never drafts); None: the decoder's
+    max_draft: int | None = None
 
 
 @dataclasses.dataclass

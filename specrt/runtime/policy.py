@@ -322,6 +322,7 @@ def evidence_prior(key: tuple) -> float:
 class FixedPolicy:
     def __init__(self, num_draft: int):
         self.max_draft = num_draft
+        self.setting = num_draft  # what --num-draft said
 
     def plan(self, model: CostModel, rows: list[int], trees=None, batch: int | None = None) -> dict[int, int]:
         """Draft tokens per row: N for every row."""
@@ -338,6 +339,8 @@ class AutoPolicy:
     observed): when even the most they can fade to does not pay, the plan is not worked out
     again before the next probe (its reading of the estimates took ~0.25 ms a step here, on
     an 11-16 ms step), unless the batch changes."""
+
+    setting = "auto"  # what --num-draft said
 
     def __init__(self, max_draft: int = 16, probe_every: int = 8, probe_draft: int = 2):
         self.max_draft = max_draft

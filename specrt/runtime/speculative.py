@@ -95,6 +95,7 @@ class SpecState:
     step_times: list[float] = dataclasses.field(default_factory=list)
     drafted_per_step: list[float] = dataclasses.field(default_factory=list)
     hindsight: Hindsight = dataclasses.field(default_factory=Hindsight)  # a lookup's drafts, read as rows emit
+    caps: dict[int, int] = dataclasses.field(default_factory=dict)  # per row, its request's max_draft if it set one
 
 
 @dataclasses.dataclass
@@ -261,6 +262,9 @@ class SpeculativeDecoder(Generates):
         state.rows.join(b, len(request.prompt), budget)
         state.prompts[b], state.sampling[b], state.rng[b] = request.prompt, request.sampling, rng
         state.row_metrics[b] = SpecMetrics() if self.policy.max_draft else None
+        state.caps.pop(b, None)
+        if request.max_draft is not None:
+            state.caps[b] = max(0, request.max_draft)
         if state.pending is not None:
             state.pending[b] = [prefilled.hidden[0]]
         self.proposer.begin([b], [request.prompt], prefilled)
@@ -270,6 +274,7 @@ class SpeculativeDecoder(Generates):
         self.proposer.end([b], [state.rows.out[b]])
         state.cost.forget_row(b)
         state.hindsight.forget(b)
+        state.caps.pop(b, None)
         state.row_metrics[b] = None
         if state.pending is not None:
             state.pending[b] = []
@@ -281,13 +286,17 @@ class SpeculativeDecoder(Generates):
         # pads them to the longest row): what a step costs, and so what the plan weighs
         batch = state.cache.batch
         t0 = time.perf_counter()
+        caps = state.caps
         if self.proposer.lookup:  # drafting is cheap: see every row's draft, then decide how much to verify
             judge = self.policy.judge(state.cost, batch)
-            drafted = self.propose(state, rows, dict.fromkeys(rows, self.policy.max_draft), judge)
+            most = {b: min(self.policy.max_draft, caps.get(b, self.policy.max_draft)) for b in rows}
+            drafted = self.propose(state, rows, most, judge)
             plan = self.policy.plan(state.cost, rows, drafted, batch)
             trees = {b: tree.truncate(plan[b]) for b, tree in drafted.items()}
         else:
             plan = self.policy.plan(state.cost, rows, batch=batch)
+            if caps:  # a request's own limit (Request.max_draft)
+                plan = {b: min(n, caps.get(b, n)) for b, n in plan.items()}
             drafted = trees = self.propose(state, rows, plan)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them

@@ -25,6 +25,7 @@ SUPPORTED = {
     "prompt": (COMPLETIONS,),
     **dict.fromkeys(("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options"), BOTH),
     "top_k": BOTH,  # not OpenAI's: vLLM's and llama.cpp's extension
+    "speculation": BOTH,  # specrt's extension: {"draft": "none" | the server's, "num_draft": N | "auto"}
 }
 
 

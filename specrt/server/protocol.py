@@ -73,6 +73,8 @@ class Job:
     stop: list[str]
     stream: bool
     include_usage: bool
+    max_draft: int | None = None  # the request's own cap on draft tokens a step (0: none); None: the server's
+    speculation: dict | None = None  # what the request runs with: {"draft", "num_draft"}, echoed under "specrt"
 
 
 @dataclasses.dataclass
@@ -93,6 +95,9 @@ class Served:
     limits: ServerLimits
     tokenizer: object
     max_context: int
+    draft: str = "none"  # the server's draft method ("none": plain decoding)
+    max_draft: int = 0  # the most draft tokens its steps verify
+    num_draft: int | str = 0  # its speculation length: N, or "auto" (the cost model's)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default, integer: bool = False, lo_open: bool = False):
@@ -177,7 +182,48 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise RequestError("'stream_options' must be an object", param="stream_options")
-    return Job(chat, prompt_ids, min(max_tokens, room), sampling, stop, stream, bool(opts.get("include_usage", False)))
+    max_draft, speculation = _speculation(body.get("speculation"), served)
+    include_usage = bool(opts.get("include_usage", False))
+    return Job(chat, prompt_ids, min(max_tokens, room), sampling, stop, stream, include_usage, max_draft, speculation)
+
+
+def _speculation(spec, served: Served) -> tuple[int | None, dict]:
+    """specrt's `speculation` field: (the request's cap on draft tokens a step, None for the
+    server's; what it runs with). The draft is the server's (one proposer serves every request)
+    or "none"; num_draft caps the tokens a step verifies for this request, "auto" leaves the
+    server's policy alone."""
+    server = {"draft": served.draft, "num_draft": served.num_draft}
+    if spec is None:
+        return None, server
+    if not isinstance(spec, dict):
+        raise RequestError(
+            '\'speculation\' must be an object such as {"draft": "none"} or {"num_draft": 4}', param="speculation"
+        )
+    for key in spec:
+        if key not in ("draft", "num_draft"):
+            raise RequestError(
+                f"'speculation.{key}' is not a speculation setting; it takes 'draft' and 'num_draft'",
+                param=f"speculation.{key}",
+            )
+    draft = spec.get("draft", served.draft)
+    if draft not in ("none", served.draft):
+        raise RequestError(
+            f"'speculation.draft' = {json.dumps(draft)[:40]}: this server drafts with {served.draft!r}; give "
+            f"{served.draft!r} or 'none' (the draft method is chosen when the server starts: specrt serve --draft)",
+            param="speculation.draft",
+        )
+    num = spec.get("num_draft", "auto")
+    if num != "auto" and (isinstance(num, bool) or not isinstance(num, int) or not 0 <= num <= served.max_draft):
+        most = f"an integer in [0, {served.max_draft}]" if served.max_draft else "0 (the server runs without a draft)"
+        raise RequestError(
+            f"'speculation.num_draft' must be 'auto' or {most}, got {json.dumps(num)[:40]}",
+            param="speculation.num_draft",
+        )
+    if draft == "none" or num == 0 or served.max_draft == 0:
+        return 0, {"draft": "none", "num_draft": 0}
+    if num == "auto":
+        return None, server
+    return num, {"draft": draft, "num_draft": num}
 
 
 def _chat_prompt(body: dict, tok) -> list[int]:
@@ -248,7 +294,7 @@ def completion_response(job: Job, pieces: Iterator[Piece], model_id: str, extras
         "usage": usage(last),
     }
     if last.result is not None and extras is not None:
-        out["specrt"] = extras(last.result)
+        out["specrt"] = extras(last.result) | {"speculation": job.speculation}
     return out
 
 

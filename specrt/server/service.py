@@ -159,7 +159,16 @@ class CompletionService:
             raise SpecrtError("the server needs a generator with a tokenizer")
         self.model_id = model_id
         self.limits = limits
-        self.served = Served(model_id, limits, self.gen.tokenizer, self.gen.max_context)
+        decoder = runner.decoder
+        self.served = Served(
+            model_id,
+            limits,
+            self.gen.tokenizer,
+            self.gen.max_context,
+            decoder.proposer.name,
+            decoder.policy.max_draft,
+            decoder.policy.setting,
+        )
         self.engine = BatchEngine(runner, max_batch=limits.max_batch, prefill_budget=limits.prefill_budget)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # tickets for the engine thread; None: close
         self._lock = threading.Lock()  # guards the counts below and the worker's start
@@ -317,7 +326,7 @@ class CompletionService:
                 continue
             job = ticket.job
             try:
-                rid = self.engine.submit(Request(job.prompt_ids, job.max_tokens, job.sampling))
+                rid = self.engine.submit(Request(job.prompt_ids, job.max_tokens, job.sampling, max_draft=job.max_draft))
             except PromptError as e:
                 self.count("invalid")
                 self._close_ticket(ticket, RequestError(str(e), code="context_length_exceeded"))
