@@ -271,3 +271,43 @@ def test_predictions_that_run_high_are_scaled_by_what_the_steps_gave():
         model.observe_gain([0], {0: 4}, {0: 1})  # ... while the steps gave one extra token of four
     assert model.calibration() < 0.4
     assert model.speedups(1).max() < before
+
+
+@pytest.mark.parametrize("method", [None, "suffix"])
+def test_logprobs_are_the_targets_at_the_emitted_tokens(ort_gen, tiny_checkpoint, method):
+    """Request.logprobs: each emitted token's log probability and its top alternatives are the
+    target's log-softmax at the position it came from (transformers in float64 over prompt +
+    output, 1e-4), plain and under speculation (verification positions), greedy and sampled;
+    a request that does not ask gets none, beside one that does."""
+    import numpy as np
+    import torch
+    import transformers
+
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float64).eval()
+    runner = ort_gen if method is None else SpeculativeDecoder(ort_gen, make_proposer(method), make_policy(4))
+    prompts = [[5, 9, 13, 21, 34] * 4, [77, 78, 3]]
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    reqs = [Request(prompts[0], 30, logprobs=3), Request(prompts[1], 20, sampled, logprobs=0), Request(prompts[0], 9)]
+    events = {}
+    engine = BatchEngine(runner, max_batch=3)
+    rids = [engine.submit(r) for r in reqs]
+    while not engine.idle:
+        for ev in engine.step():
+            events.setdefault(ev.rid, []).append(ev)
+    if method is not None:  # the positions were verification positions
+        assert sum(ev.result.metrics.accepted_tokens for evs in events.values() for ev in evs if ev.result) > 0
+    for rid, req, top in zip(rids, reqs, (3, 0, None)):
+        tokens = [t for ev in events[rid] for t in ev.tokens]
+        got = [lp for ev in events[rid] if ev.tokens for lp in (ev.logprobs or [])]
+        if top is None:
+            assert got == []
+            continue
+        assert [g.token for g in got] == tokens
+        with torch.no_grad():
+            logits = ref_model(torch.tensor([req.prompt + tokens])).logits[0].double()
+        ref = torch.log_softmax(logits, -1)[len(req.prompt) - 1 : -1].numpy()
+        np.testing.assert_allclose([g.logprob for g in got], ref[np.arange(len(tokens)), tokens], atol=1e-4)
+        for g, row in zip(got, ref):
+            assert len(g.top) == top
+            best = np.argsort(-row)[:top]
+            np.testing.assert_allclose([lp for _, lp in g.top], row[best], atol=1e-4)

@@ -53,6 +53,7 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.runtime.kv_cache import KVCache
+from specrt.runtime.logprobs import token_logprobs
 from specrt.runtime.sampling import SamplingParams, next_tokens
 from specrt.runtime.session import Prefilled
 from specrt.runtime.target import GenerationResult, Target
@@ -87,6 +88,8 @@ class Request:
     rng: np.random.Generator | None = None  # its random generator (default: one from sampling.seed)
     # the most draft tokens a step verifies for it (0: it never drafts); None: the decoder's
     max_draft: int | None = None
+    # log probabilities of its tokens (runtime/logprobs.py), with this many alternatives each; None: none
+    logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -96,6 +99,7 @@ class Event:
     rid: int
     tokens: list[int]
     result: GenerationResult | None = None
+    logprobs: list | None = None  # per token a TokenLogprob, when its request asked (Request.logprobs)
 
 
 @dataclasses.dataclass
@@ -274,7 +278,9 @@ class BatchEngine:
         hidden = [np.concatenate(s.hidden)] if self._features else None
         s.hidden = []
         self.decoder.join(self.state, b, s.request, s.rng, s.budget, Prefilled(logits, hidden))
-        events.append(Event(s.rid, self.rows.emit(b, [first])))
+        tokens = self.rows.emit(b, [first])
+        top = s.request.logprobs
+        events.append(Event(s.rid, tokens, logprobs=None if top is None else token_logprobs(logits, tokens, top)))
         if not self.rows.active[b]:
             events[-1].result = self._finish(b)
 
@@ -288,7 +294,7 @@ class BatchEngine:
         for b in rows:
             s = self.slots[b]
             s.steps.append(seconds)
-            events.append(Event(s.rid, record.new_tokens[b]))
+            events.append(Event(s.rid, record.new_tokens[b], logprobs=record.logprobs.get(b)))
             if not self.rows.active[b]:
                 events[-1].result = self._finish(b)
 

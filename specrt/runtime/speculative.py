@@ -38,6 +38,7 @@ from specrt.runtime.drafts.base import DraftInput, Proposer
 from specrt.runtime.estimators import step_priors
 from specrt.runtime.hindsight import Hindsight
 from specrt.runtime.kv_cache import KVCache
+from specrt.runtime.logprobs import token_logprobs
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
@@ -96,6 +97,7 @@ class SpecState:
     drafted_per_step: list[float] = dataclasses.field(default_factory=list)
     hindsight: Hindsight = dataclasses.field(default_factory=Hindsight)  # a lookup's drafts, read as rows emit
     caps: dict[int, int] = dataclasses.field(default_factory=dict)  # per row, its request's max_draft if it set one
+    logprobs: dict[int, int] = dataclasses.field(default_factory=dict)  # per row asking: its top_logprobs
 
 
 @dataclasses.dataclass
@@ -113,6 +115,7 @@ class StepRecord:
     draft_seconds: float
     verify_seconds: float
     new_tokens: list[list[int]]
+    logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per row asking: a TokenLogprob per token
 
 
 class Generates:
@@ -265,6 +268,9 @@ class SpeculativeDecoder(Generates):
         state.caps.pop(b, None)
         if request.max_draft is not None:
             state.caps[b] = max(0, request.max_draft)
+        state.logprobs.pop(b, None)
+        if request.logprobs is not None:
+            state.logprobs[b] = request.logprobs
         if state.pending is not None:
             state.pending[b] = [prefilled.hidden[0]]
         self.proposer.begin([b], [request.prompt], prefilled)
@@ -275,6 +281,7 @@ class SpeculativeDecoder(Generates):
         state.cost.forget_row(b)
         state.hindsight.forget(b)
         state.caps.pop(b, None)
+        state.logprobs.pop(b, None)
         state.row_metrics[b] = None
         if state.pending is not None:
             state.pending[b] = []
@@ -303,11 +310,12 @@ class SpeculativeDecoder(Generates):
         out = self.verify(state, rows, trees, depths)
         verdicts = self.accept(state, rows, trees, out)
         new_tokens = self.commit(state, rows, trees, verdicts, out)
+        logprobs = self.logprobs(state, rows, verdicts, out, new_tokens)
         # the step is dense: every row is computed at the longest row's length
         positions = batch * max(len(trees[b]) + 1 for b in rows)
         elapsed = time.perf_counter() - t1
         record = StepRecord(
-            rows, plan, trees, depths, verdicts, drafted, batch, positions, t1 - t0, elapsed, new_tokens
+            rows, plan, trees, depths, verdicts, drafted, batch, positions, t1 - t0, elapsed, new_tokens, logprobs
         )
         self.observe(state, record)
         return record
@@ -361,7 +369,8 @@ class SpeculativeDecoder(Generates):
         for b in rows:
             feed[b] = [state.rows.out[b][-1], *trees[b].tokens.tolist()]
             shapes[b] = (np.concatenate([[0], depths[b]]), trees[b].ancestor_mask())
-        sampled = any(not state.sampling[b].greedy for b in rows)  # greedy: the argmax is all accept reads
+        # greedy: the argmax is all accept reads, unless a row asks for its tokens' logprobs
+        sampled = any(not state.sampling[b].greedy or b in state.logprobs for b in rows)
         return self.gen.session.forward(
             state.cache, feed, shapes, hidden=self.proposer.needs_features, want_logits=sampled
         )
@@ -398,6 +407,16 @@ class SpeculativeDecoder(Generates):
                 state.pending[b].append(out.hidden_states[b, [0, *(1 + i for i in verdicts[b].accepted)]])
         self.proposer.commit(rows, [trees[b] for b in rows], [verdicts[b] for b in rows], out)
         return new_tokens
+
+    def logprobs(self, state: SpecState, rows, verdicts, out: StepOutput, new_tokens) -> dict[int, list]:
+        """The rows that ask: each new token's log probability under the target at the position
+        it came from (the root's, then one per accepted node; runtime/logprobs.py)."""
+        got = {}
+        for b in rows:
+            if b in state.logprobs and new_tokens[b]:
+                at = [0, *(1 + i for i in verdicts[b].accepted)]
+                got[b] = token_logprobs(out.logits[b, at], new_tokens[b], state.logprobs[b])
+        return got
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
