@@ -102,6 +102,61 @@ def test_a_request_sets_its_own_speculation(gen):
         assert message in r.json()["error"]["message"]
 
 
+def engine_logprobs(gen, ids, n, top):
+    """The runtime's own TokenLogprobs of a greedy answer (checked against transformers in
+    tests/test_batching.py): per token (logprob, the alternatives' logprobs)."""
+    from specrt.runtime.batching import BatchEngine, Request
+
+    engine = BatchEngine(gen, max_batch=1)
+    engine.submit(Request(ids, n, logprobs=top))
+    got = []
+    while not engine.idle:
+        got += [lp for ev in engine.step() for lp in ev.logprobs or []]
+    return [(g.logprob, [x for _, x in g.top]) for g in got if g.token not in gen.eos_ids]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_logprobs_chat_and_completions_streamed_or_not(gen, speculative):
+    """logprobs / top_logprobs: every token of the answer with the target's log probability and
+    its alternatives (those of a plain run of the engine, under speculation too), in OpenAI's
+    chat and completions shapes; the streamed chunks carry the same entries as the whole answer."""
+    runner = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)) if speculative else gen
+    c = client(runner)
+    ids, ref = expected_chat(gen, 24)
+    want = engine_logprobs(gen, ids, 24, 2)
+    req = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    body = c.post("/v1/chat/completions", json=req).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == body["choices"][0]["message"]["content"]
+    assert [e["logprob"] for e in content] == pytest.approx([lp for lp, _ in want], abs=1e-4)
+    assert [[a["logprob"] for a in e["top_logprobs"]] for e in content] == [
+        pytest.approx(top, abs=1e-4) for _, top in want
+    ]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+    chunks = sse(c.post("/v1/chat/completions", json=req | {"stream": True}))
+    streamed = [
+        e
+        for ch in chunks
+        if ch["choices"] and ch["choices"][0]["logprobs"]
+        for e in ch["choices"][0]["logprobs"]["content"]
+    ]
+    # the same tokens; the values to float32's noise (the suffix draft learnt from the first
+    # answer, so the second verifies other positions together)
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
+    plain = c.post("/v1/chat/completions", json=req | {"logprobs": False, "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None
+    text = c.post(
+        "/v1/completions", json={"prompt": "w5 w6 w7 w5 w6", "max_tokens": 12, "temperature": 0, "logprobs": 1}
+    )
+    lp = text.json()["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == text.json()["choices"][0]["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    assert all(
+        len(top) == 1 and max(top.values()) >= x - 1e-9 for top, x in zip(lp["top_logprobs"], lp["token_logprobs"])
+    )
+
+
 def test_streaming_gives_the_same_text(gen):
     c = client(gen)
     req = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0}
@@ -239,8 +294,9 @@ def test_prometheus_metrics(gen, speculative):
         ({"messages": MESSAGES, "seed": -1}, 400, "seed", "must be in [0, 9223372036854775807], got -1"),
         (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nests JSON too deeply"),
         # fields the server does not implement: a 400 naming them, never a 200 that ignored them
-        ({"messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs", "logprobs are not implemented"),
-        ({"messages": MESSAGES, "logprobs": True}, 400, "logprobs", "logprobs are not implemented"),
+        ({"messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs", "needs 'logprobs': true"),
+        ({"messages": MESSAGES, "logprobs": 1}, 400, "logprobs", "must be true or false, got 1"),
+        ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "in [0, 20], got 21"),
         (
             {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "required"},
             400,
@@ -288,7 +344,7 @@ def test_bad_requests_get_openai_errors(gen, body, status, param, message):
     [
         ({"best_of": 3}, "best_of", "only 1"),
         ({"echo": True}, "echo", "only false"),
-        ({"logprobs": 2}, "logprobs", "logprobs are not implemented"),
+        ({"logprobs": 6}, "logprobs", "must be in [0, 5], got 6"),
         ({"suffix": "def f():"}, "suffix", 'only null or ""'),
         ({"messages": MESSAGES}, "messages", "not a completion field"),
     ],
@@ -482,10 +538,11 @@ def live_server(gen, request):
         yield service, port
 
 
-def test_speculation_per_request_through_the_openai_client(gen):
+def test_speculation_and_logprobs_through_the_openai_client(gen):
     """The `openai` client on loopback: `speculation` in extra_body runs the request without a
     draft or with a capped one, the text stays the greedy text, the settings come back under
-    `specrt`, and a setting the server cannot honour raises the client's BadRequestError."""
+    `specrt`, and a setting the server cannot honour raises the client's BadRequestError;
+    logprobs under speculation parse into the client's models and spell the answer."""
     openai = pytest.importorskip("openai", reason="openai is not installed (the test extra)")
     service = CompletionService(SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)), "tiny")
     _, ref = expected_chat(gen, 24)
@@ -504,6 +561,13 @@ def test_speculation_per_request_through_the_openai_client(gen):
             c.chat.completions.create(
                 model="tiny", messages=MESSAGES, max_tokens=4, extra_body={"speculation": {"num_draft": 9}}
             )
+        # logprobs, parsed by the client's own models
+        r = c.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2
+        )
+        content = r.choices[0].logprobs.content
+        assert "".join(t.token for t in content) == r.choices[0].message.content == gen.decode(ref.token_ids)
+        assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-9 for t in content)
 
 
 def raw_request(port: int, body: dict) -> socket.socket:

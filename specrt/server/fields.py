@@ -26,6 +26,8 @@ SUPPORTED = {
     **dict.fromkeys(("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options"), BOTH),
     "top_k": BOTH,  # not OpenAI's: vLLM's and llama.cpp's extension
     "speculation": BOTH,  # specrt's extension: {"draft": "none" | the server's, "num_draft": N | "auto"}
+    "logprobs": BOTH,  # chat: true/false; completions: 0-5 alternatives
+    "top_logprobs": (CHAT,),
 }
 
 
@@ -53,8 +55,6 @@ ONLY = {
     "best_of": ((COMPLETIONS,), _number(1), "only 1"),
     "presence_penalty": (BOTH, _number(0), "only 0"),
     "frequency_penalty": (BOTH, _number(0), "only 0"),
-    "logprobs": (BOTH, lambda v, body: v is None or v is False, "only null or false (logprobs are not implemented)"),
-    "top_logprobs": ((CHAT,), _is(None), "only null (logprobs are not implemented)"),
     "echo": ((COMPLETIONS,), _is(None, False), "only false"),
     "suffix": ((COMPLETIONS,), _is(None, ""), 'only null or ""'),
     "logit_bias": (BOTH, _is(None, {}), "only {} (no bias)"),

@@ -75,6 +75,7 @@ class Job:
     include_usage: bool
     max_draft: int | None = None  # the request's own cap on draft tokens a step (0: none); None: the server's
     speculation: dict | None = None  # what the request runs with: {"draft", "num_draft"}, echoed under "specrt"
+    logprobs: int | None = None  # alternatives per token when the request asks for logprobs; None: it does not
 
 
 @dataclasses.dataclass
@@ -84,6 +85,8 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     result: GenerationResult | None = None
+    # per token of `text` when the request asks: (token text, logprob, ((alternative, logprob), ...))
+    logprobs: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +187,24 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
         raise RequestError("'stream_options' must be an object", param="stream_options")
     max_draft, speculation = _speculation(body.get("speculation"), served)
     include_usage = bool(opts.get("include_usage", False))
-    return Job(chat, prompt_ids, min(max_tokens, room), sampling, stop, stream, include_usage, max_draft, speculation)
+    logprobs = _logprobs(body, chat)
+    return Job(
+        chat, prompt_ids, min(max_tokens, room), sampling, stop, stream, include_usage, max_draft, speculation, logprobs
+    )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token the request wants with its tokens' logprobs (None: no
+    logprobs): chat's `logprobs` true and `top_logprobs` 0-20, completions' `logprobs` 0-5."""
+    if not chat:
+        return _number(body, "logprobs", 0, 5, None, integer=True)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError(f"'logprobs' must be true or false, got {json.dumps(wanted)[:40]}", param="logprobs")
+    top = _number(body, "top_logprobs", 0, 20, None, integer=True)
+    if top is not None and not wanted:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _speculation(spec, served: Served) -> tuple[int | None, dict]:
@@ -279,11 +299,12 @@ def usage(last: Piece) -> dict:
 
 def completion_response(job: Job, pieces: Iterator[Piece], model_id: str, extras=None) -> dict:
     """The non-streamed answer; `extras(result)`: specrt's own fields (backend, speeds)."""
-    text, last = "", None
+    text, last, pieces_logprobs = "", None, []
     for p in pieces:
         text += p.text
         last = p
-    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        pieces_logprobs += p.logprobs or []
+    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": logprobs_body(job, pieces_logprobs)}
     choice.update({"message": {"role": "assistant", "content": text}} if job.chat else {"text": text})
     out = {
         "id": request_id(job),
@@ -296,6 +317,30 @@ def completion_response(job: Job, pieces: Iterator[Piece], model_id: str, extras
     if last.result is not None and extras is not None:
         out["specrt"] = extras(last.result) | {"speculation": job.speculation}
     return out
+
+
+def logprobs_body(job: Job, entries: list, offset: int = 0) -> dict | None:
+    """OpenAI's `logprobs` object of a choice (or of a streamed chunk) for these tokens: chat's
+    {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens, token_logprobs,
+    top_logprobs, text_offset} (`offset`: where the tokens' text starts in the answer)."""
+    if job.logprobs is None:
+        return None
+    if job.chat:
+
+        def one(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [one(t, lp) | {"top_logprobs": [one(a, x) for a, x in top]} for t, lp, top in entries]}
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": [t for t, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }
 
 
 def result_extras(result: GenerationResult, backend: str) -> dict:
@@ -324,25 +369,33 @@ class SseWriter:
         self.created = int(time.time())
         self.kind = "chat.completion.chunk" if job.chat else "text_completion"
         self.last: Piece | None = None
+        self.offset = 0  # completions' text_offset of the next token
 
     def _event(self, choices: list, **extra) -> str:
         body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_id}
         return "data: " + json.dumps(body | {"choices": choices, **extra}) + "\n\n"
 
-    def _chunk(self, delta_text: str | None, finish: str | None, role: bool = False) -> str:
+    def _chunk(self, delta_text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
         if self.job.chat:
             delta = ({"role": "assistant"} if role else {}) | (
                 {"content": delta_text} if delta_text is not None else {}
             )
-            return self._event([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
-        return self._event([{"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}])
+            return self._event([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
+        return self._event([{"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}])
+
+    def _logprobs(self, p: Piece) -> dict | None:
+        if not p.logprobs:
+            return None
+        out = logprobs_body(self.job, p.logprobs, self.offset)
+        self.offset += sum(len(t) for t, _, _ in p.logprobs)
+        return out
 
     def head(self) -> list[str]:
         return [self._chunk(None, None, role=True)] if self.job.chat else []
 
     def piece(self, p: Piece) -> list[str]:
         self.last = p
-        return [self._chunk(p.text, None)] if p.text else []
+        return [self._chunk(p.text, None, logprobs=self._logprobs(p))] if p.text or p.logprobs else []
 
     def tail(self) -> list[str]:
         out = [self._chunk(None if self.job.chat else "", self.last.finish_reason)]

@@ -103,6 +103,9 @@ class Ticket:
             return item
 
 
+WINDOW = 4  # tokens of context a token's text is decoded after (logprobs)
+
+
 class _Reply:
     """One request's text on its way out: tokens become text (incremental detokenizing), text
     that could be the start of a stop sequence is held back, and the time to first token and
@@ -115,10 +118,13 @@ class _Reply:
         self.stop = ticket.job.stop
         self.hold = max((len(x) for x in self.stop), default=1) - 1  # text that may start a stop sequence
         self.last_out: float | None = None  # when the previous tokens came out
+        self.logprobs: list | None = [] if ticket.job.logprobs is not None else None  # not yet sent
+        self.window: list[int] = []  # the last tokens, the context each token's text is read in
 
-    def push(self, tokens: list[int]) -> bool:
-        """New tokens of a step: send what is safe to send; True when a stop sequence appeared
-        (the text is cut before it)."""
+    def push(self, tokens: list[int], logprobs: list | None = None) -> bool:
+        """New tokens of a step (and their TokenLogprobs when the request asked): send what is
+        safe to send; True when a stop sequence appeared (the text is cut before it; the
+        logprobs keep the tokens up to the one that completed it)."""
         if not tokens:
             return False
         now, metrics = time.perf_counter(), self.service.metrics
@@ -134,6 +140,8 @@ class _Reply:
             self.count += 1
             if t not in eos:
                 self.text += self.detok.push(t)
+        if self.logprobs is not None and logprobs:
+            self.logprobs += [self._render(lp) for lp in logprobs if lp.token not in eos]
         start = max(0, self.sent - self.hold)
         cut = min((i for i in (self.text.find(x, start) for x in self.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -141,13 +149,34 @@ class _Reply:
             return True
         safe = len(self.text) - self.hold if self.stop else len(self.text)
         if safe > self.sent:
-            self.ticket.put(Piece(self.text[self.sent : safe]))
+            self.ticket.put(Piece(self.text[self.sent : safe], logprobs=self._take_logprobs()))
             self.sent = safe
         return False
 
+    def _render(self, lp) -> tuple:
+        """A TokenLogprob as the protocol shows it, each token as the text it adds after the
+        answer's previous tokens (decoded alone, a word-level or SentencePiece token would lose
+        its leading space), so the tokens' texts concatenate to the answer."""
+        decode = self.service.gen.tokenizer.decode
+        before = decode(self.window)
+
+        def text(t: int) -> str:
+            return decode([*self.window, t])[len(before) :]
+
+        out = text(lp.token), lp.logprob, tuple((text(t), x) for t, x in lp.top)
+        self.window = [*self.window, lp.token][-WINDOW:]
+        return out
+
+    def _take_logprobs(self) -> list | None:
+        out = self.logprobs
+        if out is not None:
+            self.logprobs = []
+        return out
+
     def last(self, finish: str, result: GenerationResult | None) -> Piece:
         """The last piece: the rest of the text, why it ended, the token counts."""
-        return Piece(self.text[self.sent :], finish, len(self.ticket.job.prompt_ids), self.count, result)
+        prompt = len(self.ticket.job.prompt_ids)
+        return Piece(self.text[self.sent :], finish, prompt, self.count, result, self._take_logprobs())
 
 
 class CompletionService:
@@ -300,7 +329,7 @@ class CompletionService:
                 reply = self._live.get(ev.rid)
                 if reply is None:
                     continue
-                stopped = reply.push(ev.tokens)
+                stopped = reply.push(ev.tokens, ev.logprobs)
                 if stopped or ev.result is not None:
                     if stopped:
                         self.engine.cancel(ev.rid)
@@ -326,7 +355,11 @@ class CompletionService:
                 continue
             job = ticket.job
             try:
-                rid = self.engine.submit(Request(job.prompt_ids, job.max_tokens, job.sampling, max_draft=job.max_draft))
+                rid = self.engine.submit(
+                    Request(
+                        job.prompt_ids, job.max_tokens, job.sampling, max_draft=job.max_draft, logprobs=job.logprobs
+                    )
+                )
             except PromptError as e:
                 self.count("invalid")
                 self._close_ticket(ticket, RequestError(str(e), code="context_length_exceeded"))
