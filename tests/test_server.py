@@ -194,6 +194,11 @@ def test_text_completion_and_stop_sequence(gen):
             )
         else:
             assert r.json()["choices"][0] == {"index": 0, "text": cut, "finish_reason": "stop", "logprobs": None}
+    for stream in (False, True):  # echo: the prompt, then the completion
+        req = {"prompt": "w5 w6 w7", "max_tokens": 30, "temperature": 0, "echo": True, "stream": stream}
+        r = c.post("/v1/completions", json=req)
+        text = "".join(ch["choices"][0]["text"] for ch in sse(r)) if stream else r.json()["choices"][0]["text"]
+        assert text == "w5 w6 w7" + ref
 
 
 def test_sampling_is_seeded(gen):
@@ -343,7 +348,8 @@ def test_bad_requests_get_openai_errors(gen, body, status, param, message):
     "body, param, message",
     [
         ({"best_of": 3}, "best_of", "only 1"),
-        ({"echo": True}, "echo", "only false"),
+        ({"echo": 1}, "echo", "must be true or false"),
+        ({"echo": True, "logprobs": 1}, "echo", "'echo' with 'logprobs' is not supported"),
         ({"logprobs": 6}, "logprobs", "must be in [0, 5], got 6"),
         ({"suffix": "def f():"}, "suffix", 'only null or ""'),
         ({"messages": MESSAGES}, "messages", "not a completion field"),

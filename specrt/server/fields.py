@@ -28,6 +28,7 @@ SUPPORTED = {
     "speculation": BOTH,  # specrt's extension: {"draft": "none" | the server's, "num_draft": N | "auto"}
     "logprobs": BOTH,  # chat: true/false; completions: 0-5 alternatives
     "top_logprobs": (CHAT,),
+    "echo": (COMPLETIONS,),  # the prompt before the completion (not with logprobs)
 }
 
 
@@ -55,7 +56,6 @@ ONLY = {
     "best_of": ((COMPLETIONS,), _number(1), "only 1"),
     "presence_penalty": (BOTH, _number(0), "only 0"),
     "frequency_penalty": (BOTH, _number(0), "only 0"),
-    "echo": ((COMPLETIONS,), _is(None, False), "only false"),
     "suffix": ((COMPLETIONS,), _is(None, ""), 'only null or ""'),
     "logit_bias": (BOTH, _is(None, {}), "only {} (no bias)"),
     "response_format": (

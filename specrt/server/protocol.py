@@ -76,6 +76,7 @@ class Job:
     max_draft: int | None = None  # the request's own cap on draft tokens a step (0: none); None: the server's
     speculation: dict | None = None  # what the request runs with: {"draft", "num_draft"}, echoed under "specrt"
     logprobs: int | None = None  # alternatives per token when the request asks for logprobs; None: it does not
+    echo: str = ""  # completions' echo: the prompt, sent before the completion
 
 
 @dataclasses.dataclass
@@ -188,8 +189,24 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
     max_draft, speculation = _speculation(body.get("speculation"), served)
     include_usage = bool(opts.get("include_usage", False))
     logprobs = _logprobs(body, chat)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError(f"'echo' must be true or false, got {json.dumps(echo)[:40]}", param="echo")
+    if echo and logprobs is not None:  # OpenAI's answer would score every prompt token: a prefill's logits
+        raise RequestError("'echo' with 'logprobs' is not supported here; ask for one of them", param="echo")
+    prompt_text = _text_prompt(body, served.tokenizer, text=True) if echo else ""
     return Job(
-        chat, prompt_ids, min(max_tokens, room), sampling, stop, stream, include_usage, max_draft, speculation, logprobs
+        chat,
+        prompt_ids,
+        min(max_tokens, room),
+        sampling,
+        stop,
+        stream,
+        include_usage,
+        max_draft,
+        speculation,
+        logprobs,
+        prompt_text,
     )
 
 
@@ -273,13 +290,14 @@ def _chat_prompt(body: dict, tok) -> list[int]:
     return tok.encode(tok.apply_chat_template(clean, add_generation_prompt=True))
 
 
-def _text_prompt(body: dict, tok) -> list[int]:
+def _text_prompt(body: dict, tok, text: bool = False) -> list[int] | str:
+    """The completions prompt's token ids (`text`: the prompt itself)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("'prompt' must be a non-empty string", param="prompt")
-    return tok.encode(prompt)
+    return prompt if text else tok.encode(prompt)
 
 
 # -- response shapes ------------------------------------------------------------------------------
@@ -299,7 +317,7 @@ def usage(last: Piece) -> dict:
 
 def completion_response(job: Job, pieces: Iterator[Piece], model_id: str, extras=None) -> dict:
     """The non-streamed answer; `extras(result)`: specrt's own fields (backend, speeds)."""
-    text, last, pieces_logprobs = "", None, []
+    text, last, pieces_logprobs = job.echo, None, []
     for p in pieces:
         text += p.text
         last = p
@@ -391,7 +409,9 @@ class SseWriter:
         return out
 
     def head(self) -> list[str]:
-        return [self._chunk(None, None, role=True)] if self.job.chat else []
+        if self.job.chat:
+            return [self._chunk(None, None, role=True)]
+        return [self._chunk(self.job.echo, None)] if self.job.echo else []
 
     def piece(self, p: Piece) -> list[str]:
         self.last = p
