@@ -157,6 +157,43 @@ def test_logprobs_chat_and_completions_streamed_or_not(gen, speculative):
     )
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_n_answers_are_rows_with_their_own_seeds(gen, speculative):
+    """n = 3: three choices generated as rows of the batch; seeded, the answer is reproducible,
+    choice 0 is the request's answer with n = 1 and the choices differ from each other (each its
+    own random stream); greedy, all three are the greedy answer; streamed, each index gets the
+    text of the whole answer's choice and its own finish; usage counts every choice."""
+
+    def fresh():  # a new server: the suffix draft learns from earlier answers, and what it drafts
+        # decides how many random numbers a sampled step draws (the distribution is the same)
+        return client(SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(3)) if speculative else gen)
+
+    req = {"messages": MESSAGES, "max_tokens": 16, "temperature": 1.0, "seed": 7, "n": 3}
+    first, again = (fresh().post("/v1/chat/completions", json=req).json() for _ in range(2))
+    texts = [ch["message"]["content"] for ch in first["choices"]]
+    assert [ch["index"] for ch in first["choices"]] == [0, 1, 2] and len(set(texts)) == 3
+    assert texts == [ch["message"]["content"] for ch in again["choices"]]
+    one = fresh().post("/v1/chat/completions", json=req | {"n": 1}).json()
+    assert one["choices"][0]["message"]["content"] == texts[0]
+    assert one["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]  # the prompt counts once
+    opts = {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = sse(fresh().post("/v1/chat/completions", json=req | opts))
+    streamed = ["", "", ""]
+    finishes = {}
+    for ch in chunks:
+        for choice in ch["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content", "")
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert streamed == texts and sorted(finishes) == [0, 1, 2]
+    assert chunks[-1]["usage"] == first["usage"]
+    greedy = fresh().post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 16, "temperature": 0, "n": 3}
+    )
+    _, ref = expected_chat(gen, 16)
+    assert [ch["message"]["content"] for ch in greedy.json()["choices"]] == [gen.decode(ref.token_ids)] * 3
+
+
 def test_streaming_gives_the_same_text(gen):
     c = client(gen)
     req = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0}
@@ -286,7 +323,8 @@ def test_prometheus_metrics(gen, speculative):
         ({"messages": MESSAGES, "max_tokens": "many"}, 400, "max_tokens", "must be an integer"),
         ({"messages": MESSAGES, "temperature": 3}, 400, "temperature", "must be in [0.0, 2.0]"),
         ({"messages": MESSAGES, "top_p": 0}, 400, "top_p", "must be in (0.0, 1.0]"),
-        ({"messages": MESSAGES, "n": 2}, 400, "n", "it takes only 1"),
+        ({"messages": MESSAGES, "n": 9}, 400, "n", "'n' = 9: this server generates at most 8 answers at once"),
+        ({"messages": MESSAGES, "n": 0}, 400, "n", "'n' must be in [1, "),
         ({"messages": MESSAGES, "stop": ["a", ""]}, 400, "stop", "non-empty strings"),
         ({"messages": MESSAGES, "stream": "yes"}, 400, "stream", "true or false"),
         ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),

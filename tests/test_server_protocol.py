@@ -48,7 +48,8 @@ def test_a_body_becomes_a_checked_job():
     "body, status, param",
     [
         ({"prompt": "a", "model": "other"}, 404, "model"),
-        ({"prompt": "a", "n": 2}, 400, "n"),
+        ({"prompt": "a", "n": 99}, 400, "n"),  # more answers than the batch holds
+        ({"prompt": "a", "n": 0}, 400, "n"),
         ({"prompt": "a", "top_p": 0}, 400, "top_p"),
         ({"prompt": "a " * 20}, 400, "prompt"),  # no room left in the context
         ({"prompt": "a", "stop": ["x"] * 5}, 400, "stop"),

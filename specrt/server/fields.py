@@ -29,6 +29,7 @@ SUPPORTED = {
     "logprobs": BOTH,  # chat: true/false; completions: 0-5 alternatives
     "top_logprobs": (CHAT,),
     "echo": (COMPLETIONS,),  # the prompt before the completion (not with logprobs)
+    "n": BOTH,  # answers per request, rows of the batch (at most --max-batch)
 }
 
 
@@ -52,7 +53,6 @@ def _choice(tools: str) -> Callable[[object, dict], bool]:
 
 # name -> (endpoints, accepts(value, body), the accepted values in words)
 ONLY = {
-    "n": (BOTH, _number(1), "only 1"),
     "best_of": ((COMPLETIONS,), _number(1), "only 1"),
     "presence_penalty": (BOTH, _number(0), "only 0"),
     "frequency_penalty": (BOTH, _number(0), "only 0"),

@@ -77,6 +77,7 @@ class Job:
     speculation: dict | None = None  # what the request runs with: {"draft", "num_draft"}, echoed under "specrt"
     logprobs: int | None = None  # alternatives per token when the request asks for logprobs; None: it does not
     echo: str = ""  # completions' echo: the prompt, sent before the completion
+    n: int = 1  # answers (choices), each a row of the batch with its own random stream
 
 
 @dataclasses.dataclass
@@ -88,6 +89,7 @@ class Piece:
     result: GenerationResult | None = None
     # per token of `text` when the request asks: (token text, logprob, ((alternative, logprob), ...))
     logprobs: list | None = None
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +197,12 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
     if echo and logprobs is not None:  # OpenAI's answer would score every prompt token: a prefill's logits
         raise RequestError("'echo' with 'logprobs' is not supported here; ask for one of them", param="echo")
     prompt_text = _text_prompt(body, served.tokenizer, text=True) if echo else ""
+    n = _number(body, "n", 1, 1 << 20, 1, integer=True)
+    if n > limits.max_batch:
+        raise RequestError(
+            f"'n' = {n}: this server generates at most {limits.max_batch} answers at once (--max-batch); ask for fewer",
+            param="n",
+        )
     return Job(
         chat,
         prompt_ids,
@@ -207,6 +215,7 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
         speculation,
         logprobs,
         prompt_text,
+        n,
     )
 
 
@@ -307,33 +316,36 @@ def request_id(job: Job) -> str:
     return ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(last: Piece) -> dict:
-    return {
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
-    }
+def usage(lasts: list[Piece]) -> dict:
+    """Token counts of a request from its choices' last pieces: the prompt once, every choice's
+    completion."""
+    prompt, completion = lasts[0].prompt_tokens, sum(p.completion_tokens for p in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def completion_response(job: Job, pieces: Iterator[Piece], model_id: str, extras=None) -> dict:
-    """The non-streamed answer; `extras(result)`: specrt's own fields (backend, speeds)."""
-    text, last, pieces_logprobs = job.echo, None, []
+    """The non-streamed answer, a choice per index; `extras(result)`: specrt's own fields
+    (backend, speeds; the first choice's)."""
+    texts, lasts, entries = [job.echo] * job.n, [None] * job.n, [[] for _ in range(job.n)]
     for p in pieces:
-        text += p.text
-        last = p
-        pieces_logprobs += p.logprobs or []
-    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": logprobs_body(job, pieces_logprobs)}
-    choice.update({"message": {"role": "assistant", "content": text}} if job.chat else {"text": text})
+        texts[p.index] += p.text
+        lasts[p.index] = p
+        entries[p.index] += p.logprobs or []
+    choices = []
+    for i, (text, last) in enumerate(zip(texts, lasts)):
+        choice = {"index": i, "finish_reason": last.finish_reason, "logprobs": logprobs_body(job, entries[i])}
+        choice.update({"message": {"role": "assistant", "content": text}} if job.chat else {"text": text})
+        choices.append(choice)
     out = {
         "id": request_id(job),
         "object": "chat.completion" if job.chat else "text_completion",
         "created": int(time.time()),
         "model": model_id,
-        "choices": [choice],
-        "usage": usage(last),
+        "choices": choices,
+        "usage": usage(lasts),
     }
-    if last.result is not None and extras is not None:
-        out["specrt"] = extras(last.result) | {"speculation": job.speculation}
+    if lasts[0].result is not None and extras is not None:
+        out["specrt"] = extras(lasts[0].result) | {"speculation": job.speculation}
     return out
 
 
@@ -386,41 +398,45 @@ class SseWriter:
         self.job, self.rid, self.model_id = job, rid, model_id
         self.created = int(time.time())
         self.kind = "chat.completion.chunk" if job.chat else "text_completion"
-        self.last: Piece | None = None
-        self.offset = 0  # completions' text_offset of the next token
+        self.lasts: list[Piece | None] = [None] * job.n  # each choice's latest piece
+        self.offsets = [len(job.echo)] * job.n  # completions' text_offset of each choice's next token
 
     def _event(self, choices: list, **extra) -> str:
         body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_id}
         return "data: " + json.dumps(body | {"choices": choices, **extra}) + "\n\n"
 
-    def _chunk(self, delta_text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
+    def _chunk(
+        self, delta_text: str | None, finish: str | None, role: bool = False, logprobs=None, index: int = 0
+    ) -> str:
         if self.job.chat:
             delta = ({"role": "assistant"} if role else {}) | (
                 {"content": delta_text} if delta_text is not None else {}
             )
-            return self._event([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
-        return self._event([{"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}])
+            return self._event([{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
+        return self._event([{"index": index, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}])
 
     def _logprobs(self, p: Piece) -> dict | None:
         if not p.logprobs:
             return None
-        out = logprobs_body(self.job, p.logprobs, self.offset)
-        self.offset += sum(len(t) for t, _, _ in p.logprobs)
+        out = logprobs_body(self.job, p.logprobs, self.offsets[p.index])
+        self.offsets[p.index] += sum(len(t) for t, _, _ in p.logprobs)
         return out
 
     def head(self) -> list[str]:
         if self.job.chat:
-            return [self._chunk(None, None, role=True)]
-        return [self._chunk(self.job.echo, None)] if self.job.echo else []
+            return [self._chunk(None, None, role=True, index=i) for i in range(self.job.n)]
+        return [self._chunk(self.job.echo, None, index=i) for i in range(self.job.n)] if self.job.echo else []
 
     def piece(self, p: Piece) -> list[str]:
-        self.last = p
-        return [self._chunk(p.text, None, logprobs=self._logprobs(p))] if p.text or p.logprobs else []
+        self.lasts[p.index] = p
+        if not (p.text or p.logprobs):
+            return []
+        return [self._chunk(p.text, None, logprobs=self._logprobs(p), index=p.index)]
 
     def tail(self) -> list[str]:
-        out = [self._chunk(None if self.job.chat else "", self.last.finish_reason)]
+        out = [self._chunk(None if self.job.chat else "", p.finish_reason, index=i) for i, p in enumerate(self.lasts)]
         if self.job.include_usage:
-            out.append(self._event([], usage=usage(self.last)))
+            out.append(self._event([], usage=usage(self.lasts)))
         return out + ["data: [DONE]\n\n"]
 
     def error(self, exc: Exception) -> list[str]:

@@ -14,10 +14,13 @@ server in `submit`, the rest on the engine thread), in the metrics that /metrics
 """
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
 from typing import Iterator
+
+import numpy as np
 
 from specrt.errors import PromptError, SpecrtError
 from specrt.runtime.batching import BatchEngine, Request
@@ -59,6 +62,8 @@ class Ticket:
         self._loop = loop
         self._ready = asyncio.Event() if loop is not None else None
         self.done = threading.Event()  # set after the engine thread let go of the ticket
+        self.running = 0  # its choices still generating (engine thread only)
+        self.cancelled_choice = False  # one of them ended cancelled
 
     @property
     def cancelled(self) -> bool:
@@ -111,8 +116,8 @@ class _Reply:
     that could be the start of a stop sequence is held back, and the time to first token and
     between tokens go to the metrics."""
 
-    def __init__(self, service: "CompletionService", ticket: Ticket):
-        self.ticket, self.service = ticket, service
+    def __init__(self, service: "CompletionService", ticket: Ticket, index: int = 0):
+        self.ticket, self.service, self.index = ticket, service, index
         self.detok = IncrementalDetokenizer(service.gen.tokenizer)
         self.text, self.sent, self.count = "", 0, 0
         self.stop = ticket.job.stop
@@ -149,7 +154,7 @@ class _Reply:
             return True
         safe = len(self.text) - self.hold if self.stop else len(self.text)
         if safe > self.sent:
-            self.ticket.put(Piece(self.text[self.sent : safe], logprobs=self._take_logprobs()))
+            self.ticket.put(Piece(self.text[self.sent : safe], logprobs=self._take_logprobs(), index=self.index))
             self.sent = safe
         return False
 
@@ -176,7 +181,21 @@ class _Reply:
     def last(self, finish: str, result: GenerationResult | None) -> Piece:
         """The last piece: the rest of the text, why it ended, the token counts."""
         prompt = len(self.ticket.job.prompt_ids)
-        return Piece(self.text[self.sent :], finish, prompt, self.count, result, self._take_logprobs())
+        return Piece(self.text[self.sent :], finish, prompt, self.count, result, self._take_logprobs(), self.index)
+
+
+def choices(job: Job) -> list[Request]:
+    """The engine requests of a job: one per choice (`n`), each with its own random stream: the
+    first with the request's seed (so n = 1 is the request alone), choice i with a seed drawn
+    from (seed, i); unseeded, each from fresh entropy."""
+    out = []
+    for i in range(job.n):
+        sampling = job.sampling
+        if i and sampling.seed is not None:
+            seed = int(np.random.SeedSequence([sampling.seed, i]).generate_state(1, np.uint64)[0] >> 1)
+            sampling = dataclasses.replace(sampling, seed=seed)
+        out.append(Request(job.prompt_ids, job.max_tokens, sampling, max_draft=job.max_draft, logprobs=job.logprobs))
+    return out
 
 
 class CompletionService:
@@ -355,17 +374,16 @@ class CompletionService:
                 continue
             job = ticket.job
             try:
-                rid = self.engine.submit(
-                    Request(
-                        job.prompt_ids, job.max_tokens, job.sampling, max_draft=job.max_draft, logprobs=job.logprobs
-                    )
-                )
-            except PromptError as e:
+                rids = [self.engine.submit(request) for request in choices(job)]
+            except PromptError as e:  # the first choice's: the others were not submitted
                 self.count("invalid")
                 self._close_ticket(ticket, RequestError(str(e), code="context_length_exceeded"))
                 continue
             self.metrics.started.inc()
-            self._live[rid] = _Reply(self, ticket)
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+            ticket.running = len(rids)
+            for i, rid in enumerate(rids):
+                self._live[rid] = _Reply(self, ticket, i)
         self._publish()
         return closing
 
@@ -392,21 +410,29 @@ class CompletionService:
         self._publish()
 
     def _end(self, rid: int, finish: str = "error", result: GenerationResult | None = None, error=None) -> None:
-        """A request is over: its last piece (or its error) goes out and its ticket closes."""
+        """A choice is over: its last piece goes out, and once every choice of the request is,
+        its ticket closes. An error ends the request: its other choices stop at once, and the
+        error is its last item."""
         reply = self._live.pop(rid)
-        job = reply.ticket.job
-        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        ticket = reply.ticket
         self.metrics.completion_tokens.inc(reply.count)
         if error is not None:
+            for other, sibling in list(self._live.items()):
+                if sibling.ticket is ticket:
+                    self.engine.cancel(other)
+                    self.metrics.completion_tokens.inc(self._live.pop(other).count)
             self.count(outcome_of(error.status))
-            self._close_ticket(reply.ticket, error)
+            self._close_ticket(ticket, error)
             return
-        self.count("cancelled" if finish == "cancelled" else "ok")
         m = result.metrics if result is not None else None
         if m is not None:
             self.metrics.speculation(self.draft_method, m.drafted_tokens, m.accepted_tokens, m.steps)
-        reply.ticket.put(reply.last(finish, result))
-        self._close_ticket(reply.ticket)
+        ticket.put(reply.last(finish, result))
+        ticket.cancelled_choice = ticket.cancelled_choice or finish == "cancelled"
+        ticket.running -= 1
+        if ticket.running == 0:
+            self.count("cancelled" if ticket.cancelled_choice else "ok")
+            self._close_ticket(ticket)
 
     def _close_ticket(self, ticket: Ticket, error: Exception | None = None) -> None:
         """The ticket's last item; its place counts for admission no more."""
