@@ -809,6 +809,8 @@ def test_a_request_past_the_time_limit_gets_504(gen):
     c = client(slow_generator(gen, 0.05), request_timeout=0.3)
     r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 200})
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 200, "n": 2})  # both choices end
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     chunks = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 200, "stream": True}).text
     assert '"code": "timeout"' in chunks and chunks.rstrip().endswith("data: [DONE]")
 
@@ -820,12 +822,14 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(gen):
     service = CompletionService(flaky_generator(gen, 0.0), "tiny", ServerLimits(max_batch=2))
     c = TestClient(create_app(service))
     Flaky.fail = True
-    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4})
-    assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+    for n in (1, 2):  # with n = 2, both choices fail with the one error
+        r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4, "n": n})
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
     Flaky.fail = False
     assert wait_until(lambda: service.engine.idle)
-    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    r = c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4, "n": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert service.stats["requests"] == 3 and service.engine.idle
     service.close()
 
 

@@ -413,7 +413,9 @@ class CompletionService:
         """A choice is over: its last piece goes out, and once every choice of the request is,
         its ticket closes. An error ends the request: its other choices stop at once, and the
         error is its last item."""
-        reply = self._live.pop(rid)
+        reply = self._live.pop(rid, None)
+        if reply is None:  # a choice its request's error already ended
+            return
         ticket = reply.ticket
         self.metrics.completion_tokens.inc(reply.count)
         if error is not None:
