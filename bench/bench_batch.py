@@ -31,26 +31,34 @@ sys.path.insert(0, str(ROOT))
 CLASSES = ("chat", "code_edit", "json")
 
 
-def closed_loop(engine, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
-    """`clients` clients, each sending its next request when the previous is answered."""
+def serve_clients(engine, prompts: list[list[int]], clients: int, max_tokens: int) -> list[tuple[list[int], object]]:
+    """`clients` clients, each sending its next request when the previous is answered, every
+    prompt as often and two requests per client at least: (prompt, GenerationResult) of each
+    request, in the order they finished (bench_crossover.py runs the same loop on its clock)."""
     from specrt.runtime.batching import Request
 
-    rounds = -(-2 * clients // len(prompts))  # every prompt as often, two requests per client at least
+    rounds = -(-2 * clients // len(prompts))
     queue = [p for _ in range(rounds) for p in prompts]
-    owner, outputs, results = {}, [], []
-    t0 = time.perf_counter()
+    owner, done = {}, []
     for _ in range(clients):
         prompt = queue.pop(0)
         owner[engine.submit(Request(prompt, max_tokens))] = prompt
     while not engine.idle:
         for e in engine.step():
             if e.result is not None:
-                outputs.append((owner.pop(e.rid), e.result.token_ids))
-                results.append(e.result)
+                done.append((owner.pop(e.rid), e.result))
                 if queue:
                     prompt = queue.pop(0)
                     owner[engine.submit(Request(prompt, max_tokens))] = prompt
+    return done
+
+
+def closed_loop(engine, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
+    """The closed loop (`serve_clients`) on the wall clock."""
+    t0 = time.perf_counter()
+    done = serve_clients(engine, prompts, clients, max_tokens)
     wall = time.perf_counter() - t0
+    outputs, results = [(p, r.token_ids) for p, r in done], [r for _, r in done]
     tokens = sum(len(r.token_ids) for r in results)
     spec = [r.metrics for r in results if r.metrics is not None]
     steps = sum(m.steps for m in spec)

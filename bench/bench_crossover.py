@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_batch import serve_clients
 from bench_policy import host_work
 from harness import bench_arguments, envelope
 from replay import ReplayBackend
@@ -90,7 +91,7 @@ class GridClock:
 
 def closed_loop(runner, prompts, answers, clients: int, max_tokens: int, clock: GridClock) -> dict:
     """`clients` clients in a closed loop on the clock; every answer checked against alone."""
-    from specrt.runtime.batching import BatchEngine, Request
+    from specrt.runtime.batching import BatchEngine
 
     engine = BatchEngine(runner, max_batch=clients)
     session, decoder = engine.session, engine.decoder
@@ -110,28 +111,15 @@ def closed_loop(runner, prompts, answers, clients: int, max_tokens: int, clock: 
 
     session.forward = timed_forward
     decoder.observe = timed_observe
-    rounds = -(-2 * clients // len(prompts))
-    queue = [p for _ in range(rounds) for p in prompts]
-    owner, tokens, same = {}, 0, 0
     try:
-        for _ in range(clients):
-            p = queue.pop(0)
-            owner[engine.submit(Request(p, max_tokens))] = p
-        while not engine.idle:
-            for e in engine.step():
-                if e.result is not None:
-                    p = owner.pop(e.rid)
-                    tokens += len(e.result.token_ids)
-                    same += e.result.token_ids == answers[tuple(p)]
-                    if queue:
-                        q = queue.pop(0)
-                        owner[engine.submit(Request(q, max_tokens))] = q
+        done = serve_clients(engine, prompts, clients, max_tokens)
     finally:
         session.forward = forward
         decoder.observe = observe
         engine.close()
-    requests = rounds * len(prompts)
-    return {"tokens_per_s": tokens / clock.total, "seconds": clock.total, "tokens": tokens, "same": [same, requests]}
+    tokens = sum(len(r.token_ids) for _, r in done)
+    same = sum(r.token_ids == answers[tuple(p)] for p, r in done)
+    return {"tokens_per_s": tokens / clock.total, "seconds": clock.total, "tokens": tokens, "same": [same, len(done)]}
 
 
 def main() -> None:
