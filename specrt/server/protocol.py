@@ -21,6 +21,7 @@ import uuid
 from typing import TYPE_CHECKING, Iterator
 
 from specrt.errors import SpecrtError
+from specrt.runtime.logprobs import MAX_TOP
 from specrt.runtime.sampling import SamplingParams
 from specrt.server.fields import refused_field
 from specrt.server.limits import ServerLimits
@@ -182,18 +183,14 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
         raise RequestError(
             f"'stop' must be a non-empty string or a list of up to {limits.max_stop} non-empty strings", param="stop"
         )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("'stream' must be true or false", param="stream")
+    stream = _flag(body, "stream") or False
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise RequestError("'stream_options' must be an object", param="stream_options")
     max_draft, speculation = _speculation(body.get("speculation"), served)
     include_usage = bool(opts.get("include_usage", False))
     logprobs = _logprobs(body, chat)
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise RequestError(f"'echo' must be true or false, got {json.dumps(echo)[:40]}", param="echo")
+    echo = _flag(body, "echo")
     if echo and logprobs is not None:  # OpenAI's answer would score every prompt token: a prefill's logits
         raise RequestError("'echo' with 'logprobs' is not supported here; ask for one of them", param="echo")
     prompt_text = _text_prompt(body, served.tokenizer, text=True) if echo else ""
@@ -219,15 +216,21 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
     )
 
 
+def _flag(body: dict, name: str) -> bool | None:
+    """A true/false field (None when absent or null)."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise RequestError(f"'{name}' must be true or false, got {json.dumps(v)[:40]}", param=name)
+    return v
+
+
 def _logprobs(body: dict, chat: bool) -> int | None:
     """How many alternatives per token the request wants with its tokens' logprobs (None: no
-    logprobs): chat's `logprobs` true and `top_logprobs` 0-20, completions' `logprobs` 0-5."""
+    logprobs): chat's `logprobs` true and `top_logprobs` 0-MAX_TOP, completions' `logprobs` 0-5."""
     if not chat:
         return _number(body, "logprobs", 0, 5, None, integer=True)
-    wanted = body.get("logprobs")
-    if wanted is not None and not isinstance(wanted, bool):
-        raise RequestError(f"'logprobs' must be true or false, got {json.dumps(wanted)[:40]}", param="logprobs")
-    top = _number(body, "top_logprobs", 0, 20, None, integer=True)
+    wanted = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", 0, MAX_TOP, None, integer=True)
     if top is not None and not wanted:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return (top or 0) if wanted else None
@@ -399,7 +402,7 @@ class SseWriter:
         self.created = int(time.time())
         self.kind = "chat.completion.chunk" if job.chat else "text_completion"
         self.lasts: list[Piece | None] = [None] * job.n  # each choice's latest piece
-        self.offsets = [len(job.echo)] * job.n  # completions' text_offset of each choice's next token
+        self.offsets = [0] * job.n  # completions' text_offset of each choice's next token (no echo with logprobs)
 
     def _event(self, choices: list, **extra) -> str:
         body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model_id}

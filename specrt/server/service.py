@@ -227,7 +227,6 @@ class CompletionService:
         self._worker: threading.Thread | None = None
         self._live: dict[int, _Reply] = {}  # engine request id -> its reply (engine thread only)
         self.metrics = ServerMetrics()
-        self.draft_method = runner.decoder.proposer.name  # plain decoding's results carry no metrics
 
     @property
     def busy(self) -> bool:
@@ -428,7 +427,7 @@ class CompletionService:
             return
         m = result.metrics if result is not None else None
         if m is not None:
-            self.metrics.speculation(self.draft_method, m.drafted_tokens, m.accepted_tokens, m.steps)
+            self.metrics.speculation(self.served.draft, m.drafted_tokens, m.accepted_tokens, m.steps)
         ticket.put(reply.last(finish, result))
         ticket.cancelled_choice = ticket.cancelled_choice or finish == "cancelled"
         ticket.running -= 1
