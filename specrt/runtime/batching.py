@@ -52,6 +52,7 @@ from typing import Protocol
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.runtime.grammar import Grammar, Matcher
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.logprobs import token_logprobs
 from specrt.runtime.sampling import SamplingParams, next_tokens
@@ -73,7 +74,7 @@ class Decoder(Protocol):
 
     def new_state(self, batch: int): ...
 
-    def join(self, state, row: int, request, rng, budget: int, prefilled: Prefilled): ...
+    def join(self, state, row: int, request, rng, budget: int, prefilled: Prefilled, matcher=None): ...
 
     def step(self, state): ...
 
@@ -90,6 +91,7 @@ class Request:
     max_draft: int | None = None
     # log probabilities of its tokens (runtime/logprobs.py), with this many alternatives each; None: none
     logprobs: int | None = None
+    grammar: Grammar | None = None  # structured output: its output follows this grammar (runtime/grammar.py)
 
 
 @dataclasses.dataclass
@@ -110,6 +112,7 @@ class _Slot:
     request: Request
     budget: int  # tokens it may produce (its max_new_tokens, bounded by the context)
     rng: np.random.Generator
+    matcher: Matcher | None = None  # its grammar's state, when it has one
     prefilled: int = 0  # prompt tokens in the cache so far
     prefill_seconds: float = 0.0
     steps: list[float] = dataclasses.field(default_factory=list)  # the decode steps it was in
@@ -165,14 +168,15 @@ class BatchEngine:
         return sum(s is not None for s in self.slots)
 
     def submit(self, request: Request) -> int:
-        """Queue a request; returns its id. The prompt is checked here (PromptError names the
-        problem); a full waiting line is a SpecrtError."""
+        """Queue a request; returns its id. The prompt is checked and its grammar compiled here
+        (PromptError or SpecrtError names the problem); a full waiting line is a SpecrtError."""
         budget = int(self.gen.budgets([request.prompt], request.max_new_tokens)[0])
+        matcher = None if request.grammar is None else self.gen.vocabulary().matcher(request.grammar)
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise SpecrtError(f"{len(self.waiting)} requests already wait for a slot; retry later")
         rid, self._next_rid = self._next_rid, self._next_rid + 1
         rng = request.rng if request.rng is not None else np.random.default_rng(request.sampling.seed)
-        self.waiting.append(_Slot(rid, request, budget, rng))
+        self.waiting.append(_Slot(rid, request, budget, rng, matcher))
         return rid
 
     def cancel(self, rid: int) -> bool:
@@ -274,10 +278,13 @@ class BatchEngine:
         """Row b's prompt is in (logits: (1, V) at its last token): its first token, and it
         starts generating."""
         s = self.slots[b]
-        first = int(next_tokens(logits, s.request.sampling, s.rng)[0])
+        allowed = logits if s.matcher is None else s.matcher.masked(logits)
+        first = int(next_tokens(allowed, s.request.sampling, s.rng)[0])
+        if s.matcher is not None:
+            s.matcher.advance([first])
         hidden = [np.concatenate(s.hidden)] if self._features else None
         s.hidden = []
-        self.decoder.join(self.state, b, s.request, s.rng, s.budget, Prefilled(logits, hidden))
+        self.decoder.join(self.state, b, s.request, s.rng, s.budget, Prefilled(logits, hidden), s.matcher)
         tokens = self.rows.emit(b, [first])
         top = s.request.logprobs
         events.append(Event(s.rid, tokens, logprobs=None if top is None else token_logprobs(logits, tokens, top)))

@@ -7,7 +7,7 @@
     print(stream.result.summary())
 
 A Generator is the target (runtime/target.py: its session, tokenizer, limits and loaders) with
-the static conveniences of every runner (speculative.Generates). Plain decoding is speculation
+the static conveniences of every runner (generates.Generates). Plain decoding is speculation
 with N = 0: its `decoder` is a SpeculativeDecoder with no draft, whose step verifies the root
 alone, so plain and speculative generation run the same loop (the batching engine) and differ
 only in what is drafted.
@@ -18,8 +18,9 @@ from __future__ import annotations
 import functools
 
 from specrt.runtime.drafts.base import NoDraft
+from specrt.runtime.generates import Generates
 from specrt.runtime.policy import FixedPolicy
-from specrt.runtime.speculative import Generates, SpeculativeDecoder
+from specrt.runtime.speculative import SpeculativeDecoder
 from specrt.runtime.target import Target
 
 

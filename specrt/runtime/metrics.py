@@ -27,6 +27,8 @@ class SpecMetrics:
     draft_ratio: float | None = None  # measured T_draft / T_decode
     decode_step_seconds: float | None = None  # measured (fitted) cost of a plain decode step
     predicted_speedup: float | None = None  # cost model with the measured numbers
+    forced_tokens: int = 0  # drafted tokens a request's grammar forced (runtime/grammar.py)
+    forced_accepted: int = 0
 
     def observe_draft(self, num_draft: int, num_accepted: int, max_depth: int = 0) -> None:
         """One verified draft: its size, how many were accepted, how deep the draft went."""
@@ -40,6 +42,11 @@ class SpecMetrics:
             self.drafted_at_depth[i] += 1
         for i in range(num_accepted):
             self.accepted_at_depth[i] += 1
+
+    def observe_forced(self, drafted: int, accepted: int) -> None:
+        """Of one verified draft, the first `drafted` tokens were forced by the grammar."""
+        self.forced_tokens += drafted
+        self.forced_accepted += min(drafted, accepted)
 
     @property
     def acceptance_rate(self) -> float:

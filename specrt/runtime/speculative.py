@@ -17,9 +17,9 @@ the batching engine runs together, runtime/batching.py, the one generation loop)
 and `observe` feeds what the step cost and accepted to the metrics and the cost model. A row's
 life around its steps is `join` (its prompt is in) and `leave` (it finished or was cancelled).
 
-`Generates` gives both runners, this decoder and the Generator (plain decoding: a decoder with
-no draft, N = 0), the static conveniences: `generate_ids`, `iter_generate`, `stream` and
-`generate` run the batching engine with every request arriving at step 0.
+Both runners, this decoder and the Generator (plain decoding: a decoder with no draft, N = 0),
+have the static conveniences of runtime/generates.py (`generate_ids`, `iter_generate`, `stream`,
+`generate`: the batching engine with every request arriving at step 0).
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ import numpy as np
 from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepOutput
-from specrt.runtime.batching import BatchEngine, Request
+from specrt.runtime.batching import Request
 from specrt.runtime.drafts.base import DraftInput, Proposer
 from specrt.runtime.estimators import step_priors
+from specrt.runtime.generates import Generates
+from specrt.runtime.grammar import Matcher
 from specrt.runtime.hindsight import Hindsight
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.logprobs import token_logprobs
@@ -43,7 +45,7 @@ from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.session import Prefilled
-from specrt.runtime.target import GenerationResult, Rows, Stream, Target, text_stream
+from specrt.runtime.target import Rows, Target
 from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling
 
 
@@ -98,6 +100,7 @@ class SpecState:
     hindsight: Hindsight = dataclasses.field(default_factory=Hindsight)  # a lookup's drafts, read as rows emit
     caps: dict[int, int] = dataclasses.field(default_factory=dict)  # per row, its request's max_draft if it set one
     logprobs: dict[int, int] = dataclasses.field(default_factory=dict)  # per row asking: its top_logprobs
+    grammars: dict[int, Matcher] = dataclasses.field(default_factory=dict)  # per constrained row (grammar.py)
 
 
 @dataclasses.dataclass
@@ -116,84 +119,7 @@ class StepRecord:
     verify_seconds: float
     new_tokens: list[list[int]]
     logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per row asking: a TokenLogprob per token
-
-
-class Generates:
-    """The static conveniences, written once for both runners (`self.decoder`: the decoder this
-    runner steps with). A static batch is the batching engine with every request at step 0;
-    each row has its own random generator (row 0 the request's seed, row b one seeded from
-    (seed, b)), and each row's result carries the batch's decode time and SpecMetrics."""
-
-    decoder: "SpeculativeDecoder"
-
-    def iter_generate(
-        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
-    ) -> Stream[list[list[int]], list[GenerationResult]]:
-        """Generate for a batch of token-id prompts, step by step: iterating yields, after every
-        step, the new tokens of each row (possibly none); `result` is then one GenerationResult
-        per row. The prompts are checked and the cache is taken before this returns."""
-        decoder = self.decoder
-        decoder.gen.budgets(prompts, max_new_tokens)  # every prompt checked before any is queued
-        engine = BatchEngine(decoder, max_batch=len(prompts))
-        for b, prompt in enumerate(prompts):
-            engine.submit(Request(prompt, max_new_tokens, sampling, _row_rng(sampling.seed, b)))
-        engine.admit()
-
-        def steps():
-            results: dict[int, GenerationResult] = {}
-            try:
-                while not engine.idle:
-                    new: list[list[int]] = [[] for _ in prompts]
-                    for event in engine.step():
-                        new[event.rid] += event.tokens
-                        if event.result is not None:
-                            results[event.rid] = event.result
-                    yield new
-            finally:
-                engine.close()
-            state, metrics = engine.state, decoder.finish(engine.state)
-            for r in results.values():  # the batch's decode time and metrics, as one generation
-                r.decode_seconds, r.step_seconds, r.metrics = float(sum(state.step_times)), state.step_times, metrics
-            return [results[b] for b in range(len(prompts))]
-
-        return Stream(steps(), engine.close)
-
-    def generate_ids(
-        self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams()
-    ) -> list[GenerationResult]:
-        return self.iter_generate(prompts, max_new_tokens, sampling).run()
-
-    def stream(
-        self,
-        prompt: str,
-        max_new_tokens: int = 128,
-        sampling: SamplingParams = SamplingParams(),
-        chat: bool = True,
-        system: str | None = None,
-    ) -> Stream[str, GenerationResult]:
-        """Text pieces as tokens are produced; `result` is then the GenerationResult."""
-        target = self.decoder.gen
-        return text_stream(
-            target, self.iter_generate([target.encode_prompt(prompt, chat, system)], max_new_tokens, sampling)
-        )
-
-    def generate(
-        self,
-        prompt: str,
-        max_new_tokens: int = 128,
-        sampling: SamplingParams = SamplingParams(),
-        chat: bool = True,
-        system: str | None = None,
-    ) -> GenerationResult:
-        target = self.decoder.gen
-        result = self.generate_ids([target.encode_prompt(prompt, chat, system)], max_new_tokens, sampling)[0]
-        result.text = target.decode(result.token_ids)
-        return result
-
-
-def _row_rng(seed: int | None, b: int) -> np.random.Generator:
-    """Row b's random generator in a static batch: row 0 draws as the request alone would."""
-    return np.random.default_rng(seed if seed is None or b == 0 else [seed, b])
+    forced: dict[int, int] = dataclasses.field(default_factory=dict)  # per row: its grammar's tokens ahead of the draft
 
 
 class SpeculativeDecoder(Generates):
@@ -260,8 +186,10 @@ class SpeculativeDecoder(Generates):
         rng: np.random.Generator,
         budget: int,
         prefilled: Prefilled,
+        matcher: Matcher | None = None,
     ) -> None:
-        """Row b's prompt is in the cache (`prefilled` holds that one row): it starts generating."""
+        """Row b's prompt is in the cache (`prefilled` holds that one row): it starts generating;
+        `matcher`: its grammar's state after its first token, when it has one."""
         state.rows.join(b, len(request.prompt), budget)
         state.prompts[b], state.sampling[b], state.rng[b] = request.prompt, request.sampling, rng
         state.row_metrics[b] = SpecMetrics() if self.policy.max_draft else None
@@ -271,6 +199,9 @@ class SpeculativeDecoder(Generates):
         state.logprobs.pop(b, None)
         if request.logprobs is not None:
             state.logprobs[b] = request.logprobs
+        state.grammars.pop(b, None)
+        if matcher is not None:
+            state.grammars[b] = matcher
         if state.pending is not None:
             state.pending[b] = [prefilled.hidden[0]]
         self.proposer.begin([b], [request.prompt], prefilled)
@@ -282,6 +213,7 @@ class SpeculativeDecoder(Generates):
         state.hindsight.forget(b)
         state.caps.pop(b, None)
         state.logprobs.pop(b, None)
+        state.grammars.pop(b, None)
         state.row_metrics[b] = None
         if state.pending is not None:
             state.pending[b] = []
@@ -294,21 +226,26 @@ class SpeculativeDecoder(Generates):
         batch = state.cache.batch
         t0 = time.perf_counter()
         caps = state.caps
+        most = {b: min(self.policy.max_draft, caps.get(b, self.policy.max_draft)) for b in rows}
+        forced = self.forced(state, rows, most) if state.grammars else {}
         if self.proposer.lookup:  # drafting is cheap: see every row's draft, then decide how much to verify
             judge = self.policy.judge(state.cost, batch)
-            most = {b: min(self.policy.max_draft, caps.get(b, self.policy.max_draft)) for b in rows}
-            drafted = self.propose(state, rows, most, judge)
+            # a copy draft continues after the tokens the row's grammar forces
+            most = {b: most[b] - len(forced.get(b, ())) for b in rows}
+            drafted = self.propose(state, rows, most, judge, forced)
             plan = self.policy.plan(state.cost, rows, drafted, batch)
-            trees = {b: tree.truncate(plan[b]) for b, tree in drafted.items()}
+            trees = {b: tree.truncate(plan[b]).behind(forced.get(b, ())) for b, tree in drafted.items()}
         else:
             plan = self.policy.plan(state.cost, rows, batch=batch)
-            if caps:  # a request's own limit (Request.max_draft)
-                plan = {b: min(n, caps.get(b, n)) for b, n in plan.items()}
+            # a request's own limit (Request.max_draft); where the grammar forces tokens, they are the draft
+            plan = {b: 0 if forced.get(b) else min(n, most[b]) for b, n in plan.items()}
             drafted = trees = self.propose(state, rows, plan)
+            trees = {b: DraftTree.chain(forced[b]) if forced.get(b) else tree for b, tree in trees.items()}
+        masks = self.constrain(state, trees) if state.grammars else {}
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
         out = self.verify(state, rows, trees, depths)
-        verdicts = self.accept(state, rows, trees, out)
+        verdicts = self.accept(state, rows, trees, out, masks)
         new_tokens = self.commit(state, rows, trees, verdicts, out)
         logprobs = self.logprobs(state, rows, verdicts, out, new_tokens)
         # the step is dense: every row is computed at the longest row's length
@@ -317,16 +254,21 @@ class SpeculativeDecoder(Generates):
         record = StepRecord(
             rows, plan, trees, depths, verdicts, drafted, batch, positions, t1 - t0, elapsed, new_tokens, logprobs
         )
+        record.forced = {b: len(f) for b, f in forced.items() if f}
         self.observe(state, record)
         return record
 
     # -- the verbs -------------------------------------------------------------------------------
 
-    def propose(self, state: SpecState, rows: list[int], plan: dict[int, int], judge=None) -> dict[int, DraftTree]:
+    def propose(
+        self, state: SpecState, rows: list[int], plan: dict[int, int], judge=None, ahead=None
+    ) -> dict[int, DraftTree]:
         """A draft tree per row, of at most as many nodes as the plan gives the row (0: none). Rows
         that draft are proposed for together, one call per sampling setting; each row draws from
         its own random generator, so its draws are the same as when it runs by itself. `judge`:
-        the cost model's, for a lookup (DraftInput.judge)."""
+        the cost model's, for a lookup (DraftInput.judge); `ahead`: per row, tokens the draft
+        comes after (a grammar's forced tokens: the lookup reads them as context)."""
+        ahead = ahead or {}
         trees = {b: DraftTree.empty() for b in rows}
         groups: dict[SamplingParams, list[int]] = {}
         for b in rows:
@@ -343,9 +285,9 @@ class SpeculativeDecoder(Generates):
                     state.pending[b] = []
             inp = DraftInput(
                 group,
-                [state.prompts[b] + state.rows.out[b] for b in group],
+                [state.prompts[b] + state.rows.out[b] + list(ahead.get(b, ())) for b in group],
                 n,
-                [int(state.rows.budget[b]) - len(state.rows.out[b]) for b in group],
+                [int(state.rows.budget[b]) - len(state.rows.out[b]) - len(ahead.get(b, ())) for b in group],
                 state.sampling[group[0]],
                 [state.rng[b] for b in group],
                 features,
@@ -370,23 +312,46 @@ class SpeculativeDecoder(Generates):
             feed[b] = [state.rows.out[b][-1], *trees[b].tokens.tolist()]
             shapes[b] = (np.concatenate([[0], depths[b]]), trees[b].ancestor_mask())
         # greedy: the argmax is all accept reads, unless a row asks for its tokens' logprobs
-        sampled = any(not state.sampling[b].greedy or b in state.logprobs for b in rows)
+        sampled = any(not state.sampling[b].greedy or b in state.logprobs or b in state.grammars for b in rows)
         return self.gen.session.forward(
             state.cache, feed, shapes, hidden=self.proposer.needs_features, want_logits=sampled
         )
 
     def accept(
-        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput
+        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput, masks=None
     ) -> dict[int, Verdict]:
-        verdicts = {}
-        top = out.argmax() if any(state.sampling[b].greedy for b in rows) else None  # once, not per row
+        """Each row's verdict; a constrained row's against the target masked at every node (`masks`)."""
+        verdicts, masks = {}, masks or {}
+        free = [b for b in rows if b not in masks]
+        top = out.argmax() if any(state.sampling[b].greedy for b in free) else None  # once, not per row
         for b in rows:
             n, sampling = len(trees[b]) + 1, state.sampling[b]
+            logits = np.where(masks[b], out.logits[b, :n], -np.inf) if b in masks else out.logits[b, :n]
             if sampling.greedy:
-                verdicts[b] = accept_greedy(trees[b], top[b, :n])
+                verdicts[b] = accept_greedy(trees[b], logits.argmax(-1) if b in masks else top[b, :n])
             else:
-                verdicts[b] = accept_sampling(trees[b], probs_from_logits(out.logits[b, :n], sampling), state.rng[b])
+                verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, sampling), state.rng[b])
         return verdicts
+
+    def forced(self, state: SpecState, rows: list[int], most: dict[int, int]) -> dict[int, list[int]]:
+        """Per constrained row, the tokens its grammar forces next, as many as its draft may hold
+        and its budget can use (grammar drafts: runtime/grammar.py)."""
+        out = state.rows.out
+        return {
+            b: g.forced(min(most[b], int(state.rows.budget[b]) - len(out[b]) - 1))
+            for b, g in state.grammars.items()
+            if b in most
+        }
+
+    def constrain(self, state: SpecState, trees: dict[int, DraftTree]) -> dict[int, np.ndarray]:
+        """Per constrained row, the grammar's mask at the root and at every node (cutting the
+        tree before a node it forbids where that is exact: runtime/grammar.py)."""
+        masks = {}
+        for b, g in state.grammars.items():
+            if b in trees:
+                cut = state.sampling[b].greedy or trees[b].q is None
+                trees[b], masks[b] = g.tree_masks(trees[b], cut)
+        return masks
 
     def commit(
         self,
@@ -403,6 +368,8 @@ class SpeculativeDecoder(Generates):
             root = int(state.cache.lengths[b]) - len(trees[b]) - 1  # the step appended [root, nodes...]
             state.cache.keep_path(b, root, verdicts[b].accepted)
             new_tokens[b] = state.rows.emit(b, verdicts[b].tokens(trees[b]))
+            if b in state.grammars:
+                state.grammars[b].advance(new_tokens[b])
             if state.pending is not None:  # the root's and the accepted nodes' features
                 state.pending[b].append(out.hidden_states[b, [0, *(1 + i for i in verdicts[b].accepted)]])
         self.proposer.commit(rows, [trees[b] for b in rows], [verdicts[b] for b in rows], out)
@@ -429,6 +396,8 @@ class SpeculativeDecoder(Generates):
             for m in (metrics, state.row_metrics[b]):
                 if m is not None:
                     m.observe_draft(len(tree), len(verdict.accepted), depth)
+                    if b in r.forced:
+                        m.observe_forced(r.forced[b], len(verdict.accepted))
         drafted = sum(len(r.trees[b]) for b in r.rows) / len(r.rows)
         if self.policy.max_draft:  # a decoder that never drafts (plain) has no use for the cost model
             self._teach(state, r, drafted)
@@ -444,7 +413,7 @@ class SpeculativeDecoder(Generates):
         if lookup:  # every draft, verified or not, read against what its row emitted (hindsight.py)
             for b in r.rows:
                 out = state.rows.out[b]
-                start = len(out) - len(r.new_tokens[b])
+                start = len(out) - len(r.new_tokens[b]) + r.forced.get(b, 0)  # drafted after the forced tokens
                 for tree in (r.drafted[b], *r.drafted[b].rivals):
                     state.hindsight.draft(b, tree, start)
                 for reading in state.hindsight.read(b, out):

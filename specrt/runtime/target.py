@@ -177,6 +177,15 @@ class Target:
         if tokenizer is not None and tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
             eos.add(tokenizer.token_id(tokenizer.eos_token))
         self.eos_ids = frozenset(eos)
+        self._vocabulary = None
+
+    def vocabulary(self):
+        """The tokenizer as the grammar engine reads it (runtime/grammar.py), made on first use."""
+        if self._vocabulary is None:
+            from specrt.runtime.grammar import Vocabulary
+
+            self._vocabulary = Vocabulary(self.tokenizer, self.config.vocab_size, self.eos_ids)
+        return self._vocabulary
 
     # -- construction -------------------------------------------------------------------------
 

@@ -57,6 +57,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def to_json(self) -> str:
+        """The tokenizer as its tokenizer.json text (what llguidance reads, runtime/grammar.py)."""
+        return self._tok.to_str()
+
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

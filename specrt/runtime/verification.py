@@ -98,6 +98,19 @@ class DraftTree:
             self.evidence,
         )
 
+    def behind(self, tokens) -> "DraftTree":
+        """This tree drafted after a chain of `tokens` (point masses: a grammar's forced tokens,
+        runtime/grammar.py): the chain first, then the tree under its last node."""
+        k = len(tokens)
+        if not k:
+            return self
+        parents = np.concatenate([np.arange(k) - 1, np.where(self.parents < 0, k - 1, self.parents + k)])
+        q = None
+        if self.q is not None:  # a point mass is a one-hot q
+            q = np.concatenate([np.eye(self.q.shape[1], dtype=self.q.dtype)[list(tokens)], self.q])
+        scores = None if self.scores is None else np.concatenate([np.ones(k), self.scores])
+        return DraftTree(np.concatenate([np.asarray(tokens, np.int64), self.tokens]), parents, q, scores, self.evidence)
+
 
 @dataclasses.dataclass
 class Verdict:

@@ -13,7 +13,7 @@ from typing import Callable
 
 from specrt.errors import SpecrtError
 from specrt.runtime.drafts.auto import AutoProposer
-from specrt.runtime.drafts.base import DraftInput, Proposer
+from specrt.runtime.drafts.base import DraftInput, GrammarDrafts, Proposer
 from specrt.runtime.drafts.draft_model import DraftModelProposer
 from specrt.runtime.drafts.eagle import EagleProposer
 from specrt.runtime.drafts.hybrid import HybridProposer
@@ -59,6 +59,7 @@ DRAFT_METHODS: dict[str, DraftMethod] = {
         head_optional=True,
     ),
     "lookahead": DraftMethod(LookaheadProposer, "Jacobi iteration's n-grams (no weights)"),
+    "grammar": DraftMethod(GrammarDrafts, "only the tokens a request's grammar forces (structured output)"),
     # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
     "eagle": DraftMethod(functools.partial(EagleProposer, method="eagle"), _HEAD, True, True),
     "eagle3": DraftMethod(functools.partial(EagleProposer, method="eagle3"), _HEAD, True, True),

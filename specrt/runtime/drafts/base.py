@@ -139,3 +139,11 @@ class NoDraft:
 
     def end(self, rows, outputs) -> None:
         pass
+
+
+class GrammarDrafts(NoDraft):
+    """Drafts nothing of its own: a constrained request's tokens its grammar forces are drafted
+    in front of every method's draft (runtime/grammar.py), so with this method they are the only
+    drafts, and rows without a grammar decode plainly. A lookup: it costs nothing to ask."""
+
+    name, lookup = "grammar", True
