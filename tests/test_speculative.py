@@ -156,18 +156,19 @@ def test_sampled_speculative_output_follows_the_model(method):
     assert two_token_pvalue(gen, SpeculativeDecoder(gen, make_draft(method, gen), make_policy(3)), rounds=15) > 1e-3
 
 
-def two_token_pvalue(gen, spec, rounds: int, batch: int = 400, new_tokens: int = 2) -> float:
+def two_token_pvalue(gen, spec, rounds: int, batch: int = 400, new_tokens: int = 2, grammar=None, joint=None) -> float:
     """Sample the first two tokens `batch * rounds` times through `spec` (temperature 1, top-p
-    0.95) and return the chi-square p-value against the target's exact joint (rare cells pooled).
-    new_tokens > 2 generates further (a draft that respects the token budget drafts nothing
-    when only one token is left after the prompt's)."""
+    0.95) and return the chi-square p-value against the target's exact joint (rare cells pooled;
+    `joint`: another expected joint, as a grammar's masks make it). new_tokens > 2 generates
+    further (a draft that respects the token budget drafts nothing when only one token is left
+    after the prompt's)."""
     params = SamplingParams(temperature=1.0, top_p=0.95)
-    expected = exact_two_token_joint(gen, params)
+    expected = exact_two_token_joint(gen, params) if joint is None else joint
     counts = np.zeros((8, 8))
     accepted = 0
     for r in range(rounds):
         res = spec.generate_ids(
-            [SAMPLING_PROMPT] * batch, new_tokens, SamplingParams(temperature=1.0, top_p=0.95, seed=r)
+            [SAMPLING_PROMPT] * batch, new_tokens, SamplingParams(temperature=1.0, top_p=0.95, seed=r), grammar
         )
         for x in res:
             counts[x.token_ids[0], x.token_ids[1]] += 1

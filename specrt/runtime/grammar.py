@@ -132,17 +132,31 @@ class Vocabulary:
 
 
 class _Tokens:
-    """A tokenizer given to llguidance token by token (TokenizerWrapper's protocol)."""
+    """A tokenizer given to llguidance token by token (TokenizerWrapper's protocol): each token's
+    bytes are its decoded text, and text is split into the longest tokens first (how llguidance
+    tokenizes what a grammar forces; a word-level tokenizer cannot split glued words itself)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos: list[int]):
         self.eos_token_id, self.bos_token_id = eos[0], None
-        specials = set(eos)
-        self.tokens = [b"" if i in specials else tokenizer.decode([i]).encode() for i in range(vocab_size)]
+        texts = [tokenizer.decode([i]) for i in range(vocab_size)]
+        plain = [tokenizer.decode([i], skip_special_tokens=False) for i in range(vocab_size)]
+        specials = set(eos) | {i for i, t in enumerate(texts) if not t}
+        # llguidance's mark of a special token: its name after a 0xff byte (no text matches it)
+        self.tokens = [b"\xff" + plain[i].encode() if i in specials else texts[i].encode() for i in range(vocab_size)]
         self.special_token_ids = sorted(specials)
-        self._tok = tokenizer
+        self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens))) if i not in specials}
+        self._longest = max(map(len, self._ids), default=1)
 
-    def __call__(self, text: str) -> list[int]:
-        return self._tok.encode(text)
+    def __call__(self, text: bytes | str) -> list[int]:
+        data = text.encode() if isinstance(text, str) else text
+        ids, i = [], 0
+        while i < len(data):
+            n = next((n for n in range(min(self._longest, len(data) - i), 0, -1) if data[i : i + n] in self._ids), 0)
+            if not n:  # a byte no token starts with: this text has no tokenization
+                return ids
+            ids.append(self._ids[data[i : i + n]])
+            i += n
+        return ids
 
 
 class Matcher:
@@ -166,8 +180,11 @@ class Matcher:
         return np.where(self.mask() if mask is None else mask, logits, -np.inf)
 
     def advance(self, tokens) -> None:
-        """The row emitted `tokens` (each allowed: they came from masked distributions)."""
+        """The row emitted `tokens` (each allowed: they came from masked distributions; an EOS
+        ends the row, so the matcher need not see it)."""
         for t in tokens:
+            if int(t) in self.eos:
+                break
             if not self.ll.consume_token(int(t)):
                 raise SpecrtError(f"token {int(t)} broke the grammar: {self.ll.get_error()}")
 
@@ -177,8 +194,9 @@ class Matcher:
 
     def tree_masks(self, tree: DraftTree, cut: bool) -> tuple[DraftTree, np.ndarray]:
         """The masks at the root and at every node of `tree`, each after its node's path: (the
-        tree, (n + 1, V) bool). A node the grammar forbids gets its parent's mask (it is never
-        accepted, so its row is never read); with `cut` the tree ends before the first such node
+        tree, (n + 1, V) bool). A node the grammar forbids, or one after an EOS, gets its parent's
+        mask (it is never accepted, or what follows it is dropped, so its row is never used); with
+        `cut` the tree ends before the first such node
         (point masses and greedy rows: see the module docstring). The matcher ends where it began."""
         n = len(tree)
         masks = np.empty((n + 1, self.V), dtype=bool)
@@ -189,7 +207,8 @@ class Matcher:
             for i in range(n):
                 p = int(tree.parents[i])
                 t = int(tree.tokens[i])
-                if (p >= 0 and not valid[p]) or not masks[p + 1, t]:
+                # nothing follows an EOS (the row ends there), and llguidance does not roll one back
+                if (p >= 0 and (not valid[p] or int(tree.tokens[p]) in self.eos)) or not masks[p + 1, t]:
                     valid[i] = False
                     if cut:
                         return tree.truncate(i), masks[: i + 1]
@@ -205,6 +224,9 @@ class Matcher:
                 for node in chain[keep:]:  # back down to the parent (a tree in breadth-first order)
                     self._consume(int(tree.tokens[node]))
                     path.append(node)
+                if t in self.eos:  # allowed, and the last of its path
+                    masks[i + 1] = masks[p + 1]
+                    continue
                 self._consume(t)
                 path.append(i)
                 masks[i + 1] = self.mask()
