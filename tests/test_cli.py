@@ -1,5 +1,6 @@
 """The CLI: help without heavy imports, generate end to end on the tiny model, clear errors."""
 
+import json
 import subprocess
 import sys
 
@@ -421,3 +422,29 @@ def test_serve_speculates_by_default_and_generate_does_not():
         name: next(p.default for p in main.commands[name].params if p.name == "draft") for name in ("serve", "generate")
     }
     assert defaults["serve"] == "auto" and defaults["generate"] == "none"
+
+
+@pytest.mark.real_model
+def test_generate_structured_output(real_artifacts, tmp_path):
+    """--json-schema FILE and --regex on the default model, with and without a draft; a bad
+    schema, an unreadable file and both options at once are one-line errors."""
+    base = ["generate", "--artifacts", str(real_artifacts), "--max-new-tokens", "60"]
+    schema = tmp_path / "s.json"
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    schema.write_text(json.dumps(city | {"additionalProperties": False}))
+    ask = ["--prompt", "Where is the Eiffel Tower? Answer as JSON."]
+    plain = CliRunner().invoke(main, [*base, *ask, "--json-schema", str(schema)])
+    assert plain.exit_code == 0, plain.output
+    spec = CliRunner().invoke(main, [*base, *ask, "--json-schema", str(schema), "--draft", "suffix"])
+    assert spec.exit_code == 0, spec.output
+    assert plain.stdout.strip() == spec.stdout.strip(), (plain.output, spec.output)
+    assert list(json.loads(plain.stdout.strip())) == ["city"], plain.output
+    r = CliRunner().invoke(main, [*base, "--prompt", "Is the sky blue?", "--regex", "(yes|no)"])
+    assert r.exit_code == 0 and r.stdout.strip() in ("yes", "no"), r.output
+    schema.write_text('{"type": "objx"}')
+    r = CliRunner().invoke(main, [*base, "--prompt", "x", "--json-schema", str(schema)])
+    assert r.exit_code != 0 and "JSON schema cannot be compiled: Invalid type: objx" in r.output
+    r = CliRunner().invoke(main, [*base, "--prompt", "x", "--json-schema", str(tmp_path / "none.json")])
+    assert r.exit_code == 2 and "cannot read" in r.output
+    r = CliRunner().invoke(main, [*base, "--prompt", "x", "--json-schema", str(schema), "--regex", "a"])
+    assert r.exit_code == 2 and "not both" in r.output

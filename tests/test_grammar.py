@@ -178,7 +178,7 @@ def test_bad_grammars_are_clear_errors(loopy_gen):
         Grammar.json_schema("{not json")
     with pytest.raises(SpecrtError, match="must be a JSON object"):
         Grammar.json_schema("[1, 2]")
-    with pytest.raises(SpecrtError, match="json schema cannot be compiled: .*objectx"):
+    with pytest.raises(SpecrtError, match="JSON schema cannot be compiled: .*objectx"):
         loopy_gen.vocabulary().matcher(Grammar.json_schema({"type": "objectx"}))
     with pytest.raises(SpecrtError, match="regex cannot be compiled"):
         loopy_gen.vocabulary().matcher(Grammar.regex("(c"))

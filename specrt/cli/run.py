@@ -40,6 +40,14 @@ if TYPE_CHECKING:
     "--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template to the prompt."
 )
 @click.option("--system", default=None, help="System message (chat mode).")
+@click.option(
+    "--json-schema",
+    "json_schema",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Structured output: the answer is JSON valid under the JSON schema in this file.",
+)
+@click.option("--regex", default=None, help="Structured output: the whole answer matches this regular expression.")
 @_friendly_errors
 def generate(
     choice,
@@ -52,6 +60,8 @@ def generate(
     seed,
     chat,
     system,
+    json_schema,
+    regex,
 ):
     """Generate text, streaming it as it is produced; ends with token counts and tokens/s
     (and, with --draft, the speculative decoding metrics)."""
@@ -63,8 +73,9 @@ def generate(
     if text == "-":
         text = sys.stdin.read()
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    grammar = _grammar(json_schema, regex)
     gen, runner = open_chosen(choice)
-    stream = runner.stream(text, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, system=system)
+    stream = runner.stream(text, max_new_tokens, sampling, chat=chat, system=system, grammar=grammar)
     for piece in stream:
         click.echo(piece, nl=False)
         sys.stdout.flush()
@@ -74,6 +85,23 @@ def generate(
     click.echo(f"[{gen.backend.description}] {result.summary()}", err=True)
     if result.metrics is not None:
         click.echo(f"[{choice.draft} draft, num_draft={choice.num_draft}] {result.metrics.summary()}", err=True)
+
+
+def _grammar(json_schema: str | None, regex: str | None):
+    """The constraint of --json-schema FILE or --regex (runtime/grammar.py); None without one."""
+    from specrt.runtime.grammar import Grammar
+
+    if json_schema and regex:
+        raise click.UsageError("give --json-schema or --regex, not both")
+    if regex is not None:
+        return Grammar.regex(regex)
+    if json_schema is None:
+        return None
+    try:
+        text = Path(json_schema).read_text()
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {json_schema}: {e.strerror}", param_hint="--json-schema") from None
+    return Grammar.json_schema(text)
 
 
 @main.command()

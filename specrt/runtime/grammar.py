@@ -47,7 +47,7 @@ from specrt.runtime.verification import DraftTree
 
 # json.dumps' separators and no other whitespace (the module docstring says why)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "regex", "lark")
+NAMES = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "lark": "Lark grammar"}
 
 
 def _llguidance():
@@ -63,7 +63,7 @@ def _llguidance():
 
 @dataclasses.dataclass(frozen=True)
 class Grammar:
-    """A constraint on a request's output: `kind` (one of KINDS) and its llguidance grammar.
+    """A constraint on a request's output: `kind` (one of NAMES) and its llguidance grammar.
     Make one with the class methods; `Vocabulary.matcher` compiles it for a target."""
 
     kind: str
@@ -127,7 +127,7 @@ class Vocabulary:
         llg = _llguidance()
         m = llg.LLMatcher(self.ll, grammar.source, log_level=0)
         if m.is_error():
-            raise SpecrtError(f"the {grammar.kind.replace('_', ' ')} cannot be compiled: {m.get_error()}")
+            raise SpecrtError(f"the {NAMES[grammar.kind]} cannot be compiled: {m.get_error()}")
         return Matcher(m, self.vocab_size, self.eos)
 
 

@@ -30,6 +30,7 @@ SUPPORTED = {
     "top_logprobs": (CHAT,),
     "echo": (COMPLETIONS,),  # the prompt before the completion (not with logprobs)
     "n": BOTH,  # answers per request, rows of the batch (at most --max-batch)
+    "response_format": BOTH,  # text, json_object, json_schema; specrt's regex and grammar (server/structured.py)
 }
 
 
@@ -58,11 +59,6 @@ ONLY = {
     "frequency_penalty": (BOTH, _number(0), "only 0"),
     "suffix": ((COMPLETIONS,), _is(None, ""), 'only null or ""'),
     "logit_bias": (BOTH, _is(None, {}), "only {} (no bias)"),
-    "response_format": (
-        (CHAT,),
-        _is(None, {"type": "text"}),
-        'only {"type": "text"} (structured output is not implemented)',
-    ),
     "tools": (
         (CHAT,),
         _tools("tool_choice"),

@@ -21,10 +21,12 @@ import uuid
 from typing import TYPE_CHECKING, Iterator
 
 from specrt.errors import SpecrtError
+from specrt.runtime.grammar import Grammar
 from specrt.runtime.logprobs import MAX_TOP
 from specrt.runtime.sampling import SamplingParams
 from specrt.server.fields import refused_field
 from specrt.server.limits import ServerLimits
+from specrt.server.structured import FIELD, response_format
 
 if TYPE_CHECKING:
     from specrt.runtime.target import GenerationResult
@@ -79,6 +81,7 @@ class Job:
     logprobs: int | None = None  # alternatives per token when the request asks for logprobs; None: it does not
     echo: str = ""  # completions' echo: the prompt, sent before the completion
     n: int = 1  # answers (choices), each a row of the batch with its own random stream
+    grammar: Grammar | None = None  # structured output (response_format): every answer follows it
 
 
 @dataclasses.dataclass
@@ -200,6 +203,10 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
             f"'n' = {n}: this server generates at most {limits.max_batch} answers at once (--max-batch); ask for fewer",
             param="n",
         )
+    try:
+        grammar = response_format(body.get(FIELD))
+    except SpecrtError as e:
+        raise RequestError(f"'{FIELD}': {e}", param=FIELD) from None
     return Job(
         chat,
         prompt_ids,
@@ -213,6 +220,7 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
         logprobs,
         prompt_text,
         n,
+        grammar,
     )
 
 

@@ -42,6 +42,7 @@ from specrt.server.protocol import (
     request_id,
     result_extras,
 )
+from specrt.server.structured import compile_check
 
 _END = object()  # the engine thread's last item on a ticket
 
@@ -194,7 +195,16 @@ def choices(job: Job) -> list[Request]:
         if i and sampling.seed is not None:
             seed = int(np.random.SeedSequence([sampling.seed, i]).generate_state(1, np.uint64)[0] >> 1)
             sampling = dataclasses.replace(sampling, seed=seed)
-        out.append(Request(job.prompt_ids, job.max_tokens, sampling, max_draft=job.max_draft, logprobs=job.logprobs))
+        out.append(
+            Request(
+                job.prompt_ids,
+                job.max_tokens,
+                sampling,
+                max_draft=job.max_draft,
+                logprobs=job.logprobs,
+                grammar=job.grammar,
+            )
+        )
     return out
 
 
@@ -255,7 +265,13 @@ class CompletionService:
     def parse(self, raw: bytes, chat: bool) -> Job:
         """The checked job of a request body (protocol.py); a refusal is counted, then raised."""
         try:
-            return parse_request(raw, chat, self.served)
+            job = parse_request(raw, chat, self.served)
+            if job.grammar is not None:
+                try:
+                    compile_check(job.grammar, self.gen)
+                except SpecrtError as e:
+                    raise RequestError(f"'response_format': {e}", param="response_format") from None
+            return job
         except RequestError as e:
             self.count(outcome_of(e.status))
             raise
