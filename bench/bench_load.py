@@ -4,10 +4,14 @@
                                [--rates 0.25,0.5,1] [--minutes 5] [--disconnect 0.1]
                                [--max-batch 8] [--serve-args '--ray --replicas 2'] [--name load]
 
-Starts a server (a subprocess on a free port), answers every benchmark prompt of the classes
-chat, code editing and JSON once alone (greedy: the reference answers), then offers load for
-`--minutes` in total, split over the arrival rates (Poisson arrivals, requests per second). Each
-request picks a prompt at random, streams or not (half each), and with probability
+Starts a server (a subprocess on a free port), answers every request of the mix once alone
+(greedy: the reference answers), then offers load for
+`--minutes` in total, split over the arrival rates (Poisson arrivals, requests per second). The
+mix (`--mix`): `plain`, the benchmark prompts of the classes chat, code editing and JSON;
+`structured`, the extraction tasks of bench/structured_tasks.jsonl under their JSON schema
+(`response_format`); `rag`, questions about one shared ~500-token document in the system
+message (what the prefix cache serves). Each request picks one of them at random, streams or
+not (half each), and with probability
 `--disconnect` is a client that leaves: a streamed one closes its stream after its first chunks,
 a plain one gives up after a short timeout. Per rate it reports throughput (completion tokens/s
 of the finished requests), time to first token p50/p99 (streamed requests: the first content
@@ -33,6 +37,31 @@ from harness import bench_arguments, envelope, running_server
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CLASSES = ("chat", "code_edit", "json")
+TASKS = ROOT / "bench" / "structured_tasks.jsonl"
+QUESTIONS = ["What does the step graph serve?", "Which engines are built?", "How is the KV cache kept?"]
+
+
+def make_jobs(mix: list[str], prompts_file: Path) -> list[dict]:
+    """The requests of the mix, each {key, messages[, response_format]}."""
+    from specrt.benchmark import load_prompts
+
+    jobs = []
+    if "plain" in mix:
+        for p in load_prompts(prompts_file):
+            if p["class"] in CLASSES:
+                jobs.append({"messages": [{"role": "user", "content": p["prompt"]}]})
+    if "structured" in mix:
+        for line in TASKS.read_text().splitlines():
+            t = json.loads(line)
+            fmt = {"type": "json_schema", "json_schema": {"name": t["name"], "schema": t["schema"]}}
+            jobs.append({"messages": [{"role": "user", "content": t["prompt"]}], "response_format": fmt})
+    if "rag" in mix:
+        doc = "Answer from this document.\n\n" + (ROOT / "docs" / "architecture.md").read_text()[:2400]
+        for q in QUESTIONS:
+            jobs.append({"messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}]})
+    for i, j in enumerate(jobs):
+        j["key"] = i
+    return jobs
 
 
 def pct(values, q):
@@ -42,13 +71,14 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-async def one_request(client, prompt: str, max_tokens: int, stream: bool, leave: bool) -> dict:
+async def one_request(client, job: dict, max_tokens: int, stream: bool, leave: bool) -> dict:
     """One client: its outcome, text, time to first token and inter-token gaps."""
     import openai
 
     t0 = time.perf_counter()
-    messages = [{"role": "user", "content": prompt}]
-    rec = {"stream": stream, "leave": leave, "prompt": prompt}
+    messages = job["messages"]
+    extra = {"response_format": job["response_format"]} if "response_format" in job else {}
+    rec = {"stream": stream, "leave": leave, "key": job["key"], "kind": _kind(job)}
     try:
         if stream:
             resp = await client.chat.completions.create(
@@ -58,6 +88,7 @@ async def one_request(client, prompt: str, max_tokens: int, stream: bool, leave:
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
+                **extra,
             )
             text, last, chunks = "", None, 0
             gaps = []
@@ -82,7 +113,7 @@ async def one_request(client, prompt: str, max_tokens: int, stream: bool, leave:
         else:
             timeout = 0.5 if leave else None
             resp = await client.chat.completions.create(
-                model="specrt", messages=messages, max_tokens=max_tokens, temperature=0, timeout=timeout
+                model="specrt", messages=messages, max_tokens=max_tokens, temperature=0, timeout=timeout, **extra
             )
             rec.update(outcome="ok", text=resp.choices[0].message.content, tokens=resp.usage.completion_tokens)
     except openai.APITimeoutError:
@@ -95,7 +126,11 @@ async def one_request(client, prompt: str, max_tokens: int, stream: bool, leave:
     return rec
 
 
-async def offer_load(base_url: str, prompts: list[str], rate: float, seconds: float, args, rng) -> list[dict]:
+def _kind(job: dict) -> str:
+    return "structured" if "response_format" in job else "rag" if job["messages"][0]["role"] == "system" else "plain"
+
+
+async def offer_load(base_url: str, prompts: list[dict], rate: float, seconds: float, args, rng) -> list[dict]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
@@ -123,11 +158,12 @@ def main():
     ap.add_argument("--disconnect", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="load", help="the result file's name: NAME-DATE.json")
+    ap.add_argument("--mix", default="plain,structured,rag", help="request kinds: plain, structured, rag")
     args = ap.parse_args()
 
-    from specrt.benchmark import load_prompts, write_result_json
+    from specrt.benchmark import write_result_json
 
-    prompts = [p["prompt"] for p in load_prompts(args.prompts) if p["class"] in CLASSES]
+    prompts = make_jobs(args.mix.split(","), args.prompts)
     rates = [float(r) for r in args.rates.split(",")]
     import tempfile
 
@@ -140,7 +176,7 @@ def main():
         alone = {}
         for p in prompts:
             rec = asyncio.run(offer_alone(base, p, args.max_tokens))
-            alone[p] = rec["text"]
+            alone[p["key"]] = rec["text"]
         rng = random.Random(args.seed)
         results = {}
         for rate in rates:
@@ -173,6 +209,7 @@ def main():
             "max_tokens": args.max_tokens,
             "disconnect": args.disconnect,
             "classes": list(CLASSES),
+            "mix": args.mix,
             "prompts": len(prompts),
             "seed": args.seed,
         },  # fmt: skip
@@ -181,7 +218,7 @@ def main():
     print(f"wrote {write_result_json(result, args.out, args.name)}")
 
 
-async def offer_alone(base: str, prompt: str, max_tokens: int) -> dict:
+async def offer_alone(base: str, prompt: dict, max_tokens: int) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
@@ -195,7 +232,7 @@ def summarise(recs: list[dict], alone: dict, wall: float) -> dict:
     ok = [r for r in recs if r["outcome"] == "ok"]
     ttft = [r["ttft"] for r in ok if "ttft" in r]
     itl = [g for r in ok for g in r.get("gaps", [])]
-    same = sum(r["text"] == alone[r["prompt"]] for r in ok)
+    same = sum(r["text"] == alone[r["key"]] for r in ok)
     tokens = sum(r.get("tokens") or 0 for r in ok)  # usage: in the answer, or the stream's last chunk
     errors = [r["outcome"] for r in recs if r["outcome"] not in ("ok", "busy", "disconnected")]
     return {
@@ -212,8 +249,23 @@ def summarise(recs: list[dict], alone: dict, wall: float) -> dict:
         "itl_p99": pct(itl, 99),
         "itl_mean": statistics.mean(itl) if itl else None,
         "same_as_alone": f"{same}/{len(ok)}",
+        "ok_by_kind": {k: sum(r["kind"] == k for r in ok) for k in ("plain", "structured", "rag")},
+        "ttft_p50_by_kind": {
+            k: pct([r["ttft"] for r in ok if r["kind"] == k and "ttft" in r], 50)
+            for k in ("plain", "structured", "rag")
+        },
+        "valid_json": f"{sum(_parses(r['text']) for r in ok if r['kind'] == 'structured')}/"
+        f"{sum(r['kind'] == 'structured' for r in ok)}",
         "seconds": wall,
     }
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except (json.JSONDecodeError, TypeError):
+        return False
 
 
 if __name__ == "__main__":

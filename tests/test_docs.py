@@ -56,7 +56,8 @@ def test_the_readme_shows_its_commands():
 def test_the_readme_python_snippet_runs(tiny_artifacts, capsys):
     """The README's Python API, on the tiny model: its artifact directory for the default
     model's, and without `quantize="gguf"` (the tiny artifacts have no GGUF)."""
-    (snippet,) = code_blocks((ROOT / "README.md").read_text(), "python")
+    text = (ROOT / "README.md").read_text()
+    (snippet,) = code_blocks(text[text.index("## Python API") : text.index("## Serving")], "python")
     code = snippet.replace("artifacts/SmolLM2-135M-Instruct", str(tiny_artifacts)).replace('quantize="gguf", ', "")
     exec(compile(code, "README.md", "exec"), {})
     assert "acceptance" in capsys.readouterr().out

@@ -11,12 +11,12 @@ import pytest
 pytest.importorskip("fastapi", reason="the server needs fastapi (pip install -e .[server])")
 openai = pytest.importorskip("openai", reason="openai is not installed (the test extra)")
 
-from test_server import serving  # noqa: E402
-
 from specrt.runtime.drafts import make_proposer  # noqa: E402
 from specrt.runtime.generator import Generator  # noqa: E402
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy  # noqa: E402
 from specrt.server import CompletionService  # noqa: E402
+
+from test_server import serving  # noqa: E402
 
 PERSON = {
     "type": "object",
@@ -111,3 +111,23 @@ def test_json_schema_answers_validate_and_speculation_changes_no_token(real_gen)
     assert answers["plain"] == answers["suffix"] == answers["grammar"]
     person = valid_person(answers["plain"])
     assert person["name"] == "Maria Lopez" and person["age"] == 34
+
+
+@pytest.mark.real_model
+def test_the_readme_serving_snippet_runs(real_gen, capsys):
+    """The README's `openai` client example against the default model served with `auto`
+    drafts, as `specrt serve` runs it; what it prints in its comments is what it prints."""
+    from pathlib import Path
+
+    from test_docs import code_blocks
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (snippet,) = code_blocks(text[text.index("## Serving") :].split("\n## ")[0], "python")
+    with serving(
+        CompletionService(SpeculativeDecoder(real_gen, make_proposer("auto"), make_policy("auto")), "smol")
+    ) as port:
+        code = snippet.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/v1")
+        exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == '{"name": "Maria Lopez", "age": 34}'
+    assert out[3].startswith("{'draft': 'auto', 'num_draft': 4}")

@@ -148,6 +148,13 @@ def _grammar(json_schema: str | None, regex: str | None):
     help="Prompt tokens prefilled per step while other requests decode (a newcomer's prompt in chunks).",
 )
 @click.option(
+    "--prefix-cache-mb",
+    default=SERVER.prefix_cache_mb,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Memory for the KV of earlier prompts' blocks, reused by requests that start with them (0: off).",
+)
+@click.option(
     "--request-timeout",
     default=SERVER.request_timeout,
     show_default=True,
@@ -168,6 +175,7 @@ def serve(
     max_queue,
     max_batch,
     prefill_budget,
+    prefix_cache_mb,
     request_timeout,
     use_ray,
     replicas,
@@ -192,6 +200,7 @@ def serve(
         max_queue=max_queue,
         max_batch=max_batch,
         prefill_budget=prefill_budget,
+        prefix_cache_mb=prefix_cache_mb,
         request_timeout=request_timeout,
     )
     sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once

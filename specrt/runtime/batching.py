@@ -55,6 +55,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.grammar import Grammar, Matcher
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.logprobs import token_logprobs
+from specrt.runtime.prefix_cache import PrefixCache
 from specrt.runtime.sampling import SamplingParams, next_tokens
 from specrt.runtime.session import Prefilled
 from specrt.runtime.target import GenerationResult, Target
@@ -114,6 +115,7 @@ class _Slot:
     rng: np.random.Generator
     matcher: Matcher | None = None  # its grammar's state, when it has one
     prefilled: int = 0  # prompt tokens in the cache so far
+    looked_up: bool = False  # its prompt was looked up in the prefix cache
     prefill_seconds: float = 0.0
     steps: list[float] = dataclasses.field(default_factory=list)  # the decode steps it was in
     hidden: list[np.ndarray] = dataclasses.field(default_factory=list)  # prompt features, by chunk
@@ -128,11 +130,19 @@ class _Slot:
 
 
 class BatchEngine:
-    def __init__(self, runner, max_batch: int = 8, prefill_budget: int = 64, max_waiting: int | None = None):
+    def __init__(
+        self,
+        runner,
+        max_batch: int = 8,
+        prefill_budget: int = 64,
+        max_waiting: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ):
         """runner: a Generator (plain decoding) or a SpeculativeDecoder; the engine steps with its
         `decoder`. max_batch: slots (requests generating at once); prefill_budget: prompt tokens
         per step while rows decode; max_waiting: requests that may wait for a slot (`submit`
-        refuses more; None: no limit)."""
+        refuses more; None: no limit); prefix_cache: a pool of earlier prompts' KV blocks
+        (runtime/prefix_cache.py; not with a draft that reads the target's features)."""
         if max_batch < 1 or prefill_budget < 1:
             raise SpecrtError(f"max_batch and prefill_budget must be >= 1, got {max_batch} and {prefill_budget}")
         self.decoder: Decoder = runner.decoder
@@ -146,6 +156,7 @@ class BatchEngine:
                 "larger --max-batch"
             )
         self.max_batch, self.prefill_budget, self.max_waiting = max_batch, prefill_budget, max_waiting
+        self.prefix = None if self.decoder.needs_features else prefix_cache
         # a step appends the root and at most max_draft nodes after a row's committed tokens
         self.headroom = self.decoder.policy.max_draft
         self.waiting: collections.deque[_Slot] = collections.deque()
@@ -254,6 +265,11 @@ class BatchEngine:
         for b, s in enumerate(self.slots):
             if s is None or s.generating:
                 continue
+            if not s.looked_up and self.prefix is not None:
+                t0 = time.perf_counter()
+                s.prefilled = self.prefix.lookup(s.prompt, self.cache, b)
+                s.prefill_seconds += time.perf_counter() - t0
+            s.looked_up = True
             while not s.generating and (budget is None or budget > 0):
                 size = self.session.prefill_chunk if budget is None else min(budget, self.session.prefill_chunk)
                 chunk = s.prompt[s.prefilled : s.prefilled + size]
@@ -284,6 +300,8 @@ class BatchEngine:
             s.matcher.advance([first])
         hidden = [np.concatenate(s.hidden)] if self._features else None
         s.hidden = []
+        if self.prefix is not None:  # the prompt's blocks, for later requests that start with them
+            self.prefix.insert(s.prompt, self.cache, b)
         self.decoder.join(self.state, b, s.request, s.rng, s.budget, Prefilled(logits, hidden), s.matcher)
         tokens = self.rows.emit(b, [first])
         top = s.request.logprobs
@@ -316,6 +334,8 @@ class BatchEngine:
             s.steps,
             metrics=self.state.row_metrics[b],
         )
+        if self.prefix is not None:  # the prompt and the answer: what the chat's next turn starts with
+            self.prefix.insert(s.prompt + self.rows.out[b], self.cache, b)
         self._free(b)
         return result
 

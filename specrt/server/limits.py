@@ -16,10 +16,11 @@ class ServerLimits:
     max_batch: int = 8  # requests generating together (continuous batching); 1: one at a time
     prefill_budget: int = 64  # prompt tokens per step while other requests decode
     request_timeout: float = 600.0  # seconds from arrival; a request still running then gets a 504
+    prefix_cache_mb: int = 256  # KV of earlier prompts' blocks kept for reuse (runtime/prefix_cache.py); 0: off
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            v, least = getattr(self, f.name), 0 if f.name == "max_queue" else 1
+            v, least = getattr(self, f.name), 0 if f.name in ("max_queue", "prefix_cache_mb") else 1
             if f.type is float:  # NaN passes every range check; infinity would mean never
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                     raise SpecrtError(f"server limit {f.name} must be a finite number of seconds > 0, got {v!r}")

@@ -17,6 +17,10 @@
     specrt_draft_tokens_total{method}              draft tokens verified, per draft method
     specrt_draft_accepted_tokens_total{method}     of them accepted
     specrt_speculative_steps_total{method}         verification steps
+    specrt_prefix_cache_lookup_tokens_total        prompt tokens looked up in the prefix cache
+    specrt_prefix_cache_hit_tokens_total           of them served from it (hit rate = hit / lookup)
+    specrt_prefix_cache_evicted_blocks_total       blocks evicted to stay under --prefix-cache-mb
+    specrt_prefix_cache_bytes                      the KV the cache holds now
 
 Acceptance rate = accepted / draft tokens; mean accepted length (bonus included, as the runtime
 reports it) = (accepted + steps) / steps; both per method, in PromQL over any window. Each
@@ -65,6 +69,10 @@ class ServerMetrics:
         self.accepted = Counter("specrt_draft_accepted_tokens", "Draft tokens accepted", ["method"], registry=r)
         self.spec_steps = Counter("specrt_speculative_steps", "Verification steps", ["method"], registry=r)
 
+    def watch_prefix_cache(self, pool) -> None:
+        """The prefix cache's counters (runtime/prefix_cache.py), read when /metrics is scraped."""
+        self.registry.register(_PrefixCacheCollector(pool))
+
     def tokens_out(self, gap_seconds: float, count: int) -> None:
         """`count` tokens came out `gap_seconds` after the previous ones (see the module docstring)."""
         for _ in range(count):
@@ -95,3 +103,19 @@ class ServerMetrics:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PrefixCacheCollector:
+    """The pool counts for itself (the engine thread updates plain integers); a scrape reads them."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p = self.pool
+        yield CounterMetricFamily("specrt_prefix_cache_lookup_tokens", "Prompt tokens looked up", value=p.looked_up)
+        yield CounterMetricFamily("specrt_prefix_cache_hit_tokens", "Prompt tokens served from the cache", value=p.hit)
+        yield CounterMetricFamily("specrt_prefix_cache_evicted_blocks", "Blocks evicted", value=p.evicted)
+        yield GaugeMetricFamily("specrt_prefix_cache_bytes", "KV bytes held", value=p.bytes)

@@ -24,6 +24,7 @@ import numpy as np
 
 from specrt.errors import PromptError, SpecrtError
 from specrt.runtime.batching import BatchEngine, Request
+from specrt.runtime.prefix_cache import PrefixCache
 from specrt.runtime.target import GenerationResult, Target
 from specrt.runtime.tokenizer import IncrementalDetokenizer
 from specrt.server.limits import ServerLimits
@@ -227,7 +228,10 @@ class CompletionService:
             decoder.policy.max_draft,
             decoder.policy.setting,
         )
-        self.engine = BatchEngine(runner, max_batch=limits.max_batch, prefill_budget=limits.prefill_budget)
+        self.prefix_cache = PrefixCache(limits.prefix_cache_mb << 20) if limits.prefix_cache_mb else None
+        self.engine = BatchEngine(
+            runner, max_batch=limits.max_batch, prefill_budget=limits.prefill_budget, prefix_cache=self.prefix_cache
+        )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # tickets for the engine thread; None: close
         self._lock = threading.Lock()  # guards the counts below and the worker's start
         self._open = 0  # tickets accepted and not yet closed: what admission counts
@@ -237,6 +241,8 @@ class CompletionService:
         self._worker: threading.Thread | None = None
         self._live: dict[int, _Reply] = {}  # engine request id -> its reply (engine thread only)
         self.metrics = ServerMetrics()
+        if self.engine.prefix is not None:
+            self.metrics.watch_prefix_cache(self.engine.prefix)
 
     @property
     def busy(self) -> bool:
