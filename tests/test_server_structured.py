@@ -131,3 +131,37 @@ def test_the_readme_serving_snippet_runs(real_gen, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == '{"name": "Maria Lopez", "age": 34}'
     assert out[3].startswith("{'draft': 'auto', 'num_draft': 4}")
+
+
+@pytest.mark.real_model
+def test_a_shared_500_token_prefix_comes_from_the_cache(real_gen):
+    """Two questions about one ~500-token document through the openai client: the second one's
+    document comes from the prefix cache (the hit counter says so) and both answers are the
+    ones a server without the cache gives."""
+    from pathlib import Path
+
+    from specrt.server import ServerLimits
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()[:2400]
+    system = {"role": "system", "content": "Answer from this document.\n\n" + doc}
+    questions = ["What does the step graph serve?", "Which engines are built?"]
+    answers = {}
+    for mb in (0, 64):
+        service = CompletionService(real_gen, "smol", ServerLimits(prefix_cache_mb=mb))
+        with serving(service) as port:
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            answers[mb] = [
+                c.chat.completions.create(
+                    model="smol", messages=[system, {"role": "user", "content": q}], max_tokens=24, temperature=0
+                )
+                .choices[0]
+                .message.content
+                for q in questions
+            ]
+        if mb:
+            prompt = real_gen.tokenizer.encode(
+                real_gen.tokenizer.apply_chat_template([system, {"role": "user", "content": questions[1]}])
+            )
+            assert len(prompt) > 500
+            assert service.prefix_cache.hit >= 480  # the document's blocks, 32 tokens each
+    assert answers[0] == answers[64]
