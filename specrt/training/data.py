@@ -1,6 +1,6 @@
 """Training data for draft heads: the target's own answers, and its features over them, on disk.
 
-    answers = generate_answers(gen, prompts, out / "answers.jsonl", max_new_tokens=256, batch=8)
+    answers = generate_answers(gen, prompts, out / "answers.jsonl", max_new_tokens=256, batch=16)
     feats = cache_features(session, answers, out / "features")       # memory-mapped, resumable
     x = feats.sequence(17)                                            # (tokens, H*) float16
 
@@ -8,8 +8,9 @@ Self-distillation: a draft head learns to predict what the target itself says, s
 are the target's (greedy by default) to the prompt set, in its chat template. Both steps can be
 interrupted and run again: finished work is kept and only the rest is done.
 
-- answers.jsonl: one line per prompt (id, prompt_ids, answer_ids, finish_reason), appended
-  batch by batch and flushed; a line cut short by an interruption is dropped on the next run.
+- answers.jsonl: one line per prompt (id, prompt_ids, answer_ids, finish_reason), appended and
+  flushed as each answer finishes (in the order they finish); a line cut short by an
+  interruption is dropped on the next run.
 - features/: `features.npy`, a float16 array (all tokens of all sequences, H*) written through a
   memory map, `index.json` (per sequence: offset, length) and `done.json` (how many sequences are
   complete, written after each one). A sequence is its prompt and its answer; each position holds
@@ -81,8 +82,8 @@ def generate_answers(
     sampling: SamplingParams = SamplingParams(),
     progress: bool = True,
 ) -> list[Answer]:
-    """The target's answers to `prompts` (chat template applied), `batch` prompts per ragged
-    batch; answers already in `path` are kept and not generated again."""
+    """The target's answers to `prompts` (chat template applied), generated `batch` at a time on
+    the continuous batching engine; answers already in `path` are kept and not generated again."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done, clean = _read(path)
@@ -98,22 +99,40 @@ def generate_answers(
     todo = [p for p in prompts if p.id not in have]
     from tqdm import tqdm
 
+    from specrt.runtime.batching import BatchEngine, Request
+
     bar = tqdm(
         total=len(prompts), initial=len(prompts) - len(todo), desc="target answers", unit="prompt", disable=not progress
     )
-    with open(path, "a") as fh:
-        for start in range(0, len(todo), batch):
-            chunk = todo[start : start + batch]
-            ids = [gen.encode_prompt(p.prompt, chat=True) for p in chunk]
-            results = gen.generate_ids(ids, max_new_tokens, sampling)
-            for p, prompt_ids, r in zip(chunk, ids, results):
-                answer = Answer(p.id, prompt_ids, r.token_ids, r.finish_reason)
-                fh.write(json.dumps(dataclasses.asdict(answer)) + "\n")
-                done.append(answer)
+    # a continuous batch: a row that finishes takes the next prompt at once, where a static batch
+    # would wait for its longest answer (runtime/batching.py)
+    engine = BatchEngine(gen, max_batch=batch)
+    owner: dict[int, tuple[Prompt, list[int]]] = {}
+    try:
+        with open(path, "a") as fh:
+            while todo or not engine.idle:
+                while todo and len(owner) < batch:
+                    p = todo.pop(0)
+                    ids = gen.encode_prompt(p.prompt, chat=True)
+                    # a sampled answer draws from its own stream, seeded by (seed, prompt id)
+                    rng = None if sampling.seed is None else np.random.default_rng([sampling.seed, p.id])
+                    owner[engine.submit(Request(ids, max_new_tokens, sampling, rng))] = (p, ids)
+                for event in engine.step():
+                    if event.result is None:
+                        continue
+                    p, ids = owner.pop(event.rid)
+                    answer = Answer(p.id, ids, event.result.token_ids, event.result.finish_reason)
+                    fh.write(json.dumps(dataclasses.asdict(answer)) + "\n")
+                    fh.flush()  # a line at a time: an interruption loses at most the answer being written
+                    done.append(answer)
+                    bar.update(1)
+                    if bar.n % 16 == 0:
+                        os.fsync(fh.fileno())
+                        bar.set_postfix(tokens=sum(len(a.answer_ids) for a in done))
             fh.flush()
             os.fsync(fh.fileno())
-            bar.update(len(chunk))
-            bar.set_postfix(tokens=sum(len(a.answer_ids) for a in done))
+    finally:
+        engine.close()
     bar.close()
     order = {p.id: i for i, p in enumerate(prompts)}
     return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
