@@ -8,10 +8,13 @@ One step of `SpeculativeDecoder.step`, for the active rows of a batch (its `Spec
 the batching engine runs together, runtime/batching.py, the one generation loop):
     propose  the policy picks each row's N from the cost model; the proposer drafts a tree per
              row (greedy rows in one call, a seeded sampled row with its own generator)
+    constrain  a row with a grammar (runtime/grammar.py): the tokens it forces go in front of
+             the draft, and each node gets the grammar's mask after its path
     verify   one target step over [root, draft nodes...] per row, at positions length + depth
              with the tree's ancestor mask (rows may draft different amounts)
     accept   greedy: the path matching the target's argmax; sampling: recursive rejection
-             (verification.py): the output follows the target exactly
+             (verification.py): the output follows the target exactly (a constrained row's
+             target masked at every node)
     commit   the cache keeps the root and the accepted path (`KVCache.keep_path`), the rows emit
              their tokens, and the proposer hears the verdicts (so a draft with state rolls back)
 and `observe` feeds what the step cost and accepted to the metrics and the cost model. A row's
