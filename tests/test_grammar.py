@@ -100,6 +100,16 @@ def test_nothing_is_consumed_after_an_eos_node(loopy_gen):
     assert np.flatnonzero(m.mask()).tolist() == [2]
 
 
+def test_matchers_of_one_grammar_are_independent(loopy_gen):
+    """The vocabulary compiles a grammar once and hands out copies: advancing one request's
+    matcher leaves another's where it was."""
+    vocab, grammar = loopy_gen.vocabulary(), Grammar.regex(r"cde")
+    a, b = vocab.matcher(grammar), vocab.matcher(grammar)
+    a.advance([5, 6])
+    assert np.flatnonzero(a.mask()).tolist() == [7] and np.flatnonzero(b.mask()).tolist() == [5]
+    assert np.flatnonzero(vocab.matcher(grammar).mask()).tolist() == [5]
+
+
 def test_forced_tokens_and_eos(loopy_gen):
     m = loopy_gen.vocabulary().matcher(Grammar.regex(r"cde"))
     assert m.forced(8) == [5, 6, 7] and m.forced(2) == [5, 6] and m.forced(0) == []
@@ -180,8 +190,9 @@ def test_bad_grammars_are_clear_errors(loopy_gen):
         Grammar.json_schema("[1, 2]")
     with pytest.raises(SpecrtError, match="JSON schema cannot be compiled: .*objectx"):
         loopy_gen.vocabulary().matcher(Grammar.json_schema({"type": "objectx"}))
-    with pytest.raises(SpecrtError, match="regex cannot be compiled"):
-        loopy_gen.vocabulary().matcher(Grammar.regex("(c"))
+    for _ in range(2):  # a grammar that failed is not kept: it fails again
+        with pytest.raises(SpecrtError, match="regex cannot be compiled"):
+            loopy_gen.vocabulary().matcher(Grammar.regex("(c"))
     with pytest.raises(SpecrtError, match="non-empty"):
         Grammar.regex("")
     bare = Generator(TorchBackend(random_model(LOOPY, seed=3)))

@@ -2,8 +2,6 @@
 get without the cache, with the shared blocks copied rather than prefilled, under continuous
 batching and speculation; the pool never holds more than its bound; the server counts hits."""
 
-import json
-
 import numpy as np
 import pytest
 
@@ -131,4 +129,3 @@ def test_the_server_counts_prefix_hits(ort_gen):
     assert 0 < metric["specrt_prefix_cache_bytes"] <= 16 << 20
     off = CompletionService(ort_gen, "tiny", ServerLimits(prefix_cache_mb=0))
     assert off.engine.prefix is None and "prefix_cache" not in TestClient(create_app(off)).get("/metrics").text
-    json.dumps(service.stats)

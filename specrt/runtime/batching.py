@@ -265,11 +265,11 @@ class BatchEngine:
         for b, s in enumerate(self.slots):
             if s is None or s.generating:
                 continue
-            if not s.looked_up and self.prefix is not None:
+            if not s.looked_up and self.prefix is not None:  # once, as its prefill begins
                 t0 = time.perf_counter()
                 s.prefilled = self.prefix.lookup(s.prompt, self.cache, b)
                 s.prefill_seconds += time.perf_counter() - t0
-            s.looked_up = True
+                s.looked_up = True
             while not s.generating and (budget is None or budget > 0):
                 size = self.session.prefill_chunk if budget is None else min(budget, self.session.prefill_chunk)
                 chunk = s.prompt[s.prefilled : s.prefilled + size]

@@ -329,12 +329,12 @@ class SpeculativeDecoder(Generates):
         top = out.argmax() if any(state.sampling[b].greedy for b in free) else None  # once, not per row
         for b in rows:
             n, sampling = len(trees[b]) + 1, state.sampling[b]
-            if b in masks:  # a greedy row's logits exist only when something asked for them
-                logits = np.where(masks[b], out.logits[b, :n], -np.inf)
+            # a greedy row's logits exist only when something asked for them (its grammar does)
+            masked = np.where(masks[b], out.logits[b, :n], -np.inf) if b in masks else None
             if sampling.greedy:
-                verdicts[b] = accept_greedy(trees[b], logits.argmax(-1) if b in masks else top[b, :n])
+                verdicts[b] = accept_greedy(trees[b], top[b, :n] if masked is None else masked.argmax(-1))
             else:
-                logits = logits if b in masks else out.logits[b, :n]
+                logits = out.logits[b, :n] if masked is None else masked
                 verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, sampling), state.rng[b])
         return verdicts
 

@@ -18,7 +18,7 @@ import json
 import math
 import time
 import uuid
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from specrt.errors import SpecrtError
 from specrt.runtime.grammar import Grammar
@@ -108,6 +108,8 @@ class Served:
     draft: str = "none"  # the server's draft method ("none": plain decoding)
     max_draft: int = 0  # the most draft tokens its steps verify
     num_draft: int | str = 0  # its speculation length: N, or "auto" (the cost model's)
+    # compiles a request's grammar for the served target (a SpecrtError when it cannot); None: unchecked
+    compile: Callable | None = None
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default, integer: bool = False, lo_open: bool = False):
@@ -205,6 +207,8 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
         )
     try:
         grammar = response_format(body.get(FIELD))
+        if grammar is not None and served.compile is not None:  # now, not as a failed answer later
+            served.compile(grammar)
     except SpecrtError as e:
         raise RequestError(f"'{FIELD}': {e}", param=FIELD) from None
     return Job(

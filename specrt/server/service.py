@@ -43,7 +43,6 @@ from specrt.server.protocol import (
     request_id,
     result_extras,
 )
-from specrt.server.structured import compile_check
 
 _END = object()  # the engine thread's last item on a ticket
 
@@ -227,6 +226,7 @@ class CompletionService:
             decoder.proposer.name,
             decoder.policy.max_draft,
             decoder.policy.setting,
+            lambda grammar: self.gen.vocabulary().matcher(grammar),
         )
         self.prefix_cache = PrefixCache(limits.prefix_cache_mb << 20) if limits.prefix_cache_mb else None
         self.engine = BatchEngine(
@@ -271,13 +271,7 @@ class CompletionService:
     def parse(self, raw: bytes, chat: bool) -> Job:
         """The checked job of a request body (protocol.py); a refusal is counted, then raised."""
         try:
-            job = parse_request(raw, chat, self.served)
-            if job.grammar is not None:
-                try:
-                    compile_check(job.grammar, self.gen)
-                except SpecrtError as e:
-                    raise RequestError(f"'response_format': {e}", param="response_format") from None
-            return job
+            return parse_request(raw, chat, self.served)
         except RequestError as e:
             self.count(outcome_of(e.status))
             raise

@@ -9,7 +9,7 @@
 
 Taken on both endpoints (OpenAI has it on chat; vLLM takes it on completions too). A schema or
 pattern the grammar engine cannot compile is a 400 naming `response_format`, before the request
-queues (CompletionService.parse compiles it once, `compile_check`).
+queues (parse_request compiles it through `Served.compile`; the engine then copies it).
 """
 
 from __future__ import annotations
@@ -41,10 +41,3 @@ def response_format(fmt) -> Grammar | None:
             raise SpecrtError("'json_schema' must be an object with the JSON schema under 'schema' (and a 'name')")
         return Grammar.json_schema(spec["schema"])
     return Grammar.regex(fmt.get("regex")) if kind == "regex" else Grammar.lark(fmt.get("grammar"))
-
-
-def compile_check(grammar: Grammar, target) -> None:
-    """Compile the grammar for the served target once: what the engine cannot compile (an
-    unknown type in a schema, a bad regex) is a 400 before the request queues, not a failed
-    answer later."""
-    target.vocabulary().matcher(grammar)
