@@ -320,7 +320,7 @@ def test_auto_gives_each_row_the_draft_the_judge_values_most_and_keeps_the_rest_
 class _Head:
     """A stand-in for an EAGLE head in auto: chains of its token, the features it was fed."""
 
-    name = "eagle3"
+    name, cost_per_token = "eagle3", True
 
     def __init__(self):
         self.fed, self.sizes = {}, []

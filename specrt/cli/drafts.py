@@ -50,7 +50,10 @@ from specrt.training.families import TRAINED_FAMILIES, TrainOptions
 @click.option("--epochs", default=2.0, show_default=True, type=FiniteFloat(0.0, lo_open=True))
 @click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0.0, lo_open=True))
 @click.option(
-    "--ttt-steps", default=None, type=click.IntRange(min=1), help="Unrolled draft steps (eagle 1, mtp 2, eagle3 3)."
+    "--ttt-steps",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Unrolled draft steps (eagle 1, mtp 2, eagle3 3); peagle: tokens per call (5).",
 )
 @click.option(
     "--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3, medusa, draft-model."

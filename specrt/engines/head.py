@@ -99,6 +99,18 @@ def open_head(draft_dir: str | Path, threads: int = 0, verify: str = "auto") -> 
     return HeadSession(HeadLayout(draft_dir).ort_engine("cpu"), OrtOptions(intra_op_threads=threads), verify)
 
 
+def head_method(draft_dir: str | Path) -> str | None:
+    """The method of the head whose engine is in a `train-draft` directory (None where there is no
+    readable engine: opening it then says what is wrong)."""
+    from specrt.layout import HeadLayout
+
+    try:
+        m = read_manifest(HeadLayout(draft_dir).ort_engine("cpu"), HEAD_ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
+    except Exception:  # ArtifactError and its kin: the proposer's own open reports them
+        return None
+    return m["head"].get("method")
+
+
 HEAD_TRT_KIND = "trt-draft-head"
 HEAD_ENGINE_FILE = "head.engine"
 
@@ -124,10 +136,12 @@ def head_profiles(manifest: dict, shapes: EngineShapes) -> list[tuple[str, dict]
         ProfileSpec(name, batch, q, past).validate()
         kv = q + past
         ids, feats, own, from_draft, pos, mask, pk, pv = HEAD_INPUTS
+        extra = {n: triple(batch, q) for n in family.inputs[len(HEAD_INPUTS) :]}  # a parallel head's mask_depth
         out.append(
             (
                 name,
-                {
+                extra
+                | {
                     ids: triple(batch, q),
                     feats: triple(batch, q, F),
                     own: triple(batch, q, C),

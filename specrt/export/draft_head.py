@@ -61,6 +61,7 @@ class HeadConfig:
     target: ModelConfig  # the target's config: the head's layer has its shape
     layers: tuple[int, ...]  # the target layers the head reads (-1: the final normed state)
     draft_vocab: int  # rows of the head's output projection (the target's vocab for eagle)
+    parallel: int = 0  # peagle: mask depths, the draft tokens after the first one call makes
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -69,6 +70,8 @@ class HeadConfig:
             raise SpecrtError(f"an {self.method} head reads the target's final normed state (layers -1)")
         if self.method in FULL_VOCAB_METHODS and self.draft_vocab != self.target.vocab_size:
             raise SpecrtError(f"an {self.method} head projects through the target's full vocabulary")
+        if (self.method == "peagle") != (self.parallel >= 1):
+            raise SpecrtError(f"a {self.method} head with {self.parallel} mask depths (peagle needs >= 1, others 0)")
         if not 1 <= self.draft_vocab <= self.target.vocab_size:
             raise SpecrtError(f"draft vocabulary {self.draft_vocab} must be in 1..{self.target.vocab_size}")
 
@@ -77,16 +80,18 @@ class HeadConfig:
         return self.target.hidden_size * len(self.layers)
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "method": self.method,
             "target": self.target.to_dict(),
             "layers": list(self.layers),
             "draft_vocab": self.draft_vocab,
         }
+        return d | ({"parallel": self.parallel} if self.parallel else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadConfig":
-        return cls(d["method"], ModelConfig.from_dict(d["target"]), tuple(d["layers"]), int(d["draft_vocab"]))
+        target = ModelConfig.from_dict(d["target"])
+        return cls(d["method"], target, tuple(d["layers"]), int(d["draft_vocab"]), int(d.get("parallel", 0)))
 
 
 class Eagle3Layer(DecoderLayer):
@@ -214,8 +219,10 @@ def head_from_target(target: LlamaModel, hc: HeadConfig, draft_ids=None, seed: i
     head's layer. With the little data a CPU can make, starting from a layer that already
     computes the target's next-token features trains much faster than a random one; fc starts
     as "pass the feature through" (EAGLE-1: the feature half; EAGLE-3: the high layer)."""
+    from specrt.export.head_io import head_family
+
     torch.manual_seed(seed)
-    head = DraftHead(hc)
+    head = head_family(hc.method).load_types()[1](hc)  # the family's module (a DraftHead)
     cfg, C = hc.target, hc.target.hidden_size
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.embed_tokens.weight)

@@ -16,7 +16,8 @@ from specrt.artifacts import ArtifactError, ManifestMismatchError, check_files, 
 from specrt.errors import SpecrtError
 from specrt.export.config import config_from_manifest
 
-METHODS = ("eagle", "eagle3", "mtp")
+METHODS = ("eagle", "eagle3", "mtp", "peagle")
+PARALLEL = "peagle"  # EAGLE-3 with mask entries: the first draft and K - 1 more in the same call
 FULL_VOCAB_METHODS = ("eagle", "mtp")  # read the final normed state, project through the target's head
 
 # the head's step graph I/O, in order (the one definition; the proposer and the exporter read it)
@@ -31,6 +32,8 @@ HEAD_INPUTS = (
     "past_value",
 )
 HEAD_OUTPUTS = ("logits", "hidden", "present_key", "present_value")  # [B,Q,Vd], [B,Q,C], [B,Hkv,Q,D] x2
+# a parallel head's graph: the same, and which entries are mask entries (0: none; d: draft depth d + 1)
+PARALLEL_INPUTS = (*HEAD_INPUTS, "mask_depth")  # [B, Q] int64
 HEAD_DYNAMIC_AXES = {
     "input_ids": {0: "batch", 1: "q"},
     "features": {0: "batch", 1: "q"},
@@ -45,6 +48,7 @@ HEAD_DYNAMIC_AXES = {
     "present_key": {0: "batch", 2: "q"},
     "present_value": {0: "batch", 2: "q"},
 }
+PARALLEL_DYNAMIC_AXES = {**HEAD_DYNAMIC_AXES, "mask_depth": {0: "batch", 1: "q"}}
 WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
 
 
@@ -120,7 +124,14 @@ _EAGLE = HeadFamily(
     HEAD_INPUTS, HEAD_OUTPUTS, True, "specrt.export.draft_head:HeadConfig", "specrt.export.draft_head:DraftHead"
 )
 HEAD_FAMILIES: dict[str, HeadFamily] = {
-    **dict.fromkeys(METHODS, _EAGLE),  # EAGLE-1, EAGLE-3 and MTP share one graph
+    **dict.fromkeys(("eagle", "eagle3", "mtp"), _EAGLE),  # EAGLE-1, EAGLE-3 and MTP share one graph
+    PARALLEL: HeadFamily(
+        PARALLEL_INPUTS,
+        HEAD_OUTPUTS,
+        True,
+        "specrt.export.draft_head:HeadConfig",
+        "specrt.export.parallel_head:ParallelHead",
+    ),
     MEDUSA: HeadFamily(
         MEDUSA_INPUTS, MEDUSA_OUTPUTS, False, "specrt.export.medusa:MedusaConfig", "specrt.export.medusa:MedusaHeads"
     ),

@@ -49,8 +49,10 @@ STEP_WEIGHT = 0.8  # the loss weight of unrolled step k is STEP_WEIGHT ** (k - 1
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    method: str  # "eagle", "eagle3" or "mtp"
-    ttt_steps: int | None = None  # unrolled draft steps (default: 1 for eagle, 3 for eagle3)
+    method: str  # "eagle", "eagle3", "mtp" or "peagle"
+    # unrolled draft steps (default: 1 for eagle, 2 for mtp, 3 for eagle3); peagle: the tokens
+    # one call drafts, K (default 5: the root's entry and K - 1 mask depths)
+    ttt_steps: int | None = None
     epochs: float = 2.0
     lr: float = 1e-3  # small data, few steps: after 31 steps 3e-4 accepted 0.11, 1e-3 0.22, 2e-3 0.26
     warmup: int = 20  # steps of linear warm-up before the cosine decay
@@ -64,7 +66,7 @@ class TrainConfig:
 
     @property
     def steps(self) -> int:
-        return self.ttt_steps or {"eagle": 1, "mtp": 2}.get(self.method, 3)
+        return self.ttt_steps or {"eagle": 1, "mtp": 2, "peagle": 5}.get(self.method, 3)
 
 
 @dataclasses.dataclass
@@ -183,15 +185,20 @@ def ttt_mask(n: int, k: int) -> torch.Tensor:
 
 
 def unrolled(head: DraftHead, batch: Batch, steps: int):
-    """Per unrolled step: (hidden (B, n, C), the entries it scores (B, n) bool)."""
+    """Per unrolled step: (hidden (B, n, C), the entries it scores (B, n) bool). A parallel
+    head's entries after the first step are its mask entries of that depth (export/parallel_head.py)."""
     B, n = batch.ids.shape
+    parallel = head.hc.parallel
     past_k, past_v = head.empty_past(B)
     from_draft = torch.zeros(B, n, dtype=torch.bool)
     prev = torch.zeros(B, n, head.hc.target.hidden_size)
     out = []
     for k in range(1, steps + 1):
         mask = ttt_mask(n, k).unsqueeze(0).expand(B, n, k * n)
-        h, key, value = head.body(batch.ids, batch.feats, prev, from_draft, batch.pos, mask, past_k, past_v)
+        args = (batch.ids, batch.feats, prev, from_draft, batch.pos, mask, past_k, past_v)
+        if parallel:
+            args += (torch.full((B, n), min(k - 1, parallel), dtype=torch.int64),)
+        h, key, value = head.body(*args)
         scored = (batch.labels >= 0) & (torch.arange(n)[None, :] >= k - 1)
         out.append((h, scored))
         past_k, past_v = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
@@ -245,7 +252,7 @@ class HeadTrainer(Trainer):
     @torch.no_grad()
     def evaluate(self, steps: int | None = None) -> dict:
         """Held-out loss, per-step top-1 acceptance and the greedy chain's expected accepted length."""
-        steps = steps or max(self.cfg.steps, 3)
+        steps = steps or (self.cfg.steps if self.head.hc.parallel else max(self.cfg.steps, 3))
         hits, counts, losses = np.zeros(steps), np.zeros(steps), []
         for idx in self.held_batches:
             batch = self.batch_of(self.data.held_out, idx)
@@ -293,8 +300,21 @@ def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftH
 
     size = min(cfg.draft_vocab or 8192, V)
     ids = choose_draft_vocab(data.answer_token_counts(V), size, tuple(target.cfg.eos_token_id))
-    hc = HeadConfig("eagle3", target.cfg, eagle3_layers(target.cfg.num_hidden_layers), size)
-    return head_from_target(target, hc, ids, cfg.seed)
+    layers = eagle3_layers(target.cfg.num_hidden_layers)
+    parallel = cfg.steps - 1 if cfg.method == "peagle" else 0
+    if cfg.method == "peagle" and parallel < 1:
+        raise SpecrtError(f"a parallel head drafts at least 2 tokens per call (--ttt-steps {cfg.steps})")
+    head = head_from_target(target, HeadConfig(cfg.method, target.cfg, layers, size, parallel), ids, cfg.seed)
+    if parallel:
+        from specrt.export.parallel_head import init_masks
+
+        seqs = data.train[:16]
+        cols = feature_columns(data.target_layers, layers, data.hidden_size)
+        with torch.no_grad():
+            emb = head.embed_tokens(torch.from_numpy(np.concatenate([s.tokens[s.prompt_len :] for s in seqs])))
+            feats = torch.from_numpy(np.concatenate([s.features[:, cols] for s in seqs]).astype(np.float32))
+            init_masks(head, emb, head.fc(feats))
+    return head
 
 
 def train_head(
@@ -309,7 +329,7 @@ def train_head(
     trainer = HeadTrainer(head, data, cfg)
     run = run_training(trainer, head, cfg, out_dir / CHECKPOINT, f"train {cfg.method}", progress)
     report = run.report(trainer, data, cfg) | {"train_tokens": int(sum(len(s.tokens) for s in data.train))}
-    if cfg.method == "eagle3":
+    if cfg.method in ("eagle3", "peagle"):
         counts = data.answer_token_counts(head.hc.target.vocab_size)
         report["draft_vocab_coverage"] = round(float(counts[head.draft_to_target].sum() / max(1, counts.sum())), 4)
     return head, report

@@ -54,7 +54,7 @@ def _eagle_config(method: str, o: TrainOptions):
     from specrt.training.eagle import TrainConfig
 
     kw = o.given(*COMMON, "batch_tokens", "ttt_steps")
-    if method == "eagle3":  # the other methods predict the target's whole vocabulary
+    if method in ("eagle3", "peagle"):  # the other methods predict the target's whole vocabulary
         kw |= o.given("draft_vocab")
     return TrainConfig(method, **kw)
 
@@ -78,6 +78,7 @@ _HEAD = "specrt.training.eagle:train_head"
 TRAINED_FAMILIES: dict[str, TrainedFamily] = {
     "eagle": TrainedFamily("an EAGLE-1 head", _eagle_config, _HEAD),
     "eagle3": TrainedFamily("an EAGLE-3 head", _eagle_config, _HEAD),
+    "peagle": TrainedFamily("a parallel EAGLE-3 head (P-EAGLE: --ttt-steps tokens per call)", _eagle_config, _HEAD),
     "mtp": TrainedFamily("an MTP module (DeepSeek-V3 layout)", _eagle_config, _HEAD),
     "medusa": TrainedFamily("Medusa heads", _medusa_config, "specrt.training.medusa:train_medusa"),
     "draft-model": TrainedFamily(

@@ -20,17 +20,27 @@ from specrt.runtime.drafts.hybrid import HybridProposer
 from specrt.runtime.drafts.lookahead import LookaheadProposer
 from specrt.runtime.drafts.medusa import MedusaProposer
 from specrt.runtime.drafts.ngram import NgramProposer
+from specrt.runtime.drafts.parallel import ParallelProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
+
+
+def _head(**options):
+    """The proposer of the EAGLE-family head in options["draft_dir"], by its method."""
+    from specrt.engines.head import head_method
+
+    if head_method(options["draft_dir"]) == "peagle":
+        return ParallelProposer(**options)
+    return EagleProposer(**options)
 
 
 def _auto(**head) -> AutoProposer:
     """The copy drafts, and a trained head when its directory is given (options: EagleProposer's)."""
-    return AutoProposer(head=EagleProposer(**head) if head.get("draft_dir") is not None else None)
+    return AutoProposer(head=_head(**head) if head.get("draft_dir") is not None else None)
 
 
 def _hybrid(**head) -> HybridProposer:
     """The suffix draft and an EAGLE head (options: EagleProposer's)."""
-    return HybridProposer(EagleProposer(**head))
+    return HybridProposer(_head(**head))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +73,7 @@ DRAFT_METHODS: dict[str, DraftMethod] = {
     # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
     "eagle": DraftMethod(functools.partial(EagleProposer, method="eagle"), _HEAD, True, True),
     "eagle3": DraftMethod(functools.partial(EagleProposer, method="eagle3"), _HEAD, True, True),
+    "peagle": DraftMethod(ParallelProposer, "a parallel EAGLE-3 head in --draft-dir (K tokens a call)", True, True),
     # an MTP module drafts as an EAGLE head does
     "mtp": DraftMethod(functools.partial(EagleProposer, method="mtp"), _HEAD, True, True),
     "hybrid": DraftMethod(

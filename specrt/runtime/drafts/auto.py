@@ -120,7 +120,7 @@ class HeadMember:
     def __init__(self, head):
         self.head, self.name = head, head.name
         self.evidence = (head.name, 0)
-        self.times = DraftTimes(WINDOW, per_token=True)  # its calls: (tokens per row, seconds)
+        self.times = DraftTimes(WINDOW, per_token=head.cost_per_token)  # its calls: (tokens per row, seconds)
         self.step_s: collections.deque = collections.deque(maxlen=WINDOW)
         self.unseen: collections.defaultdict[int, list[np.ndarray]] = collections.defaultdict(list)
         self.wanting = 0  # steps with rows no lookup served

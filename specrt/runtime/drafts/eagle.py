@@ -65,6 +65,7 @@ class EagleProposer:
         self.V, self.C = cfg["vocab_size"], cfg["hidden_size"]
         self.kv_shape = (cfg["num_key_value_heads"], cfg["head_dim"])
         self.feature_width = m["head"]["feature_width"]
+        self.parallel = int(m["head"].get("parallel", 0))  # a parallel head's mask depths (parallel.py)
         if tree is not None and (tree[0] < 1 or tree[1] < 1):
             raise SpecrtError(f"tree=(top_k, depth) needs both >= 1, got {tree}")
         self.tree_shape = tree
@@ -126,26 +127,28 @@ class EagleProposer:
     def catch_up(self, inp) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Feed the positions committed since each row's previous proposal (one batched call);
         returns per row the root entry's (draft logits, hidden), from which `draft` goes on."""
-        entries = {}
-        for b, ctx, feats in zip(inp.rows, inp.contexts, inp.features):
-            committed = len(ctx) - 1
-            start = int(self.length[b])
-            if committed - start != len(feats):
-                raise SpecrtError(
-                    f"row {b}: {len(feats)} feature rows for {committed - start} newly committed positions; the "
-                    "speculative loop and the EAGLE draft disagree (a bug)"
-                )
-            if committed == start:
-                raise SpecrtError(f"row {b}: nothing committed since the previous proposal (a bug in the loop)")
-            entries[b] = [
-                (ctx[j + 1], feats[i, self.cols], None, j, list(range(start)), "causal")
-                for i, j in enumerate(range(start, committed))
-            ]
+        entries = {b: self._committed(b, ctx, feats) for b, ctx, feats in zip(inp.rows, inp.contexts, inp.features)}
         out = self._run(entries)
         for b in inp.rows:
             self.length[b] += len(entries[b])  # target-fed entries stay
         self._used.clear()
         return {b: (logits[-1], hidden[-1]) for b, (logits, hidden, _) in out.items()}
+
+    def _committed(self, b: int, ctx, feats) -> list[tuple]:
+        """Row b's entries for the positions committed since its previous proposal (`_run`'s form)."""
+        committed = len(ctx) - 1
+        start = int(self.length[b])
+        if committed - start != len(feats):
+            raise SpecrtError(
+                f"row {b}: {len(feats)} feature rows for {committed - start} newly committed positions; the "
+                "speculative loop and the EAGLE draft disagree (a bug)"
+            )
+        if committed == start:
+            raise SpecrtError(f"row {b}: nothing committed since the previous proposal (a bug in the loop)")
+        return [
+            (ctx[j + 1], feats[i, self.cols], None, j, list(range(start)), "causal")
+            for i, j in enumerate(range(start, committed))
+        ]
 
     def _chains(self, inp, roots):
         greedy = inp.sampling.greedy
@@ -230,8 +233,9 @@ class EagleProposer:
 
     def _run(self, entries: dict) -> dict[int, tuple[np.ndarray, np.ndarray, list[int]]]:
         """One batched head forward. entries: row -> [(token, feature | None, own hidden | None,
-        position, visible cache slots, "causal" | "self")]; "causal": the row's new entries see each
-        other causally (catch-up), "self": only themselves (draft entries). New entries are
+        position, visible cache slots, "causal" | "self"[, mask depth])]; "causal": the row's new
+        entries see each other causally (catch-up), "self": only themselves (draft entries); a
+        mask depth d >= 1 makes a parallel head's mask entry (parallel.py). New entries are
         written to the cache after each row's used slots (`_used`, else `length`) and counted as
         used; the caller decides what stays (catch-up) and what is scratch (drafts). Returns per
         row (logits (n, Vd), hidden (n, C), the cache slots written)."""
@@ -246,13 +250,15 @@ class EagleProposer:
         from_draft = np.zeros((B, Q), bool)
         pos = np.zeros((B, Q), np.int64)
         mask = np.zeros((B, Q, P + Q), bool)
+        depth = np.zeros((B, Q), np.int64)
         for b in range(B):
             rows = entries.get(b, [])
             for i in range(Q):
                 mask[b, i, P + i] = True  # every entry (padding too) sees itself
-            for i, (tok, feat, hid, p, visible, kind) in enumerate(rows):
+            for i, (tok, feat, hid, p, visible, kind, *d) in enumerate(rows):
                 ids[b, i], pos[b, i] = tok, p
-                if feat is None:
+                depth[b, i] = d[0] if d else 0
+                if feat is None and hid is not None:
                     own[b, i], from_draft[b, i] = hid, True
                 else:
                     feats[b, i] = feat
@@ -261,6 +267,8 @@ class EagleProposer:
                     mask[b, i, P : P + i + 1] = True
         past = (np.ascontiguousarray(self.k[:, :, :P]), np.ascontiguousarray(self.v[:, :, :P]))
         feeds = dict(zip(HEAD_INPUTS, (ids, feats, own, from_draft, pos, mask, *past)))
+        if self.parallel:
+            feeds["mask_depth"] = depth
         logits, hidden, pk, pv = self.head.run(feeds)
         self.calls += 1
         out = {}
