@@ -55,6 +55,13 @@ class SpecBenchConfig:
     sweep: bool = True
 
 
+AUTO_HEADS = ("eagle3", "peagle")  # the heads `make drafts` trains that auto takes
+
+
+def _tree(tree) -> dict:
+    return {"tree": tree} if tree else {}
+
+
 def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tuple[str, str, dict]]:
     """(label, method, options) of the trained heads under cfg.drafts (N = auto each)."""
     if cfg.drafts is None:
@@ -66,9 +73,12 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
         if not (entry.needs_draft_dir or entry.head_optional):
             continue
         d = Path(cfg.drafts) / (entry.reads or method)
-        if entry.head_optional:  # auto with the head: its trees where no copy serves
-            shapes = [(f"{method}+{entry.reads}", cfg.tree)]
-        elif entry.reads:  # a composite (hybrid): its trees
+        if entry.head_optional:  # auto with each head it takes: its trees where no copy serves
+            for head in AUTO_HEADS:
+                if HeadLayout(Path(cfg.drafts) / head).ort_engine().is_dir():
+                    out.append((f"{method}+{head}", method, {"draft_dir": Path(cfg.drafts) / head} | _tree(cfg.tree)))
+            continue
+        if entry.reads:  # a composite (hybrid): its trees
             shapes = [(method, cfg.tree)]
         elif entry.takes_tree:
             shapes = [(f"{method} chain", None), (f"{method} tree", cfg.tree)]
@@ -77,7 +87,7 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
         if not HeadLayout(d).ort_engine().is_dir():
             log(f"skipped {', '.join(label for label, _ in shapes)}: no head engine under {d} (make drafts)")
             continue
-        out += [(label, method, {"draft_dir": d, **({"tree": tree} if tree else {})}) for label, tree in shapes]
+        out += [(label, method, {"draft_dir": d} | _tree(tree)) for label, tree in shapes]
     return out
 
 

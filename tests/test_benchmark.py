@@ -83,19 +83,23 @@ def test_the_bench_harness_serves_and_stops(tiny_artifacts, tmp_path):
 def test_head_variants_follow_the_draft_registry(tmp_path):
     """specrt bench --drafts runs every method with weights whose `make drafts` directory has an
     engine (read from DRAFT_METHODS: a new family needs no edit here): chains and trees for
-    the tree-taking heads, auto and the hybrid on the eagle3 head, Medusa and a draft model as they draft."""
+    the tree-taking heads, auto on each head it takes, the hybrid on the eagle3 head, Medusa and
+    a draft model as they draft."""
     from specrt.benchmark import SpecBenchConfig, head_variants
     from specrt.layout import HeadLayout
 
-    for method in ("eagle3", "medusa"):
+    for method in ("eagle3", "peagle", "medusa"):
         HeadLayout(tmp_path / method).ort_engine().mkdir(parents=True)
     logged = []
     cfg = SpecBenchConfig(engine_dir=tmp_path, checkpoint=None, prompts=tmp_path, out_dir=tmp_path, drafts=tmp_path)
     got = [(label, method, opts.get("tree")) for label, method, opts in head_variants(cfg, logged.append)]
     assert got == [
         ("auto+eagle3", "auto", cfg.tree),
+        ("auto+peagle", "auto", cfg.tree),
         ("eagle3 chain", "eagle3", None),
         ("eagle3 tree", "eagle3", cfg.tree),
+        ("peagle chain", "peagle", None),
+        ("peagle tree", "peagle", cfg.tree),
         ("hybrid", "hybrid", cfg.tree),
         ("medusa", "medusa", None),
     ]

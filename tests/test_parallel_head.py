@@ -30,7 +30,7 @@ K = 4  # tokens a call drafts: the root's entry and 3 mask depths
 
 
 def make_parallel_dir(checkpoint, out, draft_vocab=None, seed=0):
-    """An untrained parallel head (the target's last layer, random mask shifts so that each
+    """An untrained parallel head (the target's last layer, random mask entries so that each
     depth drafts something of its own), exported and built in `out`."""
     target = load_model(checkpoint)
     cfg = target.cfg
@@ -71,10 +71,18 @@ def test_engine_matches_the_pytorch_head_and_reads_the_mask_entries(parallel_dir
     got = session.run(None, dict(zip(PARALLEL_INPUTS, (t.numpy() for t in inputs))))
     for a, b in zip(got, want):
         assert np.abs(a - b.numpy()).max() <= 1e-4 * max(1.0, float(b.abs().max()))
-    with torch.no_grad():  # a mask entry reads its depth's shift
+    with torch.no_grad():  # a mask entry reads its depth's parameters
         other = head(*base, (depth + 1) % K)[0]
     masked = depth > 0
     assert masked.any() and not torch.allclose(other[masked], want[0][masked])
+    # and not its token or feature: entries that see only themselves, all mask entries
+    B, Q, P = base[0].shape[0], base[0].shape[1], base[6].shape[2]
+    alone = torch.zeros(B, Q, P + Q, dtype=torch.bool)
+    alone[:, torch.arange(Q), P + torch.arange(Q)] = True
+    with torch.no_grad():
+        a = head(*base[:5], alone, *base[6:], torch.ones_like(depth))[0]
+        b = head(base[0] + 1, -base[1], *base[2:5], alone, *base[6:], torch.ones_like(depth))[0]
+    assert torch.allclose(a, b)
 
 
 def test_trt_profiles_carry_the_mask_depth(parallel_dir):
@@ -85,12 +93,11 @@ def test_trt_profiles_carry_the_mask_depth(parallel_dir):
 
 def reference_drafts(head, features, tokens, committed, n):
     """The greedy draft of n tokens after `committed` positions, the head run from scratch: the
-    committed entries, then mask entries of depths 1..n-1 (reading the root entry's token and
-    feature), one causal forward."""
+    committed entries, then mask entries of depths 1..n-1, one causal forward."""
     Q = committed + n - 1
-    ids = np.full(Q, tokens[committed], np.int64)
+    ids = np.zeros(Q, np.int64)
     ids[:committed] = tokens[1 : committed + 1]
-    feats = np.repeat(features[committed - 1 : committed], Q, axis=0).astype(np.float32)
+    feats = np.zeros((Q, head.hc.feature_width), np.float32)
     feats[:committed] = features[:committed]
     depth = np.zeros(Q, np.int64)
     depth[committed:] = np.arange(1, n)
@@ -136,7 +143,7 @@ def test_training_lowers_the_held_out_loss(training_data, tiny_checkpoint, tmp_p
     assert report["steps"] == report["planned_steps"] > 4
     assert report["held_out"]["loss"] < 0.9 * report["held_out_before"]["loss"]
     trained = head.mask_hidden.detach()
-    assert not torch.allclose(trained[0], trained[1])  # each depth learnt its own shift
+    assert not torch.allclose(trained[0], trained[1])  # each depth learnt its own mask entry
 
 
 @pytest.mark.parametrize("tree", [None, (3, 4)], ids=["chain", "tree"])

@@ -196,12 +196,8 @@ def unrolled(head: DraftHead, batch: Batch, steps: int):
     for k in range(1, steps + 1):
         mask = ttt_mask(n, k).unsqueeze(0).expand(B, n, k * n)
         args = (batch.ids, batch.feats, prev, from_draft, batch.pos, mask, past_k, past_v)
-        if parallel and k > 1:  # mask entries read their root's token and feature, k - 1 entries back
-            ids, feats = _shifted(batch.ids, k - 1), _shifted(batch.feats, k - 1)
-            depth = torch.full((B, n), min(k - 1, parallel), dtype=torch.int64)
-            args = (ids, feats, prev, torch.zeros_like(from_draft), batch.pos, mask, past_k, past_v, depth)
-        elif parallel:
-            args += (torch.zeros(B, n, dtype=torch.int64),)
+        if parallel:
+            args += (torch.full((B, n), min(k - 1, parallel), dtype=torch.int64),)
         h, key, value = head.body(*args)
         scored = (batch.labels >= 0) & (torch.arange(n)[None, :] >= k - 1)
         out.append((h, scored))
@@ -209,11 +205,6 @@ def unrolled(head: DraftHead, batch: Batch, steps: int):
         prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # own output, one position on
         from_draft = torch.ones(B, n, dtype=torch.bool)
     return out
-
-
-def _shifted(x: torch.Tensor, by: int) -> torch.Tensor:
-    """x moved `by` places along dim 1 (x[:, j - by] at j; zeros before)."""
-    return torch.cat([torch.zeros_like(x[:, :by]), x[:, :-by]], dim=1)
 
 
 class HeadTrainer(Trainer):
@@ -313,7 +304,17 @@ def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftH
     parallel = cfg.steps - 1 if cfg.method == "peagle" else 0
     if cfg.method == "peagle" and parallel < 1:
         raise SpecrtError(f"a parallel head drafts at least 2 tokens per call (--ttt-steps {cfg.steps})")
-    return head_from_target(target, HeadConfig(cfg.method, target.cfg, layers, size, parallel), ids, cfg.seed)
+    head = head_from_target(target, HeadConfig(cfg.method, target.cfg, layers, size, parallel), ids, cfg.seed)
+    if parallel:
+        from specrt.export.parallel_head import init_masks
+
+        seqs = data.train[:16]
+        cols = feature_columns(data.target_layers, layers, data.hidden_size)
+        with torch.no_grad():
+            emb = head.embed_tokens(torch.from_numpy(np.concatenate([s.tokens[s.prompt_len :] for s in seqs])))
+            feats = torch.from_numpy(np.concatenate([s.features[:, cols] for s in seqs]).astype(np.float32))
+            init_masks(head, emb, head.fc(feats))
+    return head
 
 
 def train_head(

@@ -1,8 +1,7 @@
 """`peagle`: a parallel EAGLE-3 head (P-EAGLE) drafts K tokens in one head call.
 
 The head (export/parallel_head.py) is an EAGLE-3 head whose entries after the root's are mask
-entries, one per draft depth (each reads the root's token and feature and its depth's learned
-shift), so one call feeds the positions committed since the row's last
+entries, one per draft depth, so one call feeds the positions committed since the row's last
 proposal (their real features: the catch-up) and K - 1 mask entries behind them, and returns
 the logits of all K draft tokens. An EAGLE-3 chain of K tokens costs a catch-up call and K - 1
 more; on a CPU, where a call's fixed cost is most of a small head's time, that is the point.
@@ -50,8 +49,8 @@ class ParallelProposer(EagleProposer):
         for b in inp.rows:
             start = int(self.length[b])
             new = pending[b]
-            token, feature, _, root = new[-1][:4]  # the root's entry: what every mask entry reads
-            masks = [(token, feature, None, root + d, list(range(start)), "causal", d) for d in range(1, n)]
+            root = new[-1][3]  # the root's entry position (its token's parent)
+            masks = [(0, None, None, root + d, list(range(start)), "causal", d) for d in range(1, n)]
             entries[b] = new + masks
         try:
             out = self._run(entries)
