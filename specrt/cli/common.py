@@ -238,7 +238,7 @@ def _with_engine_options(fn, draft: str):
             default=None,
             help=f"--draft {_methods(lambda m: m.needs_draft_dir)}: the draft's directory (specrt train-draft --out, "
             f"specrt import-mtp, or make drafts); optional for --draft {_methods(lambda m: m.head_optional)}: an "
-            "EAGLE-1, EAGLE-3 or MTP head it may draft with.",
+            "EAGLE-1, EAGLE-3, peagle or MTP head it may draft with.",
         ),
         click.option(
             "--draft-tree",

@@ -86,7 +86,7 @@ def train_draft(
     max_minutes,
     tensorrt,
 ):
-    """Train a draft (an EAGLE-1, EAGLE-3 or MTP head, Medusa heads, a distilled draft model) on
+    """Train a draft (an EAGLE-1, EAGLE-3, parallel EAGLE-3 or MTP head, Medusa heads, a distilled draft model) on
     the target's own answers (self-distillation), then export it to ONNX and build its engine.
     Every step resumes where an interrupted run stopped."""
     from specrt.training.pipeline import TrainDraftSpec, train_draft

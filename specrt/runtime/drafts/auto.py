@@ -12,7 +12,7 @@ lookups mostly propose the same tokens where both match, so their union costs po
 little. Why the choice is lossless: it reads only what was emitted before the step, so each step
 verifies a tree fixed before the target is consulted, as any draft's; its trees are point masses.
 
-With a trained head (`--draft auto --draft-dir DIR`: an EAGLE-1, EAGLE-3 or MTP head), the head
+With a trained head (`--draft auto --draft-dir DIR`: an EAGLE-1, EAGLE-3, peagle or MTP head), the head
 is a member too: a row gets the head's draft when the head's judged speedup, after its own time
 (a line through its calls' times per drafted token, over a target step's time), beats the row's
 best lookup draft's and 1. The head's drafts have evidence of their own, (its method, 0), and
