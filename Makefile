@@ -58,7 +58,7 @@ drafts: build-engines
 	$(SPECRT) train-draft --method medusa --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
 		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/medusa --epochs 3 --max-minutes 8
 	$(SPECRT) train-draft --method peagle --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
-		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/peagle --epochs 3 --max-minutes 12
+		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/peagle --epochs 3 --max-minutes 15
 
 # plain decoding on the fastest exact engine: the GGUF's own 4-bit blocks
 generate: build-engines

@@ -43,7 +43,7 @@ def last_line(r) -> str:
         # the tree was silently ignored (Medusa refused it)
         (
             ["--draft", "lookahead", "--draft-tree", "4,6"],
-            "--draft-tree is for --draft auto, eagle, eagle3, mtp, hybrid",
+            "--draft-tree is for --draft auto, eagle, eagle3, peagle, mtp, hybrid",
         ),
         (["--draft", "auto", "--draft-tree", "4,6"], "shapes the head's drafts: give its --draft-dir too"),
         (["--draft", "suffix", "--draft-tree", "2,3"], "not --draft suffix"),
