@@ -231,7 +231,8 @@ def _head(manifest: dict) -> list[str]:
     h, t = manifest["head"], manifest["target"]
     lines = [
         f"  head        {h['method']}: reads target layers {h['layers']}, draft vocabulary {h['draft_vocab']}"
-        + (f", {h['num_heads']} heads of {h['top_k']} candidates" if "num_heads" in h else ""),
+        + (f", {h['num_heads']} heads of {h['top_k']} candidates" if "num_heads" in h else "")
+        + (f", {h['parallel'] + 1} draft tokens a call" if h.get("parallel") else ""),
         f"  target      checkpoint {t['checkpoint_hash'][:19]}…, trained against its {t['precision']} engine",
     ]
     held = (manifest.get("training") or {}).get("held_out")

@@ -184,3 +184,13 @@ def test_sampled_parallel_follows_the_target(small_target, tree, tmp_path):  # n
     prop = make_proposer("peagle", draft_dir=layout.root, target=gen.session.caps, tree=tree)
     spec = SpeculativeDecoder(gen, prop, make_policy(3))
     assert two_token_pvalue(gen, spec, rounds=12, new_tokens=3) > 1e-3
+
+
+def test_inspect_names_the_draft_tokens_a_call(parallel_dir):
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    r = CliRunner().invoke(main, ["inspect", str(parallel_dir.root)])
+    assert r.exit_code == 0, r.output
+    assert "peagle: reads target layers" in r.output and f"{K} draft tokens a call" in r.output
