@@ -194,3 +194,17 @@ def test_inspect_names_the_draft_tokens_a_call(parallel_dir):
     r = CliRunner().invoke(main, ["inspect", str(parallel_dir.root)])
     assert r.exit_code == 0, r.output
     assert "peagle: reads target layers" in r.output and f"{K} draft tokens a call" in r.output
+
+
+def test_one_token_a_call_is_refused_before_any_data_is_made(tiny_checkpoint, tmp_path):
+    """--ttt-steps 1 for a parallel head is refused at once (a clear error, not after minutes of
+    answers), and nothing is written."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    out = tmp_path / "p"
+    args = ["train-draft", "--method", "peagle", "--ttt-steps", "1", "--model", str(tiny_checkpoint), "--out", str(out)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code != 0 and "at least 2 tokens a call" in r.output and "Traceback" not in r.output
+    assert not out.exists()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from specrt.artifacts import (
+    ArtifactError,
     atomic_dir,
     check_files,
     cpu_model,
@@ -106,7 +107,7 @@ def head_method(draft_dir: str | Path) -> str | None:
 
     try:
         m = read_manifest(HeadLayout(draft_dir).ort_engine("cpu"), HEAD_ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
-    except Exception:  # ArtifactError and its kin: the proposer's own open reports them
+    except (ArtifactError, OSError):  # the proposer's own open reports them
         return None
     return m["head"].get("method")
 

@@ -48,6 +48,7 @@ from specrt.export.head_io import (
     HEAD_INPUTS,
     HEAD_OUTPUTS,
     METHODS,
+    PARALLEL,
     WEIGHTS_FILE,
     default_target_layers,
     eagle3_layers,
@@ -70,7 +71,7 @@ class HeadConfig:
             raise SpecrtError(f"an {self.method} head reads the target's final normed state (layers -1)")
         if self.method in FULL_VOCAB_METHODS and self.draft_vocab != self.target.vocab_size:
             raise SpecrtError(f"an {self.method} head projects through the target's full vocabulary")
-        if (self.method == "peagle") != (self.parallel >= 1):
+        if (self.method == PARALLEL) != (self.parallel >= 1):
             raise SpecrtError(f"a {self.method} head with {self.parallel} mask depths (peagle needs >= 1, others 0)")
         if not 1 <= self.draft_vocab <= self.target.vocab_size:
             raise SpecrtError(f"draft vocabulary {self.draft_vocab} must be in 1..{self.target.vocab_size}")

@@ -26,7 +26,7 @@ from the start, lost more at the first than the second gained.
 The graph is the EAGLE-3 head's with one more input, `mask_depth` [B, Q] (0: an ordinary entry,
 d >= 1: a mask entry of depth d), so the rest (export, engines, the cache) is the EAGLE head's.
 Trained like EAGLE-3's training-time test, with mask entries in place of the head's own outputs
-at every unrolled step after the first (training/parallel.py).
+at every unrolled step after the first (training/eagle.py, `unrolled`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from specrt.errors import SpecrtError
 from specrt.export.draft_head import DraftHead, HeadConfig, head_from_target
-from specrt.export.head_io import feature_columns
+from specrt.export.head_io import PARALLEL, feature_columns
 from specrt.export.llama import LlamaModel
 from specrt.training.data import Answer, FeatureCache
 from specrt.training.loop import CHECKPOINT, Trainer, run_training
@@ -64,9 +64,13 @@ class TrainConfig:
     checkpoint_every: int = 25
     max_minutes: float | None = None  # stop (with a checkpoint) after this many minutes of training
 
+    def __post_init__(self):
+        if self.method == PARALLEL and self.ttt_steps is not None and self.ttt_steps < 2:
+            raise SpecrtError(f"a parallel head drafts at least 2 tokens a call; --ttt-steps {self.ttt_steps} is 1")
+
     @property
     def steps(self) -> int:
-        return self.ttt_steps or {"eagle": 1, "mtp": 2, "peagle": 5}.get(self.method, 3)
+        return self.ttt_steps or {"eagle": 1, "mtp": 2, PARALLEL: 5}.get(self.method, 3)
 
 
 @dataclasses.dataclass
@@ -301,9 +305,7 @@ def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftH
     size = min(cfg.draft_vocab or 8192, V)
     ids = choose_draft_vocab(data.answer_token_counts(V), size, tuple(target.cfg.eos_token_id))
     layers = eagle3_layers(target.cfg.num_hidden_layers)
-    parallel = cfg.steps - 1 if cfg.method == "peagle" else 0
-    if cfg.method == "peagle" and parallel < 1:
-        raise SpecrtError(f"a parallel head drafts at least 2 tokens per call (--ttt-steps {cfg.steps})")
+    parallel = cfg.steps - 1 if cfg.method == PARALLEL else 0
     head = head_from_target(target, HeadConfig(cfg.method, target.cfg, layers, size, parallel), ids, cfg.seed)
     if parallel:
         from specrt.export.parallel_head import init_masks
@@ -329,7 +331,7 @@ def train_head(
     trainer = HeadTrainer(head, data, cfg)
     run = run_training(trainer, head, cfg, out_dir / CHECKPOINT, f"train {cfg.method}", progress)
     report = run.report(trainer, data, cfg) | {"train_tokens": int(sum(len(s.tokens) for s in data.train))}
-    if cfg.method in ("eagle3", "peagle"):
+    if cfg.method in ("eagle3", PARALLEL):
         counts = data.answer_token_counts(head.hc.target.vocab_size)
         report["draft_vocab_coverage"] = round(float(counts[head.draft_to_target].sum() / max(1, counts.sum())), 4)
     return head, report

@@ -12,6 +12,7 @@ import functools
 from typing import Callable
 
 from specrt.errors import SpecrtError
+from specrt.export.head_io import PARALLEL
 from specrt.runtime.drafts.auto import AutoProposer
 from specrt.runtime.drafts.base import DraftInput, GrammarDrafts, Proposer
 from specrt.runtime.drafts.draft_model import DraftModelProposer
@@ -28,7 +29,7 @@ def _head(**options):
     """The proposer of the EAGLE-family head in options["draft_dir"], by its method."""
     from specrt.engines.head import head_method
 
-    if head_method(options["draft_dir"]) == "peagle":
+    if head_method(options["draft_dir"]) == PARALLEL:
         return ParallelProposer(**options)
     return EagleProposer(**options)
 

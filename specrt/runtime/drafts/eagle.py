@@ -258,9 +258,9 @@ class EagleProposer:
             for i, (tok, feat, hid, p, visible, kind, *d) in enumerate(rows):
                 ids[b, i], pos[b, i] = tok, p
                 depth[b, i] = d[0] if d else 0
-                if feat is None and hid is not None:
+                if hid is not None:
                     own[b, i], from_draft[b, i] = hid, True
-                else:
+                elif feat is not None:  # a mask entry reads neither (its depth's parameters)
                     feats[b, i] = feat
                 mask[b, i, visible] = True
                 if kind == "causal":

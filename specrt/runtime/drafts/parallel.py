@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrt.export.head_io import PARALLEL
 from specrt.runtime.drafts.dynamic_tree import TreeBuilder
 from specrt.runtime.drafts.eagle import CONFIDENCE, EagleProposer
 from specrt.runtime.sampling import probs_from_logits, sample_from_probs
@@ -32,7 +33,7 @@ class ParallelProposer(EagleProposer):
     cost_per_token = False  # one head call for any draft up to K tokens
 
     def __init__(self, draft_dir, target, tree=None, threads: int = 0, verify: str = "auto"):
-        super().__init__(draft_dir, target, tree, threads, verify, method="peagle")
+        super().__init__(draft_dir, target, tree, threads, verify, method=PARALLEL)
         self.K = self.parallel + 1  # tokens one call drafts
 
     def catch_up(self, inp) -> dict:
