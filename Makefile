@@ -86,7 +86,7 @@ bench-quant: build-engines
 	$(PY) bench/bench_quant.py --artifacts $(ARTIFACTS)
 
 gpu-check:
-	PYTHON=$(PY) bash scripts/gpu_check.sh
+	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(ARTIFACTS)

@@ -1,40 +1,44 @@
-"""GPU check: one short run that decides whether the GPU paths work, block by block.
+"""GPU check: one short run that decides whether the GPU paths work and what they cost.
 
-    bash scripts/gpu_check.sh                   (an NVIDIA GPU, CUDA PyTorch; TensorRT optional)
-    python scripts/gpu_check.py --device cpu    (the CPU fallback: the same blocks, no graphs)
+    bash scripts/gpu_check.sh                           the one command on a GPU machine
+    python scripts/gpu_check.py --device cpu [--tiny]   the CPU mode: every block that needs no GPU
 
-Every block ends in one line, PASS, FAIL or SKIP (with the reason); an exception inside a block
-is that block's FAIL (its message printed), never a pass; the exit status is 1 if any block
-failed. Blocks:
+Each block ends in one verdict line: PASS or FAIL (a check that can fail), INFO (a measurement),
+SKIP (with the reason). An exception inside a block is that block's FAIL, with its first
+traceback printed whole; after a CUDA error that leaves the context unusable (a sticky error)
+the remaining GPU blocks are skipped, not run into the same error. The JSON (`gpu-check.json`)
+and the log (`gpu-check.log`) are written to the output folder ($OUT, else --out, else
+bench/results/gpu-check-DATE on a GPU and a temporary folder on the CPU) after every block, so a
+run cut short keeps what it measured. The exit status is 1 if a block failed.
 
-    env         GPU, SM, driver, torch and CUDA, TensorRT / TensorRT-RTX (or absent), TF32 state
-    accuracy    per backend x {eager, graphs}: max |logit difference| against the CPU float32
-                reference at prefill and at Q = 1, 5, 17 after it (same cache state), the smallest
-                top-1/top-2 margin of the reference, and top-1 agreement wherever that margin is
-                over twice the difference seen (where rounding cannot decide, it is not counted)
-    graphs      captures counted; a replay equals the eager step on identical inputs, again after
-                another shape was captured, and after a switch to another cache (a new capture)
-    speed       per step at Q = 1 and 17: GPU time (CUDA events) and wall time, eager and graphs;
-                plain decoding tokens/s with and without graphs
-    generation  greedy speculative output (suffix draft) == plain, and a continuous batch's
-                answers == each prompt's answer alone, with graphs
-    tensorrt    the same accuracy and graph blocks for a TensorRT engine exported and built here,
-                where full TensorRT is installed (TensorRT-RTX does not run on SM80/SM90 GPUs)
-    memory      peak GPU memory
+Blocks, in order (the decisive ones first; the speed blocks stop at the time budget):
+
+    env         INFO  GPU, SM, driver, torch and CUDA, TensorRT / TensorRT-RTX or absent, TF32
+    accuracy    PASS/FAIL  logits against the CPU float32 reference, eager and graphs (gpu_blocks.py)
+    graphs      PASS/FAIL  capture counts exactly [0, 1, 2, 3], replays == eager, a second
+                generation captures nothing
+    syncs       PASS/FAIL  host syncs of one graph decode step <= 1
+    greedy      PASS/FAIL  3 prompts x 48 greedy tokens against the CPU at batch 1 (eager,
+                graphs) and batch 3 (graphs); a mismatch names its index and margin
+    generation  PASS/FAIL  greedy speculative == plain, continuous batch == alone
+    sweep       INFO  wall / GPU / host ms per step, batch 1-16 x positions 1-33, eager and graphs
+    decode      INFO  tokens/s, plain and speculative (suffix), batch 1 and 8, eager and graphs
+    tensorrt    PASS/FAIL/SKIP  accuracy and graphs of a TensorRT engine built here, where installed
+    memory      INFO  peak GPU memory
 
 Uses the default model when `models/SmolLM2-135M-Instruct` exists, else random weights with its
-exact config (the same shapes and costs; token ids instead of text). Writes JSON to $OUT (else
-bench/results/ on a GPU, /tmp on the CPU).
+exact config (the same shapes and costs; token ids instead of text); --tiny: a tiny config (CI).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -44,16 +48,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_blocks as blocks  # noqa: E402
+import gpu_sweep as speed  # noqa: E402
 
 from specrt.artifacts import package_versions  # noqa: E402
 from specrt.export.config import ModelConfig  # noqa: E402
 from specrt.export.llama import LlamaModel  # noqa: E402
 from specrt.runtime.backends import TorchBackend  # noqa: E402
-from specrt.runtime.batching import BatchEngine, Request  # noqa: E402
-from specrt.runtime.drafts import make_proposer  # noqa: E402
-from specrt.runtime.generator import Generator  # noqa: E402
-from specrt.runtime.session import StepSession  # noqa: E402
-from specrt.runtime.speculative import SpeculativeDecoder, make_policy  # noqa: E402
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"],
@@ -71,22 +74,22 @@ SMOLLM2 = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-TOLERANCE = 2e-2  # max |logit difference| of a float32 GPU step (TF32 off) against float32 on the CPU
-QS = (1, 5, 17)
+TINY = {**SMOLLM2, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+TINY.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def load():
+def load(tiny: bool):
     ckpt = ROOT / "models" / "SmolLM2-135M-Instruct"
-    if (ckpt / "config.json").is_file():
+    if not tiny and (ckpt / "config.json").is_file():
         from specrt.export.checkpoint import load_model
 
         return load_model(ckpt), "SmolLM2-135M-Instruct", ckpt
     torch.manual_seed(0)
-    model = LlamaModel(ModelConfig.from_hf_dict(SMOLLM2))
+    model = LlamaModel(ModelConfig.from_hf_dict(TINY if tiny else SMOLLM2))
     with torch.no_grad():  # spread-out logits (margins well above rounding) from random weights
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.05 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-    return model.eval(), "random weights, SmolLM2-135M config", None
+    return model.eval(), f"random weights, {'a tiny' if tiny else 'SmolLM2-135M'} config", None
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -95,26 +98,61 @@ def prompts(vocab: int) -> list[list[int]]:
     return [base * 3, [int(t) for t in rng.integers(3, vocab, 64)], base[:20] * 4]
 
 
+def cuda_broken() -> bool:
+    """Whether the CUDA context is unusable (a sticky error: every later call fails the same way)."""
+    try:
+        torch.cuda.synchronize()
+        return False
+    except Exception:  # noqa: BLE001 - any failure here means the context is gone
+        return True
+
+
 class Report:
-    """Blocks with one verdict each; a block that raises is a FAIL with its message."""
+    """Blocks with one verdict each, saved (JSON and log) after every block."""
 
-    def __init__(self):
-        self.blocks: dict[str, dict] = {}
+    def __init__(self, out: Path, meta: dict):
+        self.out, self.meta, self.blocks = out, meta, {}
+        self.sticky: str | None = None  # the block whose CUDA error broke the context
+        self.traceback_shown = False
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = open(out / "gpu-check.log", "a", buffering=1)
 
-    def run(self, name: str, fn, *args):
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+        self.log.write(line + "\n")
+
+    def run(self, name: str, fn, *args, gpu: bool = True):
+        if gpu and self.sticky:
+            return self.record(name, "SKIP", {"reason": f"skipped: the CUDA context broke in block {self.sticky}"})
         t0 = time.perf_counter()
         try:
             verdict, details = fn(*args)
         except Exception as e:  # noqa: BLE001 - an error is this block's failure, reported, not raised
-            verdict = "FAIL"
-            details = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc().strip().splitlines()[-3:]}
+            verdict, details = "FAIL", {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            if not self.traceback_shown:
+                self.traceback_shown = True
+                self.say(details["traceback"].rstrip())
+            if torch.cuda.is_available() and cuda_broken():
+                self.sticky = name
         details["seconds"] = round(time.perf_counter() - t0, 1)
+        return self.record(name, verdict, details)
+
+    def record(self, name: str, verdict: str, details: dict):
         self.blocks[name] = {"verdict": verdict, **details}
         reason = details.get("reason") or details.get("error") or ""
-        print(f"[{verdict:<4}] {name}{': ' + reason if reason else ''}  ({details['seconds']} s)", flush=True)
+        took = f"  ({details['seconds']} s)" if "seconds" in details else ""
+        self.say(f"[{verdict:<4}] {name}{': ' + reason if reason else ''}{took}")
         for line in details.get("lines", []):
-            print(f"         {line}")
+            self.say(f"         {line}")
+        self.save()
         return verdict, details
+
+    def save(self, **extra) -> Path:
+        path = self.out / "gpu-check.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({**self.meta, "blocks": self.blocks, **extra}, indent=2, default=str))
+        os.replace(tmp, path)  # a reader never sees half a file
+        return path
 
     @property
     def failed(self) -> bool:
@@ -135,9 +173,8 @@ def env_block(device: str):
         cap = torch.cuda.get_device_capability(0)
         info.update(gpu=torch.cuda.get_device_name(0), sm=f"SM{cap[0]}{cap[1]}", driver=_driver())
     else:
-        info.update(gpu="none (CPU fallback)")
-    lines = [", ".join(f"{k} {v}" for k, v in info.items())]
-    return "PASS", {"info": info, "lines": lines}
+        info.update(gpu="none (the CPU mode)")
+    return "INFO", {"info": info, "lines": [", ".join(f"{k} {v}" for k, v in info.items())]}
 
 
 def _version(flavour: str) -> str:
@@ -150,174 +187,21 @@ def _version(flavour: str) -> str:
 
 
 def _driver() -> str:
-    try:
-        import subprocess
+    import subprocess
 
+    try:
         return subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
         ).stdout.strip()
-    except OSError:
+    except (OSError, subprocess.SubprocessError):
         return "nvidia-smi not found"
 
 
-# -- accuracy ---------------------------------------------------------------------------------------
-
-
-def compare_steps(backend, reference, prompt: list[int]) -> list[dict]:
-    """Logits of `backend` against `reference` at prefill (every prompt position) and at Q = 1, 5,
-    17 new positions after it, each from the same committed cache."""
-    a, b = StepSession(backend), StepSession(reference)
-    ca, cb = a.new_cache(1, len(prompt) + 64), b.new_cache(1, len(prompt) + 64)
-    rows = [_diff("prefill", a.forward(ca, [prompt]).logits, b.forward(cb, [prompt]).logits)]
-    length = int(ca.lengths[0])
-    for q in QS:
-        new = [(7 * i + 11) % (backend.config.vocab_size - 3) + 3 for i in range(q)]
-        rows.append(_diff(f"Q={q}", a.forward(ca, [new]).logits, b.forward(cb, [new]).logits))
-        ca.rollback(np.array([length]))
-        cb.rollback(np.array([length]))
-    a.release(ca)
-    return rows
-
-
-def _diff(where: str, got: np.ndarray, ref: np.ndarray) -> dict:
-    got, ref = got[0].astype(np.float64), ref[0].astype(np.float64)  # (positions, V)
-    delta = float(np.abs(got - ref).max())
-    top2 = np.sort(ref, axis=-1)[:, -2:]
-    margin = top2[:, 1] - top2[:, 0]
-    decidable = margin > 2 * delta
-    agree = got.argmax(-1) == ref.argmax(-1)
-    return {
-        "where": where,
-        "max_abs_diff": delta,
-        "min_margin": float(margin.min()),
-        "decidable": int(decidable.sum()),
-        "positions": int(len(ref)),
-        "top1_agree_decidable": int((agree & decidable).sum()),
-        "top1_agree_all": int(agree.sum()),
-    }
-
-
-def accuracy_block(backends: dict, reference, ps):
-    rows, ok = {}, True
-    lines = [f"{'backend':<16}{'step':<9}{'max |d|':>10}{'min margin':>12}{'top-1 (decidable)':>20}{'top-1 all':>11}"]
-    for name, backend in backends.items():
-        rows[name] = compare_steps(backend, reference, ps[1])
-        for r in rows[name]:
-            good = r["max_abs_diff"] < TOLERANCE and r["top1_agree_decidable"] == r["decidable"]
-            ok &= good
-            lines.append(
-                f"{name:<16}{r['where']:<9}{r['max_abs_diff']:>10.2e}{r['min_margin']:>12.2e}"
-                f"{r['top1_agree_decidable']:>11}/{r['decidable']:<8}{r['top1_agree_all']:>6}/{r['positions']:<4}"
-                f"{'' if good else '  <- FAIL'}"
-            )
-    return ("PASS" if ok else "FAIL"), {"rows": rows, "lines": lines, "tolerance": TOLERANCE}
-
-
-# -- graphs -----------------------------------------------------------------------------------------
-
-
-def graphs_block(make_graphs, make_eager, ps):
-    """A graph replay against the eager step on identical inputs: first capture, replay, after
-    another shape was captured, and on another cache (which must be captured anew)."""
-    g, e = make_graphs(), make_eager()
-    sg, se = StepSession(g), StepSession(e)
-    prompt = ps[0][:48]
-    cg, ce = sg.new_cache(1, 128), se.new_cache(1, 128)
-    sg.forward(cg, [prompt])
-    se.forward(ce, [prompt])
-    length = len(prompt)
-
-    def step(session, cache, tokens):
-        out = session.forward(cache, [tokens]).logits
-        cache.rollback(np.array([length]))
-        return out
-
-    one, five = [11], [12, 13, 14, 15, 16]
-    eager1, eager5 = step(se, ce, one), step(se, ce, five)
-    checks, counts = {}, [len(g._graphs)]
-    first = step(sg, cg, one)
-    counts.append(len(g._graphs))
-    checks["first capture == eager"] = _close(first, eager1)
-    checks["replay == eager"] = _close(step(sg, cg, one), eager1)
-    checks["other shape captured == eager"] = _close(step(sg, cg, five), eager5)
-    checks["replay after another shape == eager"] = _close(step(sg, cg, one), eager1)
-    counts.append(len(g._graphs))
-    sg.release(cg)
-    other = sg.new_cache(1, 512)  # another buffer: its graphs are captured anew
-    sg.forward(other, [prompt])
-    out = sg.forward(other, [one]).logits
-    checks["another cache == eager"] = _close(out, eager1)
-    counts.append(len(g._graphs))
-    checks["captures: 1 per shape, again for another cache"] = counts[1] > counts[0] and counts[3] > counts[2]
-    lines = [f"{'ok  ' if v else 'FAIL'} {k}" for k, v in checks.items()] + [f"graphs held after each stage: {counts}"]
-    return ("PASS" if all(checks.values()) else "FAIL"), {"checks": checks, "graph_counts": counts, "lines": lines}
-
-
-def _close(a: np.ndarray, b: np.ndarray, tol: float = 1e-3) -> bool:
-    return bool(np.abs(a.astype(np.float64) - b.astype(np.float64)).max() < tol)
-
-
-# -- speed ------------------------------------------------------------------------------------------
-
-
-def step_times(backend, device: str, q: int, past: int = 512, repeats: int = 20) -> tuple[float, float]:
-    """(GPU ms, wall ms) of a step of Q positions after `past` committed ones (medians)."""
-    s = StepSession(backend)
-    cache = s.new_cache(1, past + 64)
-    s.forward(cache, [[(5 + i) % 1000 + 3 for i in range(past)]])
-    gpu, wall = [], []
-    for _ in range(repeats):
-        cache.rollback(np.array([past]))
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t = time.perf_counter()
-        s.forward(cache, [list(range(5, 5 + q))])
-        if device == "cuda":
-            end.record()
-            torch.cuda.synchronize()
-            gpu.append(start.elapsed_time(end))
-        wall.append((time.perf_counter() - t) * 1e3)
-    s.release(cache)
-    return (statistics.median(gpu[3:]) if gpu else float("nan")), statistics.median(wall[3:])
-
-
-def speed_block(backends: dict, device: str, ps):
-    rows, lines = {}, [f"{'backend':<16}" + "".join(f"{'Q=' + str(q) + ' gpu/wall ms':>22}" for q in (1, 17))]
-    for name, backend in backends.items():
-        times = {q: step_times(backend, device, q) for q in (1, 17)}
-        gen = Generator(backend)
-        gen.eos_ids = frozenset()
-        tok_s = statistics.median(gen.generate_ids([ps[1]], 128)[0].decode_tokens_per_second for _ in range(3))
-        rows[name] = {"step_ms": {q: {"gpu": g, "wall": w} for q, (g, w) in times.items()}, "decode_tok_s": tok_s}
-        lines.append(
-            f"{name:<16}" + "".join(f"{g:>12.2f} /{w:>7.2f}" for g, w in times.values()) + f"   {tok_s:.1f} tok/s"
-        )
-    return "PASS", {"rows": rows, "lines": lines}
-
-
-# -- generation -------------------------------------------------------------------------------------
-
-
-def generation_block(make_backend, ps):
-    gen = Generator(make_backend())
-    gen.eos_ids = frozenset()
-    plain = [r.token_ids for r in gen.generate_ids(ps, 64)]
-    spec = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4))
-    checks = {"greedy speculative == plain": [r.token_ids for r in spec.generate_ids(ps, 64)] == plain}
-    alone = [gen.generate_ids([p], 24)[0].token_ids for p in ps]
-    batched = BatchEngine(gen, max_batch=2).run([Request(p, 24) for p in ps], [0, 0, 3])
-    checks["continuous batch == alone"] = [r.token_ids for r in batched] == alone
-    lines = [f"{'ok  ' if v else 'FAIL'} {k}" for k, v in checks.items()]
-    return ("PASS" if all(checks.values()) else "FAIL"), {"checks": checks, "lines": lines}
-
-
-# -- TensorRT ---------------------------------------------------------------------------------------
-
-
-def tensorrt_engine(model, ckpt, device: str) -> tuple[Path | None, str]:
-    """(engine directory, note): exported and built here for this GPU; None with the reason."""
+def tensorrt_status(device: str) -> tuple[str | None, str]:
+    """(flavour to check, note): None with the reason when TensorRT cannot be checked here."""
     from specrt.engines.trt import available_flavours
 
     if device != "cuda":
@@ -326,15 +210,18 @@ def tensorrt_engine(model, ckpt, device: str) -> tuple[Path | None, str]:
     if not flavours:
         return None, "neither tensorrt nor tensorrt_rtx is installed"
     cap = torch.cuda.get_device_capability(0)
-    if flavours == ["tensorrt-rtx"] and cap[0] * 10 + cap[1] in (80, 90):
-        return None, f"only TensorRT-RTX is installed, which does not support SM{cap[0]}{cap[1]}; install tensorrt"
-    import tempfile
+    if flavours == ["tensorrt-rtx"] and cap in ((8, 0), (9, 0)):
+        return None, f"only TensorRT-RTX is installed, which does not run on SM{cap[0]}{cap[1]}; install tensorrt"
+    return flavours[0], ""
 
+
+def tensorrt_block(model, ckpt, config: dict, flavour: str, reference, ps):
     from safetensors.torch import save_file
 
     from specrt.engines.profiles import EngineShapes
     from specrt.engines.trt import TrtBuildSpec, build_trt_engine
     from specrt.export.step_graph import export_step_graph
+    from specrt.runtime.backends import TrtBackend
 
     tmp = Path(tempfile.mkdtemp(prefix="specrt-gpu-check-"))
     if ckpt is None:  # random weights: write them as a checkpoint to export from
@@ -344,86 +231,108 @@ def tensorrt_engine(model, ckpt, device: str) -> tuple[Path | None, str]:
         if model.cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, str(ckpt / "model.safetensors"))
-        (ckpt / "config.json").write_text(json.dumps(SMOLLM2))
+        (ckpt / "config.json").write_text(json.dumps(config))
     export_step_graph(ckpt, tmp / "onnx")
-    flavour = flavours[0]
     caps = ("CURRENT",) if flavour == "tensorrt-rtx" else ()
-    shapes = EngineShapes(max_batch=3, max_context=1024)
-    build_trt_engine(
-        tmp / "onnx", tmp / "engine", TrtBuildSpec(flavour=flavour, shapes=shapes, compute_capabilities=caps)
+    spec = TrtBuildSpec(flavour=flavour, shapes=EngineShapes(max_batch=3, max_context=1024), compute_capabilities=caps)
+    engine = build_trt_engine(tmp / "onnx", tmp / "engine", spec)
+    backends = {f"{flavour}{' graphs' if g else ''}": TrtBackend(engine, cuda_graphs=g) for g in (False, True)}
+    verdict, details = blocks.accuracy_block(backends, reference, ps)
+    g_verdict, g_details = blocks.graphs_block(
+        lambda: TrtBackend(engine, cuda_graphs=True), lambda: TrtBackend(engine, cuda_graphs=False), ps
     )
-    return tmp / "engine", flavour
+    failures = [f for b in backends.values() for f in b.capture_failures]
+    lines = details["lines"] + g_details["lines"] + ([f"capture failures: {failures}"] if failures else [])
+    ok = verdict == g_verdict == "PASS"
+    return ("PASS" if ok else "FAIL"), {"accuracy": details, "graphs": g_details, "lines": lines}
 
 
-# -- main -------------------------------------------------------------------------------------------
+def parse(argv):
+    p = argparse.ArgumentParser(description="The GPU check (see the module docstring).")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model and a small sweep (CI)")
+    p.add_argument("--out", help="output folder (default: $OUT, else bench/results/gpu-check-DATE)")
+    p.add_argument("--budget", type=float, default=290.0, help="seconds; the speed blocks stop in time for it")
+    return p.parse_args(argv)
 
 
-def main() -> int:
-    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+def main(argv=None) -> int:
+    args = parse(argv)
+    device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU visible to torch (torch.cuda.is_available() is False); nothing to check")
         return 2
-    report = Report()
-    report.run("env", env_block, device)
-    model, what, ckpt = load()
-    print(f"model: {what}", flush=True)
+    start = time.perf_counter()
+    today = datetime.date.today().isoformat()
+    default = ROOT / "bench" / "results" / f"gpu-check-{today}" if device == "cuda" else None
+    out = Path(os.environ.get("OUT") or args.out or default or tempfile.mkdtemp(prefix="gpu-check-"))
+    model, what, ckpt = load(args.tiny)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "model": what,
+        "versions": package_versions("torch", "numpy"),
+    }
+    report = Report(out, meta)
+    report.say(f"gpu_check: {what} on {device}; results in {out}")
+    report.run("env", env_block, device, gpu=False)
     reference = TorchBackend(model)  # float32 on the CPU
     dev_model = LlamaModel(model.cfg).eval()
     dev_model.load_state_dict(model.state_dict())
     ps = prompts(model.cfg.vocab_size)
 
-    def torch_backend(graphs: bool):
-        backend = TorchBackend(dev_model, device=device, cuda_graphs=graphs)
+    def backend(graphs: bool):
+        b = TorchBackend(dev_model, device=device, cuda_graphs=graphs)
         if device == "cpu":  # the device-resident cache path, as on a GPU
-            backend.caps = dataclasses.replace(backend.caps, cache_device="cpu")
-        return backend
+            b.caps = dataclasses.replace(b.caps, cache_device="cpu")
+        return b
 
-    modes = (False, True) if device == "cuda" else (False,)
-    backends = {f"torch{' graphs' if g else ''}": torch_backend(g) for g in modes}
-    report.run("accuracy", accuracy_block, backends, reference, ps)
-    if device == "cuda":
-        report.run("graphs", graphs_block, lambda: torch_backend(True), lambda: torch_backend(False), ps)
+    cuda = device == "cuda"
+    modes = ("eager", "graphs") if cuda else ("eager",)
+    no_gpu = {"reason": "needs a CUDA GPU"}
+    checked = [f"torch {m}" for m in modes]
+    report.run("accuracy", blocks.accuracy_block, {f"torch {m}": backend(m == "graphs") for m in modes}, reference, ps)
+    if cuda:
+        report.run("graphs", blocks.graphs_block, lambda: backend(True), lambda: backend(False), ps)
+        report.run("syncs", blocks.syncs_block, lambda: backend(True), ps)
     else:
-        report.blocks["graphs"] = {"verdict": "SKIP", "reason": "CUDA graphs need a GPU"}
-        print("[SKIP] graphs: CUDA graphs need a GPU")
-    report.run("speed", speed_block, backends, device, ps)
-    report.run("generation", generation_block, lambda: torch_backend(device == "cuda"), ps)
+        report.record("graphs", "SKIP", dict(no_gpu))
+        report.record("syncs", "SKIP", dict(no_gpu))
+    runs = [("batch 1, eager", False, 1)] + (
+        [("batch 1, graphs", True, 1), ("batch 3, graphs", True, 3)] if cuda else []
+    )
+    report.run("greedy", blocks.greedy_block, reference, backend, ps, runs)
+    report.run("generation", blocks.generation_block, lambda: backend(cuda), ps)
 
-    def tensorrt():
-        engine, note = tensorrt_engine(model, ckpt, device)
-        if engine is None:
-            return "SKIP", {"reason": note}
-        from specrt.runtime.backends import TrtBackend
+    def sweep():
+        grid = ((1, 2), (1, 3, 9)) if args.tiny else (speed.BATCHES, speed.POSITIONS)
+        deadline = start + args.budget - (30 if args.tiny else 75)  # what the blocks after it need
+        result = speed.sweep(backend, modes, *grid, deadline=deadline)
+        return "INFO", {**result, "lines": speed.sweep_lines(result)}
 
-        trt_backends = {f"{note}{' graphs' if g else ''}": TrtBackend(engine, cuda_graphs=g) for g in (False, True)}
-        verdict, details = accuracy_block(trt_backends, reference, ps)
-        g_verdict, g_details = graphs_block(
-            lambda: TrtBackend(engine, cuda_graphs=True), lambda: TrtBackend(engine, cuda_graphs=False), ps
-        )
-        s_verdict, s_details = speed_block(trt_backends, device, ps)
-        capture_failures = [f for b in trt_backends.values() for f in b.capture_failures]
-        lines = details["lines"] + g_details["lines"] + s_details["lines"]
-        lines += [f"capture failures: {capture_failures}"] if capture_failures else []
-        ok = verdict == g_verdict == "PASS"
-        return ("PASS" if ok else "FAIL"), {"accuracy": details, "graphs": g_details, "lines": lines}
+    def decode():
+        rows = speed.decode_speed(backend, modes, ps[0][:16] * 8, tokens=32 if args.tiny else 128)
+        return "INFO", {"rows": rows, "lines": speed.decode_lines(rows)}
 
-    report.run("tensorrt", tensorrt)
-    if device == "cuda":
+    report.run("sweep", sweep)
+    report.run("decode", decode)
+    flavour, note = tensorrt_status(device)
+    not_checked = {f: note for f in ("tensorrt", "tensorrt-rtx") if f != flavour}
+    if flavour is None:
+        report.record("tensorrt", "SKIP", {"reason": note})
+    else:
+        report.run("tensorrt", tensorrt_block, model, ckpt, TINY if args.tiny else SMOLLM2, flavour, reference, ps)
+        checked.append(flavour)
+        not_checked = {f: f"one flavour is checked, {flavour}" for f in not_checked}
+    if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
-        report.blocks["memory"] = {"verdict": "PASS", "peak_mib": round(peak, 1)}
-        print(f"[PASS] memory: peak {peak:.0f} MiB allocated by torch")
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "model": what,
-        "versions": package_versions("torch", "numpy"),
-        "blocks": report.blocks,
-    }
-    out = Path(os.environ.get("OUT") or (ROOT / "bench" / "results" if device == "cuda" else "/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"gpu-check-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
-    print(f"gpu_check.py: {'FAIL' if report.failed else 'PASS'} ({path})")
+        report.record(
+            "memory", "INFO", {"peak_mib": round(peak, 1), "lines": [f"peak {peak:.0f} MiB allocated by torch"]}
+        )
+    verdict = "FAIL" if report.failed else "PASS"
+    path = report.save(verdict=verdict, checked=checked, not_checked=not_checked)
+    skipped = "; ".join(f"{f} ({why})" for f, why in not_checked.items())
+    report.say(f"gpu_check.py: {verdict}; checked: {', '.join(checked)}; not checked: {skipped} ({path})")
     return 1 if report.failed else 0
 
 

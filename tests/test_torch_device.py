@@ -145,7 +145,7 @@ def test_graph_path_bookkeeping_with_emulated_capture(reference, spec):
     assert first >= 1
     # decode and verification shapes only: the prefill chunks (Q 7 and 10, logits at the last
     # position) ran eagerly, not captured
-    assert all(q == 1 or k == q for (_, _, _, (_, q), (_, k)) in backend._graphs)
+    assert all(q == 1 or k == q for (*_, (_, q), (_, k)) in backend._graphs)
     assert [r.token_ids for r in runner.generate_ids(PROMPTS, 40)] == expected[spec]
     assert len(captures) == first  # the second generation replayed the first one's graphs
     a, b = interleaved(runner, PROMPTS, 40)  # two caches alive at once: graphs must not mix them up

@@ -182,7 +182,10 @@ class LlamaModel(nn.Module):
             # the reduced head's logits scattered into the vocabulary; the other tokens get the
             # most negative float (probability 0), so the runtime reads logits as from any model
             full = torch.full(
-                (*logits.shape[:-1], self.cfg.vocab_size), torch.finfo(logits.dtype).min, dtype=logits.dtype
+                (*logits.shape[:-1], self.cfg.vocab_size),
+                torch.finfo(logits.dtype).min,
+                dtype=logits.dtype,
+                device=logits.device,
             )
             index = self.output_ids.expand(*logits.shape[:-1], self.cfg.output_vocab)
             logits = full.scatter(-1, index, logits)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.export.step_io import attention_mask
+from specrt.runtime.transfer import to_device
 
 
 class KVCache:
@@ -110,7 +111,9 @@ class KVCache:
                 import torch
 
                 stack = torch.stack
-                rows, src, dst = (torch.from_numpy(a).to(self.device) for a in (rows, src, dst))
+                # one asynchronous copy of the three index arrays (pinned staging): a blocking copy
+                # each would make the host wait for the GPU three times a step
+                rows, src, dst = to_device(np.concatenate([rows, src, dst]), self.device).split(len(rows))
             for buffer, new in (
                 (self.keys, stack([k for k, _ in present])),
                 (self.values, stack([v for _, v in present])),

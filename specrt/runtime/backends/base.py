@@ -96,6 +96,14 @@ def graphable(cuda_graphs: bool, q_len: int, logits_positions: int, max_graph_q:
     return cuda_graphs and q_len <= max_graph_q and (q_len == 1 or logits_positions == q_len)
 
 
+def cache_key(cache) -> tuple:
+    """What a CUDA graph captured on `cache` bakes in: both buffers' addresses, shapes and
+    strides (so every layer's and row's slice address follows; a row view of a larger cache has
+    other strides than a whole cache at the same address) and the capacity."""
+    k, v = cache.keys, cache.values
+    return (k.data_ptr(), v.data_ptr(), tuple(k.shape), tuple(k.stride()), tuple(v.stride()), cache.capacity)
+
+
 def device_logits(logits, want_logits: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(logits, top1) on the host from a torch tensor of logits: the logits when wanted, else only
     their argmax, computed where the logits are."""

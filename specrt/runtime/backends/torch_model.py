@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import (
     MAX_GRAPHS,
     Capabilities,
     StepBackend,
     StepOutput,
+    cache_key,
     device_logits,
     gather_rows,
     graphable,
 )
+from specrt.runtime.transfer import to_device
 
 
 class TorchBackend(StepBackend):
@@ -48,9 +48,10 @@ class TorchBackend(StepBackend):
         self.model = model.eval().to(self.device)
         self.config = model.cfg
         self.cuda_graphs, self.max_graph_q = cuda_graphs, max_graph_q
-        self._graphs: dict = {}  # (cache address, capacity, (B, Q), (B, K)) -> (graph, static inputs, static outputs)
+        self._graphs: dict = {}  # (cache_key, (B, Q), (B, K)) -> (graph, static inputs, static outputs)
         self._pool = None  # the memory pool every graph is captured into (one, shared)
         self._stream = None  # the side stream graphs are captured on
+        self.captures = 0  # graphs captured so far (a recapture counts again: the GPU check reads it)
         # a graph is bound to its cache: pooled caches (reuse_cache) let graphs outlive one generation
         self.caps = Capabilities(
             cache_device=None if self.device.type == "cpu" else str(self.device),
@@ -79,12 +80,9 @@ class TorchBackend(StepBackend):
         import torch
 
         arrays = (input_ids, position_ids, attention_mask, logits_index)
-        inputs = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True) for a in arrays]
+        inputs = [to_device(a, self.device) for a in arrays]  # asynchronous copies (pinned staging)
         with torch.inference_mode():
-            if graphable(self.cuda_graphs, input_ids.shape[1], logits_index.shape[1], self.max_graph_q):
-                outs = self._replay(inputs, cache)
-            else:
-                outs = self._forward(*inputs, self._past(cache))
+            outs = self.enqueue(inputs, cache)
         logits, hidden, flat = outs[0], outs[1], outs[2:]
         present = list(zip(flat[0::2], flat[1::2]))
         hidden = None if hidden_index is None else gather_rows(hidden, hidden_index).float().cpu().numpy()
@@ -93,17 +91,20 @@ class TorchBackend(StepBackend):
         logits, top1 = device_logits(logits, want_logits)
         return StepOutput(logits, hidden, present, top1=top1)
 
+    def enqueue(self, inputs, cache) -> list:
+        """The step on inputs already on the device (ids, positions, mask, logits index), through
+        its CUDA graph where it has one, else eagerly; returns the output tensors (logits, hidden,
+        then keys and values per layer) without reading anything back to the host, so on a GPU
+        the work is only enqueued (the GPU check times steps back to back this way)."""
+        if graphable(self.cuda_graphs, inputs[0].shape[1], inputs[3].shape[1], self.max_graph_q):
+            return self._replay(inputs, cache)
+        return self._forward(*inputs, self._past(cache))
+
     def _replay(self, inputs, cache):
         """Run the step through a CUDA graph captured for this (batch, Q, cache)."""
         # a graph is bound to the cache buffers' address and shape; pooled caches (reuse_cache) keep both
         # every buffer the graph reads or writes is in the key: both cache tensors, not the keys alone
-        key = (
-            cache.keys.data_ptr(),
-            cache.values.data_ptr(),
-            cache.capacity,
-            tuple(inputs[0].shape),
-            tuple(inputs[3].shape),
-        )
+        key = (*cache_key(cache), tuple(inputs[0].shape), tuple(inputs[3].shape))
         if key not in self._graphs:
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.clear()
@@ -111,6 +112,7 @@ class TorchBackend(StepBackend):
             static_in = [t.clone() for t in inputs]
             past = self._past(cache)
             replay, static_out = self._capture(lambda: self._forward(*static_in, past))
+            self.captures += 1
             self._graphs[key] = (replay, static_in, static_out)
         replay, static_in, static_out = self._graphs[key]
         for dst, src in zip(static_in, inputs):

@@ -21,9 +21,12 @@
   deferred shape updates) and replayed with its inputs copied into static buffers. Every step of
   a profile rebinds that profile's one context, and TensorRT promises nothing for a graph whose
   context was bound otherwise since its capture, so before a replay the context gets the graph's
-  captured binding (shapes and addresses) back, unless it still has it; a context
-  that reports `is_stream_capturable() == False` (TensorRT 10), or whose capture fails (TensorRT
-  11 has no such query), runs that shape without a graph (`capture_failures` says which, why).
+  captured binding (shapes and addresses) back, unless it still has it. That binding is kept
+  as names, shapes and addresses, not tensors, so a graph holds no reference to the cache it was
+  captured on (a dropped cache's memory is freed, not kept until graphs are cleared). A shape
+  whose capture fails runs without a graph (`capture_failures` says which, why).
+- Inputs reach the GPU by asynchronous copies from pinned staging memory (`runtime/transfer.py`),
+  so a step makes the host wait once, for its tokens or logits.
   TensorRT-RTX captures graphs itself (`IRuntimeConfig.cuda_graph_strategy =
   WHOLE_GRAPH_CAPTURE`), so there the flag turns that on.
 
@@ -34,8 +37,6 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-
-import numpy as np
 
 from specrt.engines.profiles import CACHE_ALIGN
 from specrt.engines.trt import (
@@ -54,10 +55,12 @@ from specrt.runtime.backends.base import (
     Capabilities,
     StepBackend,
     StepOutput,
+    cache_key,
     device_logits,
     gather_rows,
     graphable,
 )
+from specrt.runtime.transfer import copy_into, to_device
 
 # TensorRT DataType member name -> torch dtype name
 _TORCH_DTYPES = {
@@ -148,9 +151,10 @@ class TrtBackend(StepBackend):
             self._contexts.append(ctx)
         self.cuda_graphs = cuda_graphs and not rtx_graphs  # our own capture (full TensorRT)
         self.max_graph_q = max_graph_q
-        # (keys and values addresses, capacity, profile, B, Q, K) -> (graph, static inputs, outputs), or None
+        # (cache_key, profile, B, Q, K) -> (graph, static inputs, outputs, binding), or None
         self._graphs: dict = {}
         self.capture_failures: list[str] = []  # shapes whose capture failed (they run without graphs)
+        self.captures = 0  # graphs captured so far (a recapture counts again: the GPU check reads it)
         self._applied: dict[int, dict | None] = {}  # per profile: the graph binding its context holds now
         self._input_names = set(StepIO(self.config.num_hidden_layers).input_names)
         self.caps = Capabilities(
@@ -220,10 +224,7 @@ class TrtBackend(StepBackend):
     def _inputs(self, arrays: dict) -> dict:
         import torch
 
-        return {
-            n: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, getattr(torch, self._io_dtypes[n]))
-            for n, a in arrays.items()
-        }
+        return {n: to_device(a, self.device, getattr(torch, self._io_dtypes[n])) for n, a in arrays.items()}
 
     def _bind(self, profile: int, inputs: dict, cache) -> dict:
         """Set the input shapes and every tensor address on the profile's context; returns the outputs."""
@@ -232,7 +233,7 @@ class TrtBackend(StepBackend):
         ctx = self._contexts[profile]
         self._applied[profile] = None  # bound anew: no captured graph's binding any more
         bound = self._with_cache(inputs, cache)
-        self._apply(profile, bound)
+        self._apply(profile, _binding(bound))
         out = {}
         for name, dtype in self._io_dtypes.items():
             if name in bound:
@@ -244,7 +245,7 @@ class TrtBackend(StepBackend):
                     "profiles."
                 )
             out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            self._address(ctx, name, out[name])
+            self._address(ctx, name, shape, out[name].data_ptr())
         return out
 
     @staticmethod
@@ -255,13 +256,14 @@ class TrtBackend(StepBackend):
             bound.update(zip(io.past(i), cache.past(i)))
         return bound
 
-    def _apply(self, profile: int, tensors: dict) -> None:
-        """Bind tensors on the profile's context: the shape of each input, the address of each."""
+    def _apply(self, profile: int, binding: dict) -> None:
+        """Bind on the profile's context {name: (shape, address)}: the shape of each input, the
+        address of each tensor."""
         ctx = self._contexts[profile]
-        for name, t in tensors.items():
+        for name, (shape, address) in binding.items():
             if name in self._input_names:
-                self._shape(ctx, profile, name, tuple(t.shape))
-            self._address(ctx, name, t)
+                self._shape(ctx, profile, name, shape)
+            self._address(ctx, name, shape, address)
 
     def _shape(self, ctx, profile: int, name: str, shape: tuple) -> None:
         if not ctx.set_input_shape(name, shape):
@@ -270,18 +272,18 @@ class TrtBackend(StepBackend):
                 "its manifest does not describe the engine, rebuild it."
             )
 
-    def _address(self, ctx, name: str, t) -> None:
+    def _address(self, ctx, name: str, shape: tuple, address: int) -> None:
         """Bind a tensor's address; TensorRT refuses an address that is not 256-byte aligned (and
         says so only through the return value)."""
-        if not ctx.set_tensor_address(name, t.data_ptr()):
-            misaligned = t.data_ptr() % 256
+        if not ctx.set_tensor_address(name, address):
+            misaligned = address % 256
             why = (
                 f"its address is {misaligned} bytes past a 256-byte boundary (a KV cache whose capacity is not a "
                 f"multiple of {CACHE_ALIGN} positions: make caches through StepSession.new_cache, which rounds them)"
                 if misaligned
                 else "see the TensorRT log above"
             )
-            raise SpecrtError(f"TensorRT refused the address of {name} ({tuple(t.shape)}): {why}")
+            raise SpecrtError(f"TensorRT refused the address of {name} ({shape}): {why}")
 
     def _execute(self, profile: int) -> None:
         if not self._contexts[profile].execute_async_v3(self._handle):
@@ -294,35 +296,21 @@ class TrtBackend(StepBackend):
 
     def _replay(self, profile: int, arrays: dict, cache) -> dict:
         """Run the step through a CUDA graph captured for this (profile, batch, Q, K) and cache."""
-        import torch
-
         # a graph is bound to the cache buffers' address and shape; pooled caches (reuse_cache) keep both
         ids, _, _, index = STEP_INPUTS
-        # every bound cache address is in the key (keys and values: a graph bakes both in)
-        key = (
-            cache.keys.data_ptr(),
-            cache.values.data_ptr(),
-            cache.capacity,
-            profile,
-            *arrays[ids].shape,
-            arrays[index].shape[1],
-        )
+        key = (*cache_key(cache), profile, *arrays[ids].shape, arrays[index].shape[1])
         if key not in self._graphs:
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.clear()
                 self._applied.clear()
             static_in = self._inputs(arrays)
             out = self._run(profile, static_in, cache)  # plain run first: flushes deferred shape updates
-            # TensorRT 10 says whether a context can be captured; TensorRT 11 has no such call, so a
-            # capture is tried and a failed one (an exception from the capture) means: run plainly
-            capturable = getattr(self._contexts[profile], "is_stream_capturable", None)
-            if capturable is not None and not capturable(self._handle):
-                self._graphs[key] = None
-                return out
             try:
                 replay = self._capture(profile)
-                # what the graph baked in: every tensor bound when it was captured
-                self._graphs[key] = (replay, static_in, out, dict(self._with_cache(static_in, cache), **out))
+                self.captures += 1
+                # what the graph baked in: every tensor bound when it was captured, as shapes and
+                # addresses (no tensors: the entry must not keep the cache alive)
+                self._graphs[key] = (replay, static_in, out, _binding(dict(self._with_cache(static_in, cache), **out)))
             except Exception as e:  # noqa: BLE001 - any capture failure is recoverable: run without graphs
                 self._graphs[key] = None
                 self.capture_failures.append(f"profile {profile}, batch {arrays[ids].shape[0]}, Q "
@@ -334,7 +322,7 @@ class TrtBackend(StepBackend):
             return self._run(profile, self._inputs(arrays), cache)
         replay, static_in, out, snapshot = entry
         for name, a in arrays.items():
-            static_in[name].copy_(torch.from_numpy(np.ascontiguousarray(a)), non_blocking=False)
+            copy_into(static_in[name], a)  # asynchronous (pinned staging)
         self._rebind(profile, snapshot)
         replay()
         return out
@@ -360,3 +348,8 @@ class TrtBackend(StepBackend):
         with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
             self._execute(profile)
         return graph.replay
+
+
+def _binding(tensors: dict) -> dict:
+    """{name: (shape, address)} of bound tensors: what a context needs, holding no tensor."""
+    return {name: (tuple(t.shape), t.data_ptr()) for name, t in tensors.items()}

@@ -1,0 +1,246 @@
+"""The GPU check's correctness blocks; each returns (verdict, details) and can fail.
+
+accuracy   logits against the CPU float32 reference (same cache state) at prefill and Q = 1, 5, 17
+graphs     capture counts exactly as expected for the shapes run, replays equal to eager
+           steps, and a second generation that captures nothing
+syncs      host syncs of one graph decode step (torch's sync debug mode), at most the one that
+           reads the tokens back
+greedy     greedy sequences against the CPU reference's, at batch 1 (eager, graphs) and batch 3
+generation greedy speculative output == plain, a continuous batch == each prompt alone
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from specrt.runtime.batching import BatchEngine, Request
+from specrt.runtime.drafts import make_proposer
+from specrt.runtime.generator import Generator
+from specrt.runtime.session import StepSession
+from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+TOLERANCE = 2e-2  # max |logit difference| of a float32 GPU step (TF32 off) against float32 on the CPU
+QS = (1, 5, 17)
+EXPECTED_SYNCS = 1  # a greedy graph decode step waits for the host once: to read its tokens
+NEAR_TIE = 1e-3  # a greedy mismatch where the reference's top-1/top-2 margin is below this is rounding
+# what torch's sync debug mode says on each synchronizing call (c10/cuda: warn_or_error_on_sync)
+SYNC_WARNING = "synchronizing CUDA operation"
+
+
+def ok_lines(checks: dict) -> list[str]:
+    return [f"{'ok  ' if v else 'FAIL'} {k}" for k, v in checks.items()]
+
+
+# -- accuracy ---------------------------------------------------------------------------------------
+
+
+def compare_steps(backend, reference, prompt: list[int]) -> list[dict]:
+    """Logits of `backend` against `reference` at prefill (every prompt position) and at Q = 1, 5,
+    17 new positions after it, each from the same committed cache."""
+    a, b = StepSession(backend), StepSession(reference)
+    ca, cb = a.new_cache(1, len(prompt) + 64), b.new_cache(1, len(prompt) + 64)
+    rows = [_diff("prefill", a.forward(ca, [prompt]).logits, b.forward(cb, [prompt]).logits)]
+    length = int(ca.lengths[0])
+    for q in QS:
+        new = [(7 * i + 11) % (backend.config.vocab_size - 3) + 3 for i in range(q)]
+        rows.append(_diff(f"Q={q}", a.forward(ca, [new]).logits, b.forward(cb, [new]).logits))
+        ca.rollback(np.array([length]))
+        cb.rollback(np.array([length]))
+    a.release(ca)
+    return rows
+
+
+def _diff(where: str, got: np.ndarray, ref: np.ndarray) -> dict:
+    got, ref = got[0].astype(np.float64), ref[0].astype(np.float64)  # (positions, V)
+    delta = float(np.abs(got - ref).max())
+    margin = top_margin(ref)
+    decidable = margin > 2 * delta
+    agree = got.argmax(-1) == ref.argmax(-1)
+    return {
+        "where": where,
+        "max_abs_diff": delta,
+        "min_margin": float(margin.min()),
+        "decidable": int(decidable.sum()),
+        "positions": int(len(ref)),
+        "top1_agree_decidable": int((agree & decidable).sum()),
+        "top1_agree_all": int(agree.sum()),
+    }
+
+
+def top_margin(logits: np.ndarray) -> np.ndarray:
+    """top-1 minus top-2 logit along the last axis (float64)."""
+    top2 = np.sort(np.asarray(logits, dtype=np.float64), axis=-1)[..., -2:]
+    return top2[..., 1] - top2[..., 0]
+
+
+def accuracy_block(backends: dict, reference, ps):
+    rows, ok = {}, True
+    lines = [f"{'backend':<16}{'step':<9}{'max |d|':>10}{'min margin':>12}{'top-1 (decidable)':>20}{'top-1 all':>11}"]
+    for name, backend in backends.items():
+        rows[name] = compare_steps(backend, reference, ps[1])
+        for r in rows[name]:
+            good = r["max_abs_diff"] < TOLERANCE and r["top1_agree_decidable"] == r["decidable"]
+            ok &= good
+            lines.append(
+                f"{name:<16}{r['where']:<9}{r['max_abs_diff']:>10.2e}{r['min_margin']:>12.2e}"
+                f"{r['top1_agree_decidable']:>11}/{r['decidable']:<8}{r['top1_agree_all']:>6}/{r['positions']:<4}"
+                f"{'' if good else '  <- FAIL'}"
+            )
+    return ("PASS" if ok else "FAIL"), {"rows": rows, "lines": lines, "tolerance": TOLERANCE}
+
+
+# -- graphs -----------------------------------------------------------------------------------------
+
+EXPECTED_CAPTURES = [0, 1, 2, 3]
+
+
+def graphs_block(make_graphs, make_eager, ps):
+    """Replays against eager steps on identical inputs, with the captures counted after each stage:
+    none yet; Q = 1 captured (then replayed); Q = 5 captured (then Q = 1 replayed again); another
+    cache's Q = 1 captured. Exactly EXPECTED_CAPTURES: a replay that recaptures counts. Then two
+    generations with graphs: the second captures nothing."""
+    g, e = make_graphs(), make_eager()
+    sg, se = StepSession(g), StepSession(e)
+    prompt = ps[0][:48]
+    cg, ce = sg.new_cache(1, 128), se.new_cache(1, 128)
+    sg.forward(cg, [prompt], last_only=True)  # a prefill chunk: eager, never captured
+    se.forward(ce, [prompt], last_only=True)
+    length = len(prompt)
+
+    def step(session, cache, tokens):
+        out = session.forward(cache, [tokens]).logits
+        cache.rollback(np.array([length]))
+        return out
+
+    one, five = [11], [12, 13, 14, 15, 16]
+    eager1, eager5 = step(se, ce, one), step(se, ce, five)
+    checks, counts = {}, [g.captures]
+    checks["first capture == eager"] = _close(step(sg, cg, one), eager1)
+    checks["replay == eager"] = _close(step(sg, cg, one), eager1)
+    counts.append(g.captures)
+    checks["other shape captured == eager"] = _close(step(sg, cg, five), eager5)
+    checks["replay after another shape == eager"] = _close(step(sg, cg, one), eager1)
+    counts.append(g.captures)
+    sg.release(cg)
+    other = sg.new_cache(1, 512)  # other buffers: their graph is captured anew
+    sg.forward(other, [prompt], last_only=True)
+    checks["another cache == eager"] = _close(sg.forward(other, [one]).logits, eager1)
+    counts.append(g.captures)
+    sg.release(other)
+    checks[f"captures after each stage == {EXPECTED_CAPTURES}"] = counts == EXPECTED_CAPTURES
+    gen = Generator(g)
+    gen.eos_ids = frozenset()
+
+    def generation():  # a fresh suffix draft each time (it learns from outputs): the same shapes
+        SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)).generate_ids(ps[:2], 24)
+
+    generation()
+    first = g.captures
+    generation()
+    checks["a second generation captures nothing"] = g.captures == first
+    lines = ok_lines(checks) + [
+        f"captures after each stage: {counts}; generations: {first - counts[-1]} then {g.captures - first}"
+    ]
+    verdict = "PASS" if all(checks.values()) else "FAIL"
+    return verdict, {"checks": checks, "capture_counts": counts, "lines": lines}
+
+
+def _close(a: np.ndarray, b: np.ndarray, tol: float = 1e-3) -> bool:
+    return bool(np.abs(a.astype(np.float64) - b.astype(np.float64)).max() < tol)
+
+
+# -- host syncs -------------------------------------------------------------------------------------
+
+
+def count_syncs(fn) -> tuple[int, list[str]]:
+    """(host syncs while `fn` runs, where): torch's sync debug mode warns on every synchronizing
+    CUDA call; without CUDA only warnings raised by an emulation are counted."""
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if SYNC_WARNING in str(w.message)]
+    return len(syncs), [f"{w.filename}:{w.lineno}" for w in syncs]
+
+
+def syncs_block(make_graphs, ps):
+    """One greedy decode step through its CUDA graph (captured before), syncs counted."""
+    backend = make_graphs()
+    session = StepSession(backend)
+    cache = session.new_cache(1, 128)
+    session.forward(cache, [ps[0][:32]], last_only=True)
+    session.forward(cache, [[11]], want_logits=False)  # captured here
+    session.forward(cache, [[12]], want_logits=False)  # replayed: warm
+    n, where = count_syncs(lambda: session.forward(cache, [[13]], want_logits=False))
+    session.release(cache)
+    ok = n <= EXPECTED_SYNCS
+    lines = [f"{'ok  ' if ok else 'FAIL'} {n} host sync(s) in a graph decode step (expected <= {EXPECTED_SYNCS})"]
+    lines += [f"     sync at {w}" for w in where]
+    return ("PASS" if ok else "FAIL"), {"syncs": n, "expected": EXPECTED_SYNCS, "where": where, "lines": lines}
+
+
+# -- greedy sequences against the CPU ---------------------------------------------------------------
+
+
+def greedy_block(reference, make_backend, ps, runs, tokens: int = 48):
+    """Each run (name, graphs, batch) generates `tokens` greedy tokens per prompt; each sequence
+    must equal the CPU reference's. At a mismatch: its first index and the reference's top-1 /
+    top-2 margin there; under NEAR_TIE it is a near tie (rounding decides, not a bug), else FAIL."""
+    ref_gen = Generator(reference)
+    ref_gen.eos_ids = frozenset()
+    expected = [ref_gen.generate_ids([p], tokens)[0].token_ids for p in ps]
+    ok, results, lines = True, {}, []
+    for name, graphs, batch in runs:
+        gen = Generator(make_backend(graphs))
+        gen.eos_ids = frozenset()
+        if batch == 1:
+            got = [gen.generate_ids([p], tokens)[0].token_ids for p in ps]
+        else:
+            got = [r.token_ids for r in gen.generate_ids(ps[:batch], tokens)]
+        rows = []
+        for i, (g, r) in enumerate(zip(got, expected)):
+            row = mismatch(reference, ps[i], g, r)
+            ok &= row["verdict"] != "FAIL"
+            rows.append(row)
+            lines.append(f"{row['verdict']:<9} {name}, prompt {i}: {row['note']}")
+        results[name] = rows
+    return ("PASS" if ok else "FAIL"), {"runs": results, "tokens": tokens, "lines": lines}
+
+
+def mismatch(reference, prompt: list[int], got: list[int], expected: list[int]) -> dict:
+    """Where `got` first differs from the reference's greedy `expected`, with the reference's margin."""
+    if got == expected:
+        return {"verdict": "equal", "note": f"{len(got)} tokens equal"}
+    i = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    session = StepSession(reference)
+    cache = session.new_cache(1, len(prompt) + i + 1)
+    logits = session.forward(cache, [prompt + expected[:i]], last_only=True).logits[0, 0]
+    margin = float(top_margin(logits))
+    verdict = "near tie" if margin < NEAR_TIE else "FAIL"
+    got_i = got[i] if i < len(got) else None
+    note = f"first differs at token {i} (got {got_i}, reference {expected[i]}), reference margin {margin:.2e}"
+    return {"verdict": verdict, "index": i, "margin": margin, "note": note}
+
+
+# -- generation -------------------------------------------------------------------------------------
+
+
+def generation_block(make_backend, ps):
+    gen = Generator(make_backend())
+    gen.eos_ids = frozenset()
+    plain = [r.token_ids for r in gen.generate_ids(ps, 64)]
+    spec = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4))
+    checks = {"greedy speculative == plain": [r.token_ids for r in spec.generate_ids(ps, 64)] == plain}
+    alone = [gen.generate_ids([p], 24)[0].token_ids for p in ps]
+    batched = BatchEngine(gen, max_batch=2).run([Request(p, 24) for p in ps], [0, 0, 3])
+    checks["continuous batch == alone"] = [r.token_ids for r in batched] == alone
+    return ("PASS" if all(checks.values()) else "FAIL"), {"checks": checks, "lines": ok_lines(checks)}

@@ -1,0 +1,171 @@
+"""The GPU check script on the CPU: its CPU mode end to end, and its checks made to fail.
+
+CUDA graphs and host syncs are emulated here (test_torch_device.emulate_graphs: a 'graph'
+re-runs the step on its captured buffers; a capture and a read of the tokens raise the warning
+torch's sync debug mode raises on a GPU), so the capture-count and sync checks are shown to fail
+on a planted recapture; what they measure on a real GPU only a GPU run tells.
+"""
+
+import dataclasses
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_torch_device import emulate_graphs
+
+from specrt.runtime.backends import TorchBackend, torch_model
+from specrt.runtime.session import StepSession
+
+from conftest import random_model, tiny_hf_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import gpu_blocks  # noqa: E402
+import gpu_check  # noqa: E402
+import gpu_sweep  # noqa: E402
+
+HF = tiny_hf_config(vocab_size=64)
+# the emulated syncs warn outside the audited step too (captures during warm-up)
+pytestmark = pytest.mark.filterwarnings("ignore:called a synchronizing CUDA operation")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(HF, seed=5, scale=0.3)
+
+
+def prompts():
+    return gpu_check.prompts(HF["vocab_size"])
+
+
+def device_cache_backend(model):
+    """The device-resident cache path on the CPU (torch tensors), eager."""
+    backend = TorchBackend(model)
+    backend.caps = dataclasses.replace(backend.caps, cache_device="cpu")
+    return backend
+
+
+@pytest.fixture
+def emulated_syncs(monkeypatch):
+    """Reading the tokens back warns as a synchronizing CUDA call does (once per step)."""
+    real = torch_model.device_logits
+
+    def reading(logits, want_logits):
+        warnings.warn(f"called a {gpu_blocks.SYNC_WARNING}")
+        return real(logits, want_logits)
+
+    monkeypatch.setattr(torch_model, "device_logits", reading)
+
+
+def graph_backend(model, recapture: bool = False):
+    """Emulated CUDA graphs whose capture syncs (torch.cuda.graph synchronizes); with recapture
+    every replay captures again (the planted bug the checks must catch)."""
+    backend = TorchBackend(model)
+    emulate_graphs(backend)
+    capture = backend._capture
+
+    def syncing_capture(fn):
+        warnings.warn(f"called a {gpu_blocks.SYNC_WARNING}")
+        return capture(fn)
+
+    backend._capture = syncing_capture
+    if recapture:
+        replay = backend._replay
+
+        def forgetful(inputs, cache):
+            backend._graphs.clear()
+            return replay(inputs, cache)
+
+        backend._replay = forgetful
+    return backend
+
+
+def test_cpu_mode_runs_every_block_it_can(tmp_path):
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu-check.json").read_text())
+    verdicts = {name: b["verdict"] for name, b in result["blocks"].items()}
+    assert verdicts == {
+        "env": "INFO",
+        "accuracy": "PASS",
+        "graphs": "SKIP",
+        "syncs": "SKIP",
+        "greedy": "PASS",
+        "generation": "PASS",
+        "sweep": "INFO",
+        "decode": "INFO",
+        "tensorrt": "SKIP",
+    }
+    assert result["verdict"] == "PASS" and result["checked"] == ["torch eager"]
+    assert set(result["not_checked"]) == {"tensorrt", "tensorrt-rtx"}
+    cells = result["blocks"]["sweep"]["cells"]["eager"]
+    assert len(cells) == 6 and all(c["wall_ms"] > 0 and c["gpu_ms"] is None for c in cells)
+    log = (tmp_path / "gpu-check.log").read_text()
+    assert "[PASS] greedy" in log and "not checked: tensorrt" in log
+
+
+def test_sweep_gpu_time_falls_back_without_cuda(model):
+    session = StepSession(device_cache_backend(model))
+    cache = session.new_cache(2, 64)
+    session.forward(cache, [[5, 6, 7], [8, 9, 10]])
+    cell = gpu_sweep.time_cell(session, cache, 2, 3, repeats=2)
+    assert cell["wall_ms"] > 0 and cell["gpu_ms"] is None and cell["host_ms"] is None
+    assert cell["ran"] == "eager" and cache.lengths.tolist() == [3, 3]  # rolled back after each step
+    lines = gpu_sweep.sweep_lines({"cells": {"eager": [{"mode": "eager", **cell}]}, "not_run": 4})
+    assert "   -  " in lines[1] and "4 cells not run" in lines[-1]
+
+
+def test_capture_counts_pass_and_fail_on_a_planted_recapture(model):
+    ps = prompts()
+    verdict, details = gpu_blocks.graphs_block(lambda: graph_backend(model), lambda: device_cache_backend(model), ps)
+    assert verdict == "PASS", details["lines"]
+    assert details["capture_counts"] == [0, 1, 2, 3]
+    verdict, details = gpu_blocks.graphs_block(
+        lambda: graph_backend(model, recapture=True), lambda: device_cache_backend(model), ps
+    )
+    assert verdict == "FAIL" and details["capture_counts"] != [0, 1, 2, 3]
+    assert not details["checks"]["a second generation captures nothing"]
+
+
+def test_sync_audit_passes_and_fails_on_a_planted_recapture(model, emulated_syncs):
+    ps = prompts()
+    verdict, details = gpu_blocks.syncs_block(lambda: graph_backend(model), ps)
+    assert (verdict, details["syncs"]) == ("PASS", 1)
+    verdict, details = gpu_blocks.syncs_block(lambda: graph_backend(model, recapture=True), ps)
+    assert (verdict, details["syncs"]) == ("FAIL", 2)
+
+
+def test_greedy_mismatch_names_its_index_and_the_reference_margin(model):
+    reference = TorchBackend(model)
+    prompt = prompts()[1][:20]
+    session = StepSession(reference)
+    cache = session.new_cache(1, 64)
+    expected, ids = [], list(prompt)
+    for _ in range(8):  # greedy by hand, with the logits kept
+        logits = session.forward(cache, [ids], last_only=True).logits[0, 0].astype(np.float64)
+        ids = [int(logits.argmax())]
+        expected.append(ids[0])
+    got = expected[:5] + [(expected[5] + 1) % HF["vocab_size"]] + expected[6:]
+    row = gpu_blocks.mismatch(reference, prompt, got, expected)
+    cache = session.new_cache(1, 64)
+    at5 = np.sort(session.forward(cache, [prompt + expected[:5]], last_only=True).logits[0, 0].astype(np.float64))
+    assert row["index"] == 5 and row["margin"] == pytest.approx(at5[-1] - at5[-2])
+    assert row["verdict"] == ("near tie" if row["margin"] < gpu_blocks.NEAR_TIE else "FAIL")
+    assert gpu_blocks.mismatch(reference, prompt, expected, expected)["verdict"] == "equal"
+
+
+def test_a_failing_block_is_saved_and_a_sticky_cuda_error_skips_the_gpu_blocks(tmp_path, monkeypatch):
+    report = gpu_check.Report(tmp_path, {"device": "cuda"})
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "cuda_broken", lambda: True)
+    assert report.run("accuracy", broken)[0] == "FAIL"
+    saved = json.loads((tmp_path / "gpu-check.json").read_text())  # written after the block
+    assert "illegal memory access" in saved["blocks"]["accuracy"]["traceback"]
+    assert report.run("graphs", lambda: ("PASS", {}))[0] == "SKIP"
+    assert report.run("env", lambda: ("INFO", {}), gpu=False)[0] == "INFO"
+    assert "Traceback" in (tmp_path / "gpu-check.log").read_text() and report.failed
