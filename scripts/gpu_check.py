@@ -291,7 +291,9 @@ def main(argv=None) -> int:
     modes = ("eager", "graphs") if cuda else ("eager",)
     no_gpu = {"reason": "needs a CUDA GPU"}
     checked = [f"torch {m}" for m in modes]
-    report.run("accuracy", blocks.accuracy_block, {f"torch {m}": backend(m == "graphs") for m in modes}, reference, ps)
+    report.run(
+        "accuracy", lambda: blocks.accuracy_block({f"torch {m}": backend(m == "graphs") for m in modes}, reference, ps)
+    )
     if cuda:
         report.run("graphs", blocks.graphs_block, lambda: backend(True), lambda: backend(False), ps)
         report.run("syncs", blocks.syncs_block, lambda: backend(True), ps)
@@ -324,11 +326,13 @@ def main(argv=None) -> int:
         report.run("tensorrt", tensorrt_block, model, ckpt, TINY if args.tiny else SMOLLM2, flavour, reference, ps)
         checked.append(flavour)
         not_checked = {f: f"one flavour is checked, {flavour}" for f in not_checked}
-    if cuda:
+
+    def memory():
         peak = torch.cuda.max_memory_allocated() / 2**20
-        report.record(
-            "memory", "INFO", {"peak_mib": round(peak, 1), "lines": [f"peak {peak:.0f} MiB allocated by torch"]}
-        )
+        return "INFO", {"peak_mib": round(peak, 1), "lines": [f"peak {peak:.0f} MiB allocated by torch"]}
+
+    if cuda:
+        report.run("memory", memory)
     verdict = "FAIL" if report.failed else "PASS"
     path = report.save(verdict=verdict, checked=checked, not_checked=not_checked)
     skipped = "; ".join(f"{f} ({why})" for f, why in not_checked.items())

@@ -33,7 +33,7 @@ def copy_into(dst, array: np.ndarray) -> None:
     on a CUDA device, as `to_device` does."""
     import torch
 
-    host = torch.from_numpy(np.ascontiguousarray(array))
+    host = torch.from_numpy(np.ascontiguousarray(array)).to(dst.dtype)  # converted here: pinned stays pinned
     if dst.device.type != "cuda":
         dst.copy_(host)
         return
