@@ -7,7 +7,7 @@ Each block ends in one verdict line: PASS or FAIL (a check that can fail), INFO 
 SKIP (with the reason). An exception inside a block is that block's FAIL, with its first
 traceback printed whole; after a CUDA error that leaves the context unusable (a sticky error)
 the remaining GPU blocks are skipped, not run into the same error. The JSON (`gpu-check.json`)
-and the log (`gpu-check.log`) are written to the output folder ($OUT, else --out, else
+and the log (`gpu-check.log`) are written to the output folder (--out, else $OUT, else
 bench/results/gpu-check-DATE on a GPU and a temporary folder on the CPU) after every block, so a
 run cut short keeps what it measured. The exit status is 1 if a block failed.
 
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     today = datetime.date.today().isoformat()
     default = ROOT / "bench" / "results" / f"gpu-check-{today}" if device == "cuda" else None
-    out = Path(os.environ.get("OUT") or args.out or default or tempfile.mkdtemp(prefix="gpu-check-"))
+    out = Path(args.out or os.environ.get("OUT") or default or tempfile.mkdtemp(prefix="gpu-check-"))
     model, what, ckpt = load(args.tiny)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

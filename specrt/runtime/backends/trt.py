@@ -25,10 +25,10 @@
   as names, shapes and addresses, not tensors, so a graph holds no reference to the cache it was
   captured on (a dropped cache's memory is freed, not kept until graphs are cleared). A shape
   whose capture fails runs without a graph (`capture_failures` says which, why).
-- Inputs reach the GPU by asynchronous copies from pinned staging memory (`runtime/transfer.py`),
-  so a step makes the host wait once, for its tokens or logits.
   TensorRT-RTX captures graphs itself (`IRuntimeConfig.cuda_graph_strategy =
   WHOLE_GRAPH_CAPTURE`), so there the flag turns that on.
+- Inputs reach the GPU by asynchronous copies from pinned staging memory (`runtime/transfer.py`),
+  so a step makes the host wait once, for its tokens or logits.
 
 tensorrt / tensorrt_rtx and torch are imported inside functions: `import specrt` works without them.
 """
