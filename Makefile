@@ -48,17 +48,14 @@ $(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
 build-engines: setup model
 	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize gguf --gguf $(GGUF)
 
-# the draft heads that paid in the benchmark (EAGLE-3, Medusa, the parallel EAGLE-3 head) for the default
-# model, trained here on the target's own answers (self-distillation), exported and built (docs/drafts.md).
-# EAGLE-1, MTP and the distilled draft model lost to plain decoding everywhere: `specrt train-draft --method`
-# trains them. Interrupted? Run it again: every step resumes where it stopped.
+# the draft heads that paid in the benchmark (Medusa: alone and inside `--draft auto`) for the default model,
+# trained here on the target's own answers (self-distillation), exported and built (docs/drafts.md).
+# EAGLE-3 and the parallel EAGLE-3 head (peagle) trailed Medusa on every class on 2026-12-03, EAGLE-1, MTP and
+# the distilled draft model lost to plain decoding: `specrt train-draft --method` trains any of them on the same
+# data (--data $(DRAFTS)/data). Interrupted? Run it again: every step resumes where it stopped.
 drafts: build-engines
-	$(SPECRT) train-draft --method eagle3 --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
-		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/eagle3 --epochs 3 --max-minutes 18
 	$(SPECRT) train-draft --method medusa --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
 		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/medusa --epochs 3 --max-minutes 8
-	$(SPECRT) train-draft --method peagle --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
-		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/peagle --epochs 3 --max-minutes 15
 
 # plain decoding on the fastest exact engine: the GGUF's own 4-bit blocks
 generate: build-engines

@@ -3,6 +3,10 @@ the benchmark's prompts: the gap is what the training data's topics cost.
 
     python bench/bench_head_shift.py [--draft-dir drafts/SmolLM2-135M-Instruct/eagle3] [--prompts 12]
 
+(the default head: `specrt train-draft --method eagle3 --model models/SmolLM2-135M-Instruct
+--artifacts artifacts/SmolLM2-135M-Instruct --data drafts/SmolLM2-135M-Instruct/data --prompts 1000
+--out drafts/SmolLM2-135M-Instruct/eagle3`; `make drafts` trains Medusa heads only)
+
 For each prompt the target answers greedily (96 tokens); the head then reads the target's real
 features over prompt + answer and predicts, teacher-forced, every answer token at each of 3
 unrolled draft steps (as training measures its held-out acceptance: step k uses the head's own

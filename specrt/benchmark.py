@@ -55,7 +55,7 @@ class SpecBenchConfig:
     sweep: bool = True
 
 
-AUTO_HEADS = ("eagle3", "peagle")  # the heads `make drafts` trains that auto takes
+AUTO_HEADS = ("eagle3", "peagle", "medusa")  # the heads `make drafts` trains that auto takes
 
 
 def _tree(tree) -> dict:
@@ -76,7 +76,8 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
         if entry.head_optional:  # auto with each head it takes: its trees where no copy serves
             for head in AUTO_HEADS:
                 if HeadLayout(Path(cfg.drafts) / head).ort_engine().is_dir():
-                    out.append((f"{method}+{head}", method, {"draft_dir": Path(cfg.drafts) / head} | _tree(cfg.tree)))
+                    tree = _tree(cfg.tree) if head != "medusa" else {}  # Medusa drafts its own tree of choices
+                    out.append((f"{method}+{head}", method, {"draft_dir": Path(cfg.drafts) / head} | tree))
             continue
         if entry.reads:  # a composite (hybrid): its trees
             shapes = [(method, cfg.tree)]

@@ -96,6 +96,7 @@ def test_head_variants_follow_the_draft_registry(tmp_path):
     assert got == [
         ("auto+eagle3", "auto", cfg.tree),
         ("auto+peagle", "auto", cfg.tree),
+        ("auto+medusa", "auto", None),  # Medusa drafts its own tree of choices
         ("eagle3 chain", "eagle3", None),
         ("eagle3 tree", "eagle3", cfg.tree),
         ("peagle chain", "peagle", None),

@@ -170,6 +170,22 @@ def test_greedy_medusa_equals_plain(ort_gen, tiny_checkpoint, tmp_path, num_draf
     assert out[0].metrics.drafted_tokens > 0 and prop.calls > 0
 
 
+@pytest.mark.parametrize("num_draft", [4, "auto"])
+def test_auto_with_medusa_heads_equals_plain(ort_gen, tiny_checkpoint, tmp_path, num_draft):
+    """Medusa heads as auto's head member: they draft where no copy does (with a fixed N, every
+    such row), greedy output stays plain's; a (TOP_K, DEPTH) tree is refused by name."""
+    layout, _ = make_medusa_dir(tiny_checkpoint, tmp_path / "m", top_k=8)
+    prompts = [[40, 41, 42], [5, 9, 13, 5, 9, 13, 5, 9], [77]]
+    plain = ort_gen.generate_ids(prompts, 40)
+    prop = make_proposer("auto", draft_dir=layout.root, target=ort_gen.session.caps)
+    out = SpeculativeDecoder(ort_gen, prop, make_policy(num_draft)).generate_ids(prompts, 40)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    if num_draft == 4:
+        assert prop.head.head.calls > 0
+    with pytest.raises(SpecrtError, match="Medusa heads, which draft their own tree of choices"):
+        make_proposer("auto", draft_dir=layout.root, target=ort_gen.session.caps, tree=(4, 6))
+
+
 def test_sampled_medusa_follows_the_target(tmp_path):
     ckpt = save_checkpoint(random_model(SMALL, seed=4, scale=0.15), SMALL, tmp_path / "ck")
     gen = Generator.from_checkpoint(ckpt)

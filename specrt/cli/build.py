@@ -293,7 +293,7 @@ def _calibration_set(
     "heads",
     multiple=True,
     type=click.Path(exists=True, path_type=Path),
-    help="--report: also run these trained draft heads (e.g. drafts/SmolLM2-135M-Instruct/eagle3) on each engine; "
+    help="--report: also run these trained draft heads (e.g. drafts/SmolLM2-135M-Instruct/medusa) on each engine; "
     "repeatable.",
 )
 @click.option(

@@ -112,7 +112,7 @@ def _check_draft_options(spec: RunnerSpec) -> None:
     if entry.needs_draft_dir and spec.draft_dir is None:
         raise UsageError(
             f"--draft {draft} needs --draft-dir DIR: a head from `make drafts` (e.g. "
-            "drafts/SmolLM2-135M-Instruct/eagle3) or `specrt train-draft`"
+            "drafts/SmolLM2-135M-Instruct/medusa) or `specrt train-draft`"
         )
     if spec.draft_tree != "chain":
         parse_tree(spec.draft_tree)

@@ -12,7 +12,7 @@ import functools
 from typing import Callable
 
 from specrt.errors import SpecrtError
-from specrt.export.head_io import PARALLEL
+from specrt.export.head_io import MEDUSA, PARALLEL
 from specrt.runtime.drafts.auto import AutoProposer
 from specrt.runtime.drafts.base import DraftInput, GrammarDrafts, Proposer
 from specrt.runtime.drafts.draft_model import DraftModelProposer
@@ -26,11 +26,20 @@ from specrt.runtime.drafts.suffix import SuffixProposer
 
 
 def _head(**options):
-    """The proposer of the EAGLE-family head in options["draft_dir"], by its method."""
+    """The proposer of the head in options["draft_dir"], by its method: an EAGLE-family head, the
+    parallel head, or Medusa heads (which draft their own trained tree of choices)."""
     from specrt.engines.head import head_method
 
-    if head_method(options["draft_dir"]) == PARALLEL:
+    method = head_method(options["draft_dir"])
+    if method == PARALLEL:
         return ParallelProposer(**options)
+    if method == MEDUSA:
+        if options.get("tree") is not None:
+            raise SpecrtError(
+                f"{options['draft_dir']} holds Medusa heads, which draft their own tree of choices: leave out "
+                "--draft-tree"
+            )
+        return MedusaProposer(**options)
     return EagleProposer(**options)
 
 

@@ -68,6 +68,14 @@ class MedusaProposer:
     def end(self, rows, outputs):
         pass
 
+    # auto's two verbs for a head member (runtime/drafts/auto.py): nothing to catch up (stateless),
+    # and a draft that reads the newest committed feature as a proposal does
+    def catch_up(self, inp) -> None:
+        return None
+
+    def draft(self, inp, pending=None) -> list[DraftTree]:
+        return self.propose(inp)
+
     def propose(self, inp) -> list[DraftTree]:
         if inp.features is None:
             raise SpecrtError("Medusa drafts read the target's features; the runtime gave none")
