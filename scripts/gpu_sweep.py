@@ -20,7 +20,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from specrt.runtime.backends.base import graphable
@@ -36,22 +35,13 @@ PAST = 256  # committed positions before every timed step
 CAPACITY = 512  # one cache capacity for eager and graph steps (a multiple of the pool's bucket)
 
 
-def step_arrays(cache, tokens: list[list[int]]) -> tuple[np.ndarray, ...]:
-    """(ids, positions, mask, logits index) of a verification-shaped step: Q new positions per
-    row, logits at every one (as StepSession.forward builds them)."""
-    B, Q = len(tokens), len(tokens[0])
-    ids = np.asarray(tokens, dtype=np.int64)
-    offsets = np.broadcast_to(np.arange(Q, dtype=np.int64), (B, Q)).copy()
-    mask = cache.attention_mask(Q, np.broadcast_to(np.tril(np.ones((Q, Q), dtype=bool)), (B, Q, Q)).copy())
-    return ids, cache.lengths[:, None] + offsets, mask, offsets.copy()
-
-
 def gpu_ms(backend, cache, tokens, repeats: int) -> float | None:
     """The device time of one step, from `repeats` enqueued back to back between two CUDA events
     (no host read between them); None without CUDA."""
     if not torch.cuda.is_available() or backend.caps.cache_device is None:
         return None
-    inputs = [to_device(a, backend.device) for a in step_arrays(cache, tokens)]
+    # the step StepSession.forward runs (logits at every position), its inputs on the device once
+    inputs = [to_device(a, backend.device) for a in StepSession.step_inputs(cache, tokens)[:4]]
     with torch.inference_mode():
         backend.enqueue(inputs, cache)  # warm (a graph is captured here if not yet)
         torch.cuda.synchronize()

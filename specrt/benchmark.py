@@ -55,7 +55,7 @@ class SpecBenchConfig:
     sweep: bool = True
 
 
-AUTO_HEADS = ("eagle3", "peagle", "medusa")  # the heads `make drafts` trains that auto takes
+AUTO_HEADS = ("eagle3", "peagle", "medusa")  # the heads auto takes, each in its method's directory
 
 
 def _tree(tree) -> dict:
@@ -76,7 +76,7 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
         if entry.head_optional:  # auto with each head it takes: its trees where no copy serves
             for head in AUTO_HEADS:
                 if HeadLayout(Path(cfg.drafts) / head).ort_engine().is_dir():
-                    tree = _tree(cfg.tree) if head != "medusa" else {}  # Medusa drafts its own tree of choices
+                    tree = _tree(cfg.tree) if DRAFT_METHODS[head].takes_tree else {}  # Medusa: its own tree
                     out.append((f"{method}+{head}", method, {"draft_dir": Path(cfg.drafts) / head} | tree))
             continue
         if entry.reads:  # a composite (hybrid): its trees

@@ -125,6 +125,24 @@ class StepSession:
         trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
         sequence: position = committed length + depth, and each token sees what its mask allows."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
+        ids, positions, mask, index, every = self.step_inputs(cache, tokens, trees, last_only)
+        out = self.backend.step(ids, positions, mask, index, cache, every if hidden else None, want_logits)
+        if out.present is None:  # the backend wrote the positions in place (caps.cache_slack)
+            cache.commit(counts)
+        else:
+            cache.append(out.present, counts)
+        return out
+
+    @staticmethod
+    def step_inputs(
+        cache: KVCache,
+        tokens: list[list[int]],
+        trees: list[tuple[np.ndarray, np.ndarray] | None] | None = None,
+        last_only: bool = False,
+    ) -> tuple[np.ndarray, ...]:
+        """What `forward` hands the backend for a step of `tokens` per row: (input ids, position
+        ids, attention mask, logits index, every position's index), each (B, Q, ...)."""
+        counts = np.array([len(t) for t in tokens], dtype=np.int64)
         Q = int(counts.max())
         B = cache.batch
         ids = np.zeros((B, Q), dtype=np.int64)
@@ -140,14 +158,7 @@ class StepSession:
         positions = cache.lengths[:, None] + offsets
         every = np.broadcast_to(np.arange(Q, dtype=np.int64), (B, Q)).copy()
         index = np.maximum(counts - 1, 0)[:, None] if last_only else every
-        out = self.backend.step(
-            ids, positions, cache.attention_mask(Q, new_mask), index, cache, every if hidden else None, want_logits
-        )
-        if out.present is None:  # the backend wrote the positions in place (caps.cache_slack)
-            cache.commit(counts)
-        else:
-            cache.append(out.present, counts)
-        return out
+        return ids, positions, cache.attention_mask(Q, new_mask), index, every
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], hidden: bool = False) -> Prefilled:
         """Run the prompts through the model in chunks of `prefill_chunk`."""

@@ -14,27 +14,28 @@ from __future__ import annotations
 import numpy as np
 
 
-def to_device(array: np.ndarray, device, dtype=None):
-    """`array` as a torch tensor on `device` (of `dtype` where given); from a CUDA device's view
-    the copy is asynchronous (pinned staging); on the host it shares the array where it can."""
+def _staged(array: np.ndarray, dtype, device) -> tuple:
+    """(the array as a host tensor of `dtype`, pinned when `device` is a CUDA device; whether it is).
+    The dtype is converted on the host: a conversion inside the copy would stage through pageable
+    memory again."""
     import torch
 
     host = torch.from_numpy(np.ascontiguousarray(array))
     if dtype is not None:
         host = host.to(dtype)
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    cuda = torch.device(device).type == "cuda"
+    return (host.pin_memory() if cuda else host), cuda
+
+
+def to_device(array: np.ndarray, device, dtype=None):
+    """`array` as a torch tensor on `device` (of `dtype` where given); from a CUDA device's view
+    the copy is asynchronous (pinned staging); on the host it shares the array where it can."""
+    host, cuda = _staged(array, dtype, device)
+    return host.to(device, non_blocking=cuda)
 
 
 def copy_into(dst, array: np.ndarray) -> None:
     """Write a host array into an existing device tensor (a CUDA graph's static input), asynchronously
     on a CUDA device, as `to_device` does."""
-    import torch
-
-    host = torch.from_numpy(np.ascontiguousarray(array)).to(dst.dtype)  # converted here: pinned stays pinned
-    if dst.device.type != "cuda":
-        dst.copy_(host)
-        return
-    dst.copy_(host.pin_memory(), non_blocking=True)
+    host, cuda = _staged(array, dst.dtype, dst.device)
+    dst.copy_(host, non_blocking=cuda)

@@ -12,7 +12,6 @@ import functools
 from typing import Callable
 
 from specrt.errors import SpecrtError
-from specrt.export.head_io import MEDUSA, PARALLEL
 from specrt.runtime.drafts.auto import AutoProposer
 from specrt.runtime.drafts.base import DraftInput, GrammarDrafts, Proposer
 from specrt.runtime.drafts.draft_model import DraftModelProposer
@@ -26,21 +25,20 @@ from specrt.runtime.drafts.suffix import SuffixProposer
 
 
 def _head(**options):
-    """The proposer of the head in options["draft_dir"], by its method: an EAGLE-family head, the
-    parallel head, or Medusa heads (which draft their own trained tree of choices)."""
+    """The proposer of the trained head in options["draft_dir"], as the registry's entry for the
+    method its manifest names makes it (an EAGLE-family head, the parallel head, Medusa heads)."""
     from specrt.engines.head import head_method
 
     method = head_method(options["draft_dir"])
-    if method == PARALLEL:
-        return ParallelProposer(**options)
-    if method == MEDUSA:
-        if options.get("tree") is not None:
-            raise SpecrtError(
-                f"{options['draft_dir']} holds Medusa heads, which draft their own tree of choices: leave out "
-                "--draft-tree"
-            )
-        return MedusaProposer(**options)
-    return EagleProposer(**options)
+    entry = DRAFT_METHODS.get(method)
+    if entry is None or not entry.needs_draft_dir:  # no readable head: EagleProposer's open says why
+        return EagleProposer(**options)
+    if options.get("tree") is not None and not entry.takes_tree:
+        what = entry.about.removesuffix(" in --draft-dir")  # e.g. "Medusa heads"
+        raise SpecrtError(
+            f"{options['draft_dir']} holds {what}, which draft their own tree of choices: leave out --draft-tree"
+        )
+    return entry.make(**options)
 
 
 def _auto(**head) -> AutoProposer:
