@@ -156,6 +156,17 @@ def rng(seed=0):
     return np.random.default_rng(seed)
 
 
+@pytest.fixture
+def steady_costs(monkeypatch):
+    """The auto policy's costs fixed to a machine where a verified draft position costs 2 % of a
+    plain step (and a verification step 5 % more): its choices then follow the acceptance alone,
+    not this machine's timings of a tiny model (Python overhead, which differ from machine to
+    machine and under load: a test that asserts auto drafts deep must not depend on them)."""
+    from specrt.runtime.policy import CostModel, StepCost
+
+    monkeypatch.setattr(CostModel, "cost", lambda self, batch: StepCost(0.01, 0.02, 0.05, 0.0))
+
+
 @pytest.fixture(scope="session")
 def training_data(tiny_artifacts, tmp_path_factory):
     """Draft-head training data of the tiny target (its ORT engine's answers to 40 prompts of 20

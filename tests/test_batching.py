@@ -81,10 +81,11 @@ def test_speculative_requests_joining_and_leaving_get_their_output_alone(loopy_g
 
 
 @pytest.mark.parametrize("method", ["ngram-3", "suffix-auto"])
-def test_a_request_sets_its_own_speculation(loopy_gen, method):
+def test_a_request_sets_its_own_speculation(loopy_gen, method, steady_costs):
     """Request.max_draft: a request with 0 never drafts, one with 1 drafts at most one token a
     step, the others the decoder's; every output is still its greedy output alone, and the
-    row's own metrics show it (the server's per-request `speculation` field rides on this)."""
+    row's own metrics show it (the server's per-request `speculation` field rides on this).
+    Auto's costs are fixed (`steady_costs`): whether it drafts deep must not hang on timings."""
     spec = speculative(loopy_gen, method)
     caps = [1, 0, None, 0, None]
     reqs = [Request(p, n, max_draft=c) for p, n, c in zip(PROMPTS, BUDGETS, caps)]

@@ -107,7 +107,7 @@ def loopy_gen():
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
-def test_lookups_learn_from_drafts_that_were_never_verified(loopy_gen, method):
+def test_lookups_learn_from_drafts_that_were_never_verified(loopy_gen, method, steady_costs):
     """On a repetitive text the cost model's readings come from every step's draft: more readings
     than verified drafts, and greedy output equal to plain."""
     ids = [5, 6, 7, 8, 9] * 8
