@@ -130,7 +130,7 @@ class TrainingDataLayout(_Layout):
 
     <root>/prompts.jsonl    the prompt set (seeded, reproducible)
     <root>/answers.jsonl    the target's answers
-    <root>/features/        the target's features over prompt + answer (memory-mapped)
+    <root>/features/        the target's features over prompt + answer (training/features.py)
     """
 
     @property

@@ -170,14 +170,16 @@ def steady_costs(monkeypatch):
 @pytest.fixture(scope="session")
 def training_data(tiny_artifacts, tmp_path_factory):
     """Draft-head training data of the tiny target (its ORT engine's answers to 40 prompts of 20
-    tokens and their features), shared by the EAGLE, MTP and Medusa tests."""
+    tokens and their features, recorded while answering), shared by the head families' tests."""
     from specrt.runtime.generator import Generator
-    from specrt.training.data import cache_features, generate_answers
+    from specrt.training.data import generate_answers
     from specrt.training.eagle import TrainingData
+    from specrt.training.features import cache_features
     from specrt.training.prompts import build_prompt_set
 
     gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
     d = tmp_path_factory.mktemp("head-data")
-    answers = generate_answers(gen, build_prompt_set(40, seed=1), d / "a.jsonl", 20, batch=8, progress=False)
+    prompts = build_prompt_set(40, seed=1)
+    answers = generate_answers(gen, prompts, d / "a.jsonl", 20, batch=8, progress=False, features=d / "f")
     features = cache_features(gen.session, answers, d / "f", progress=False)
     return TrainingData.load(answers, features, gen.session.caps.hidden_layers, gen.config.hidden_size)

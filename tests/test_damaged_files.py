@@ -58,9 +58,9 @@ def damage_second_answer(path):
 CASES = [
     # (file under the head's directory, damage, what the one line says)
     ("data/data.json", cut_in_half, "data.json is not valid JSON"),
-    ("data/features/done.json", garbage, "done.json is not valid JSON"),
-    ("data/features/index.json", garbage, "index.json is not valid JSON"),
-    ("data/features/features.npy", cut_in_half, "features.npy is damaged"),
+    ("data/features/meta.json", garbage, "meta.json is not valid JSON"),
+    ("data/features/records.jsonl", damage_second_answer, "records.jsonl:2 is damaged"),
+    ("data/features/features.bin", cut_in_half, "features.bin is damaged"),
     ("data/answers.jsonl", damage_second_answer, "answers.jsonl:2 is damaged"),
     ("checkpoint.pt", cut_in_half, "checkpoint.pt is damaged"),
     ("checkpoint.pt", garbage, "training cannot resume from it; delete it to start training over"),

@@ -1,13 +1,14 @@
 """Training data for draft heads: the target's answers and its features, resumable on disk."""
 
-import json
+import dataclasses
 
 import numpy as np
 import pytest
 
 from specrt.errors import SpecrtError
 from specrt.runtime.generator import Generator
-from specrt.training.data import FeatureCache, cache_features, generate_answers, read_answers
+from specrt.training.data import generate_answers, read_answers
+from specrt.training.features import FeatureCache, FeatureStore, cache_features
 from specrt.training.prompts import build_prompt_set
 
 
@@ -47,35 +48,68 @@ def test_answers_resume_after_an_interruption(gen, prompts, tmp_path, monkeypatc
     assert sorted(read_answers(path), key=lambda a: a.id) == full
 
 
-def test_features_are_the_targets_hidden_states(gen, prompts, tmp_path):
-    answers = generate_answers(gen, prompts[:5], tmp_path / "a.jsonl", max_new_tokens=8, progress=False)
-    cache = cache_features(gen.session, answers, tmp_path / "f", progress=False)
-    assert len(cache) == 5
+def prefill_features(gen, tokens):
+    kv = gen.session.new_cache(1, len(tokens))
+    try:
+        return gen.session.prefill(kv, [tokens], hidden=True).hidden[0]
+    finally:
+        gen.session.release(kv)
+
+
+def close(got, expected):
+    return np.abs(got.astype(np.float32) - expected).max() <= 2e-3 * max(1.0, np.abs(expected).max())
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_features_are_the_targets_hidden_states(gen, prompts, tmp_path, record):
+    """Recorded while answering (a continuous batch of 3, rows joining and leaving) or computed
+    after by a prefill, each sequence's features are the target's hidden states of one prefill
+    of prompt + answer at every position but the last, and recording changes no answer."""
+    f = tmp_path / "f"
+    answers = generate_answers(
+        gen,
+        prompts[:5],
+        tmp_path / "a.jsonl",
+        max_new_tokens=8,
+        batch=3,
+        progress=False,
+        features=f if record else None,
+    )
+    assert answers == generate_answers(gen, prompts[:5], tmp_path / "plain.jsonl", max_new_tokens=8, progress=False)
+    assert len(FeatureStore(f).records) == (5 if record else 0)
+    cache = cache_features(gen.session, answers, f, progress=False)
+    assert len(cache) == 5 and len(FeatureStore(f).records) == 5
+    width = gen.config.hidden_size * len(gen.session.caps.hidden_layers)
     for i, a in enumerate(answers):
-        kv = gen.session.new_cache(1, len(a.tokens))
-        expected = gen.session.prefill(kv, [a.tokens], hidden=True).hidden[0]
+        expected = prefill_features(gen, a.tokens)[:-1]
         got = cache.sequence(i)
-        assert got.dtype == np.float16 and got.shape == expected.shape == (
-            len(a.tokens),
-            gen.config.hidden_size * len(gen.session.caps.hidden_layers),
-        )
-        assert np.abs(got.astype(np.float32) - expected).max() <= 2e-3 * max(1.0, np.abs(expected).max())
-    with pytest.raises(IndexError):
-        cache.sequence(5)
+        assert got.dtype == np.float16 and got.shape == expected.shape == (len(a.tokens) - 1, width)
+        assert close(got, expected)
 
 
-def test_features_resume_and_refuse_other_sequences(gen, prompts, tmp_path):
+def test_features_resume_and_skip_other_sequences(gen, prompts, tmp_path):
+    """A store cut while writing keeps its whole blocks; an answer made again with other tokens
+    gets its features again; an older format is refused with the fix."""
     answers = generate_answers(gen, prompts[:6], tmp_path / "a.jsonl", max_new_tokens=8, progress=False)
     full = cache_features(gen.session, answers, tmp_path / "full", progress=False)
     d = tmp_path / "cut"
-    cache_features(gen.session, answers, d, progress=False)
-    (d / "done.json").write_text(json.dumps({"sequences": 2}))  # as if killed after two sequences
-    arr = np.load(d / "features.npy", mmap_mode="r+")
-    arr[full.offsets[2] :] = 0  # ... so nothing after them was written
-    arr.flush()
-    del arr
+    cache_features(gen.session, answers[:3], d, progress=False)
+    lines = (d / "records.jsonl").read_text().splitlines(keepends=True)
+    (d / "records.jsonl").write_text("".join(lines[:2]) + lines[2][:10])  # killed writing the third record
+    with open(d / "features.bin", "ab") as fh:
+        fh.write(b"\0" * 100)  # ... and rows of a block without its record
+    assert len(FeatureStore(d).records) == 2
     resumed = cache_features(gen.session, answers, d, progress=False)
     assert all(np.array_equal(resumed.sequence(i), full.sequence(i)) for i in range(6))
-    with pytest.raises(SpecrtError, match="caches features of other sequences"):
-        cache_features(gen.session, answers[:3], d, progress=False)
-    assert len(FeatureCache(d)) == 6
+    assert len((d / "records.jsonl").read_text().splitlines()) == 6  # the first two were kept
+    other = [dataclasses.replace(answers[0], answer_ids=answers[0].answer_ids[:-1])] + answers[1:]
+    again = cache_features(gen.session, other, d, progress=False)  # answer 0 changed: its block is made anew
+    assert again.sequence(0).shape[0] == len(other[0].tokens) - 1
+    assert len(FeatureStore(d).records) == 6 and np.array_equal(again.sequence(1), full.sequence(1))
+    with pytest.raises(SpecrtError, match="no features for 1 of 6"):
+        FeatureCache(FeatureStore(d), answers)  # the old answer 0's block is no longer the newest
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "index.json").write_text("{}")
+    with pytest.raises(SpecrtError, match="older format; delete the directory"):
+        cache_features(gen.session, answers, old, progress=False)

@@ -1,20 +1,17 @@
-"""Training data for draft heads: the target's own answers, and its features over them, on disk.
+"""Training data for draft heads: the target's own answers on disk (and, recorded on the way,
+its features over them: training/features.py).
 
-    answers = generate_answers(gen, prompts, out / "answers.jsonl", max_new_tokens=256, batch=16)
-    feats = cache_features(session, answers, out / "features")       # memory-mapped, resumable
-    x = feats.sequence(17)                                            # (tokens, H*) float16
+    answers = generate_answers(gen, prompts, out / "answers.jsonl", batch=16, features=out / "features")
 
 Self-distillation: a draft head learns to predict what the target itself says, so the answers
-are the target's (greedy by default) to the prompt set, in its chat template. Both steps can be
+are the target's (greedy by default) to the prompt set, in its chat template. It can be
 interrupted and run again: finished work is kept and only the rest is done.
 
 - answers.jsonl: one line per prompt (id, prompt_ids, answer_ids, finish_reason), appended and
   flushed as each answer finishes (in the order they finish); a line cut short by an
   interruption is dropped on the next run.
-- features/: `features.npy`, a float16 array (all tokens of all sequences, H*) written through a
-  memory map, `index.json` (per sequence: offset, length) and `done.json` (how many sequences are
-  complete, written after each one). A sequence is its prompt and its answer; each position holds
-  the target's hidden states there (the layers its step graph or model was built to return).
+- features/ (when asked): the target's hidden states over each prompt and answer, stored as
+  each answer finishes, before its line (training/features.py).
 """
 
 from __future__ import annotations
@@ -26,11 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.artifacts import atomic_write_text, read_json_object
+from specrt.artifacts import atomic_write_text
 from specrt.errors import SpecrtError
 from specrt.runtime.generator import Generator
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.session import StepSession
 from specrt.training.prompts import Prompt
 
 
@@ -81,9 +77,12 @@ def generate_answers(
     batch: int = 8,
     sampling: SamplingParams = SamplingParams(),
     progress: bool = True,
+    features: str | Path | None = None,
 ) -> list[Answer]:
     """The target's answers to `prompts` (chat template applied), generated `batch` at a time on
-    the continuous batching engine; answers already in `path` are kept and not generated again."""
+    the continuous batching engine; answers already in `path` are kept and not generated again.
+    `features`: a feature directory (training/features.py) that gets each new answer's features
+    as the answering steps computed them (no second pass over the data)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done, clean = _read(path)
@@ -104,9 +103,18 @@ def generate_answers(
     bar = tqdm(
         total=len(prompts), initial=len(prompts) - len(todo), desc="target answers", unit="prompt", disable=not progress
     )
+    runner, recorder, store = gen, None, None
+    if features is not None and todo:
+        from specrt.runtime.policy import FixedPolicy
+        from specrt.runtime.speculative import SpeculativeDecoder
+        from specrt.training.features import FeatureRecorder, FeatureStore
+
+        # plain decoding whose "draft" keeps the hidden states each step returns anyway
+        store, recorder = FeatureStore(features), FeatureRecorder()
+        runner = SpeculativeDecoder(gen, recorder, FixedPolicy(0))
     # a continuous batch: a row that finishes takes the next prompt at once, where a static batch
     # would wait for its longest answer (runtime/batching.py)
-    engine = BatchEngine(gen, max_batch=batch)
+    engine = BatchEngine(runner, max_batch=batch)
     owner: dict[int, tuple[Prompt, list[int]]] = {}
     try:
         with open(path, "a") as fh:
@@ -122,6 +130,8 @@ def generate_answers(
                         continue
                     p, ids = owner.pop(event.rid)
                     answer = Answer(p.id, ids, event.result.token_ids, event.result.finish_reason)
+                    if recorder is not None:  # before the answer's line: a kept answer has its features
+                        store.append(p.id, answer.tokens, recorder.take(ids, answer.answer_ids))
                     fh.write(json.dumps(dataclasses.asdict(answer)) + "\n")
                     fh.flush()  # a line at a time: an interruption loses at most the answer being written
                     done.append(answer)
@@ -136,123 +146,3 @@ def generate_answers(
     bar.close()
     order = {p.id: i for i, p in enumerate(prompts)}
     return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
-
-
-class FeatureCacheMismatch(SpecrtError):
-    """A feature directory holds the features of other sequences."""
-
-
-class FeatureCache:
-    """The target's features over a list of sequences, memory-mapped from disk."""
-
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        index, self.done = _read_index(self.directory), _read_done(self.directory)
-        self.offsets, self.lengths = index["offsets"], index["lengths"]
-        self.array = _open_features(self.directory, "r")
-        if self.done > len(self.lengths) or self.array.shape[0] != sum(self.lengths):
-            raise SpecrtError(f"{self.directory}: done.json, index.json and features.npy disagree; {_REDO}")
-
-    def __len__(self) -> int:
-        return self.done
-
-    def sequence(self, i: int) -> np.ndarray:
-        """(length, H*) features of sequence i."""
-        if not 0 <= i < self.done:
-            raise IndexError(f"sequence {i} is not cached (done: {self.done})")
-        return self.array[self.offsets[i] : self.offsets[i] + self.lengths[i]]
-
-
-def cache_features(
-    session: StepSession, answers: list[Answer], directory: str | Path, progress: bool = True
-) -> FeatureCache:
-    """Run every sequence (prompt + answer) through the target once and store its hidden states
-    at every position; resumes where an earlier run stopped (the sequences must be the same)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    lengths = [len(a.tokens) for a in answers]
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist() if lengths else []
-    index = {"ids": [a.id for a in answers], "offsets": offsets, "lengths": lengths}
-    width = _feature_width(session)
-    done = 0
-    if (directory / "index.json").is_file() and (directory / "features.npy").is_file():
-        if _read_index(directory) != index:
-            raise FeatureCacheMismatch(
-                f"{directory} caches features of other sequences; delete it or choose another directory"
-            )
-        done = _read_done(directory)
-        array = _open_features(directory, "r+")
-        if array.shape[1] != width:
-            raise SpecrtError(f"{directory} caches features of width {array.shape[1]}, this target returns {width}")
-    else:
-        array = np.lib.format.open_memmap(
-            directory / "features.npy", mode="w+", dtype=np.float16, shape=(sum(lengths), width)
-        )
-        atomic_write_text(directory / "index.json", json.dumps(index))
-        atomic_write_text(directory / "done.json", json.dumps({"sequences": 0}))
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(answers), initial=done, desc="target features", unit="seq", disable=not progress)
-    for i in range(done, len(answers)):
-        tokens = answers[i].tokens
-        if len(tokens) > session.max_context:
-            raise SpecrtError(
-                f"sequence {answers[i].id} has {len(tokens)} tokens, the target's context holds {session.max_context}"
-            )
-        cache = session.new_cache(1, len(tokens))
-        try:
-            feats = session.prefill(cache, [tokens], hidden=True).hidden[0]
-        finally:
-            session.release(cache)
-        array[offsets[i] : offsets[i] + lengths[i]] = feats.astype(np.float16)
-        array.flush()
-        atomic_write_text(directory / "done.json", json.dumps({"sequences": i + 1}))
-        bar.update(1)
-    bar.close()
-    del array
-    return FeatureCache(directory)
-
-
-_REDO = "delete the directory and run again: the features are computed again from the answers, which are kept"
-
-
-def _read_index(directory: Path) -> dict:
-    index = read_json_object(directory / "index.json", SpecrtError, _REDO)
-    fields = ("ids", "offsets", "lengths")
-    if not all(isinstance(index.get(k), list) for k in fields) or len({len(index[k]) for k in fields}) != 1:
-        raise SpecrtError(f"{directory / 'index.json'} is not a feature index (ids, offsets, lengths); {_REDO}")
-    return index
-
-
-def _read_done(directory: Path) -> int:
-    """How many sequences are complete (done.json)."""
-    done = read_json_object(directory / "done.json", SpecrtError, _REDO).get("sequences")
-    if isinstance(done, bool) or not isinstance(done, int) or done < 0:
-        raise SpecrtError(f'{directory / "done.json"} should hold {{"sequences": N}}, got {done!r}; {_REDO}')
-    return done
-
-
-def _open_features(directory: Path, mode: str) -> np.ndarray:
-    """features.npy memory-mapped, its size checked first: numpy maps a file cut short in "r+"
-    mode by growing it with zeros, which would train on zeros in silence."""
-    path = directory / "features.npy"
-    try:
-        with open(path, "rb") as fh:
-            fmt = np.lib.format
-            read = fmt.read_array_header_1_0 if fmt.read_magic(fh) == (1, 0) else fmt.read_array_header_2_0
-            shape, _, dtype = read(fh)
-            need = fh.tell() + int(np.prod(shape)) * dtype.itemsize
-        if path.stat().st_size != need:
-            raise ValueError(f"{path.stat().st_size} bytes, its header says {need}")
-        return np.lib.format.open_memmap(path, mode=mode)
-    except (OSError, ValueError) as e:
-        raise SpecrtError(f"{path} is damaged ({e}); {_REDO}") from None
-
-
-def _feature_width(session: StepSession) -> int:
-    """H* of the target's hidden_states output (one token through it)."""
-    cache = session.new_cache(1, 1)
-    try:
-        return int(session.prefill(cache, [[0]], hidden=True).hidden[0].shape[-1])
-    finally:
-        session.release(cache)

@@ -41,7 +41,8 @@ from specrt.errors import SpecrtError
 from specrt.export.draft_head import DraftHead, HeadConfig, head_from_target
 from specrt.export.head_io import PARALLEL, feature_columns
 from specrt.export.llama import LlamaModel
-from specrt.training.data import Answer, FeatureCache
+from specrt.training.data import Answer
+from specrt.training.features import FeatureCache
 from specrt.training.loop import CHECKPOINT, Trainer, run_training
 
 STEP_WEIGHT = 0.8  # the loss weight of unrolled step k is STEP_WEIGHT ** (k - 1)
@@ -76,7 +77,7 @@ class TrainConfig:
 @dataclasses.dataclass
 class Sequence:
     tokens: np.ndarray  # (n,) int64: prompt + answer
-    features: np.ndarray  # (n, W) float16: the target's features (all its layers)
+    features: np.ndarray  # (n - 1, W) float16: the target's features (all its layers) but the last
     prompt_len: int
 
 
@@ -166,8 +167,8 @@ def make_batch(seqs: list[Sequence], cols: list[int], final_cols: list[int] | No
         scored = j + 2 >= s.prompt_len
         labels[b, : m - 2] = np.where(scored, t[2:], -1)
         feats[b, : m - 1] = s.features[: m - 1][:, cols]
-        if nxt is not None:
-            nxt[b, : m - 1] = s.features[1:m][:, final_cols]
+        if nxt is not None:  # entry m - 2 has no label (nor the feature after it: features.py)
+            nxt[b, : m - 2] = s.features[1 : m - 1][:, final_cols]
     pos = np.broadcast_to(np.arange(n), (B, n)).copy()
     return Batch(
         torch.from_numpy(ids),

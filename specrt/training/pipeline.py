@@ -4,8 +4,9 @@
 
 1. prompts    a seeded prompt set from text on this machine (training/prompts.py), the
               benchmark's prompts held out; written to <data>/prompts.jsonl
-2. answers    the target's greedy answers, batched (training/data.py)
-3. features   the target's hidden states over prompt + answer, every layer any head reads
+2. answers    the target's greedy answers, batched (training/data.py), and on the way its
+              hidden states over prompt + answer, every layer any head reads (training/features.py)
+3. features   of answers that were not recorded (made by an earlier version): one prefill each
 4. training   the family's trainer (training/families.py names it: training/eagle.py,
               medusa.py, draft_model.py), checkpointed, stopped at max_minutes
 5. export     <out>/head -> <out>/onnx (ORT parity checked) -> <out>/engines/ort-cpu
@@ -34,10 +35,11 @@ from specrt.export.draft_head import save_head
 from specrt.export.head_graph import export_head
 from specrt.layout import HeadLayout, TrainingDataLayout
 from specrt.runtime.generator import Generator
-from specrt.training.data import FeatureCacheMismatch, cache_features, generate_answers
+from specrt.training.data import generate_answers
 from specrt.training.draft_model import save_draft_checkpoint
 from specrt.training.eagle import TrainingData
 from specrt.training.families import TRAINED_FAMILIES, TrainedFamily, TrainOptions
+from specrt.training.features import FeatureStore, StaleFeatures, cache_features
 from specrt.training.prompts import PROMPT_SET_VERSION, build_prompt_set, write_prompt_set
 
 DATA_MANIFEST = "data.json"
@@ -110,14 +112,21 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
     else:
         atomic_write_text(marker, json.dumps(identity, indent=2) + "\n")
     write_prompt_set(layout.prompts, prompts)
+    if layout.features.is_dir():
+        try:
+            FeatureStore(layout.features)
+        except StaleFeatures:  # an older version's format: features are derived, make them again
+            shutil.rmtree(layout.features)
     answers = generate_answers(
-        gen, prompts, layout.answers, spec.max_new_tokens, batch=spec.gen_batch, progress=spec.progress
+        gen,
+        prompts,
+        layout.answers,
+        spec.max_new_tokens,
+        batch=spec.gen_batch,
+        progress=spec.progress,
+        features=layout.features,
     )
-    try:
-        features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
-    except FeatureCacheMismatch:  # other answers (another prompt count): features are derived, redo them
-        shutil.rmtree(layout.features)
-        features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
+    features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
     return TrainingData.load(answers, features, caps.hidden_layers, gen.config.hidden_size)
 
 

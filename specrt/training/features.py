@@ -1,0 +1,225 @@
+"""The target's features over its answers, on disk: recorded while it answers, or computed after.
+
+    answers = generate_answers(gen, prompts, out / "answers.jsonl", features=out / "features")
+    feats = cache_features(session, answers, out / "features")   # fills what was not recorded
+    x = feats.sequence(17)                                          # (tokens - 1, H*) float16
+
+A sequence is a prompt and its answer; its features are the target's hidden states (the layers
+its step graph returns) at every position but the last: a position's feature predicts the tokens
+after it, and the last one's are past the answer, where no draft family has a label. Those are
+exactly the positions the target feeds while it answers (the prompt at prefill, then each
+step's root), so the answering steps record them (`FeatureRecorder`) and no second pass over
+the data is needed; answers made without recording get theirs from one prefill of the whole
+sequence (`cache_features`), which is what the recording equals up to float rounding.
+
+The directory is append-only and survives interruption:
+
+- features.bin: float16 rows (H* wide), one block per sequence, in the order they were stored;
+- records.jsonl: a line per block, written after its rows are on disk: the answer id, the
+  block's first row and row count, and a hash of the sequence's tokens (a block of other tokens,
+  e.g. of answers made again, is not used);
+- meta.json: the row width and dtype.
+
+A run that is cut short loses at most the block being written: on opening, a cut line and rows
+past the last record are dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specrt.artifacts import atomic_write_text, read_json_object
+from specrt.errors import SpecrtError
+from specrt.runtime.session import StepSession
+from specrt.runtime.verification import DraftTree
+
+FORMAT = 2  # 1: one memory-mapped array over a fixed list of sequences (features.npy, index.json)
+_REDO = "delete the directory and run again: the features are made again from the answers, which are kept"
+
+
+class StaleFeatures(SpecrtError):
+    """A feature directory in a format this version does not read (derived data: make it again)."""
+
+
+def tokens_hash(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:16]
+
+
+class FeatureStore:
+    """The append-only feature directory (module docstring)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if (self.directory / "index.json").exists() or (self.directory / "features.npy").exists():
+            raise StaleFeatures(f"{self.directory} holds features in an older format; {_REDO}")
+        self.bin, self.log = self.directory / "features.bin", self.directory / "records.jsonl"
+        meta = self.directory / "meta.json"
+        self.width: int | None = None
+        if meta.is_file():
+            m = read_json_object(meta, SpecrtError, _REDO)
+            if m.get("format") != FORMAT or m.get("dtype") != "float16" or not isinstance(m.get("width"), int):
+                raise StaleFeatures(f"{meta} is not a feature store of format {FORMAT}; {_REDO}")
+            self.width = m["width"]
+        self.records: dict[int, dict] = {}  # answer id -> its newest block
+        self.rows = self._recover()
+
+    def _recover(self) -> int:
+        """Read the records; drop what an interruption leaves (a cut last line, rows past the last
+        record: rows are on disk before their record); returns the rows kept. A record whose rows
+        are missing is damage, not an interruption."""
+        if self.width is None or not self.log.is_file():
+            self.bin.unlink(missing_ok=True)
+            self.log.unlink(missing_ok=True)
+            return 0
+        lines, rows = self.log.read_text().splitlines(keepends=True), 0
+        size = self.bin.stat().st_size if self.bin.is_file() else 0
+        for i, line in enumerate(lines):
+            try:
+                r = json.loads(line)
+                ok = line.endswith("\n") and r["offset"] == rows and r["rows"] >= 0 and isinstance(r["tokens"], str)
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                if i < len(lines) - 1:
+                    raise SpecrtError(f"{self.log}:{i + 1} is damaged (only the last line can be cut); {_REDO}")
+                lines = lines[:i]
+                atomic_write_text(self.log, "".join(lines))
+                break
+            rows += r["rows"]
+            if rows * self.width * 2 > size:
+                raise SpecrtError(
+                    f"{self.bin} is damaged ({size} bytes, its records need {rows * self.width * 2}); {_REDO}"
+                )
+            self.records[r["id"]] = r
+        if size != rows * self.width * 2:
+            with open(self.bin, "r+b") as fh:
+                fh.truncate(rows * self.width * 2)
+        return rows
+
+    def has(self, answer_id: int, tokens: Sequence[int]) -> bool:
+        r = self.records.get(answer_id)
+        return r is not None and r["tokens"] == tokens_hash(tokens) and r["rows"] == len(tokens) - 1
+
+    def append(self, answer_id: int, tokens: Sequence[int], features: np.ndarray) -> None:
+        """Store a sequence's features (len(tokens) - 1 rows): the rows first, then their record."""
+        if features.ndim != 2 or features.shape[0] != len(tokens) - 1:
+            raise ValueError(f"{features.shape} features for {len(tokens)} tokens (want {len(tokens) - 1} rows)")
+        if self.width is None:
+            self.width = int(features.shape[1])
+            meta = {"format": FORMAT, "dtype": "float16", "width": self.width}
+            atomic_write_text(self.directory / "meta.json", json.dumps(meta) + "\n")
+        if features.shape[1] != self.width:
+            raise SpecrtError(f"{self.directory} stores features {self.width} wide, these are {features.shape[1]}")
+        with open(self.bin, "ab") as fh:
+            fh.write(np.ascontiguousarray(features, dtype=np.float16).tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+        record = {"id": answer_id, "offset": self.rows, "rows": len(features), "tokens": tokens_hash(tokens)}
+        with open(self.log, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+        self.records[answer_id] = record
+        self.rows += len(features)
+
+
+class FeatureCache:
+    """The features of a list of answers, in its order, memory-mapped from a FeatureStore."""
+
+    def __init__(self, store: FeatureStore, answers: Sequence):
+        missing = [a.id for a in answers if not store.has(a.id, a.tokens)]
+        if missing:
+            raise SpecrtError(
+                f"{store.directory} has no features for {len(missing)} of {len(answers)} answers "
+                f"(ids {missing[:5]}...); run cache_features first"
+            )
+        self.blocks = [(store.records[a.id]["offset"], store.records[a.id]["rows"]) for a in answers]
+        shape = (store.rows, store.width or 0)
+        self.array = np.memmap(store.bin, np.float16, "r", shape=shape) if store.rows else np.zeros(shape, np.float16)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def sequence(self, i: int) -> np.ndarray:
+        """(tokens - 1, H*) features of sequence i."""
+        offset, rows = self.blocks[i]
+        return self.array[offset : offset + rows]
+
+
+def cache_features(
+    session: StepSession, answers: Sequence, directory: str | Path, progress: bool = True
+) -> FeatureCache:
+    """Every answer's features, in the answers' order: those already stored (recorded while
+    answering, or by an earlier run) are kept; the rest come from one prefill of the sequence."""
+    store = FeatureStore(directory)
+    width = _feature_width(session)
+    if store.width is not None and store.width != width:
+        raise SpecrtError(f"{store.directory} stores features {store.width} wide, this target returns {width}")
+    todo = [a for a in answers if not store.has(a.id, a.tokens)]
+    from tqdm import tqdm
+
+    for a in tqdm(todo, desc="target features", unit="seq", disable=not progress or not todo):
+        if len(a.tokens) > session.max_context:
+            raise SpecrtError(
+                f"sequence {a.id} has {len(a.tokens)} tokens, the target's context holds {session.max_context}"
+            )
+        cache = session.new_cache(1, len(a.tokens))
+        try:
+            feats = session.prefill(cache, [a.tokens], hidden=True).hidden[0]
+        finally:
+            session.release(cache)
+        store.append(a.id, a.tokens, feats[:-1])
+    return FeatureCache(store, answers)
+
+
+def _feature_width(session: StepSession) -> int:
+    """H* of the target's hidden_states output (one token through it)."""
+    cache = session.new_cache(1, 1)
+    try:
+        return int(session.prefill(cache, [[0]], hidden=True).hidden[0].shape[-1])
+    finally:
+        session.release(cache)
+
+
+class FeatureRecorder:
+    """A proposer that drafts nothing and keeps each row's features as the target computes them:
+    the prompt's at `begin`, each step's root at `commit` (plain decoding feeds one position a
+    step, the newest token). When a row ends, its features (every position but the last, which
+    is never fed) wait under its prompt and output for `take`."""
+
+    name, needs_features, cost_per_token, lookup = "record", True, False, False
+
+    def __init__(self):
+        self._rows: dict[int, tuple[tuple[int, ...], list[np.ndarray]]] = {}
+        self._done: dict[tuple, list[np.ndarray]] = {}
+
+    def begin(self, rows, prompts, prefilled) -> None:
+        for b, prompt, hidden in zip(rows, prompts, prefilled.hidden):
+            self._rows[b] = (tuple(prompt), [np.asarray(hidden, np.float16)])
+
+    def propose(self, inp) -> list[DraftTree]:
+        return [DraftTree.empty() for _ in inp.rows]
+
+    def commit(self, rows, trees, verdicts, step) -> None:
+        for b, tree in zip(rows, trees):
+            assert not len(tree), "the recorder drafts nothing"
+            self._rows[b][1].append(step.hidden_states[b, :1].astype(np.float16))
+
+    def end(self, rows, outputs) -> None:
+        for b, out in zip(rows, outputs):
+            prompt, parts = self._rows.pop(b)
+            self._done.setdefault((prompt, tuple(out)), []).append(np.concatenate(parts))
+
+    def take(self, prompt: Sequence[int], output: Sequence[int]) -> np.ndarray:
+        """The features of the finished row that had this prompt and output."""
+        key = (tuple(prompt), tuple(output))
+        got = self._done[key].pop()
+        if not self._done[key]:
+            del self._done[key]
+        return got
