@@ -208,7 +208,10 @@ class FeatureRecorder:
 
     def commit(self, rows, trees, verdicts, step) -> None:
         for b, tree in zip(rows, trees):
-            assert not len(tree), "the recorder drafts nothing"
+            if len(tree):
+                raise SpecrtError(
+                    "the feature recorder runs with N = 0 (FixedPolicy(0)): it keeps the root's features only"
+                )
             self._rows[b][1].append(step.hidden_states[b, :1].astype(np.float16))
 
     def end(self, rows, outputs) -> None:
