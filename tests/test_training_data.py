@@ -7,8 +7,9 @@ import pytest
 
 from specrt.errors import SpecrtError
 from specrt.runtime.generator import Generator
+from specrt.runtime.verification import DraftTree
 from specrt.training.data import generate_answers, read_answers
-from specrt.training.features import FeatureCache, FeatureStore, cache_features
+from specrt.training.features import FeatureCache, FeatureRecorder, FeatureStore, cache_features
 from specrt.training.prompts import build_prompt_set
 
 
@@ -113,3 +114,9 @@ def test_features_resume_and_skip_other_sequences(gen, prompts, tmp_path):
     (old / "index.json").write_text("{}")
     with pytest.raises(SpecrtError, match="older format; delete the directory"):
         cache_features(gen.session, answers, old, progress=False)
+
+
+def test_the_recorder_refuses_a_step_that_verified_drafted_tokens():
+    recorder = FeatureRecorder()
+    with pytest.raises(SpecrtError, match="one position a step"):
+        recorder.commit([0], [DraftTree.chain([5, 6])], None, None)

@@ -210,7 +210,8 @@ class FeatureRecorder:
         for b, tree in zip(rows, trees):
             if len(tree):
                 raise SpecrtError(
-                    "the feature recorder runs with N = 0 (FixedPolicy(0)): it keeps the root's features only"
+                    "the feature recorder keeps one position a step (the root's), and this step verified "
+                    "drafted tokens too (a grammar's forced tokens?): record plain, unconstrained decoding"
                 )
             self._rows[b][1].append(step.hidden_states[b, :1].astype(np.float16))
 
