@@ -145,7 +145,7 @@ def test_eagle3_head_on_default_model(ort_gen, real_model_dir, tmp_path):
 
 def test_gguf_engine_is_the_float_model_on_default_model(ort_gen, real_model_dir, real_artifacts):
     """build-engines --quantize gguf on the default model's own Q4_1/Q8_0 file: teacher-forced
-    logits within float rounding of the float32 engine (top-1 identical), greedy answers identical,
+    logits and features within float rounding of the float32 engine (top-1 identical), greedy answers identical,
     and speculative output equal to the engine's own plain output."""
     from specrt.engines.build import BuildSpec, build_all
     from specrt.layout import ArtifactLayout
@@ -158,10 +158,14 @@ def test_gguf_engine_is_the_float_model_on_default_model(ort_gen, real_model_dir
     list(build_all(spec))
     q4 = Generator.from_engine(ArtifactLayout(real_artifacts).ort_engine("cpu", "gguf"))
     text = ort_gen.tokenizer.encode(" ".join(PROMPTS) + " " + CODE_EDIT)
-    a = ort_gen.session.forward(ort_gen.session.new_cache(1, len(text)), [text]).logits[0]
-    b = q4.session.forward(q4.session.new_cache(1, len(text)), [text]).logits[0]
+    fa = ort_gen.session.forward(ort_gen.session.new_cache(1, len(text)), [text], hidden=True)
+    fb = q4.session.forward(q4.session.new_cache(1, len(text)), [text], hidden=True)
+    a, b = fa.logits[0], fb.logits[0]
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
     assert (a.argmax(-1) == b.argmax(-1)).all()
+    # the features draft heads read: heads trained on the float32 engine's serve the 4-bit one
+    ha, hb = fa.hidden_states[0], fb.hidden_states[0]
+    assert np.abs(ha - hb).max() <= 1e-4 * np.abs(ha).max()
     for prompt in PROMPTS:
         ids = ort_gen.encode_prompt(prompt)
         assert q4.generate_ids([ids], NEW_TOKENS)[0].token_ids == ort_gen.generate_ids([ids], NEW_TOKENS)[0].token_ids
