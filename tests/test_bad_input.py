@@ -132,3 +132,28 @@ def test_calibrate_report_inputs_are_checked_first(tiny_checkpoint, tiny_artifac
     assert r.exit_code == code and message in last_line(r), r.output
     after = sorted(calibration.rglob("*")) if calibration.exists() else []
     assert after == before  # refused before the calibration set was made
+
+
+@pytest.mark.parametrize(
+    "make, code, message",
+    [
+        # a schema file that is not UTF-8 (was a UnicodeDecodeError traceback)
+        (lambda p: p.write_bytes(b"\xff\xfe"), 2, "is not UTF-8 text (byte 0); save the schema as UTF-8 JSON"),
+        # nested past what Python's JSON reader recurses into (was a RecursionError traceback)
+        (lambda p: p.write_text("[" * 100000), 1, "the JSON schema nests too deeply to read; flatten it"),
+        (lambda p: p.write_text("[" * 100000 + "]" * 100000), 1, "nests too deeply"),
+    ],
+)
+def test_json_schema_files_that_cannot_be_read_are_one_line(tiny_artifacts, tmp_path, make, code, message):
+    schema = tmp_path / "schema.json"
+    make(schema)
+    r = run("generate", "--artifacts", tiny_artifacts, "--prompt", "w5", "--max-new-tokens", "2", "--json-schema", schema)
+    assert r.exit_code == code and message in r.output, r.output
+
+
+def test_a_grammar_past_the_engines_limits_is_one_line(tiny_artifacts):
+    """It compiles, then fails on its first token: one line naming the limit and the fix (was
+    an error blaming a token, followed by ~20 lines of the grammar engine's state)."""
+    r = run("generate", "--artifacts", tiny_artifacts, "--prompt", "w5", "--regex", "(a{1000}){1000}")
+    assert r.exit_code == 1 and "regex cannot be used" in r.output and "make it smaller" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and len(r.output) < 600, r.output

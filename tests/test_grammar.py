@@ -198,3 +198,48 @@ def test_bad_grammars_are_clear_errors(loopy_gen):
     bare = Generator(TorchBackend(random_model(LOOPY, seed=3)))
     with pytest.raises(SpecrtError, match="needs the target's tokenizer"):
         bare.generate_ids([[5, 6]], 4, grammar=Grammar.regex(LOOP_REGEX))
+
+
+# compiles, then passes llguidance's lexer limit on its first "a" (a regex of a million states)
+HUGE_REGEX = "(a{1000}){1000}"
+# the same limit, reached only after ten letters: past the first tokens Vocabulary.matcher tries
+LATE_REGEX = "[c-g]{10}(a{1000}){1000}"
+
+
+def test_a_grammar_past_the_engines_limits_is_refused_before_it_runs(loopy_gen):
+    """A grammar that compiles but fails on its first tokens is refused by Vocabulary.matcher
+    (the server's check before queueing: a 400, not a 500 after the first token), with a short
+    message: not llguidance's parser state."""
+    alts = " | ".join(f'"b" "c" r{i}' for i in range(3000))
+    rules = "\n".join(f'r{i}: "d"' for i in range(3000))
+    wide = Grammar.lark(f'start: "a" ({alts})\n{rules}')  # a row of 3,001 parser items after "a"
+    for grammar, limit in [(Grammar.regex(HUGE_REGEX), "too many expressions"), (wide, "max is 2000")]:
+        with pytest.raises(SpecrtError, match=f"cannot be used: .*{limit}.*make it smaller") as e:
+            loopy_gen.vocabulary().matcher(grammar)
+        assert len(str(e.value)) < 600 and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["grammar", "suffix"])
+def test_a_grammar_that_fails_mid_answer_ends_its_row_with_an_error(loopy_gen, method):
+    """Past the first tokens the matcher records the failure instead of raising mid-step: the
+    row ends with a clear error, the rows beside it finish as they would alone."""
+    from specrt.runtime.batching import BatchEngine, Request
+
+    late = Grammar.regex(LATE_REGEX)
+    loopy_gen.vocabulary().matcher(late)  # its first tokens pass
+    with pytest.raises(SpecrtError, match="could not be followed"):
+        loopy_gen.generate_ids([[5, 6, 7]], 20, grammar=late)
+    spec = SpeculativeDecoder(loopy_gen, make_proposer(method), make_policy(4))
+    with pytest.raises(SpecrtError, match="regex could not be followed to the end of the answer: .*too many"):
+        spec.generate_ids([[5, 6, 7]], 20, grammar=late)
+    free = spec.generate_ids([[9, 10, 11]], 20)[0].token_ids
+    engine = BatchEngine(spec, max_batch=2)
+    engine.submit(Request([5, 6, 7], 20, grammar=late))
+    engine.submit(Request([9, 10, 11], 20))
+    events = []
+    while not engine.idle:
+        events += engine.step()
+    failed = [e for e in events if e.error is not None]
+    assert [e.rid for e in failed] == [0] and "too many expressions" in failed[0].error
+    done = [e.result for e in events if e.result is not None]
+    assert len(done) == 1 and done[0].token_ids == free

@@ -299,6 +299,10 @@ def test_prometheus_metrics(gen, speculative):
         assert drafted is None
 
 
+# a schema of 4,000 optional properties: a row of 16,007 parser items after "{" (llguidance stops at 2,000)
+WIDE = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(4000)}}
+
+
 @pytest.mark.parametrize(
     "body, status, param, message",
     [
@@ -364,6 +368,19 @@ def test_prometheus_metrics(gen, speculative):
         ),
         ({"messages": MESSAGES, "response_format": {"type": "xml"}}, 400, "response_format", "type is one of text"),
         ({"messages": MESSAGES, "response_format": {"type": "regex", "regex": "(a"}}, 400, "response_format", "regex"),
+        # grammars that compile but pass llguidance's limits on their first tokens: refused before queueing
+        (
+            {"messages": MESSAGES, "response_format": {"type": "regex", "regex": "(a{1000}){1000}"}},
+            400,
+            "response_format",
+            "regex cannot be used: the grammar",
+        ),
+        (
+            {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"schema": WIDE}}},
+            400,
+            "response_format",
+            "JSON schema cannot be used",
+        ),
         ({"messages": MESSAGES, "logit_bias": {"5": 100}}, 400, "logit_bias", "only {} (no bias)"),
         ({"messages": MESSAGES, "store": True}, 400, "store", "nothing is stored"),
         ({"messages": MESSAGES, "max_tokenz": 5}, 400, "max_tokenz", "not a chat completion field"),
@@ -390,6 +407,7 @@ def test_bad_requests_get_openai_errors(gen, body, status, param, message):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
+    assert len(err["message"]) < 1000  # the problem and the fix, not llguidance's state or the grammar
 
 
 @pytest.mark.parametrize(

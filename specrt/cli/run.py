@@ -98,9 +98,13 @@ def _grammar(json_schema: str | None, regex: str | None):
     if json_schema is None:
         return None
     try:
-        text = Path(json_schema).read_text()
+        text = Path(json_schema).read_text(encoding="utf-8")
     except OSError as e:
         raise click.BadParameter(f"cannot read {json_schema}: {e.strerror}", param_hint="--json-schema") from None
+    except UnicodeDecodeError as e:
+        raise click.BadParameter(
+            f"{json_schema} is not UTF-8 text (byte {e.start}); save the schema as UTF-8 JSON", param_hint="--json-schema"
+        ) from None
     return Grammar.json_schema(text)
 
 

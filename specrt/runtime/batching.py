@@ -52,7 +52,7 @@ from typing import Protocol
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.runtime.grammar import Grammar, Matcher
+from specrt.runtime.grammar import NAMES, Grammar, Matcher
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.logprobs import token_logprobs
 from specrt.runtime.prefix_cache import PrefixCache
@@ -103,6 +103,8 @@ class Event:
     tokens: list[int]
     result: GenerationResult | None = None
     logprobs: list | None = None  # per token a TokenLogprob, when its request asked (Request.logprobs)
+    # why the request ended without a result (its grammar failed mid-answer: Matcher.error)
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -305,6 +307,9 @@ class BatchEngine:
         self.decoder.join(self.state, b, s.request, s.rng, s.budget, Prefilled(logits, hidden), s.matcher)
         tokens = self.rows.emit(b, [first])
         top = s.request.logprobs
+        if s.matcher is not None and s.matcher.error is not None:
+            events.append(self._fail(b))
+            return
         events.append(Event(s.rid, tokens, logprobs=None if top is None else token_logprobs(logits, tokens, top)))
         if not self.rows.active[b]:
             events[-1].result = self._finish(b)
@@ -319,9 +324,20 @@ class BatchEngine:
         for b in rows:
             s = self.slots[b]
             s.steps.append(seconds)
+            if s.matcher is not None and s.matcher.error is not None:
+                events.append(self._fail(b))
+                continue
             events.append(Event(s.rid, record.new_tokens[b], logprobs=record.logprobs.get(b)))
             if not self.rows.active[b]:
                 events[-1].result = self._finish(b)
+
+    def _fail(self, b: int) -> Event:
+        """Row b's grammar failed mid-answer: the request ends with the error, its slot is free."""
+        s = self.slots[b]
+        kind = NAMES[s.request.grammar.kind]
+        event = Event(s.rid, [], error=f"the {kind} could not be followed to the end of the answer: {s.matcher.error}")
+        self._free(b)
+        return event
 
     def _finish(self, b: int) -> GenerationResult:
         s = self.slots[b]
@@ -362,6 +378,8 @@ class BatchEngine:
                 i = order.pop(0)
                 ids[self.submit(requests[i])] = i
             for e in self.step():
+                if e.error is not None:
+                    raise SpecrtError(e.error)
                 if e.result is not None:
                     results[ids[e.rid]] = e.result
             step += 1

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from specrt.errors import SpecrtError
 from specrt.runtime.batching import BatchEngine, Request
 from specrt.runtime.grammar import Grammar
 from specrt.runtime.sampling import SamplingParams
@@ -53,6 +54,8 @@ class Generates:
                 while not engine.idle:
                     new: list[list[int]] = [[] for _ in prompts]
                     for event in engine.step():
+                        if event.error is not None:
+                            raise SpecrtError(event.error)
                         new[event.rid] += event.tokens
                         if event.result is not None:
                             results[event.rid] = event.result

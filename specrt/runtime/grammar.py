@@ -49,6 +49,7 @@ from specrt.runtime.verification import DraftTree
 
 # json.dumps' separators and no other whitespace (the module docstring says why)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+PROBE = 8  # tokens Vocabulary.matcher follows to try a new grammar (its first mask and steps)
 COMPILED = 64  # compiled grammars a Vocabulary keeps (a server sees the same schemas again and again)
 NAMES = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "lark": "Lark grammar"}
 
@@ -80,12 +81,16 @@ class Grammar:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise SpecrtError(f"the JSON schema is not valid JSON ({e}); pass a JSON object") from None
+            except RecursionError:
+                raise SpecrtError("the JSON schema nests too deeply to read; flatten it (use $defs)") from None
         if not isinstance(schema, dict):
             raise SpecrtError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
         try:
             source = _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
-            raise SpecrtError(f"the JSON schema cannot be read: {e}") from None
+            raise SpecrtError(f"the JSON schema cannot be read: {_short(e)}") from None
+        except RecursionError:
+            raise SpecrtError("the JSON schema nests too deeply to read; flatten it (use $defs)") from None
         return cls("json_schema", source)
 
     @classmethod
@@ -137,14 +142,35 @@ class Vocabulary:
             if compiled is not None:
                 self._compiled.move_to_end(grammar.source)
         if compiled is None:
-            compiled = _llguidance().LLMatcher(self.ll, grammar.source, log_level=0)
+            llg = _llguidance()
+            # terse errors: llguidance's verbose ones carry the parser's state and the whole grammar
+            limits = llg.LLParserLimits(verbose_errors=False)
+            compiled = llg.LLMatcher(self.ll, grammar.source, log_level=0, limits=limits)
             if compiled.is_error():
-                raise SpecrtError(f"the {NAMES[grammar.kind]} cannot be compiled: {compiled.get_error()}")
+                raise SpecrtError(f"the {NAMES[grammar.kind]} cannot be compiled: {_short(compiled.get_error())}")
+            self._probe(compiled, grammar.kind)
             with self._lock:
                 self._compiled[grammar.source] = compiled
                 if len(self._compiled) > COMPILED:
                     self._compiled.popitem(last=False)
         return Matcher(compiled.deep_copy(), self.vocab_size, self.eos)
+
+    def _probe(self, compiled, kind: str) -> None:
+        """Follow a fresh grammar's first PROBE tokens (the lowest allowed token each time): a
+        grammar beyond llguidance's limits (a row of thousands of items, a regex of too many
+        states) compiles, then fails on its first tokens; refused here, before it is queued."""
+        m = Matcher(compiled.deep_copy(), self.vocab_size, self.eos)
+        for _ in range(PROBE):
+            allowed = m.mask()
+            allowed[self.eos] = False
+            if m.error is not None or not allowed.any():
+                break
+            m.advance([int(np.argmax(allowed))])
+        if m.error is not None:
+            raise SpecrtError(
+                f"the {NAMES[kind]} cannot be used: {m.error} (a limit of the grammar engine, llguidance); "
+                "make it smaller or simpler (fewer properties or alternatives, smaller repetition counts)"
+            )
 
 
 class _Tokens:
@@ -177,15 +203,38 @@ class _Tokens:
 
 class Matcher:
     """One request's grammar state: what it allows next, what it forces, and the masks along a
-    draft tree's paths."""
+    draft tree's paths.
+
+    A grammar llguidance cannot follow past some token (a limit of its parser or lexer: a row of
+    too many items, a regex of too many states) sets `error` and never raises mid-step: the mask
+    becomes EOS only, nothing is forced, and the engine ends that row with the error (the other
+    rows of the step go on). `Vocabulary.matcher` tries a grammar's first tokens when it compiles
+    one, so most such grammars are refused before they are queued."""
 
     def __init__(self, ll, vocab_size: int, eos: list[int]):
         self.ll, self.V, self.eos = ll, vocab_size, eos
+        self.error: str | None = None
+
+    def _fail(self, what: str) -> None:
+        if self.error is None:
+            self.error = _short(f"{what}: {self.ll.get_error() or 'the parser stopped'}")
+
+    def _eos_only(self) -> np.ndarray:
+        mask = np.zeros(self.V, dtype=bool)
+        mask[self.eos] = True
+        return mask
 
     def mask(self) -> np.ndarray:
         """(V,) bool: the tokens allowed next (EOS only once the grammar is complete; EOS too
         when nothing is, so a row the grammar cannot continue ends rather than emit garbage)."""
+        if self.error is None and self.ll.is_error():
+            self._fail("the grammar parser failed")
+        if self.error is not None:
+            return self._eos_only()
         bits = np.unpackbits(np.frombuffer(self.ll.compute_bitmask(), np.uint8), bitorder="little")
+        if self.ll.is_error():
+            self._fail("the grammar parser failed")
+            return self._eos_only()
         mask = bits[: self.V].astype(bool)
         if not mask.any():
             mask[self.eos] = True
@@ -197,23 +246,32 @@ class Matcher:
 
     def advance(self, tokens) -> None:
         """The row emitted `tokens` (each allowed: they came from masked distributions; an EOS
-        ends the row, so the matcher need not see it)."""
+        ends the row, so the matcher need not see it). A token the parser cannot take sets
+        `error`."""
         for t in tokens:
-            if int(t) in self.eos:
+            if int(t) in self.eos or self.error is not None:
                 break
             if not self.ll.consume_token(int(t)):
-                raise SpecrtError(f"token {int(t)} broke the grammar: {self.ll.get_error()}")
+                self._fail(f"the grammar could not follow token {int(t)}")
 
     def forced(self, most: int) -> list[int]:
         """Up to `most` tokens the grammar forces next (none when it allows a choice)."""
-        return self.ll.compute_ff_tokens()[:most] if most > 0 else []
+        if most <= 0 or self.error is not None:
+            return []
+        forced = self.ll.compute_ff_tokens()
+        if self.ll.is_error():
+            self._fail("the grammar parser failed")
+            return []
+        return forced[:most]
 
     def tree_masks(self, tree: DraftTree, cut: bool) -> tuple[DraftTree, np.ndarray]:
         """The masks at the root and at every node of `tree`, each after its node's path: (the
         tree, (n + 1, V) bool). A node the grammar forbids, or one after an EOS, gets its parent's
         mask (it is never accepted, or what follows it is dropped, so its row is never used); with
         `cut` the tree ends before the first such node
-        (point masses and greedy rows: see the module docstring). The matcher ends where it began."""
+        (point masses and greedy rows: see the module docstring). The matcher ends where it began.
+        Where the parser fails along the tree, the tree is cut to nothing and the root's mask is
+        EOS only (`error` says why)."""
         n = len(tree)
         masks = np.empty((n + 1, self.V), dtype=bool)
         masks[0] = self.mask()
@@ -221,6 +279,8 @@ class Matcher:
         path: list[int] = []  # the nodes the matcher has consumed, root first
         try:
             for i in range(n):
+                if self.error is not None:
+                    break
                 p = int(tree.parents[i])
                 t = int(tree.tokens[i])
                 # nothing follows an EOS (the row ends there), and llguidance does not roll one back
@@ -238,22 +298,37 @@ class Matcher:
                     self.ll.rollback(len(path) - keep)
                     del path[keep:]
                 for node in chain[keep:]:  # back down to the parent (a tree in breadth-first order)
-                    self._consume(int(tree.tokens[node]))
+                    if not self._consume(int(tree.tokens[node])):
+                        break
                     path.append(node)
+                if self.error is not None:
+                    break
                 if t in self.eos:  # allowed, and the last of its path
                     masks[i + 1] = masks[p + 1]
                     continue
-                self._consume(t)
+                if not self._consume(t):
+                    break
                 path.append(i)
                 masks[i + 1] = self.mask()
+            if self.error is not None:
+                return tree.truncate(0), self._eos_only()[None]
             return tree, masks
         finally:
-            if path:
+            if path and not self.ll.is_error():
                 self.ll.rollback(len(path))
 
-    def _consume(self, token: int) -> None:
-        if not self.ll.consume_token(token):
-            raise SpecrtError(f"the grammar matcher refused token {token} its mask allowed: {self.ll.get_error()}")
+    def _consume(self, token: int) -> bool:
+        if self.ll.consume_token(token):
+            return True
+        self._fail(f"the grammar could not follow token {token}")
+        return False
+
+
+def _short(text: str, most: int = 300) -> str:
+    """An llguidance error on one line, cut to `most` characters (its messages can carry the
+    parser's state or the whole grammar)."""
+    text = " ".join(str(text).replace("<non-verbose/>", "").split())
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _ancestors(parents: np.ndarray, node: int) -> list[int]:

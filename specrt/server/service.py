@@ -363,6 +363,9 @@ class CompletionService:
                 reply = self._live.get(ev.rid)
                 if reply is None:
                     continue
+                if ev.error is not None:  # its grammar failed mid-answer (runtime/grammar.py): the engine freed it
+                    self._end(ev.rid, error=RequestError(f"'response_format': {ev.error}", param="response_format"))
+                    continue
                 stopped = reply.push(ev.tokens, ev.logprobs)
                 if stopped or ev.result is not None:
                     if stopped:
