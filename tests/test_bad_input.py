@@ -147,7 +147,7 @@ def test_calibrate_report_inputs_are_checked_first(tiny_checkpoint, tiny_artifac
 def test_json_schema_files_that_cannot_be_read_are_one_line(tiny_artifacts, tmp_path, make, code, message):
     schema = tmp_path / "schema.json"
     make(schema)
-    r = run("generate", "--artifacts", tiny_artifacts, "--prompt", "w5", "--max-new-tokens", "2", "--json-schema", schema)
+    r = run("generate", "--artifacts", tiny_artifacts, "--prompt", "w5", "--max-new-tokens", 2, "--json-schema", schema)
     assert r.exit_code == code and message in r.output, r.output
 
 

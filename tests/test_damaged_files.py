@@ -55,12 +55,18 @@ def damage_second_answer(path):
     path.write_text("".join(lines))
 
 
+def wrong_width(path):
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, "width": 8}))  # a refusal that first cut features.bin to 8-wide rows
+
+
 CASES = [
     # (file under the head's directory, damage, what the one line says)
     ("data/data.json", cut_in_half, "data.json is not valid JSON"),
     ("data/features/meta.json", garbage, "meta.json is not valid JSON"),
     ("data/features/records.jsonl", damage_second_answer, "records.jsonl:2 is damaged"),
     ("data/features/features.bin", cut_in_half, "features.bin is damaged"),
+    ("data/features/meta.json", wrong_width, "says its features are 8 wide, this target returns"),
     ("data/answers.jsonl", damage_second_answer, "answers.jsonl:2 is damaged"),
     ("checkpoint.pt", cut_in_half, "checkpoint.pt is damaged"),
     ("checkpoint.pt", garbage, "training cannot resume from it; delete it to start training over"),
@@ -152,3 +158,45 @@ def test_import_mtp_with_a_malformed_module_count(tiny_checkpoint, tmp_path, val
     line = r.output.strip().splitlines()[-1]
     assert r.exit_code == 1 and "num_nextn_predict_layers must be a whole number >= 0" in line, r.output
     assert not (tmp_path / "mtp").exists()
+
+
+def test_damaged_features_stop_training_before_a_head_of_nan(trained, tiny_checkpoint, tiny_artifacts, tmp_path):
+    """Random bytes of the right size in features.bin (float16 NaN and infinity among them)
+    trained a head of NaN that exited 0, passed the export's parity check ("logits within nan")
+    and was called usable. Training now stops on the first non-finite loss, naming the cause."""
+    import numpy as np
+
+    out = shutil.copytree(trained, tmp_path / "eagle3")
+    feats = out / "data/features/features.bin"
+    feats.write_bytes(np.random.default_rng(0).bytes(feats.stat().st_size))
+    for made in ("checkpoint.pt", "head", "onnx", "engines"):  # train again on the damaged data
+        path = out / made
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    r = run(*train_args(tiny_checkpoint, tiny_artifacts, out))
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "training stopped before it wrote a head of NaN" in line, r.output
+    assert "delete the data's features directory" in line and not (out / "head").exists()
+
+
+def test_a_head_of_nan_is_refused_by_the_export(trained, tiny_checkpoint, tmp_path):
+    """A head whose weights hold NaN: the parity check read `max_abs > tol`, False for NaN."""
+    from safetensors.torch import load_file, save_file
+
+    out = shutil.copytree(trained, tmp_path / "eagle3")
+    weights = load_file(out / "head/head.safetensors")
+    name = next(n for n, t in weights.items() if t.is_floating_point() and t.ndim == 2)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, out / "head/head.safetensors")
+    r = run("build-draft", "--draft-dir", out, "--model", tiny_checkpoint, "--tensorrt", "off")
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "has weights that are not finite" in line and name in line, r.output
+
+
+def test_an_export_whose_parity_is_nan_is_refused():
+    """A head exported before the parity check failed on NaN records NaN figures: refused."""
+    from specrt.errors import SpecrtError
+    from specrt.export.head_io import check_head_parity
+
+    check_head_parity({"ort_parity": {"logits_max_abs": 1e-6, "logits_scale": 3.0}}, "h")
+    with pytest.raises(SpecrtError, match="export parity is not finite"):
+        check_head_parity({"ort_parity": {"logits_max_abs": float("nan"), "logits_scale": 3.0}}, "h")

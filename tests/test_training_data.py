@@ -120,3 +120,24 @@ def test_the_recorder_refuses_a_step_that_verified_drafted_tokens():
     recorder = FeatureRecorder()
     with pytest.raises(SpecrtError, match="one position a step"):
         recorder.commit([0], [DraftTree.chain([5, 6])], None, None)
+
+
+def test_a_refused_store_is_left_as_it_was(gen, prompts, tmp_path):
+    """A store whose meta.json names the wrong width is refused before anything is written (it
+    was cut to the wrong width's rows first, and the rows were lost); fixed, it serves again."""
+    answers = generate_answers(gen, prompts[:3], tmp_path / "a.jsonl", max_new_tokens=8, progress=False)
+    d = tmp_path / "f"
+    full = cache_features(gen.session, answers, d, progress=False)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    meta = d / "meta.json"
+    right = meta.read_text()
+    meta.write_text(right.replace(f'"width": {full.array.shape[1]}', '"width": 8'))
+    edited = meta.read_bytes()
+    with pytest.raises(SpecrtError, match="says its features are 8 wide, this target returns"):
+        cache_features(gen.session, answers, d, progress=False)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == {**before, "meta.json": edited}
+    FeatureStore(d)  # opening one (no width to check) writes nothing either
+    assert (d / "features.bin").read_bytes() == before["features.bin"]
+    meta.write_text(right)
+    again = cache_features(gen.session, answers, d, progress=False)
+    assert all(np.array_equal(again.sequence(i), full.sequence(i)) for i in range(3))

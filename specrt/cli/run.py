@@ -103,7 +103,8 @@ def _grammar(json_schema: str | None, regex: str | None):
         raise click.BadParameter(f"cannot read {json_schema}: {e.strerror}", param_hint="--json-schema") from None
     except UnicodeDecodeError as e:
         raise click.BadParameter(
-            f"{json_schema} is not UTF-8 text (byte {e.start}); save the schema as UTF-8 JSON", param_hint="--json-schema"
+            f"{json_schema} is not UTF-8 text (byte {e.start}); save the schema as UTF-8 JSON",
+            param_hint="--json-schema",
         ) from None
     return Grammar.json_schema(text)
 

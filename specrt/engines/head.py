@@ -31,6 +31,7 @@ from specrt.export.head_io import (
     D2T_FILE,
     HEAD_FILE,
     HEAD_INPUTS,
+    check_head_parity,
     head_family,
     read_draft_to_target,
     read_head_manifest,
@@ -74,6 +75,7 @@ def load_head_engine(engine_dir: str | Path, options: OrtOptions | None = None, 
     m = read_manifest(engine_dir, HEAD_ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
     check_built_here(m, f"head engine {engine_dir}", HOW_TO_BUILD)
     check_files(engine_dir, m, (OPT_FILE, OPT_DATA, D2T_FILE), HOW_TO_BUILD, verify)
+    check_head_parity(m, engine_dir)
     session, _ = open_optimized(engine_dir, OPT_FILE, m, options, HOW_TO_BUILD)
     return session, m, read_draft_to_target(engine_dir, m)
 

@@ -53,6 +53,13 @@ def export_head(
 
     head_dir, out_dir = Path(head_dir), Path(out_dir)
     head = load_head(head_dir)
+    bad = [n for n, t in head.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ArtifactError(
+            f"the head in {head_dir} has weights that are not finite ({len(bad)} tensors: {', '.join(bad[:3])}...): "
+            "its training diverged or its data was damaged; train it again (delete the data's features directory first "
+            "if features.bin may be damaged)"
+        )
     ckpt_hash = checkpoint_hash(checkpoint)
     with atomic_dir(out_dir) as tmp:
         t0 = time.perf_counter()
@@ -78,7 +85,8 @@ def export_head(
         onnx.checker.check_model(str(tmp / HEAD_FILE), full_check=True)
         np.save(tmp / D2T_FILE, head.draft_to_target.numpy())
         parity = ort_parity(head, tmp / HEAD_FILE)
-        if parity["logits_max_abs"] > PARITY_TOLERANCE * max(1.0, parity["logits_scale"]):
+        # written so that NaN fails: `x > tol` is False for NaN, `not x <= tol` is True
+        if not parity["logits_max_abs"] <= PARITY_TOLERANCE * max(1.0, parity["logits_scale"]):
             raise ArtifactError(f"the exported head differs from the PyTorch head: {parity}; please report this")
         write_manifest(
             tmp,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +163,19 @@ def read_head_manifest(onnx_dir: str | Path, verify: str = "auto") -> dict:
     if list(m["inputs"]) != list(inputs) or list(m["outputs"]) != list(outputs):
         raise ArtifactError(f"{onnx_dir} holds a head graph of another I/O version; re-export it with: {HOW_TO_MAKE}")
     check_files(onnx_dir, m, (HEAD_FILE, HEAD_DATA, D2T_FILE), HOW_TO_MAKE, verify)
+    check_head_parity(m, onnx_dir)
     return m
+
+
+def check_head_parity(manifest: dict, where) -> None:
+    """Refuse a head whose export's parity figures are not finite: its weights are NaN or
+    infinite (exports made before the parity check failed on NaN passed such heads)."""
+    parity = manifest.get("ort_parity") or {}
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in parity.values()):
+        raise ArtifactError(
+            f"{where} holds a head whose export parity is not finite ({parity}): its weights are NaN or infinite; "
+            "train it again (delete the data's features directory first if features.bin may be damaged)"
+        )
 
 
 def read_draft_to_target(onnx_dir: str | Path, manifest: dict) -> np.ndarray:

@@ -20,8 +20,9 @@ The directory is append-only and survives interruption:
   e.g. of answers made again, is not used);
 - meta.json: the row width and dtype.
 
-A run that is cut short loses at most the block being written: on opening, a cut line and rows
-past the last record are dropped.
+A run that is cut short loses at most the block being written: a cut line and rows past the last
+record are dropped, by the first write after every check has passed (opening a store, or
+refusing one, writes nothing).
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ def tokens_hash(tokens: Sequence[int]) -> str:
 class FeatureStore:
     """The append-only feature directory (module docstring)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, width: int | None = None):
+        """Open (or begin) the store; `width`: the row width the caller's target returns, checked
+        against the store's before anything is read or written. Opening writes nothing: what an
+        interruption left is dropped by the first `append`, after every check has passed."""
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
         if (self.directory / "index.json").exists() or (self.directory / "features.npy").exists():
             raise StaleFeatures(f"{self.directory} holds features in an older format; {_REDO}")
         self.bin, self.log = self.directory / "features.bin", self.directory / "records.jsonl"
@@ -64,19 +67,25 @@ class FeatureStore:
         self.width: int | None = None
         if meta.is_file():
             m = read_json_object(meta, SpecrtError, _REDO)
-            if m.get("format") != FORMAT or m.get("dtype") != "float16" or not isinstance(m.get("width"), int):
+            w = m.get("width")
+            if m.get("format") != FORMAT or m.get("dtype") != "float16" or not isinstance(w, int) or w < 1:
                 raise StaleFeatures(f"{meta} is not a feature store of format {FORMAT}; {_REDO}")
-            self.width = m["width"]
+            self.width = w
+        if width is not None and self.width is not None and self.width != width:
+            raise SpecrtError(
+                f"{meta} says its features are {self.width} wide, this target returns {width}: the store was made "
+                f"for another target or its meta.json was edited; {_REDO}"
+            )
         self.records: dict[int, dict] = {}  # answer id -> its newest block
+        self._repair: list[str] | None = None  # the log's lines to keep, where an interruption cut it
+        self._tidied = False
         self.rows = self._recover()
 
     def _recover(self) -> int:
-        """Read the records; drop what an interruption leaves (a cut last line, rows past the last
-        record: rows are on disk before their record); returns the rows kept. A record whose rows
-        are missing is damage, not an interruption."""
+        """Read the records, noting what an interruption left (a cut last line, rows past the last
+        record: rows are on disk before their record) for `_tidy` to drop; returns the rows kept.
+        A record whose rows are missing is damage, not an interruption."""
         if self.width is None or not self.log.is_file():
-            self.bin.unlink(missing_ok=True)
-            self.log.unlink(missing_ok=True)
             return 0
         lines, rows = self.log.read_text().splitlines(keepends=True), 0
         size = self.bin.stat().st_size if self.bin.is_file() else 0
@@ -89,8 +98,7 @@ class FeatureStore:
             if not ok:
                 if i < len(lines) - 1:
                     raise SpecrtError(f"{self.log}:{i + 1} is damaged (only the last line can be cut); {_REDO}")
-                lines = lines[:i]
-                atomic_write_text(self.log, "".join(lines))
+                self._repair = lines[:i]
                 break
             rows += r["rows"]
             if rows * self.width * 2 > size:
@@ -98,10 +106,21 @@ class FeatureStore:
                     f"{self.bin} is damaged ({size} bytes, its records need {rows * self.width * 2}); {_REDO}"
                 )
             self.records[r["id"]] = r
-        if size != rows * self.width * 2:
-            with open(self.bin, "r+b") as fh:
-                fh.truncate(rows * self.width * 2)
         return rows
+
+    def _tidy(self) -> None:
+        """Before the first write: drop a cut log line and rows past the last record (or every
+        file of a store without a meta.json or records)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.width is None or not self.log.is_file():
+            self.bin.unlink(missing_ok=True)
+            self.log.unlink(missing_ok=True)
+        if self._repair is not None:
+            atomic_write_text(self.log, "".join(self._repair))
+            self._repair = None
+        if self.width is not None and self.bin.is_file() and self.bin.stat().st_size != self.rows * self.width * 2:
+            with open(self.bin, "r+b") as fh:
+                fh.truncate(self.rows * self.width * 2)
 
     def has(self, answer_id: int, tokens: Sequence[int]) -> bool:
         r = self.records.get(answer_id)
@@ -111,12 +130,15 @@ class FeatureStore:
         """Store a sequence's features (len(tokens) - 1 rows): the rows first, then their record."""
         if features.ndim != 2 or features.shape[0] != len(tokens) - 1:
             raise ValueError(f"{features.shape} features for {len(tokens)} tokens (want {len(tokens) - 1} rows)")
+        if self.width is not None and features.shape[1] != self.width:
+            raise SpecrtError(f"{self.directory} stores features {self.width} wide, these are {features.shape[1]}")
+        if not self._tidied:
+            self._tidy()
+            self._tidied = True
         if self.width is None:
             self.width = int(features.shape[1])
             meta = {"format": FORMAT, "dtype": "float16", "width": self.width}
             atomic_write_text(self.directory / "meta.json", json.dumps(meta) + "\n")
-        if features.shape[1] != self.width:
-            raise SpecrtError(f"{self.directory} stores features {self.width} wide, these are {features.shape[1]}")
         with open(self.bin, "ab") as fh:
             fh.write(np.ascontiguousarray(features, dtype=np.float16).tobytes())
             fh.flush()
@@ -157,10 +179,7 @@ def cache_features(
 ) -> FeatureCache:
     """Every answer's features, in the answers' order: those already stored (recorded while
     answering, or by an earlier run) are kept; the rest come from one prefill of the sequence."""
-    store = FeatureStore(directory)
-    width = _feature_width(session)
-    if store.width is not None and store.width != width:
-        raise SpecrtError(f"{store.directory} stores features {store.width} wide, this target returns {width}")
+    store = FeatureStore(directory, feature_width(session))
     todo = [a for a in answers if not store.has(a.id, a.tokens)]
     from tqdm import tqdm
 
@@ -178,7 +197,7 @@ def cache_features(
     return FeatureCache(store, answers)
 
 
-def _feature_width(session: StepSession) -> int:
+def feature_width(session: StepSession) -> int:
     """H* of the target's hidden_states output (one token through it)."""
     cache = session.new_cache(1, 1)
     try:

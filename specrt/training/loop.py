@@ -93,11 +93,22 @@ class Trainer:
             g["lr"] = self.lr_at(self.step)
         self.opt.zero_grad(set_to_none=True)
         loss = loss_fn()
+        if not torch.isfinite(loss):
+            raise self._diverged(f"the training loss is {loss.item()}")
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        if not torch.isfinite(norm):  # before the step: the weights (and the checkpoint) stay finite
+            raise self._diverged(f"the gradients' norm is {norm.item()}")
         self.opt.step()
         self.step += 1
         return loss.item()
+
+    def _diverged(self, what: str) -> SpecrtError:
+        return SpecrtError(
+            f"{what} at step {self.step + 1}: training stopped before it wrote a head of NaN. The training data "
+            "holds values that are not finite (a damaged features.bin: delete the data's features directory and "
+            "run again; the answers are kept) or the learning rate is too high (give a lower --lr)"
+        )
 
     # -- checkpoints ------------------------------------------------------------------------
 

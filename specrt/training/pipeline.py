@@ -39,7 +39,7 @@ from specrt.training.data import generate_answers
 from specrt.training.draft_model import save_draft_checkpoint
 from specrt.training.eagle import TrainingData
 from specrt.training.families import TRAINED_FAMILIES, TrainedFamily, TrainOptions
-from specrt.training.features import FeatureStore, StaleFeatures, cache_features
+from specrt.training.features import FeatureStore, StaleFeatures, cache_features, feature_width
 from specrt.training.prompts import PROMPT_SET_VERSION, build_prompt_set, write_prompt_set
 
 DATA_MANIFEST = "data.json"
@@ -114,7 +114,7 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
     write_prompt_set(layout.prompts, prompts)
     if layout.features.is_dir():
         try:
-            FeatureStore(layout.features)
+            FeatureStore(layout.features, feature_width(gen.session))  # checked before answers are made
         except StaleFeatures:  # an older version's format: features are derived, make them again
             shutil.rmtree(layout.features)
     answers = generate_answers(
