@@ -68,6 +68,8 @@ def test_draft_options_that_would_go_unused_are_refused(tiny_artifacts, extra, m
         (["serve", "--request-timeout", "0"], "0.0 is not in (0.0, inf)"),
         (["serve", "--max-batch", "0"], "0 is not in the range x>=1"),
         (["serve", "--max-queue", "-1"], "-1 is not in the range x>=0"),
+        # a pool the machine cannot hold (the server started, and would fill RAM before evicting)
+        (["serve", "--prefix-cache-mb", "1000000000000"], "MiB is more than this machine's memory"),
         (["generate", "--threads", "-1"], "-1 is not in the range x>=0"),  # accepted before
         (["generate", "--max-draft", "0"], "0 is not in the range x>=1"),
     ],
@@ -157,3 +159,12 @@ def test_a_grammar_past_the_engines_limits_is_one_line(tiny_artifacts):
     r = run("generate", "--artifacts", tiny_artifacts, "--prompt", "w5", "--regex", "(a{1000}){1000}")
     assert r.exit_code == 1 and "regex cannot be used" in r.output and "make it smaller" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and len(r.output) < 600, r.output
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle3", "peagle", "mtp", "auto", "hybrid", "draft-model"])
+def test_a_draft_dir_that_does_not_exist_is_named(tiny_artifacts, tmp_path, method):
+    """It was reported as a missing engines/ort-cpu inside it, with build-draft advice."""
+    missing = tmp_path / "no-such-head"
+    r = run("generate", "--artifacts", tiny_artifacts, "--prompt", "w5", "--draft", method, "--draft-dir", missing)
+    assert r.exit_code == 1 and f"--draft-dir {missing} does not exist" in r.output, r.output
+    assert "ort-cpu" not in r.output and "build-draft" not in r.output

@@ -173,6 +173,8 @@ def test_eagle3_refuses_a_parallel_head(parallel_dir, ort_gen):
 
     with pytest.raises(SpecrtError, match="--draft peagle"):
         make_proposer("eagle3", draft_dir=parallel_dir.root, target=ort_gen.session.caps)
+    with pytest.raises(SpecrtError, match="not Medusa heads; use --draft peagle$"):  # it advised eagle3
+        make_proposer("medusa", draft_dir=parallel_dir.root, target=ort_gen.session.caps)
 
 
 @pytest.mark.parametrize("tree", [None, (2, 3)], ids=["chain with q", "tree"])

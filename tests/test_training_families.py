@@ -58,3 +58,41 @@ def test_every_head_family_names_its_graph_and_its_module():
     assert HEAD_FAMILIES["eagle3"].cached and not HEAD_FAMILIES["medusa"].cached
     with pytest.raises(ArtifactError, match="unknown head family 'toy'.*specrt train-draft"):
         head_family("toy")
+
+
+VALUES = {"batch_tokens": 512, "draft_vocab": 128, "ttt_steps": 4, "heads": 2}
+
+
+@pytest.mark.parametrize("method", list(TRAINED_FAMILIES))
+def test_each_family_reads_exactly_the_options_it_declares(method):
+    """An option a family declares changes its config; one it does not leaves the config as it
+    was (train-draft refuses those: they were silently unused)."""
+    family, base = TRAINED_FAMILIES[method], TRAINED_FAMILIES[method].config(method, TrainOptions())
+    for name, value in VALUES.items():
+        o = TrainOptions(**{name: value})
+        changed = family.config(method, o) != base
+        assert changed == (name in family.reads), (method, name)
+        assert o.unused(method) == ([] if name in family.reads else [name])
+
+
+@pytest.mark.parametrize(
+    "method, extra, message",
+    [
+        ("medusa", ["--ttt-steps", "3"], "--ttt-steps: --method medusa does not read it (--ttt-steps is for eagle"),
+        ("eagle3", ["--medusa-heads", "2"], "--medusa-heads is for medusa"),
+        ("eagle", ["--draft-vocab", "64"], "--draft-vocab is for eagle3, peagle, medusa, draft-model"),
+        ("mtp", ["--draft-vocab", "64", "--medusa-heads", "3"], "--draft-vocab, --medusa-heads: --method mtp"),
+        ("medusa", ["--batch-tokens", "512"], "--batch-tokens: --method medusa does not read it"),
+        ("peagle", ["--ttt-steps", "1"], "--ttt-steps 1: a parallel head (peagle) drafts at least 2 tokens a call"),
+    ],
+)
+def test_options_a_method_would_not_use_are_refused_before_any_work(tmp_path, method, extra, message):
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    out = tmp_path / "head"
+    args = ["train-draft", "--method", method, "--model", str(tmp_path / "no-model"), "--out", str(out), *extra]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code in (1, 2) and message in " ".join(r.output.split()), r.output
+    assert "Traceback" not in r.output and not out.exists()

@@ -79,6 +79,27 @@ QUANT_SCHEMES = ["none", *RECIPES]  # build-engines --quantize (specrt/calibrati
 DRAFT_CHOICES = ["none", *DRAFT_METHODS]  # --draft: the registry's (importing it loads no torch)
 
 
+def machine_mb() -> int | None:
+    """This machine's physical memory in MiB (None where the OS does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_mb(ctx, param, value: int) -> int:
+    """A click callback: an amount of memory in MiB this machine can hold (at most its RAM)."""
+    most = machine_mb()
+    if most is not None and value > most:
+        raise click.BadParameter(
+            f"{value} MiB is more than this machine's memory ({most} MiB); give at most {most // 2} (half of it "
+            "leaves room for the model and the batch)"
+        )
+    return value
+
+
 def _methods(which) -> str:
     """The draft methods an option is for, as --help names them (eagle/eagle3/...)."""
     return "/".join(name for name, m in DRAFT_METHODS.items() if which(m))

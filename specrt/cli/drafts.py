@@ -56,10 +56,18 @@ from specrt.training.families import TRAINED_FAMILIES, TrainOptions
     help="Unrolled draft steps (eagle 1, mtp 2, eagle3 3); peagle: tokens per call (5).",
 )
 @click.option(
-    "--draft-vocab", default=8192, show_default=True, type=click.IntRange(min=1), help="eagle3, medusa, draft-model."
+    "--draft-vocab",
+    default=None,
+    type=click.IntRange(min=1),
+    help="eagle3, peagle, medusa, draft-model: the most frequent answer tokens drafted (default 8192).",
 )
-@click.option("--medusa-heads", default=4, show_default=True, type=click.IntRange(min=1), help="medusa: heads (K).")
-@click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(min=64))
+@click.option("--medusa-heads", default=None, type=click.IntRange(min=1), help="medusa: heads (K; default 4).")
+@click.option(
+    "--batch-tokens",
+    default=None,
+    type=click.IntRange(min=64),
+    help="eagle, eagle3, peagle, mtp, draft-model: padded tokens per batch (default 4096).",
+)
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option(
     "--max-minutes", default=None, type=FiniteFloat(0.0, lo_open=True), help="Stop training (checkpointed) after this."
@@ -93,6 +101,13 @@ def train_draft(
     from specrt.training.prompts import benchmark_prompts
 
     options = TrainOptions(epochs, lr, seed, max_minutes, batch_tokens, draft_vocab, ttt_steps, medusa_heads)
+    unused = options.unused(method)
+    if unused:
+        flags = {"heads": "--medusa-heads"}
+        names = ", ".join(flags.get(n, "--" + n.replace("_", "-")) for n in unused)
+        users = {n: [m for m, f in TRAINED_FAMILIES.items() if n in f.reads] for n in unused}
+        where = "; ".join(f"{flags.get(n, '--' + n.replace('_', '-'))} is for {', '.join(users[n])}" for n in unused)
+        raise click.UsageError(f"{names}: --method {method} does not read it ({where}); leave it out")
     cfg = TRAINED_FAMILIES[method].config(method, options)
     spec = TrainDraftSpec(
         method=method,

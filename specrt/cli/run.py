@@ -17,6 +17,7 @@ from specrt.cli.common import (
     _parse_methods,
     engine_options,
     main,
+    memory_mb,
     open_chosen,
     precision_options,
 )
@@ -157,7 +158,9 @@ def _grammar(json_schema: str | None, regex: str | None):
     default=SERVER.prefix_cache_mb,
     show_default=True,
     type=click.IntRange(min=0),
-    help="Memory for the KV of earlier prompts' blocks, reused by requests that start with them (0: off).",
+    callback=memory_mb,
+    help="Memory for the KV of earlier prompts' blocks, reused by requests that start with them (0: off; at most "
+    "the machine's RAM).",
 )
 @click.option(
     "--request-timeout",

@@ -99,6 +99,11 @@ def open_head(draft_dir: str | Path, threads: int = 0, verify: str = "auto") -> 
     engine; where a GPU runs TensorRT heads, this is where their session would be chosen)."""
     from specrt.layout import HeadLayout
 
+    if not Path(draft_dir).is_dir():
+        raise ArtifactError(
+            f"--draft-dir {draft_dir} {'is a file' if Path(draft_dir).exists() else 'does not exist'}: give the "
+            "directory of a trained draft (what specrt train-draft --out, specrt import-mtp --out or make drafts wrote)"
+        )
     return HeadSession(HeadLayout(draft_dir).ort_engine("cpu"), OrtOptions(intra_op_threads=threads), verify)
 
 

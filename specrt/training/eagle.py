@@ -67,7 +67,10 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.method == PARALLEL and self.ttt_steps is not None and self.ttt_steps < 2:
-            raise SpecrtError(f"a parallel head drafts at least 2 tokens a call; --ttt-steps {self.ttt_steps} is 1")
+            raise SpecrtError(
+                f"--ttt-steps {self.ttt_steps}: a parallel head (peagle) drafts at least 2 tokens a call; give "
+                "--ttt-steps 2 or more (default 5), or train --method eagle3 for one token a call"
+            )
 
     @property
     def steps(self) -> int:

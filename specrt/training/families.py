@@ -34,6 +34,12 @@ class TrainOptions:
     def given(self, *names: str) -> dict:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
+    def unused(self, method: str) -> list[str]:
+        """The options given that `method`'s training never reads (train-draft refuses them)."""
+        reads = TRAINED_FAMILIES[method].reads
+        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+        return [n for n in given if n not in COMMON + reads]
+
 
 COMMON = ("epochs", "lr", "seed", "max_minutes")
 
@@ -44,6 +50,7 @@ class TrainedFamily:
     config: Callable[[str, TrainOptions], object]  # (method, options) -> the family's training config
     trainer: str  # "module:function": train(target, data, cfg, out_dir, progress) -> (module, report)
     writes: str = "head"  # "head": draft-head weights; "model": a checkpoint of a smaller model
+    reads: tuple[str, ...] = ()  # the TrainOptions it reads besides COMMON (others given are refused)
 
     def train(self) -> Callable:
         module, name = self.trainer.split(":")
@@ -75,16 +82,25 @@ def _draft_model_config(method: str, o: TrainOptions):
 
 
 _HEAD = "specrt.training.eagle:train_head"
+_EAGLE = ("batch_tokens", "ttt_steps")  # eagle and mtp predict the target's whole vocabulary: no draft_vocab
 TRAINED_FAMILIES: dict[str, TrainedFamily] = {
-    "eagle": TrainedFamily("an EAGLE-1 head", _eagle_config, _HEAD),
-    "eagle3": TrainedFamily("an EAGLE-3 head", _eagle_config, _HEAD),
-    "peagle": TrainedFamily("a parallel EAGLE-3 head (P-EAGLE: --ttt-steps tokens per call)", _eagle_config, _HEAD),
-    "mtp": TrainedFamily("an MTP module (DeepSeek-V3 layout)", _eagle_config, _HEAD),
-    "medusa": TrainedFamily("Medusa heads", _medusa_config, "specrt.training.medusa:train_medusa"),
+    "eagle": TrainedFamily("an EAGLE-1 head", _eagle_config, _HEAD, reads=_EAGLE),
+    "eagle3": TrainedFamily("an EAGLE-3 head", _eagle_config, _HEAD, reads=(*_EAGLE, "draft_vocab")),
+    "peagle": TrainedFamily(
+        "a parallel EAGLE-3 head (P-EAGLE: --ttt-steps tokens per call)",
+        _eagle_config,
+        _HEAD,
+        reads=(*_EAGLE, "draft_vocab"),
+    ),
+    "mtp": TrainedFamily("an MTP module (DeepSeek-V3 layout)", _eagle_config, _HEAD, reads=_EAGLE),
+    "medusa": TrainedFamily(
+        "Medusa heads", _medusa_config, "specrt.training.medusa:train_medusa", reads=("draft_vocab", "heads")
+    ),
     "draft-model": TrainedFamily(
         "a draft model distilled from the target's layers",
         _draft_model_config,
         "specrt.training.draft_model:train_draft_model",
         writes="model",
+        reads=("batch_tokens", "draft_vocab"),
     ),
 }

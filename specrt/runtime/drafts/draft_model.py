@@ -41,6 +41,11 @@ class DraftModelProposer:
         from specrt.runtime.backends import OrtBackend
 
         engine = ArtifactLayout(draft_dir).ort_engine("cpu")
+        if not Path(draft_dir).is_dir():
+            raise SpecrtError(
+                f"--draft-dir {draft_dir} does not exist: give a smaller model's build-engines --out directory, or "
+                "distil one with specrt train-draft --method draft-model"
+            )
         if not engine.is_dir():
             raise SpecrtError(
                 f"{draft_dir} holds no draft model engine ({engine}); build one with specrt build-engines --model "

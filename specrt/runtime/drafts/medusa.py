@@ -46,7 +46,8 @@ class MedusaProposer:
         self.head = open_head(draft_dir, threads, verify)
         m = self.head.manifest
         if m["head"]["method"] != MEDUSA:
-            raise SpecrtError(f"{draft_dir} holds an {m['head']['method']} head, not Medusa heads; use --draft eagle3")
+            method = m["head"]["method"]
+            raise SpecrtError(f"{draft_dir} holds a head of method {method}, not Medusa heads; use --draft {method}")
         check_head_target(m, target.checkpoint_hash, target.precision, str(draft_dir))
         self.cols = feature_columns(target.hidden_layers, m["head"]["layers"], m["config"]["hidden_size"])
         head = m["head"]
