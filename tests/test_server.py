@@ -709,6 +709,9 @@ def test_a_burst_fills_the_slots_and_the_queue_before_any_refusal(gen):
     from specrt.server import bind_socket
 
     service = CompletionService(slow_generator(gen, 0.04), "tiny", ServerLimits(max_batch=2, max_queue=2))
+    depths = []  # every value the queue gauge takes (it read 4 and 3: requests about to take a free slot)
+    gauge_set = service.metrics.queue_depth.set
+    service.metrics.queue_depth.set = lambda v: (depths.append(v), gauge_set(v))
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -730,6 +733,7 @@ def test_a_burst_fills_the_slots_and_the_queue_before_any_refusal(gen):
         assert all(r.headers["retry-after"] == "1" and "server is busy" in r.text for r in refused)
         assert all(r.json()["usage"]["completion_tokens"] == 30 for r in answers if r.status_code == 200)
         assert service.stats["refused"] == 8 and service.stats["requests"] == 4
+        assert max(depths) == 2 and depths[-1] == 0, depths  # the 2 queued, never the 2 in slots too
         r = httpx.post(url, json={"prompt": "w5", "max_tokens": 2}, timeout=60)  # all answered: room again
         assert r.status_code == 200
     finally:
