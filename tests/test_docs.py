@@ -1,5 +1,7 @@
 """The README and docs/ cannot drift from the code: every `specrt` command line they show names a
-command and options that exist, and the README's Python snippet runs on the tiny model.
+command and options that exist, and every Python block runs (the README's and docs/python-api.md's
+on the tiny model here; the server pages' `openai` clients against the default model served, in
+tests/test_server_structured.py).
 """
 
 import re
@@ -61,3 +63,43 @@ def test_the_readme_python_snippet_runs(tiny_artifacts, capsys):
     code = snippet.replace("artifacts/SmolLM2-135M-Instruct", str(tiny_artifacts)).replace('quantize="gguf", ', "")
     exec(compile(code, "README.md", "exec"), {})
     assert "acceptance" in capsys.readouterr().out
+
+
+# every page with Python blocks, and the test that runs them (a block on another page fails here
+# until a test runs it)
+RUN_BY = {
+    "README.md": "test_the_readme_python_snippet_runs, test_server_structured.py (its openai client)",
+    "python-api.md": "test_the_python_api_page_runs",
+    "server.md": "test_server_structured.py::test_the_server_page_runs",
+}
+
+
+def test_every_python_block_is_run_by_a_test():
+    with_blocks = {p.name for p in PAGES if code_blocks(p.read_text(), "python")}
+    assert with_blocks == set(RUN_BY), f"run these pages' Python blocks in a test: {with_blocks - set(RUN_BY)}"
+
+
+@pytest.mark.real_model
+def test_the_python_api_page_runs(real_artifacts, tmp_path, capsys):
+    """docs/python-api.md's blocks, in order, in one namespace, on the default model (its
+    structured output needs a real tokenizer): the test's artifacts (without `quantize="gguf"`:
+    they hold no GGUF engine) and Medusa heads made for it (untrained: `make drafts` is not run
+    here) where the page names `make drafts`'. Its writing-a-draft example failed on its first
+    step: the runtime reads a third declared fact, `lookup`."""
+    from test_medusa import make_medusa_dir
+
+    from specrt.runtime.generator import Generator
+
+    gen = Generator.from_engine(real_artifacts / "engines" / "ort-cpu")
+    heads, _ = make_medusa_dir(gen.checkpoint, tmp_path / "medusa", num_heads=2, draft_vocab=512)
+    code = "\n".join(code_blocks((ROOT / "docs" / "python-api.md").read_text(), "python"))
+    code = code.replace("drafts/SmolLM2-135M-Instruct/medusa", str(heads.root))
+    code = code.replace("artifacts/SmolLM2-135M-Instruct", str(real_artifacts)).replace(', quantize="gguf"', "")
+    namespace: dict = {}
+    exec(compile(code, "python-api.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "acceptance" in out and "length" in out  # the draft example's summary, and the batch's finish
+    spec, gen = namespace["spec"], namespace["gen"]
+    assert type(spec.proposer).__name__ == "RepeatLast"
+    prompt = gen.encode_prompt("Count: one one one one")
+    assert spec.generate_ids([prompt], 16)[0].token_ids == gen.generate_ids([prompt], 16)[0].token_ids

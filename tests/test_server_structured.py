@@ -165,3 +165,23 @@ def test_a_shared_500_token_prefix_comes_from_the_cache(real_gen):
             assert len(prompt) > 500
             assert service.prefix_cache.hit >= 480  # the document's blocks, 32 tokens each
     assert answers[0] == answers[64]
+
+
+@pytest.mark.real_model
+def test_the_server_page_runs(real_gen, capsys):
+    """docs/server.md's `openai` client blocks, in order, against the default model served with
+    `auto` drafts (its speculation field, logprobs, a JSON schema and a regex)."""
+    from pathlib import Path
+
+    from test_docs import code_blocks
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    code = "\n".join(code_blocks(text, "python"))
+    spec = SpeculativeDecoder(real_gen, make_proposer("auto"), make_policy("auto"))
+    with serving(CompletionService(spec, "SmolLM2-135M-Instruct")) as port:
+        code = code.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/v1")
+        exec(compile(code, "server.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert "'speculation': {'draft': 'auto', 'num_draft': 2}" in out[0], out[0]
+    assert json.loads(out[-2].replace("'", '"')) == {"name": "Maria Lopez", "age": 34, "city": "Madrid"}, out[-2]
+    assert re.fullmatch(r"' \d{4}-\d{2}-\d{2}'", out[-1]), out[-1]

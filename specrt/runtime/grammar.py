@@ -156,7 +156,8 @@ class Vocabulary:
         return Matcher(compiled.deep_copy(), self.vocab_size, self.eos)
 
     def _probe(self, compiled, kind: str) -> None:
-        """Follow a fresh grammar's first PROBE tokens (the lowest allowed token each time): a
+        """Follow a fresh grammar's first PROBE tokens (the highest allowed id each time: a merged
+        token of a BPE vocabulary, where low ids hold the special and unknown tokens): a
         grammar beyond llguidance's limits (a row of thousands of items, a regex of too many
         states) compiles, then fails on its first tokens; refused here, before it is queued."""
         m = Matcher(compiled.deep_copy(), self.vocab_size, self.eos)
@@ -165,7 +166,7 @@ class Vocabulary:
             allowed[self.eos] = False
             if m.error is not None or not allowed.any():
                 break
-            m.advance([int(np.argmax(allowed))])
+            m.advance([int(np.flatnonzero(allowed)[-1])])
         if m.error is not None:
             raise SpecrtError(
                 f"the {NAMES[kind]} cannot be used: {m.error} (a limit of the grammar engine, llguidance); "

@@ -52,8 +52,12 @@ What the runtime guarantees, and what it asks of a method:
   third q with both removed, and so on. Anything else makes the output another distribution than
   the target's (tests/test_verification.py catches such a draft). Point masses are always exact.
 - The plan may cut. The loop keeps at most the row's planned number of nodes, the first ones in
-  node order (`DraftTree.truncate`), and `commit` gets the cut tree; its verdict indexes the cut
-  tree's nodes.
+  node order (`DraftTree.truncate`), and `commit` gets the tree that was verified; its verdict
+  indexes that tree's nodes. Under a grammar (runtime/grammar.py) that tree is not only the cut
+  one: the tokens the grammar forces come in front of it (a lookup's draft continues after them)
+  or are the whole tree (other methods: a step that has forced tokens verifies those alone), and
+  it is cut again before the first node the grammar forbids (greedy rows and point masses).
+  Read the verified tree's tokens, not your own proposal's, to roll back.
 - A method with a model of its own (draft_model.py) reads its backend's `config` as the runtime
   reads the target's (runtime/backends/base.py lists the fields).
 
