@@ -136,6 +136,56 @@ def test_sync_audit_passes_and_fails_on_a_planted_recapture(model, emulated_sync
     assert (verdict, details["syncs"]) == ("FAIL", 2)
 
 
+def test_sync_audit_fails_when_it_sees_no_sync(model):
+    """Without the emulated read-back warning the audit counts 0: that is an audit that saw
+    nothing (the debug mode off), not a better step; it passed before (`n <= 1`)."""
+    verdict, details = gpu_blocks.syncs_block(lambda: graph_backend(model), prompts())
+    assert (verdict, details["syncs"]) == ("FAIL", 0)
+
+
+def test_graphs_block_fails_where_nothing_is_captured_or_a_prefill_is(model, monkeypatch):
+    ps = prompts()
+    verdict, details = gpu_blocks.graphs_block(
+        lambda: emulate_graphs_off(model), lambda: device_cache_backend(model), ps
+    )
+    assert verdict == "FAIL" and not details["checks"]["a first generation captures"]
+    assert details["checks"]["a second generation captures nothing"]  # alone it passed a backend without graphs
+    # a planted bug: prefill chunks captured like verification steps (the chunk of 48 tokens was
+    # past the 32-position limit, so it was never captured whatever the rule)
+    monkeypatch.setattr(torch_model, "graphable", lambda graphs, q, k, most: graphs and q <= most)
+    verdict, details = gpu_blocks.graphs_block(lambda: graph_backend(model), lambda: device_cache_backend(model), ps)
+    assert verdict == "FAIL" and details["capture_counts"][0] == 1
+
+
+def emulate_graphs_off(model):
+    """A backend that reports captures but never captures (cuda_graphs off)."""
+    backend = device_cache_backend(model)
+    backend.max_graph_q = 32
+    return backend
+
+
+def test_decode_timing_captures_nothing_and_a_recapture_is_seen(model):
+    """The warm-up runs the timed shapes (it ran 8 tokens against 128 timed: the timed run
+    captured); a backend that recaptures on every replay shows captures while timing."""
+    prompt = prompts()[0][:16] * 2
+    rows = gpu_sweep.decode_speed(lambda graphs: graph_backend(model), ["graphs"], prompt, batches=(1, 2), tokens=24)
+    assert [r["captured"] for r in rows] == [0, 0, 0, 0], rows
+    rows = gpu_sweep.decode_speed(
+        lambda graphs: graph_backend(model, recapture=True), ["graphs"], prompt, batches=(1,), tokens=24
+    )
+    assert all(r["captured"] > 0 for r in rows), rows
+
+
+def test_blocks_reruns_the_blocks_asked_for(tmp_path, capsys):
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--blocks", "greedy"]) == 0
+    blocks = json.loads((tmp_path / "gpu-check.json").read_text())["blocks"]
+    ran = {name for name, b in blocks.items() if b["verdict"] != "SKIP"}
+    assert ran == {"env", "greedy"} and blocks["accuracy"]["reason"] == "not asked for (--blocks)"
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cpu", "--blocks", "greedy,nope"])
+    assert "unknown blocks ['nope']" in capsys.readouterr().err
+
+
 def test_greedy_mismatch_names_its_index_and_the_reference_margin(model):
     reference = TorchBackend(model)
     prompt = prompts()[1][:20]
@@ -147,12 +197,18 @@ def test_greedy_mismatch_names_its_index_and_the_reference_margin(model):
         ids = [int(logits.argmax())]
         expected.append(ids[0])
     got = expected[:5] + [(expected[5] + 1) % HF["vocab_size"]] + expected[6:]
-    row = gpu_blocks.mismatch(reference, prompt, got, expected)
+    row = gpu_blocks.mismatch(reference, prompt, got, expected, cutoff=1e-5)
     cache = session.new_cache(1, 64)
     at5 = np.sort(session.forward(cache, [prompt + expected[:5]], last_only=True).logits[0, 0].astype(np.float64))
     assert row["index"] == 5 and row["margin"] == pytest.approx(at5[-1] - at5[-2])
-    assert row["verdict"] == ("near tie" if row["margin"] < gpu_blocks.NEAR_TIE else "FAIL")
-    assert gpu_blocks.mismatch(reference, prompt, expected, expected)["verdict"] == "equal"
+    assert row["verdict"] == ("near tie" if row["margin"] < 1e-5 else "FAIL")
+    above = gpu_blocks.mismatch(reference, prompt, got, expected, cutoff=row["margin"] * 2)
+    assert above["verdict"] == "near tie" and "cutoff" in above["note"]
+    nan = gpu_blocks.mismatch(reference, prompt, got, expected, cutoff=gpu_blocks.near_tie(float("nan")))
+    assert nan["verdict"] == "FAIL"  # a NaN measurement makes no mismatch a near tie
+    assert gpu_blocks.mismatch(reference, prompt, expected, expected, cutoff=1.0)["verdict"] == "equal"
+    # the cutoff follows the measured difference (GPU vs CPU ~1e-5), not a fixed 1e-3
+    assert gpu_blocks.near_tie(1e-5) == 2e-5 and gpu_blocks.near_tie(0.0) == gpu_blocks.NEAR_TIE_FLOOR
 
 
 def test_a_failing_block_is_saved_and_a_sticky_cuda_error_skips_the_gpu_blocks(tmp_path, monkeypatch):

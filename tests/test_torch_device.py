@@ -65,10 +65,15 @@ def test_cuda_backend_matches_reference(reference, graphs, spec):
     backend = TorchBackend(random_model(HF, seed=3, scale=0.3), device="cuda", cuda_graphs=graphs)
     gen = Generator(backend)
     runner = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4)) if spec else gen
+    counts = []
     for _ in range(2):  # the second generation replays graphs captured in the first (pooled caches)
         assert [r.token_ids for r in runner.generate_ids(PROMPTS, 40)] == expected[spec]
-    if graphs:
-        assert backend._graphs, "no step was captured as a CUDA graph"
+        counts.append(backend.captures)
+    if graphs:  # captured in the first generation, none in the second (a recapture each time passed before)
+        assert counts[0] > 0 and counts[1] == counts[0], counts
+        assert backend._graphs and all(entry is not None for entry in backend._graphs.values())
+    else:
+        assert counts == [0, 0] and not backend._graphs
 
 
 def test_graph_backends_reuse_their_caches(reference):

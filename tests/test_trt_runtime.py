@@ -383,7 +383,15 @@ def gpu_engine(tiny_artifacts, tmp_path_factory):
 def test_real_engine_on_gpu_equals_reference(gpu_engine, model, graphs, spec):
     from specrt.runtime.backends import TrtBackend
 
-    gen = Generator(TrtBackend(gpu_engine, device="cuda", cuda_graphs=graphs))
+    backend = TrtBackend(gpu_engine, device="cuda", cuda_graphs=graphs)
+    gen, counts = Generator(backend), []
     for _ in range(2):  # the second round replays graphs captured in the first (pooled caches)
         for prompt in PROMPTS:
             assert run(gen, [prompt], spec) == run(Generator(TorchBackend(model), max_context=64), [prompt], spec)
+        counts.append(backend.captures)
+    assert backend.capture_failures == []
+    if backend.cuda_graphs:  # our own capture (full TensorRT): in the first round only
+        assert counts[0] > 0 and counts[1] == counts[0], counts
+        assert backend._graphs and all(entry is not None for entry in backend._graphs.values())
+    else:  # eager, or TensorRT-RTX's built-in graphs: nothing captured by us
+        assert counts == [0, 0], counts
