@@ -1,6 +1,6 @@
 """The speculation policy on a virtual clock: which draft and N choices pay, free of machine noise.
 
-    python bench/bench_policy.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--engines f32,gguf,split]
+    python bench/bench_policy.py [--artifacts artifacts/SmolLM2-135M-Instruct] [--engines f32,gguf,split] [--bursts]
                                  [--methods ngram,suffix,auto] [--ablate gate,pooling,...] [--noise 0.05]
                                  [--prompts bench/prompts.jsonl | --prompt-set 64]
 
@@ -16,8 +16,9 @@ hindsight) what a calibration pass measured on this machine beyond plain decodin
 real loop on the 4-bit engine (float32 without one), as a fraction of its decode step (one
 prompt per class, 3 rounds, interleaved). So a run is a function of the
 policy alone, and two policies compare exactly. `--noise` adds a seeded disturbance (each step x
-lognormal(0, noise), and 3 % of steps 2-6x slower: what the cost model's robust fit is for);
-every variant sees the same sequence.
+lognormal(0, noise), and 3 % of steps 2-6x slower: what the cost model's robust fit is for), and
+`--bursts` periods of load (1.5-3x slower for ~20 steps: another process on the CPU); every
+variant sees the same sequence.
 
 The figure per prompt is the decode speedup over plain decoding on the same virtual clock
 (prefill excluded: it is the same for all). Ablations (--ablate) switch one heuristic off, to show
@@ -31,6 +32,8 @@ what it buys:
     spike         no spike filter for less-observed step sizes (estimators.SPIKE)
     trust         a size's time is its median from the first observation (estimators.TRUST = 1)
     priors        the generic alpha, beta priors instead of the engine's measured step costs
+    horizon       a lookup's draft verified as deep as the plan likes, not only to twice the depths
+                  hindsight has read (policy.HORIZON_GROWTH)
 `--prompt-set N` runs the first N prompts of the offline prompt set (specrt/training/prompts.py,
 which holds the benchmark's prompts out) instead of the benchmark file: what a policy is tuned
 on, so that the benchmark's figures are not fitted to it. Prints a table per engine (rows:
@@ -53,7 +56,7 @@ from replay import ReplayBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-ABLATIONS = ("hindsight", "gate", "pooling", "calibration", "spike", "trust", "priors")
+ABLATIONS = ("hindsight", "gate", "pooling", "calibration", "spike", "trust", "priors", "horizon")
 
 
 def engine_costs(artifacts: Path) -> dict[str, dict[int, float]]:
@@ -78,15 +81,37 @@ def engine_costs(artifacts: Path) -> dict[str, dict[int, float]]:
 
 class VirtualClock:
     """Step times from a cost curve, a method's host work as a share of a decode step, optional
-    seeded noise."""
+    seeded noise: each step x lognormal(0, noise) and 3 % of steps 2-6x slower; with `bursts`,
+    also periods of load (another process taking the CPU), in virtual time, so that plain
+    decoding and a draft see the same load at the same moment: quiet for 40 decode steps and
+    loaded for 20 on average (exponential), each period slowing every step in it by one factor
+    drawn from 1.5-3x."""
 
-    def __init__(self, curve: dict[int, float], work: float, noise: float, seed: int):
+    def __init__(self, curve: dict[int, float], work: float, noise: float, seed: int, bursts: bool = False):
         self.qs = np.array(sorted(curve), np.float64)
         self.ms = np.array([curve[q] for q in sorted(curve)])
         self.work_s = work * self.ms[0] * 1e-3
-        self.noise = noise
+        self.noise, self.bursts = noise, bursts
         self.rng = np.random.default_rng(seed)
         self.total = 0.0
+        self.now = 0.0  # virtual seconds of steps so far
+        self.periods: list[tuple[float, float, float]] = []  # (start, end, slowdown) of the loaded periods
+        if bursts:
+            rng, at, step_s = np.random.default_rng([seed, 7]), 0.0, self.ms[0] * 1e-3
+            while at < 1e4 * step_s:
+                at += rng.exponential(40 * step_s)
+                length = rng.exponential(20 * step_s)
+                self.periods.append((at, at + length, float(rng.uniform(1.5, 3.0))))
+                at += length
+
+    def load(self) -> float:
+        """The slowdown at this virtual moment (1: a quiet period)."""
+        for start, end, factor in self.periods:
+            if start <= self.now < end:
+                return factor
+            if start > self.now:
+                break
+        return 1.0
 
     def step(self, positions: int, batch: int) -> float:
         t = float(np.interp(positions / batch, self.qs, self.ms)) * 1e-3
@@ -94,6 +119,8 @@ class VirtualClock:
             t *= float(self.rng.lognormal(0.0, self.noise))
             if self.rng.random() < 0.03:
                 t *= float(self.rng.uniform(2, 6))
+        t *= self.load()
+        self.now += t + self.work_s
         return t
 
 
@@ -108,6 +135,7 @@ def patched(ablations: set[str]):
         "calibration": model.calibration,
         "backed": model.backed,
         "_counts": model._counts,
+        "HORIZON_GROWTH": policy.HORIZON_GROWTH,
     }
     if "spike" in ablations:
         estimators.SPIKE = float("inf")
@@ -117,6 +145,8 @@ def patched(ablations: set[str]):
         model.calibration = lambda self: 1.0
     if "gate" in ablations or "hindsight" in ablations:
         model.backed = lambda self, key: True
+    if "horizon" in ablations:
+        policy.HORIZON_GROWTH = 1 << 20
     if "pooling" in ablations:
 
         def own(self, key):
@@ -128,6 +158,7 @@ def patched(ablations: set[str]):
     def restore():
         estimators.SPIKE, estimators.TRUST = saved["SPIKE"], saved["TRUST"]
         model.calibration, model.backed, model._counts = saved["calibration"], saved["backed"], saved["_counts"]
+        policy.HORIZON_GROWTH = saved["HORIZON_GROWTH"]
 
     return restore
 
@@ -237,6 +268,7 @@ def main() -> None:
     ap.add_argument("--ablate", default="", help=f"Comma-separated, each a variant of the first method: {ABLATIONS}.")
     ap.add_argument("--noise", type=float, default=0.0, help="Step-time disturbance (lognormal sigma).")
     ap.add_argument("--seed", type=int, default=0, help="The noise's seed (each prompt its own stream of it).")
+    ap.add_argument("--bursts", action="store_true", help="Periods of load, 1.5-3x slower (VirtualClock).")
     ap.add_argument("--prompt-set", type=int, default=0, help="Run this many offline prompt-set prompts instead.")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument(
@@ -285,13 +317,13 @@ def main() -> None:
         rows = []
         for pi, (p, ids, answer) in enumerate(zip(prompts, encoded, answers)):
             noise_seed = 1000 * pi + args.seed
-            plain_clock = VirtualClock(curve, 0.0, args.noise, noise_seed)
+            plain_clock = VirtualClock(curve, 0.0, args.noise, noise_seed, args.bursts)
             plain_s = sum(plain_clock.step(1, 1) for _ in range(len(answer) - 1))
             row = {"prompt": pi, "class": p["class"], "tokens": len(answer)}
             for label, method, ablate in variants:
                 restore = patched(set(ablate))
                 try:
-                    clock = VirtualClock(curve, work[method], args.noise, noise_seed)
+                    clock = VirtualClock(curve, work[method], args.noise, noise_seed, args.bursts)
                     res, seconds = run_virtual(target, method, ids, args.max_new_tokens, clock, ablate)
                 finally:
                     restore()
@@ -318,6 +350,7 @@ def main() -> None:
             "methods": methods,
             "ablate": ablations,
             "noise": args.noise,
+            "bursts": args.bursts,
             "seed": args.seed,
             "max_new_tokens": args.max_new_tokens,
             "prompts": f"prompt set, first {args.prompt_set}" if args.prompt_set else str(args.prompts),

@@ -21,7 +21,11 @@ import numpy as np
 TRUST = 3  # observations of a size before its median is believed
 ROW_EVIDENCE = 4.0  # a row's decayed depth-1 drafts before it may be judged failing
 ROW_FAILING = 1 / 3  # ... failing: its rate under this share of the batch's
-BACKED = 1.0  # decayed drafts of an evidence read in hindsight before it may be verified (policy.py)
+# decayed drafts of an evidence read in hindsight before it may be verified (policy.py): 2 over 1
+# on the 4-bit engine, where a verification step costs two decode steps: worst prompt 0.98x plain
+# against 0.93x, 0.95x against 0.89x with noisy, loaded step times (bench_policy.py --noise 0.3
+# --bursts, 5 seeds; float32's geometric mean 1.68x against 1.75x, 1.53x against 1.55x loaded)
+BACKED = 2.0
 SPIKE = 3.0  # a less-observed size this many times dearer than the priors predict is a spike
 
 
