@@ -103,10 +103,10 @@ def train_draft(
     options = TrainOptions(epochs, lr, seed, max_minutes, batch_tokens, draft_vocab, ttt_steps, medusa_heads)
     unused = options.unused(method)
     if unused:
-        flags = {"heads": "--medusa-heads"}
-        names = ", ".join(flags.get(n, "--" + n.replace("_", "-")) for n in unused)
-        users = {n: [m for m, f in TRAINED_FAMILIES.items() if n in f.reads] for n in unused}
-        where = "; ".join(f"{flags.get(n, '--' + n.replace('_', '-'))} is for {', '.join(users[n])}" for n in unused)
+        flag = {n: "--medusa-heads" if n == "heads" else "--" + n.replace("_", "-") for n in unused}
+        users = {n: ", ".join(m for m, f in TRAINED_FAMILIES.items() if n in f.reads) for n in unused}
+        where = "; ".join(f"{flag[n]} is for {users[n]}" for n in unused)
+        names = ", ".join(flag.values())
         raise click.UsageError(f"{names}: --method {method} does not read it ({where}); leave it out")
     cfg = TRAINED_FAMILIES[method].config(method, options)
     spec = TrainDraftSpec(

@@ -49,6 +49,7 @@ from specrt.runtime.verification import DraftTree
 
 # json.dumps' separators and no other whitespace (the module docstring says why)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+TOO_DEEP = "the JSON schema nests too deeply to read; flatten it (use $defs)"
 PROBE = 8  # tokens Vocabulary.matcher follows to try a new grammar (its first mask and steps)
 COMPILED = 64  # compiled grammars a Vocabulary keeps (a server sees the same schemas again and again)
 NAMES = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "lark": "Lark grammar"}
@@ -82,7 +83,7 @@ class Grammar:
             except json.JSONDecodeError as e:
                 raise SpecrtError(f"the JSON schema is not valid JSON ({e}); pass a JSON object") from None
             except RecursionError:
-                raise SpecrtError("the JSON schema nests too deeply to read; flatten it (use $defs)") from None
+                raise SpecrtError(TOO_DEEP) from None
         if not isinstance(schema, dict):
             raise SpecrtError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
         try:
@@ -90,7 +91,7 @@ class Grammar:
         except ValueError as e:
             raise SpecrtError(f"the JSON schema cannot be read: {_short(e)}") from None
         except RecursionError:
-            raise SpecrtError("the JSON schema nests too deeply to read; flatten it (use $defs)") from None
+            raise SpecrtError(TOO_DEEP) from None
         return cls("json_schema", source)
 
     @classmethod
@@ -228,9 +229,7 @@ class Matcher:
     def mask(self) -> np.ndarray:
         """(V,) bool: the tokens allowed next (EOS only once the grammar is complete; EOS too
         when nothing is, so a row the grammar cannot continue ends rather than emit garbage)."""
-        if self.error is None and self.ll.is_error():
-            self._fail("the grammar parser failed")
-        if self.error is not None:
+        if self.error is not None:  # every failure of the parser sets it (_fail)
             return self._eos_only()
         bits = np.unpackbits(np.frombuffer(self.ll.compute_bitmask(), np.uint8), bitorder="little")
         if self.ll.is_error():

@@ -238,7 +238,6 @@ class CompletionService:
         self._inbox_count = 0  # tickets in the inbox
         self._engine_waiting = 0  # tickets the engine holds without a slot (published after each step)
         self._running = 0  # tickets in slots (published after each step)
-        self._free = limits.max_batch  # slots no request holds (published after each step)
         self._worker: threading.Thread | None = None
         self._live: dict[int, _Reply] = {}  # engine request id -> its reply (engine thread only)
         self.metrics = ServerMetrics()
@@ -259,7 +258,8 @@ class CompletionService:
         """Requests accepted that no free slot takes: the queue (at most max_queue). Those in the
         inbox or the engine's list that a free slot will take at the next step do not wait (they
         were counted, and the gauge read more than the queue holds)."""
-        return max(0, self._inbox_count + self._engine_waiting - self._free)
+        free = self.limits.max_batch - self._running  # slots no request holds
+        return max(0, self._inbox_count + self._engine_waiting - free)
 
     def close(self) -> None:
         """Stop the engine thread once every accepted request is done (queued ones are run first)."""
@@ -471,5 +471,4 @@ class CompletionService:
             live = self._live
             self._engine_waiting = len({id(live[s.rid].ticket) for s in self.engine.waiting if s.rid in live})
             self._running = self.engine.running
-            self._free = self.engine.max_batch - self.engine.running
             self.metrics.queue_depth.set(self.waiting)
