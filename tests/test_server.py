@@ -894,3 +894,33 @@ def test_every_outcome_is_counted_once_and_both_views_agree(gen):
     for name in ("prompt_tokens", "completion_tokens"):
         assert stats[name] == m[(f"specrt_{name}_total", ())] > 0
     service.close()
+
+
+def test_a_grammar_that_fails_mid_answer_is_a_400_and_the_server_goes_on(gen, monkeypatch):
+    """docs/server.md: a grammar that reaches the grammar engine's limit later in the answer ends
+    that request with a 400 naming response_format (the engine freed its slot); the next
+    request is answered. The matcher's failure is planted after the answer's first token, as
+    llguidance's lexer limit would set it (the compile-time probe is skipped: the tiny model's
+    word-level vocabulary is not one llguidance follows)."""
+    from specrt.runtime.grammar import Matcher, Vocabulary
+
+    advance = Matcher.advance
+
+    def failing(self, tokens):
+        advance(self, tokens)
+        self.error = "lexer error: too many expressions constructed"
+
+    monkeypatch.setattr(Vocabulary, "_probe", lambda self, compiled, kind: None)
+    monkeypatch.setattr(Matcher, "advance", failing)
+    service = CompletionService(gen, "tiny", ServerLimits())
+    c = TestClient(create_app(service))
+    body = {"prompt": "w5", "max_tokens": 40, "temperature": 0, "response_format": {"type": "json_object"}}
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and "could not be followed to the end of the answer" in err["message"]
+    assert "too many expressions" in err["message"]
+    monkeypatch.setattr(Matcher, "advance", advance)
+    assert c.post("/v1/completions", json={"prompt": "w5", "max_tokens": 3}).status_code == 200
+    assert service.engine.running == 0
+    service.close()
