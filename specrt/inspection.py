@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from specrt.artifacts import MANIFEST
+from specrt.calibration import GGUF_SCHEMES
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout, HeadLayout
 
@@ -142,11 +143,15 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
             )
         )
         q = manifest.get("quantization")
-        if q and q["scheme"] == "gguf":
+        if q and q["scheme"] in GGUF_SCHEMES:
             types = ", ".join(f"{n} {t}" for t, n in q.get("rewritten_matmuls", {}).items())
             lines.append(
-                f"  quantized   gguf: the GGUF's own blocks ({q['gguf']['file']}): {types} MatMuls, float32 "
-                "activations (the float model within float rounding)"
+                f"  quantized   {q['scheme']}: the GGUF's own blocks ({q['gguf']['file']}): {types} MatMuls, "
+                + (
+                    "int8 activations (accuracy level 4)"
+                    if q.get("accuracy_level") == 4
+                    else "float32 activations (the float model within float rounding)"
+                )
             )
         elif q and q["scheme"] in ("hqq", "gptq", "awq"):
             types = ", ".join(f"{n} {t}" for t, n in q.get("rewritten_matmuls", {}).items())
@@ -186,15 +191,7 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
         )
         inv = manifest.get("batch_invariance")
         if inv:
-            lines.append(
-                f"  positions   logits move by {inv['relative']:.1e} of their range between 1- and "
-                f"{inv['positions']}-position steps "
-                + (
-                    "(exact speculative decoding)"
-                    if inv["relative"] <= 1e-4
-                    else "(speculative output may differ from plain)"
-                )
-            )
+            lines.extend(exactness_lines(inv))
     elif kind == "trt-engine":
         gpu = manifest.get("build_gpu")
         targets = manifest.get("compute_capabilities", [])
@@ -273,3 +270,22 @@ def find_artifacts(path: str | Path) -> list[Path]:
             f"specrt build-engines --out {path}"
         )
     return found
+
+
+def exactness_lines(inv: dict) -> list[str]:
+    """What an ORT engine's build measured of its exactness (engines/ort_measure.py)."""
+    shapes = inv.get("bitwise")
+    lines = [
+        f"  positions   logits move by {inv['relative']:.1e} of their range between 1- and {inv['positions']}-position "
+        "steps (argmax agrees at "
+        f"{inv['argmax_agreement']:.0%}): without the step floor, speculative output equals plain up to near-ties"
+    ]
+    if not shapes:
+        return lines + ["  bitwise     not measured (built before the step floor): rebuild to measure it"]
+    same = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in shapes.items())
+    verdict = (
+        "every step shape gives the same bits: with the floor, speculative and batched output is bitwise plain output"
+        if all(shapes.values())
+        else "some shapes differ: exact only up to near-ties"
+    )
+    return lines + [f"  bitwise     padded one-position steps against one multi-position step: {same}; {verdict}"]

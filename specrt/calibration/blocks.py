@@ -18,9 +18,11 @@ zero points, but its CPU kernels for them ran 6x slower here, while the block su
 MatMul per input (shared by the weights that read it). The GGUF recipe (gguf_blocks.py) reads
 the blocks from the file; HQQ, GPTQ and AWQ (calibrated.py) compute them.
 
-MatMulNBits runs at accuracy level 0 (dequantize to float32, multiply in float32), so a
-position's logits do not depend on how many positions a step computes (each engine's manifest
-measures it), and speculative output stays equal to plain output.
+MatMulNBits runs at accuracy level 0 (dequantize to float32, multiply in float32) unless a
+recipe asks for level 4 (the activations quantized to int8 per block of a row, integer dot
+products: `gguf-a8`). Either way a row's result is the same bits in every product of two or
+more rows, so with the runtime's step floor (export/step_io.py STEP_FLOOR) speculative output is
+bitwise plain output; each engine's manifest measures it.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ def pack4(q: np.ndarray) -> np.ndarray:
 class _Rewriter:
     """Builds the nodes and initializers that compute MatMuls from blocks."""
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, prefix: str, accuracy_level: int = 0):
+        self.prefix, self.accuracy_level = prefix, accuracy_level
         self.inits: list = []
         self._ones: dict[int, str] = {}  # K -> name of its (K, K/32) block-summing matrix
         self._sums: dict[str, str] = {}  # input -> its block sums (q, k and v share theirs)
@@ -107,7 +109,7 @@ class _Rewriter:
             N=N,
             bits=4,
             block_size=BLOCK,
-            accuracy_level=0,
+            accuracy_level=self.accuracy_level,
         )
 
     def block_sum_matrix(self, K: int) -> str:
@@ -168,7 +170,7 @@ class BlockProducts:
         product is written."""
         self.scheme, self.blocks_of, self.prefix = scheme, blocks_of, prefix
         self.quantization, self.t0, self.extra = quantization, t0, extra
-        self.rewriter = _Rewriter(prefix)
+        self.rewriter = _Rewriter(prefix, quantization.get("accuracy_level", 0))
         self.counts: collections.Counter = collections.Counter()
 
     def manifest(self) -> dict:
@@ -245,14 +247,16 @@ def weight_matmuls(model) -> list[tuple[int, np.ndarray]]:
     return out
 
 
-def rewrite_matmuls(model, assigned: dict[int, tuple[str, Blocks]], prefix: str, fuse: bool = True) -> dict:
+def rewrite_matmuls(
+    model, assigned: dict[int, tuple[str, Blocks]], prefix: str, fuse: bool = True, accuracy_level: int = 0
+) -> dict:
     """Replace the MatMul nodes `assigned` (node index -> (a label, its weight's blocks)) in place;
     returns how many of each layout. fuse: MatMuls of one input whose weights have one 4-bit
     layout run as one (q/k/v, gate/up: fewer, larger kernel calls), where the first of them was."""
     import onnx
 
     graph = model.graph
-    rewriter = _Rewriter(prefix)
+    rewriter = _Rewriter(prefix, accuracy_level)
     groups = collections.defaultdict(list)
     for i, (_, b) in assigned.items():
         groups[(graph.node[i].input[0], b.layout) if fuse and b.layout != "Q8_0" else i].append(i)

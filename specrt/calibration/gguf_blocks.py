@@ -7,6 +7,12 @@ model). Here each MatMul of the float step graph is instead computed from the ve
 stores, with ONNX Runtime's 4-bit kernels, in the layouts of `blocks.py` (Q4_0, Q4_1, Q8_0,
 the GGUF's own), so the engine computes the float model up to float rounding.
 
+Two schemes compute from the blocks (calibration.GGUF_SCHEMES): `gguf` with float32 activations
+(MatMulNBits accuracy level 0), and `gguf-a8` with int8 activations (level 4: the activations of
+each block of a row rounded to int8, integer dot products; 2-3x faster kernels, and what
+llama.cpp and onnxruntime-genai compute), which is no longer the float model within float
+rounding but its own model, and its manifest's precision says so.
+
 Which GGUF tensor feeds which MatMul is found by content, not by name: a weight is rewritten
 only when the float graph's initializer is bit for bit the dequantization of a GGUF tensor (the
 q/k rows unpermuted as the conversion does), so the rewrite is exact by construction and a GGUF
@@ -23,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.artifacts import file_sha256
+from specrt.calibration import GGUF_SCHEMES
 from specrt.calibration.blocks import (
     BLOCK,
     LAYOUTS,
@@ -35,7 +42,6 @@ from specrt.calibration.blocks import (
 from specrt.errors import SpecrtError
 from specrt.export.graph_files import ONNX_FILE
 
-SCHEME = "gguf"
 SUPPORTED = LAYOUTS  # the GGUF block types read here: blocks.py computes each in its own layout
 
 
@@ -86,14 +92,16 @@ def gguf_blocks(path: str | Path) -> list[tuple[str, Blocks]]:
     return out
 
 
-def _recipe(gguf_path: Path) -> dict:
+def _recipe(gguf_path: Path, scheme: str) -> dict:
     """What a gguf graph's manifest says of how it was made (both flavours)."""
+    if scheme not in GGUF_SCHEMES:
+        raise SpecrtError(f"unknown GGUF scheme {scheme!r}; choose one of {', '.join(GGUF_SCHEMES)}")
     return {
-        "scheme": SCHEME,
+        "scheme": scheme,
         "method": "the GGUF's own blocks (no second rounding)",
         "bits": 4,
         "block_size": BLOCK,
-        "accuracy_level": 0,
+        "accuracy_level": GGUF_SCHEMES[scheme],
         "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
     }
 
@@ -106,24 +114,31 @@ def _digest(a: np.ndarray) -> str:
 
 
 def quantize_from_gguf(
-    onnx_dir: str | Path, out_dir: str | Path, gguf_path: str | Path, progress: bool = True, fuse: bool = True
+    onnx_dir: str | Path,
+    out_dir: str | Path,
+    gguf_path: str | Path,
+    progress: bool = True,
+    fuse: bool = True,
+    scheme: str = "gguf",
 ) -> Path:
     """Rewrite the float step graph in `onnx_dir` (exported from `gguf_path`'s conversion) onto
     the GGUF's own blocks, into `out_dir` (written atomically). fuse: MatMuls of one input whose
-    weights have one 4-bit type run as one."""
+    weights have one 4-bit type run as one; scheme: "gguf" or "gguf-a8" (the activations')."""
     import onnx
     from tqdm import tqdm
 
     onnx_dir, out_dir, gguf_path = Path(onnx_dir), Path(out_dir), Path(gguf_path)
     source = float_source(onnx_dir)
     t0 = time.perf_counter()
-    steps = tqdm(total=3, desc="quantize gguf", unit="step", disable=not progress)
+    recipe = _recipe(gguf_path, scheme)
+    steps = tqdm(total=3, desc=f"quantize {scheme}", unit="step", disable=not progress)
     steps.set_postfix_str("read blocks")
     # a weight (N, K) is a MatMul's B as (K, N)
     blocks = {_digest(b.dequantize().T): (name, b) for name, b in gguf_blocks(gguf_path)}
     if not blocks:
         raise SpecrtError(
-            f"{gguf_path} stores no tensor as {', '.join(SUPPORTED)}; the gguf scheme rewrites those block types only"
+            f"{gguf_path} stores no tensor as {', '.join(SUPPORTED)}; the {scheme} scheme rewrites those block "
+            "types only"
         )
     model = onnx.load(str(onnx_dir / ONNX_FILE))
     steps.update()
@@ -143,11 +158,11 @@ def quantize_from_gguf(
         )
     used = {name for name, _ in assigned.values()}
     missing = sorted(name for name, _ in blocks.values() if name not in used)
-    counts = rewrite_matmuls(model, assigned, prefix="gguf", fuse=fuse)
+    counts = rewrite_matmuls(model, assigned, prefix="gguf", fuse=fuse, accuracy_level=recipe["accuracy_level"])
     steps.update()
     steps.set_postfix_str("save")
     quantization = {
-        **_recipe(gguf_path),
+        **recipe,
         "rewritten_matmuls": counts,
         "fused": fuse,
         "block_tensors_unused": missing,  # e.g. an embedding that is only looked up
@@ -164,6 +179,7 @@ def fused_from_gguf(
     gguf_path: str | Path,
     hidden_layers: tuple[int, ...] | None = None,
     opset: int = 17,
+    scheme: str = "gguf",
 ) -> Path:
     """The fused step graph (export/fused_graph.py) of `checkpoint` with every product computed
     from `gguf_path`'s own blocks (found by content, as quantize_from_gguf finds them), written
@@ -173,12 +189,14 @@ def fused_from_gguf(
 
     gguf_path = Path(gguf_path)
     t0 = time.perf_counter()
+    recipe = _recipe(gguf_path, scheme)
     named = gguf_blocks(gguf_path)
     blocks = {_digest(b.dequantize()): (name, b) for name, b in named}  # by the weight (N, K)
     used: set[str] = set()
     if not blocks:
         raise SpecrtError(
-            f"{gguf_path} stores no tensor as {', '.join(SUPPORTED)}; the gguf scheme rewrites those block types only"
+            f"{gguf_path} stores no tensor as {', '.join(SUPPORTED)}; the {scheme} scheme rewrites those block "
+            "types only"
         )
 
     def blocks_of(weight: np.ndarray) -> Blocks:
@@ -194,6 +212,6 @@ def fused_from_gguf(
     def unused() -> dict:  # e.g. an embedding that is only looked up
         return {"block_tensors_unused": sorted(name for name, _ in named if name not in used)}
 
-    quantization = {**_recipe(gguf_path), "fused": True}
-    products = BlockProducts(SCHEME, blocks_of, "gguf", quantization, t0, extra=unused)
+    quantization = {**recipe, "fused": True}
+    products = BlockProducts(scheme, blocks_of, "gguf", quantization, t0, extra=unused)
     return export_fused_graph(checkpoint, out_dir, hidden_layers, opset, products=products)

@@ -96,8 +96,8 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     show_default=True,
     type=click.Choice(["fused", "portable"]),
     help="The step graphs: fused (ORT's engines run ORT's fused attention, norm and 4-bit kernels with the KV cache "
-    "written in place: onnx-fused/, float32 and gguf; TensorRT's the standard opset-23 graph: onnx-standard/) or "
-    "portable (both run the traced graph: onnx/).",
+    "written in place: onnx-fused/, float32, gguf and gguf-a8; TensorRT's the standard opset-23 graph: "
+    "onnx-standard/) or portable (both run the traced graph: onnx/).",
 )
 @tensorrt_option("TensorRT engine: auto builds one when tensorrt or tensorrt_rtx is installed.")
 @click.option(
@@ -148,11 +148,12 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     show_default=True,
     type=click.Choice(QUANT_SCHEMES),
     help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): gguf "
-    "(the GGUF file's own 4-bit blocks: the float model within float rounding), hqq (int4, offsets fitted, no "
-    "data), gptq / awq (int4 fitted to calibration activations; makes the calibration set first, see `specrt "
-    "calibrate`), int4 weights rounded to nearest, int8/int4 weights with int8 activations (-a8: faster, but "
-    "speculative output may then differ from plain), or qdq-int8/qdq-fp8 (explicit Q/DQ for TensorRT, "
-    "calibrated), qdq-int4 (int4 weight-only DQ for TensorRT), fp16 / bf16 (16-bit weights and compute for GPUs; "
+    "(the GGUF file's own 4-bit blocks: the float model within float rounding), gguf-a8 (the same blocks with int8 "
+    "activations: faster, and its own model), hqq (int4, offsets fitted, no data), gptq / awq (int4 fitted to "
+    "calibration activations; makes the calibration set first, see `specrt calibrate`), int4 weights rounded to "
+    "nearest, int8/int4 weights with int8 activations (-a8: faster), or qdq-int8/qdq-fp8 (explicit Q/DQ for "
+    "TensorRT, calibrated), qdq-int4 (int4 weight-only DQ for TensorRT), fp16 / bf16 (16-bit weights and compute "
+    "for GPUs; "
     "bf16 has no ORT engine: ORT's CPU provider lacks its kernels); these also build a TensorRT engine "
     "engines/trt-<flavour>-<scheme>/.",
 )
@@ -168,7 +169,8 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     "gguf_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="--quantize gguf: the GGUF file the checkpoint was converted from (default: the one `specrt convert` "
+    help="--quantize gguf / gguf-a8: the GGUF file the checkpoint was converted from (default: the one `specrt "
+    "convert` "
     "recorded in the checkpoint).",
 )
 @click.option(

@@ -12,6 +12,7 @@ import click
 from specrt.calibration import QUANT_SCHEMES as RECIPES
 from specrt.errors import SpecrtError, UsageError
 from specrt.runtime.drafts import DRAFT_METHODS
+from specrt.runtime.session import EXACTNESS
 from specrt.server.limits import ServerLimits
 
 SERVER = ServerLimits()  # the server's defaults, shown in serve --help
@@ -280,6 +281,16 @@ def _with_engine_options(fn, draft: str):
             show_default=True,
             type=click.IntRange(min=1),
             help="Upper bound for --num-draft auto.",
+        ),
+        click.option(
+            "--exact",
+            default="bitwise",
+            show_default=True,
+            type=click.Choice(EXACTNESS),
+            help="bitwise: every step computes at least two positions per row (a one-position step carries a free "
+            "guess), so speculative and batched output is bitwise plain output on every engine whose build measured "
+            "it (`specrt inspect`); near-ties: one-position steps as they are (faster where two-row products cost "
+            "much more), output equal up to near-ties.",
         ),
         click.option(
             "--verify-artifacts",

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from specrt.calibration import HALF_SCHEMES, QDQ_SCHEMES, TRT_SCHEMES
+from specrt.calibration import GGUF_SCHEMES, HALF_SCHEMES, QDQ_SCHEMES, TRT_SCHEMES
 from specrt.engines.trt import TrtBuildSpec
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout
@@ -40,7 +40,7 @@ class BuildSpec:
     make_calibration: Callable[[Path], Path] | None = None
 
 
-FUSED_SCHEMES = ("none", "gguf")  # schemes with a fused graph; the others build their portable graph
+FUSED_SCHEMES = ("none", *GGUF_SCHEMES)  # schemes with a fused graph; the others build their portable graph
 
 
 def _records(manifest: dict | None, wanted: dict) -> bool:
@@ -113,18 +113,18 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, fdir, ckpt_hash)
     wanted = {"graph_flavour": "fused", "fused_version": FUSED_VERSION, "hidden_layers": layers}
     make = lambda: export_fused_graph(spec.checkpoint, fdir, tuple(layers), spec.opset)  # noqa: E731
-    if scheme == "gguf":
+    if scheme in GGUF_SCHEMES:
         from specrt.calibration.gguf_blocks import fused_from_gguf
 
         gguf_fields, gguf = _gguf_source(spec)
         if not _records((current or {}).get("quantization"), gguf_fields):
             current = None
-        make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset)  # noqa: E731
+        make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset, scheme)  # noqa: E731
     fresh = not _records(current, wanted)
     label = "fused" if scheme == "none" else scheme
     yield _made_or_kept(label, fdir, fresh, make, "written" if scheme == "none" else "quantized")
     files = read_onnx_manifest(fdir)["files"]
-    note = " (TensorRT takes no MatMulNBits graph: none built for gguf)" if scheme == "gguf" else ""
+    note = f" (TensorRT takes no MatMulNBits graph: none built for {scheme})" if scheme in GGUF_SCHEMES else ""
     yield from _build_ort(spec, fdir, files, ckpt_hash, stale=fresh, quantize=scheme, note=note)
 
 
@@ -194,11 +194,11 @@ def _made_or_kept(label: str, path: Path, fresh: bool, make, verb: str) -> str:
 
 def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
     """(the quantization fields an up-to-date graph has, a function that makes it)."""
-    if spec.quantize == "gguf":
+    if spec.quantize in GGUF_SCHEMES:
         from specrt.calibration.gguf_blocks import quantize_from_gguf
 
         wanted, gguf = _gguf_source(spec)
-        return wanted, lambda: quantize_from_gguf(odir, qdir, gguf)
+        return wanted, lambda: quantize_from_gguf(odir, qdir, gguf, scheme=spec.quantize)
 
     if spec.quantize == "hqq":
         from specrt.calibration.calibrated import RECIPE_VERSION, quantize_hqq
@@ -248,12 +248,13 @@ def _gguf_source(spec: BuildSpec) -> tuple[dict, Path]:
     gguf = spec.gguf or gguf_origin(spec.checkpoint)
     if gguf is None:
         raise SpecrtError(
-            f"--quantize gguf computes from the GGUF file's own blocks, and {spec.checkpoint} records no GGUF file "
+            f"--quantize {spec.quantize} computes from the GGUF file's own blocks, and {spec.checkpoint} records no "
+            "GGUF file "
             "it was converted from (or the file moved or changed); give it with --gguf FILE"
         )
     if not Path(gguf).is_file():
         raise SpecrtError(f"--gguf {gguf}: no such file")
-    return {"scheme": "gguf", "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)}}, Path(gguf)
+    return {"scheme": spec.quantize, "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)}}, Path(gguf)
 
 
 def _calibration(spec: BuildSpec, odir: Path):

@@ -1,14 +1,17 @@
 """What an ORT engine's build measures on the session it optimized, written into its manifest:
 
-    batch_invariance(session, config, flavour)  how a position's logits move between one- and
-                                                multi-position steps (exactness of speculation)
+    batch_invariance(session, config, flavour)  how a position's logits move with the shape of
+                                                the step that computes them (exactness of
+                                                speculation), and which step shapes agree bitwise
     step_costs(session, config, flavour)        milliseconds per step by positions at batch 1
                                                 (the speculative cost model's priors)
 
 The session is called as the runtime calls it (engines/ sits below the runtime, so this is
 written against the step graph's I/O directly): the past is a preallocated buffer of fixed
 capacity whose unused slots the attention mask hides, and each step's KV is written into it (the
-portable graph returns it and it is copied in; the fused graph writes it in place).
+portable graph returns it and it is copied in; the fused graph writes it in place). A row's
+step may be padded past its tokens (`run(..., q=...)`): the padding is computed, then left
+uncommitted, as the runtime's step floor does (runtime/session.py).
 """
 
 from __future__ import annotations
@@ -19,36 +22,37 @@ import time
 import numpy as np
 
 from specrt.engines.profiles import EngineShapes
-from specrt.export.step_io import LOGITS, STEP_INPUTS, StepIO, attention_mask
+from specrt.export.step_io import LOGITS, STEP_FLOOR, STEP_INPUTS, StepIO, attention_mask
 
 COST_POSITIONS = (1, 2, 3, 5, 9, 17)  # the step sizes step_costs times
 COST_REPEATS = 5  # timed steps per size (after one untimed), the median kept
 
 
-def _runner(session, cfg, flavour: str, capacity: int):
-    """(fresh, run): `fresh()` an empty cache of `capacity` positions, `run(tokens, cache)` one
-    step over `tokens` after the cache's committed length (it appends them); returns their
-    logits (Q, V). A cache's last item is its committed length, [n]."""
+def _runner(session, cfg, flavour: str, capacity: int, batch: int = 1):
+    """(fresh, run): `fresh()` an empty cache of `capacity` positions for `batch` rows,
+    `run(rows, cache, q)` one step over each row's tokens after its committed length, padded to
+    q positions (default: the longest row's); it commits each row's own tokens and returns the
+    logits (B, Q, V). A cache's last item is its committed lengths (B,)."""
     if flavour == "fused":
-        return _fused_runner(session, cfg, capacity)
+        return _fused_runner(session, cfg, capacity, batch)
     io = StepIO(cfg.num_hidden_layers)
-    shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+    shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
 
     def fresh():
-        return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(cfg.num_hidden_layers)], [0]
+        past = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(cfg.num_hidden_layers)]
+        return past, np.zeros(batch, np.int64)
 
-    def run(tokens, cache):
-        past, length = cache
-        P, Q = length[0], len(tokens)
-        mask = attention_mask([P], capacity, Q)
+    def run(rows, cache, q=None):
+        past, lengths = cache
+        ids, positions, Q = _step_ids(rows, lengths, q)
         feeds = dict(
             zip(
                 STEP_INPUTS,
                 (
-                    np.array([tokens], np.int64),
-                    np.arange(P, P + Q, dtype=np.int64)[None],
-                    mask,
-                    np.arange(Q, dtype=np.int64)[None],
+                    ids,
+                    positions,
+                    attention_mask(lengths, capacity, Q),
+                    np.tile(np.arange(Q, dtype=np.int64), (batch, 1)),
                 ),
             )
         )
@@ -56,35 +60,46 @@ def _runner(session, cfg, flavour: str, capacity: int):
             feeds.update(zip(io.past(i), kv))
         out = session.run([LOGITS, *io.present_names], feeds)
         for i, (k, v) in enumerate(past):
-            k[:, :, P : P + Q], v[:, :, P : P + Q] = out[1 + 2 * i], out[2 + 2 * i]
-        length[0] += Q
-        return out[0][0]
+            for b, row in enumerate(rows):
+                P, n = lengths[b], len(row)
+                k[b, :, P : P + n], v[b, :, P : P + n] = out[1 + 2 * i][b, :, :n], out[2 + 2 * i][b, :, :n]
+        lengths += [len(r) for r in rows]
+        return out[0]
 
     return fresh, run
 
 
-def _fused_runner(session, cfg, capacity: int):
+def _step_ids(rows, lengths, q):
+    """(input ids, position ids, Q) of a step over `rows`, padded to q positions."""
+    Q = max(q or 0, *(len(r) for r in rows))
+    ids = np.zeros((len(rows), Q), np.int64)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = r
+    return ids, lengths[:, None] + np.arange(Q, dtype=np.int64)[None], Q
+
+
+def _fused_runner(session, cfg, capacity: int, batch: int):
     from specrt.engines.ort_inplace import InPlaceRunner
     from specrt.export.step_io import fused_inputs
 
     runner = InPlaceRunner(session, cfg.num_hidden_layers)
-    buffers = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, capacity, cfg.head_dim)  # (L, B, Hkv, C, D)
+    buffers = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)  # (L, B, Hkv, C, D)
 
     def fresh():
-        return np.zeros(buffers, np.float32), np.zeros(buffers, np.float32), [0]
+        return np.zeros(buffers, np.float32), np.zeros(buffers, np.float32), np.zeros(batch, np.int64)
 
-    def run(tokens, cache):
-        keys, values, length = cache
-        P, Q = length[0], len(tokens)
+    def run(rows, cache, q=None):
+        keys, values, lengths = cache
+        ids, positions, Q = _step_ids(rows, lengths, q)
         feeds = {
-            "input_ids": np.array([tokens], np.int64),
-            "position_ids": np.arange(P, P + Q, dtype=np.int64)[None],
-            "logits_index": np.arange(Q, dtype=np.int64)[None],
-            **fused_inputs(np.array([P]), attention_mask([P], capacity, Q)),
+            "input_ids": ids,
+            "position_ids": positions,
+            "logits_index": np.tile(np.arange(Q, dtype=np.int64), (batch, 1)),
+            **fused_inputs(lengths, attention_mask(lengths, capacity, Q)),
         }
         logits, _ = runner.run(feeds, keys, values)
-        length[0] += Q
-        return logits[0]
+        lengths += [len(r) for r in rows]
+        return logits
 
     return fresh, run
 
@@ -92,31 +107,68 @@ def _fused_runner(session, cfg, capacity: int):
 def batch_invariance(
     session, config: dict, flavour: str = "portable", prefix: int = 12, steps: int = EngineShapes.max_verify
 ) -> dict:
-    """How much a position's logits depend on how many positions one step computes: the same
-    tokens fed one per step and as one multi-position step (as speculative verification does).
-    Exact speculative decoding needs this to be at float rounding level (~1e-6 of the logits'
-    range); kernels that switch arithmetic with the number of rows (int8 activations) are not.
-    (Measured with an exactly sized past instead of the runtime's preallocated one,
-    int8-activation engines show no difference at all, while the runtime sees ~2 % of the
-    logits' range.) `steps` must reach the largest verification step: ORT's int8 Q/DQ kernels
-    gave identical logits for 6 positions and moved them by 5 % of their range at 17."""
+    """How a position's logits depend on the shape of the step that computes them: the same
+    `steps` tokens after a `prefix`, computed as one multi-position step (as verification does)
+    and as
+
+        unpadded   one token per step (plain decoding without the step floor)
+        padded     one token per step, each step padded to STEP_FLOOR positions (the floor)
+        split      two multi-position steps (a draft verified in two parts)
+        batch      a padded step beside another row (continuous batching)
+        capacity   the multi-position step over a cache of twice the capacity
+
+    The unpadded difference is the bound speculation is exact up to without the floor (float
+    rounding level on float kernels, ~1e-6 of the logits' range; int8 activations amplify it to
+    percents). `bitwise` says which shapes give exactly the multi-position step's logits
+    (np.array_equal): ORT's CPU kernels compute a one-row product in another numeric class than
+    a product of two or more rows, which agree with each other; with every one of those true,
+    plain, speculative and batched generation see the same logits whatever runs beside them.
+    `steps` must reach the largest verification step: ORT's int8 Q/DQ kernels gave identical
+    logits for 6 positions and moved them by 5 % of their range at 17."""
     from specrt.export.config import ModelConfig
 
     cfg = ModelConfig.from_dict(config)
-    # the fused graph writes a step's positions in place: room for the steps and their slack
-    fresh, run = _runner(session, cfg, flavour, prefix + (2 * steps if flavour == "fused" else steps))
-    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, prefix + steps).tolist()
-    one, many = fresh(), fresh()
-    run(ids[:prefix], one)
-    run(ids[:prefix], many)
-    single = np.stack([run([t], one)[0] for t in ids[prefix:]])
-    multi = run(ids[prefix:], many)
+    # the fused graph writes a step's positions in place: room for the steps and their padding
+    room = prefix + (2 * steps if flavour == "fused" else steps)
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, 2 * (prefix + steps)).tolist()
+    mine, other = ids[: prefix + steps], ids[prefix + steps :]
+
+    def started(capacity=room, batch=1):
+        fresh, run = _runner(session, cfg, flavour, capacity, batch)
+        cache = fresh()
+        run([mine[:prefix], other[:prefix]][:batch], cache)
+        return run, cache
+
+    def one_by_one(q=None, batch=1):
+        run, cache = started(batch=batch)
+        out = []
+        for i, t in enumerate(mine[prefix:]):
+            beside = other[prefix + 3 * i : prefix + 3 * i + 3]  # the other row verifies 3 at a time
+            out.append(run([[t], beside][:batch], cache, q)[0, 0])
+            if batch > 1 and len(beside) < 3:
+                break
+        return np.stack(out)
+
+    run, cache = started()
+    multi = run([mine[prefix:]], cache)[0]
+    run, cache = started()
+    half = steps // 2
+    split = np.concatenate([run([mine[prefix : prefix + half]], cache)[0], run([mine[prefix + half :]], cache)[0]])
+    run, cache = started(capacity=2 * room)
+    wide = run([mine[prefix:]], cache)[0]
+    single, batched = one_by_one(), one_by_one(q=STEP_FLOOR, batch=2)
     diff = float(np.abs(single - multi).max())
     return {
         "max_abs_diff": diff,
         "relative": diff / max(float(np.ptp(multi)), 1e-12),
         "argmax_agreement": float((single.argmax(-1) == multi.argmax(-1)).mean()),
         "positions": steps,
+        "bitwise": {
+            "padded": bool(np.array_equal(one_by_one(q=STEP_FLOOR), multi)),
+            "split": bool(np.array_equal(split, multi)),
+            "batch": bool(np.array_equal(batched, multi[: len(batched)])),
+            "capacity": bool(np.array_equal(wide, multi)),
+        },
     }
 
 
@@ -134,13 +186,13 @@ def step_costs(session, config: dict, flavour: str = "portable", prefix: int = 1
     fresh, run = _runner(session, cfg, flavour, prefix + 2 * top)
     cache = fresh()
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, prefix + top).tolist()  # any vocabulary size
-    run(ids[:prefix], cache)
+    run([ids[:prefix]], cache)
     times: dict[int, list[float]] = {q: [] for q in COST_POSITIONS}
     for r in range(COST_REPEATS + 1):
         for q in COST_POSITIONS:
             t = time.perf_counter()
-            run(ids[prefix : prefix + q], cache)
+            run([ids[prefix : prefix + q]], cache)
             if r:  # the first round warms each shape up
                 times[q].append(time.perf_counter() - t)
-            cache[-1][0] = prefix  # roll back: every step sees the same past
+            cache[-1][:] = prefix  # roll back: every step sees the same past
     return {str(q): round(statistics.median(ts) * 1e3, 3) for q, ts in times.items()}

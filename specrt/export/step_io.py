@@ -24,7 +24,8 @@ their names from `StepIO`; nothing else spells them. No heavy imports: backends 
 builders read it without torch.
 
 How callers pass the past is part of the contract too (`attention_mask`): a preallocated buffer
-of fixed capacity per row, whose slots past each row's committed length the mask hides.
+of fixed capacity per row, whose slots past each row's committed length the mask hides. So is
+the step floor: a step computes at least STEP_FLOOR positions per row.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ FUSED_INPUTS = (
     "logits_index",
 )
 LOGITS, HIDDEN = "logits", "hidden_states"
+# the fewest positions per row a step computes (runtime/session.py pads a one-position step with
+# one more, computed and left uncommitted). ONNX Runtime's CPU kernels compute a product of one
+# row in another numeric class than a product of two or more (MatMulNBits, SGEMM, attention),
+# and all products of two or more agree bitwise: with the floor, a position's logits are the
+# same bits whether plain decoding, a verification step, a split step or a batch computes it
+STEP_FLOOR = 2
 INPUT_DTYPES = {
     "input_ids": "int64",
     "position_ids": "int64",

@@ -159,8 +159,9 @@ class BatchEngine:
             )
         self.max_batch, self.prefill_budget, self.max_waiting = max_batch, prefill_budget, max_waiting
         self.prefix = None if self.decoder.needs_features else prefix_cache
-        # a step appends the root and at most max_draft nodes after a row's committed tokens
-        self.headroom = self.decoder.policy.max_draft
+        # a step appends the root and at most max_draft nodes after a row's committed tokens (a
+        # guess at the floor's position where nothing was drafted: SpeculativeDecoder.guess)
+        self.headroom = max(self.decoder.policy.max_draft, self.session.floor - 1)
         self.waiting: collections.deque[_Slot] = collections.deque()
         self.slots: list[_Slot | None] = [None] * max_batch
         self.state = self.decoder.new_state(max_batch)

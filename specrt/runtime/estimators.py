@@ -165,17 +165,19 @@ class Acceptance:
         return (self.fill + 2.0) / (self.reach + 2.0)
 
 
-def step_priors(step_ms: dict[int, float] | None) -> tuple[float, float] | None:
+def step_priors(step_ms: dict[int, float] | None, floor: int = 1) -> tuple[float, float] | None:
     """(alpha, beta) of an engine's step costs measured at build (ms by positions at batch 1,
-    Capabilities.step_ms): the line t(Q) = c0 + c1 * Q through the multi-position steps, over
-    the one-position step t1, gives alpha = c1 / t1 and beta = (c0 + c1) / t1 - 1. None when
-    nothing was measured (the generic priors then)."""
-    if not step_ms or 1 not in step_ms or len([q for q in step_ms if q > 1]) < 2:
+    Capabilities.step_ms), for steps of at least `floor` positions (the session's: a step of the
+    floor is the plain step): the line t(Q) = c0 + c1 * Q through the steps longer than the
+    floor, over the floor's step t_f, gives alpha = c1 / t_f and beta = (c0 + c1 * floor) / t_f
+    - 1 (at floor 1: a verification step's jump over a decode step). None when nothing was
+    measured (the generic priors then)."""
+    if not step_ms or floor not in step_ms or len([q for q in step_ms if q > floor]) < 2:
         return None
-    qs = sorted(q for q in step_ms if q > 1)
+    qs = sorted(q for q in step_ms if q > floor)
     c0, c1 = _line(qs, [step_ms[q] for q in qs], [1.0] * len(qs))
-    t1 = step_ms[1]
-    return max(c1 / t1, 0.0), max((c0 + c1) / t1 - 1.0, 0.0)
+    t = step_ms[floor]
+    return max(c1 / t, 0.0), max((c0 + c1 * floor) / t - 1.0, 0.0)
 
 
 class StepTimes:

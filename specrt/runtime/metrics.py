@@ -3,7 +3,11 @@
 Conventions (as vLLM counts them):
     acceptance rate       accepted draft tokens / drafted tokens
     mean accepted length  tokens emitted per verification step, the bonus/recovered token
-                          included: (accepted + steps) / steps; plain decoding has 1.0
+                          and accepted guesses included: (accepted + guesses accepted + steps) /
+                          steps; plain decoding has 1.0 without guesses
+    guesses               a one-token guess a step's floor position carries where nothing was
+                          drafted (SpeculativeDecoder.guess): counted apart from the drafts, so
+                          the acceptance rate is the draft method's
     per-position rate     of the steps whose draft reached depth i, the fraction whose accepted
                           path reached depth i
 """
@@ -29,6 +33,8 @@ class SpecMetrics:
     predicted_speedup: float | None = None  # cost model with the measured numbers
     forced_tokens: int = 0  # drafted tokens a request's grammar forced (runtime/grammar.py)
     forced_accepted: int = 0
+    guessed_tokens: int = 0  # steps whose only node was the floor's guess (SpeculativeDecoder.guess)
+    guessed_accepted: int = 0
 
     def observe_draft(self, num_draft: int, num_accepted: int, max_depth: int = 0) -> None:
         """One verified draft: its size, how many were accepted, how deep the draft went."""
@@ -48,13 +54,19 @@ class SpecMetrics:
         self.forced_tokens += drafted
         self.forced_accepted += min(drafted, accepted)
 
+    def observe_guess(self, accepted: int) -> None:
+        """One verified step whose only node was a guess at the floor's position."""
+        self.steps += 1
+        self.guessed_tokens += 1
+        self.guessed_accepted += accepted
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
-        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+        return (self.accepted_tokens + self.guessed_accepted + self.steps) / self.steps if self.steps else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -66,7 +78,7 @@ class SpecMetrics:
         spent = self.step_seconds + self.draft_seconds
         if not self.decode_step_seconds or not spent or not self.steps:
             return None
-        return (self.accepted_tokens + self.steps) / spent * self.decode_step_seconds
+        return (self.accepted_tokens + self.guessed_accepted + self.steps) / spent * self.decode_step_seconds
 
     def summary(self) -> str:
         pos = " ".join(f"{r:.2f}" for r in self.per_position_acceptance[:8])
@@ -76,6 +88,8 @@ class SpecMetrics:
             f"mean accepted length {self.mean_accepted_length:.2f}",
             f"per position [{pos}]",
         ]
+        if self.guessed_tokens:
+            parts.append(f"guesses {self.guessed_accepted}/{self.guessed_tokens}")
         if self.alpha is not None:
             parts.append(f"alpha {self.alpha:.3f} beta {self.beta:.3f}")
         if self.predicted_speedup is not None and self.measured_speedup is not None:

@@ -110,8 +110,12 @@ class CostModel:
         alpha_prior: float = 0.05,
         beta_prior: float = 0.1,
         draft_per_token: bool = False,
+        free: int = 0,
     ):
-        self.max_draft, self.decay = max_draft, decay
+        """free: draft positions per row a step computes whatever the plan (the session's floor
+        less the root: a guess rides there, SpeculativeDecoder.guess). Step costs are read past
+        them: a step of the floor is the plain step, and the first `free` drafts cost nothing."""
+        self.max_draft, self.decay, self.free = max_draft, decay, free
         self.accept = Acceptance(max_draft, decay)
         self._evidence: dict[tuple, list] = {}  # lookups' drafts: [acceptance, step aged to] by evidence
         self._pooled: dict[tuple, tuple] = {}  # evidence -> (stamp, counts): _counts of this step
@@ -227,7 +231,8 @@ class CostModel:
         out = [1.0]
         for n in range(1, max(len(r) for r in reaches)):
             gain = sum(r[n] if n < len(r) else r[-1] for r in reaches)
-            out.append((1.0 + scale * gain) / (1.0 + cost.beta + cost.alpha * n))
+            paid = n - self.free  # the floor's positions are computed whatever the plan
+            out.append((1.0 + scale * gain) / (1.0 + (cost.beta + cost.alpha * paid if paid > 0 else 0.0)))
         return out
 
     def forget_row(self, row: int) -> None:
@@ -247,8 +252,9 @@ class CostModel:
         return self.accept.fill_rates()
 
     def observe_step(self, positions: int, batch: int, seconds: float) -> None:
-        """One target step over `positions` positions for `batch` rows (positions == batch: no draft)."""
-        self.steps.observe(positions, batch, seconds)
+        """One target step over `positions` positions for `batch` rows (positions == batch: no
+        draft; the floor's free positions are not counted: a step of the floor is the plain one)."""
+        self.steps.observe(max(positions - self.free * batch, batch), batch, seconds)
         self.accept.next_step()
 
     def observe_draft(self, tokens_per_row: float, seconds: float) -> None:
@@ -309,8 +315,11 @@ class CostModel:
         cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0)
         n = np.arange(self.max_draft + 1)
         positions = self.expected_positions(batch)
-        drafts = np.where(n > 0, positions[1], 0.0)  # the chance some row drafted at all
-        relative = 1.0 + cost.beta * drafts + cost.alpha * positions + cost.draft_ratio(n)
+        k = min(self.free, self.max_draft)  # positions the floor computes whatever N: not paid for
+        paid = np.maximum(positions - positions[k], 0.0)
+        some = positions[k + 1] - positions[k] if k < self.max_draft else 0.0  # a row drafted past them
+        drafts = np.where(n > k, some, 0.0)
+        relative = 1.0 + cost.beta * drafts + cost.alpha * paid + cost.draft_ratio(n)
         expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows, upper)
         return (1.0 + self.calibration() * (expected - 1.0)) / relative
 

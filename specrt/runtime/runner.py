@@ -37,6 +37,7 @@ class RunnerSpec:
     provider: str = "cpu"
     quantize: str = "none"
     split: bool = False  # --quantize gguf: one row's one-position steps on the 4-bit engine, the rest on float32
+    exact: str = "bitwise"  # or "near-ties": one-position steps as they are (runtime/session.py)
     threads: int = 0  # ORT intra-op threads (0: one per physical core)
     device: str | None = None
     cuda_graphs: bool = False
@@ -143,12 +144,14 @@ def open_generator(spec: RunnerSpec) -> Generator:
     if spec.backend == "torch":
         if spec.checkpoint is None:
             raise UsageError("--backend torch needs --model CHECKPOINT")
-        return Generator.from_checkpoint(spec.checkpoint, device=spec.device or "cpu", cuda_graphs=spec.cuda_graphs)
+        return Generator.from_checkpoint(
+            spec.checkpoint, device=spec.device or "cpu", cuda_graphs=spec.cuda_graphs, exact=spec.exact
+        )
     if spec.backend == "trt":
         engine = spec.engine or _trt_engine(spec)
         device = spec.device or "cuda"
         return Generator.from_trt_engine(
-            engine, spec.checkpoint, device=device, cuda_graphs=spec.cuda_graphs, verify=verify
+            engine, spec.checkpoint, device=device, cuda_graphs=spec.cuda_graphs, verify=verify, exact=spec.exact
         )
     from specrt.engines.ort import OrtOptions
 
@@ -166,7 +169,9 @@ def open_generator(spec: RunnerSpec) -> Generator:
             )
     multi = ArtifactLayout(spec.artifacts).ort_engine(spec.provider) if spec.split else None
     options = OrtOptions(provider=spec.provider, intra_op_threads=spec.threads)
-    return Generator.from_engine(engine, spec.checkpoint, options=options, verify=verify, multi_engine=multi)
+    return Generator.from_engine(
+        engine, spec.checkpoint, options=options, verify=verify, multi_engine=multi, exact=spec.exact
+    )
 
 
 def _trt_engine(spec: RunnerSpec) -> Path:

@@ -11,6 +11,14 @@ their own) steps a model through a session. Batches are ragged: every row keeps 
 the cache and the attention mask hides everything else, so rows never need padding in the cache.
 Hidden states (the features learned drafts read) are computed by every step but copied to the
 host only for the positions asked for.
+
+Every step computes at least `floor` positions per row (export/step_io.py STEP_FLOOR, where the
+backend keeps it: `Capabilities.floor`): a one-position step gets one more position, computed and
+left uncommitted, so that a position's logits come from the same kernels, bit for bit, whether
+plain decoding, a verification step of any size, a split step or a batch computes them. With
+`exact="near-ties"` one-position steps run as they are: faster where a two-row product costs much
+more than a one-row one (the level-0 4-bit kernels), and exact only up to the engine's measured
+difference between the two.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import dataclasses
 
 import numpy as np
 
+from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput
 from specrt.runtime.kv_cache import KVCache
@@ -36,8 +45,15 @@ class Prefilled:
     hidden: list[np.ndarray] | None  # per row (prompt length, H*) float32; None when not asked
 
 
+EXACTNESS = ("bitwise", "near-ties")  # StepSession(exact=...): with the step floor or without
+
+
 class StepSession:
-    def __init__(self, backend: StepBackend, max_context: int | None = None, prefill_chunk: int = 512):
+    def __init__(
+        self, backend: StepBackend, max_context: int | None = None, prefill_chunk: int = 512, exact: str = "bitwise"
+    ):
+        if exact not in EXACTNESS:
+            raise SpecrtError(f"exact must be one of {', '.join(EXACTNESS)}, got {exact!r}")
         self.backend = backend
         self.config: ModelConfig = backend.config
         # the smallest of: what was asked, what an engine was built for, what the model supports
@@ -46,10 +62,26 @@ class StepSession:
         )
         self.prefill_chunk = min(prefill_chunk, self.caps.max_step or prefill_chunk)  # an engine's largest profile
         self._pool: list[KVCache] = []
+        # the fewest positions per row a step computes (the module docstring)
+        self.floor = self.caps.floor if exact == "bitwise" else 1
 
     @property
     def caps(self) -> Capabilities:
         return self.backend.caps
+
+    def exactness(self) -> dict:
+        """What speculative output is guaranteed to equal plain output up to, on this session:
+        {"exact": "bitwise"} when the floor holds and the engine's build found every step shape
+        bitwise equal (engines/ort_measure.py); else {"exact": "near-ties", "bound": the
+        measured difference of one- and multi-position steps, relative to the logits' range};
+        "unmeasured" where the backend has no such record (PyTorch, TensorRT)."""
+        measured = self.caps.batch_invariance
+        if not measured:
+            return {"exact": "unmeasured", "floor": self.floor}
+        shapes = measured.get("bitwise") or {}
+        if self.floor >= 2 and shapes and all(shapes.values()):
+            return {"exact": "bitwise", "floor": self.floor}
+        return {"exact": "near-ties", "bound": measured["relative"], "floor": self.floor, "bitwise": shapes}
 
     # -- caches ---------------------------------------------------------------------------------
 
@@ -125,7 +157,7 @@ class StepSession:
         trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
         sequence: position = committed length + depth, and each token sees what its mask allows."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
-        ids, positions, mask, index, every = self.step_inputs(cache, tokens, trees, last_only)
+        ids, positions, mask, index, every = self.step_inputs(cache, tokens, trees, last_only, self.floor)
         out = self.backend.step(ids, positions, mask, index, cache, every if hidden else None, want_logits)
         if out.present is None:  # the backend wrote the positions in place (caps.cache_slack)
             cache.commit(counts)
@@ -139,11 +171,14 @@ class StepSession:
         tokens: list[list[int]],
         trees: list[tuple[np.ndarray, np.ndarray] | None] | None = None,
         last_only: bool = False,
+        floor: int = 1,
     ) -> tuple[np.ndarray, ...]:
         """What `forward` hands the backend for a step of `tokens` per row: (input ids, position
-        ids, attention mask, logits index, every position's index), each (B, Q, ...)."""
+        ids, attention mask, logits index, every position's index), each (B, Q, ...), Q the
+        longest row's count and at least `floor` (rows are padded: token 0 at the next
+        positions, seen by no real position)."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
-        Q = int(counts.max())
+        Q = max(int(counts.max()), floor)
         B = cache.batch
         ids = np.zeros((B, Q), dtype=np.int64)
         offsets = np.broadcast_to(np.arange(Q, dtype=np.int64), (B, Q)).copy()

@@ -37,7 +37,7 @@ from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.batching import Request
-from specrt.runtime.drafts.base import DraftInput, Proposer
+from specrt.runtime.drafts.base import DraftInput, Proposer, follower
 from specrt.runtime.estimators import step_priors
 from specrt.runtime.generates import Generates
 from specrt.runtime.grammar import Matcher
@@ -52,19 +52,24 @@ from specrt.runtime.target import Rows, Target
 from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling
 
 
-def batch_variance_warning(caps) -> str | None:
-    """A warning when the backend's logits for a position depend on how many positions a step
-    computes (measured when its engine was built): then verification can disagree with plain
-    decoding on near ties, and speculative output is not guaranteed to equal plain output."""
-    measured = caps.batch_invariance
-    if not measured or measured["relative"] <= BATCH_VARIANCE_LIMIT:
+def exactness_warning(session) -> str | None:
+    """A warning when speculative output may differ from plain output on a near-tie by more than
+    float rounding: the session runs one-position steps (no floor, or a split engine) on an engine
+    whose logits move between one- and multi-position steps (int8 activations; measured when it
+    was built, StepSession.exactness)."""
+    e = session.exactness()
+    if e["exact"] != "near-ties" or e["bound"] <= BATCH_VARIANCE_LIMIT:
         return None
+    shapes = e.get("bitwise") or {}
+    fix = (
+        "keep the step floor (--exact bitwise, the default), which makes this engine bitwise exact"
+        if shapes and all(shapes.values())
+        else "rebuild the engine (its build measures whether the step floor makes it bitwise exact), or use a "
+        "float32 or gguf engine"
+    )
     return (
-        f"this engine's logits change by up to {measured['relative']:.1%} of their range between one-position and "
-        "multi-position "
-        "steps (int8 activations?), so speculative output may differ from plain output; for exact speculative "
-        "decoding "
-        f"use a float32 engine or a weight-only one (build-engines --quantize int4, not an -a8 scheme)."
+        f"this engine's logits change by up to {e['bound']:.1%} of their range between one-position and "
+        f"multi-position steps (int8 activations?), so speculative output may differ from plain output; {fix}"
     )
 
 
@@ -123,6 +128,7 @@ class StepRecord:
     new_tokens: list[list[int]]
     logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per row asking: a TokenLogprob per token
     forced: dict[int, int] = dataclasses.field(default_factory=dict)  # per row: its grammar's tokens ahead of the draft
+    guessed: set[int] = dataclasses.field(default_factory=set)  # rows whose tree is the floor's guess alone
 
 
 class SpeculativeDecoder(Generates):
@@ -139,9 +145,8 @@ class SpeculativeDecoder(Generates):
                 "less, or rebuild "
                 f"the engine with --max-verify {self.policy.max_draft + 1}"
             )
-        # plain decoding (N = 0) steps one position, as the engine's batch-variance check measured
         drafts = self.policy.max_draft > 0
-        self.exactness_warning = batch_variance_warning(generator.session.caps) if drafts else None
+        self.exactness_warning = exactness_warning(generator.session) if drafts else None
         if self.exactness_warning:
             warnings.warn(self.exactness_warning, stacklevel=2)
 
@@ -161,9 +166,12 @@ class SpeculativeDecoder(Generates):
 
     def new_cost_model(self) -> CostModel:
         # the priors: the engine's step costs measured when it was built, where it has them
-        priors = step_priors(self.gen.session.caps.step_ms)
+        floor = self.gen.session.floor
+        priors = step_priors(self.gen.session.caps.step_ms, floor)
         alpha_beta = dict(zip(("alpha_prior", "beta_prior"), priors)) if priors else {}
-        return CostModel(max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token, **alpha_beta)
+        return CostModel(
+            max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token, free=floor - 1, **alpha_beta
+        )
 
     def new_state(self, batch: int) -> SpecState:
         """The bookkeeping of a batch of `batch` rows, none of them running yet."""
@@ -244,6 +252,8 @@ class SpeculativeDecoder(Generates):
             plan = {b: 0 if forced.get(b) else min(n, most[b]) for b, n in plan.items()}
             drafted = trees = self.propose(state, rows, plan)
             trees = {b: DraftTree.chain(forced[b]) if forced.get(b) else tree for b, tree in trees.items()}
+        guessed = self.guess(state, rows, trees, drafted) if self.gen.session.floor > 1 else {}
+        trees = {**trees, **guessed}
         masks = self.constrain(state, trees) if state.grammars else {}
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
@@ -251,13 +261,14 @@ class SpeculativeDecoder(Generates):
         verdicts = self.accept(state, rows, trees, out, masks)
         new_tokens = self.commit(state, rows, trees, verdicts, out)
         logprobs = self.logprobs(state, rows, verdicts, out, new_tokens)
-        # the step is dense: every row is computed at the longest row's length
-        positions = batch * max(len(trees[b]) + 1 for b in rows)
+        # the step is dense: every row is computed at the longest row's length, the floor at least
+        positions = batch * max(self.gen.session.floor, *(len(trees[b]) + 1 for b in rows))
         elapsed = time.perf_counter() - t1
         record = StepRecord(
             rows, plan, trees, depths, verdicts, drafted, batch, positions, t1 - t0, elapsed, new_tokens, logprobs
         )
         record.forced = {b: len(f) for b, f in forced.items() if f}
+        record.guessed = set(guessed)
         self.observe(state, record)
         return record
 
@@ -303,6 +314,24 @@ class SpeculativeDecoder(Generates):
                 )
             trees.update({b: tree.truncate(plan[b]) for b, tree in zip(group, drafted)})
         return trees
+
+    def guess(
+        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], drafted: dict[int, DraftTree]
+    ) -> dict[int, DraftTree]:
+        """A one-token guess for each row with nothing to verify: the step's floor computes a
+        second position anyway (runtime/session.py), so the guess costs nothing and a right one
+        is a token more. The first node of what a lookup drafted and the plan cut, else a
+        one-token copy from the row's context (drafts/base.py `follower`); verified like any
+        draft (a point mass, so sampling stays exact). None for a row whose request asked for no
+        drafts, nor for one with a single token of budget left."""
+        out, guessed = state.rows.out, {}
+        for b in rows:
+            if len(trees[b]) or state.caps.get(b) == 0 or len(out[b]) + 1 >= state.rows.budget[b]:
+                continue
+            tree = drafted.get(b)
+            first = tree.truncate(1) if tree is not None and len(tree) else None
+            guessed[b] = first or DraftTree.chain([follower(state.prompts[b], out[b])])
+        return guessed
 
     def verify(
         self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], depths: dict[int, np.ndarray]
@@ -399,11 +428,13 @@ class SpeculativeDecoder(Generates):
             tree, verdict = r.trees[b], r.verdicts[b]
             depth = int(r.depths[b].max()) if len(tree) else 0
             for m in (metrics, state.row_metrics[b]):
-                if m is not None:
+                if m is not None and b in r.guessed:
+                    m.observe_guess(len(verdict.accepted))
+                elif m is not None:
                     m.observe_draft(len(tree), len(verdict.accepted), depth)
                     if b in r.forced:
                         m.observe_forced(r.forced[b], len(verdict.accepted))
-        drafted = sum(len(r.trees[b]) for b in r.rows) / len(r.rows)
+        drafted = sum(len(r.trees[b]) for b in r.rows if b not in r.guessed) / len(r.rows)
         if self.policy.max_draft:  # a decoder that never drafts (plain) has no use for the cost model
             self._teach(state, r, drafted)
         state.drafted_per_step.append(drafted)

@@ -166,8 +166,11 @@ class Target:
         max_context: int | None = None,
         prefill_chunk: int = 512,
         checkpoint: Path | None = None,
+        exact: str = "bitwise",
     ):
-        self.session = StepSession(backend, max_context, prefill_chunk)
+        """exact: "bitwise" (steps keep the floor: runtime/session.py) or "near-ties" (one-position
+        steps as they are)."""
+        self.session = StepSession(backend, max_context, prefill_chunk, exact)
         self.backend = backend
         self.checkpoint = checkpoint  # where the weights and tokenizer came from, when known
         self.config = backend.config

@@ -208,9 +208,10 @@ def feature_width(session: StepSession) -> int:
 
 class FeatureRecorder:
     """A proposer that drafts nothing and keeps each row's features as the target computes them:
-    the prompt's at `begin`, each step's root at `commit` (plain decoding feeds one position a
-    step, the newest token). When a row ends, its features (every position but the last, which
-    is never fed) wait under its prompt and output for `take`."""
+    the prompt's at `begin`, each step's root and accepted nodes at `commit` (plain decoding
+    verifies the newest token and the floor's guess, SpeculativeDecoder.guess). When a row ends,
+    its features (every position but the last, which is never fed) wait under its prompt and
+    output for `take`."""
 
     name, needs_features, cost_per_token, lookup = "record", True, False, False
 
@@ -226,13 +227,9 @@ class FeatureRecorder:
         return [DraftTree.empty() for _ in inp.rows]
 
     def commit(self, rows, trees, verdicts, step) -> None:
-        for b, tree in zip(rows, trees):
-            if len(tree):
-                raise SpecrtError(
-                    "the feature recorder keeps one position a step (the root's), and this step verified "
-                    "drafted tokens too (a grammar's forced tokens?): record plain, unconstrained decoding"
-                )
-            self._rows[b][1].append(step.hidden_states[b, :1].astype(np.float16))
+        for b, verdict in zip(rows, verdicts):  # the root's and the accepted nodes' (a guess, forced tokens)
+            kept = [0, *(1 + i for i in verdict.accepted)]
+            self._rows[b][1].append(step.hidden_states[b, kept].astype(np.float16))
 
     def end(self, rows, outputs) -> None:
         for b, out in zip(rows, outputs):

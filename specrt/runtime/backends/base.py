@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from specrt.export.config import ModelConfig
+from specrt.export.step_io import STEP_FLOOR
 from specrt.runtime.kv_cache import KVCache
 
 MAX_GRAPHS = 128  # captured step graphs kept per backend before they are dropped and captured again
@@ -41,6 +42,10 @@ class Capabilities:
     # None), all Q of every row from its length on: caches get this many slots beyond their capacity
     cache_slack: int = 0
     batch_invariance: dict | None = None  # measured at build: how logits move between 1- and multi-position steps
+    # the fewest positions per row its steps compute (export/step_io.py STEP_FLOOR: a one-position
+    # step is padded, so every step shape gives the same bits); 1: it takes one-position steps as
+    # they are (SplitBackend exists to run them on an engine of their own)
+    floor: int = STEP_FLOOR
     # measured at build: ms per step at batch 1 by the positions it computes ({1: .., 2: .., 17: ..})
     step_ms: dict[int, float] | None = None
     # what a draft head trained on this target must match (its features are these layers'

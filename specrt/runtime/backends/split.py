@@ -17,7 +17,9 @@ precision class (`gguf` computes the float32 model within float rounding; its ma
 is float32), so a position's logits differ between the two by float rounding, as they do between
 a one- and a multi-position step of either; speculative output stays equal to plain output. Both
 read and extend the same host KV cache, whichever graph flavour each runs (a fused graph writes
-its positions in place, a portable one returns them for the session to append).
+its positions in place, a portable one returns them for the session to append). A split takes
+one-position steps as they are (`Capabilities.floor` 1): its output equals plain output up to
+near-ties, the engines' measured bound, never bitwise.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class SplitBackend(StepBackend):
             vocab_size=b.vocab_size,
             # either may write the cache in place (a fused graph): a step says which (its present)
             cache_slack=max(a.cache_slack, b.cache_slack),
+            floor=1,  # one-position steps are what `single` is for: exact up to near-ties, not bitwise
         )
 
     def step(

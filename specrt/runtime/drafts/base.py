@@ -127,6 +127,23 @@ def match_evidence(method: str, match: int) -> tuple[str, int]:
     return method, bucket
 
 
+def follower(prompt: Sequence[int], out: Sequence[int]) -> int:
+    """The cheapest guess at a row's next token: the token that followed the latest earlier
+    occurrence of its last token (a one-token copy) in its context (prompt, then output); else
+    the last token again. What a step's floor position carries when nothing was drafted
+    (SpeculativeDecoder.guess): any token keeps the output exact, a likely one is a free token."""
+    last = out[-1] if out else prompt[-1]
+    if out:
+        tail = [prompt[-1], *out]  # the output, after the prompt's last token
+        for i in range(len(tail) - 2, -1, -1):
+            if tail[i] == last:
+                return int(tail[i + 1])
+    for i in range(len(prompt) - 2, -1, -1):
+        if prompt[i] == last:
+            return int(prompt[i + 1])
+    return int(last)
+
+
 class NoDraft:
     """Plain decoding's proposer: it drafts nothing, so each step verifies the root alone (N = 0)."""
 

@@ -69,7 +69,7 @@ class DraftModelProposer:
                 f"here is {target.checkpoint_hash[:19]}...; its vocabulary and training are that target's. Distil one "
                 "for this target with: specrt train-draft --method draft-model --model CHECKPOINT --out DIR"
             )
-        self.session = StepSession(backend)
+        self.session = StepSession(backend, exact="near-ties")  # a draft need not be exact: no padding
         self.vocab_size = backend.config.vocab_size
         self.cache = None
         self._fed: dict[int, int] = {}  # row -> draft tokens the last proposal left in the own cache

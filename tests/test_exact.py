@@ -1,0 +1,208 @@
+"""Exact by construction: with the step floor (every step computes at least two positions per
+row, runtime/session.py), a position's logits are the same bits whatever step computes them:
+one token at a time, a verification step of any size, a split step, a batch beside other rows, a
+prefix-cache hit, a cache of another capacity. Checked with np.array_equal, on every engine
+scheme of ORT's fused graph (float32, the GGUF's blocks with float32 and with int8 activations);
+the traced graph (portable ORT, PyTorch) is exact up to near-ties and says so; and end to end: a request's greedy tokens and log
+probabilities are bitwise the same alone, beside others, with any draft and from a prefix-cache
+hit. Without the floor the one-position steps fall into the other numeric class: the test of
+that must see a difference, so the rule is what makes the equality."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specrt.engines.build import BuildSpec, build_all
+from specrt.export.checkpoint import load_model
+from specrt.layout import ArtifactLayout
+from specrt.runtime.batching import BatchEngine, Request
+from specrt.runtime.drafts import make_proposer
+from specrt.runtime.generator import Generator
+from specrt.runtime.prefix_cache import PrefixCache
+from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+from conftest import random_model, save_checkpoint, tiny_hf_config
+from test_gguf_blocks import TYPES
+from tiny_gguf import write_gguf
+
+PREFIX, STEPS = 12, 17
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(checkpoint, artifacts) of a tiny GGUF's conversion with its float32, gguf and gguf-a8
+    engines (fused graphs)."""
+    d = tmp_path_factory.mktemp("exact")
+    hf = tiny_hf_config()
+    write_gguf(random_model(hf, seed=21), hf, d / "tiny.gguf", TYPES)
+    ckpt = save_checkpoint(load_model(d / "tiny.gguf"), hf, d / "ckpt")
+    for scheme in ("gguf", "gguf-a8"):
+        list(
+            build_all(BuildSpec(checkpoint=ckpt, out=d / "art", quantize=scheme, gguf=d / "tiny.gguf", tensorrt="off"))
+        )
+    return ckpt, d / "art"
+
+
+ENGINES = ["float32", "gguf", "gguf-a8"]  # ORT's fused graphs
+
+
+def open_target(name, built, tiny_portable_artifacts, exact="bitwise"):
+    ckpt, art = built
+    if name == "torch":
+        return Generator.from_checkpoint(ckpt, exact=exact)
+    if name == "portable":
+        return Generator.from_engine(ArtifactLayout(tiny_portable_artifacts).ort_engine("cpu"), exact=exact)
+    scheme = "none" if name == "float32" else name
+    return Generator.from_engine(ArtifactLayout(art).ort_engine("cpu", scheme), exact=exact)
+
+
+def ids(seed=0, n=PREFIX + STEPS):
+    return np.random.default_rng(seed).integers(3, 128, n).tolist()
+
+
+def step_logits(gen, splits, capacity=64, beside=None):
+    """The logits of ids()[PREFIX:] computed in steps of `splits` positions after the prefix (a
+    list: each step's size), the row alone or beside another row stepping 3 tokens at a time."""
+    s = gen.session
+    mine, other = ids(), ids(1)
+    cache = s.new_cache(2 if beside else 1, capacity)
+    s.forward(cache, [mine[:PREFIX], other[:PREFIX]] if beside else [mine[:PREFIX]])
+    out, at = [], PREFIX
+    for k, n in enumerate(splits):
+        rows = [mine[at : at + n]] + ([other[PREFIX + 3 * k : PREFIX + 3 * k + 3]] if beside else [])
+        out.append(s.forward(cache, rows).logits[0, :n])
+        at += n
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_every_step_shape_gives_the_same_bits(name, built, tiny_portable_artifacts):
+    gen = open_target(name, built, tiny_portable_artifacts)
+    assert gen.session.floor == 2
+    multi = step_logits(gen, [STEPS])
+    assert np.array_equal(step_logits(gen, [1] * STEPS), multi)  # plain decoding, padded by the floor
+    assert np.array_equal(step_logits(gen, [8, 9]), multi)  # a split verification
+    assert np.array_equal(step_logits(gen, [1] * 5, beside=True), multi[:5])  # continuous batching
+    assert np.array_equal(step_logits(gen, [STEPS], capacity=256), multi)  # another capacity
+
+
+@pytest.mark.parametrize("name", ["portable", "torch"])
+def test_the_traced_graph_is_exact_up_to_near_ties_and_says_so(name, built, tiny_portable_artifacts):
+    """The traced model (the portable ORT graph, the PyTorch backend) attends over the whole past
+    buffer and the new positions (capacity + Q keys), so a step's length changes the reduction
+    and its rounding: no step shape is bitwise another. An ORT build measures that, and the
+    session says near-ties with the bound (the PyTorch backend: unmeasured)."""
+    gen = open_target(name, built, tiny_portable_artifacts)
+    assert not np.array_equal(step_logits(gen, [1] * STEPS), step_logits(gen, [STEPS]))
+    if name == "torch":
+        assert gen.session.exactness() == {"exact": "unmeasured", "floor": 2}
+        return
+    measured = gen.backend.caps.batch_invariance
+    assert not any(measured["bitwise"].values()) and 0 < measured["relative"] < 1e-5
+    assert gen.session.exactness() == {
+        "exact": "near-ties",
+        "bound": measured["relative"],
+        "floor": 2,
+        "bitwise": measured["bitwise"],
+    }
+
+
+@pytest.mark.parametrize("name", ["float32", "gguf-a8"])
+def test_without_the_floor_one_position_steps_differ(name, built, tiny_portable_artifacts):
+    """The rule is what makes the equality: without it one-position steps compute in the other
+    numeric class. The build measured both (the manifest), and the session says which holds."""
+    gen = open_target(name, built, tiny_portable_artifacts, exact="near-ties")
+    assert gen.session.floor == 1
+    multi = step_logits(gen, [STEPS])
+    assert not np.array_equal(step_logits(gen, [1] * STEPS), multi)
+    measured = gen.backend.caps.batch_invariance
+    assert measured["relative"] > 0 and all(measured["bitwise"].values())
+    assert gen.session.exactness()["exact"] == "near-ties"
+    assert open_target(name, built, tiny_portable_artifacts).session.exactness() == {"exact": "bitwise", "floor": 2}
+
+
+def answers(runner, prompts, max_batch=1, arrivals=None, prefix=None, budget=24):
+    """Each request's tokens and log probabilities (3 alternatives: the values are the logits'
+    bits, through a log-softmax) run through the batching engine."""
+    engine = BatchEngine(runner, max_batch=max_batch, prefill_budget=5, prefix_cache=prefix)
+    arrivals = arrivals or [0] * len(prompts)
+    got: dict[int, list] = {}
+    order, step = {}, 0
+    while len(order) < len(prompts) or not engine.idle:
+        for i, p in enumerate(prompts):
+            if arrivals[i] == step:
+                order[engine.submit(Request(p, budget, logprobs=3))] = i
+        for e in engine.step():
+            got.setdefault(order[e.rid], []).extend(e.logprobs)
+        step += 1
+    return [got[i] for i in range(len(prompts))]
+
+
+def spec(gen, draft, n="auto"):
+    return SpeculativeDecoder(gen, make_proposer(draft), make_policy(n))
+
+
+@pytest.mark.parametrize("name", ["gguf-a8", "float32"])
+def test_a_requests_tokens_and_logprobs_never_depend_on_what_else_runs(name, built, tiny_portable_artifacts):
+    gen = open_target(name, built, tiny_portable_artifacts)
+    gen.eos_ids = frozenset()
+    base = ids(3, 40)
+    prompts = [base[:30], base[5:35] * 2, ids(4, 9)]  # the second repeats itself: copy drafts fire
+    alone = [answers(gen, [p])[0] for p in prompts]
+    assert answers(gen, prompts, max_batch=3, arrivals=[0, 2, 5]) == alone  # continuous batching
+    for draft in ("ngram", "suffix", "lookahead", "auto"):
+        assert answers(spec(gen, draft), prompts, max_batch=2, arrivals=[0, 1, 3]) == alone, draft
+    assert answers(spec(gen, "suffix", 4), prompts[1:2]) == alone[1:2]  # a fixed N
+    # a prefix-cache hit: the first request's blocks serve the second's prompt
+    pool = PrefixCache(64 << 20)
+    shared, longer = ids(6, 45), ids(6, 45)[:33] + ids(7, 8)  # one block of 32 in common
+    first, second = answers(gen, [shared, longer], arrivals=[0, 40], prefix=pool)
+    assert pool.hit == 32 and second == answers(gen, [longer])[0] and first == answers(gen, [shared])[0]
+
+
+def test_plain_decoding_guesses_for_free_and_equals_itself(built, tiny_portable_artifacts):
+    """Plain decoding's floor position carries a one-token copy (SpeculativeDecoder.guess): a
+    right guess is a token more from the same step; the tokens are those of near-ties decoding,
+    one position per step, wherever that engine computes the same argmax."""
+    gen = open_target("float32", built, tiny_portable_artifacts)
+    gen.eos_ids = frozenset()
+    rep = ids(5, 10) * 4
+    steps = []
+    original = gen.backend.step
+
+    def counted(input_ids, *args, **kw):
+        steps.append(input_ids.shape)
+        return original(input_ids, *args, **kw)
+
+    gen.backend.step = counted
+    out = gen.generate_ids([rep], 30)[0]
+    assert all(q >= 2 for _, q in steps)  # no step of one position
+    decode_steps = len(steps) - 1  # the prefill's one
+    assert decode_steps < len(out.token_ids) - 1  # guesses were accepted: fewer steps than tokens
+    loose = open_target("float32", built, tiny_portable_artifacts, exact="near-ties")
+    loose.eos_ids = frozenset()
+    assert loose.generate_ids([rep], 30)[0].token_ids == out.token_ids
+
+
+def test_the_manifest_records_the_bitwise_check_and_inspect_shows_it(built):
+    from specrt.inspection import inspect_artifact
+
+    _, art = built
+    for scheme in ("none", "gguf", "gguf-a8"):
+        engine = ArtifactLayout(art).ort_engine("cpu", scheme)
+        m = json.loads((engine / "manifest.json").read_text())
+        assert m["batch_invariance"]["bitwise"] == {"padded": True, "split": True, "batch": True, "capacity": True}
+        text = "\n".join(inspect_artifact(engine).lines)
+        assert "every step shape gives the same bits" in text
+    q = json.loads((ArtifactLayout(art).source_onnx("gguf-a8", "fused") / "manifest.json").read_text())
+    assert q["quantization"]["accuracy_level"] == 4 and q["quantization"]["scheme"] == "gguf-a8"
+    m = json.loads((ArtifactLayout(art).ort_engine("cpu", "gguf-a8") / "manifest.json").read_text())
+    assert m["precision"] == "gguf-a8"  # its own model: int8 activations
+    import onnx
+
+    graph = onnx.load(str(ArtifactLayout(art).source_onnx("gguf-a8", "fused") / "model.onnx"), load_external_data=False)
+    levels = {
+        a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"
+    }
+    assert levels == {4}
