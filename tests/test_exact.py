@@ -1,12 +1,12 @@
 """Exact by construction: with the step floor (every step computes at least two positions per
 row, runtime/session.py), a position's logits are the same bits whatever step computes them:
 one token at a time, a verification step of any size, a split step, a batch beside other rows, a
-prefix-cache hit, a cache of another capacity. Checked with np.array_equal, on every engine
-scheme of ORT's fused graph (float32, the GGUF's blocks with float32 and with int8 activations);
-the traced graph (portable ORT, PyTorch) is exact up to near-ties and says so; and end to end: a request's greedy tokens and log
-probabilities are bitwise the same alone, beside others, with any draft and from a prefix-cache
-hit. Without the floor the one-position steps fall into the other numeric class: the test of
-that must see a difference, so the rule is what makes the equality."""
+prefix-cache hit, a cache of another capacity. Checked with np.array_equal on every scheme of
+ORT's fused graph (float32, the GGUF's blocks with float32 and with int8 activations); the traced
+graph (portable ORT, PyTorch) is exact up to near-ties and says so. End to end: a request's
+greedy tokens and log probabilities are bitwise the same alone, beside others, with any draft and
+from a prefix-cache hit. Without the floor the one-position steps fall into the other numeric
+class: the test of that must see a difference, so the rule is what makes the equality."""
 
 import json
 

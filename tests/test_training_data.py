@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from specrt.errors import SpecrtError
+from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.generator import Generator
-from specrt.runtime.verification import DraftTree
+from specrt.runtime.session import Prefilled
+from specrt.runtime.verification import DraftTree, Verdict
 from specrt.training.data import generate_answers, read_answers
 from specrt.training.features import FeatureCache, FeatureRecorder, FeatureStore, cache_features
 from specrt.training.prompts import build_prompt_set
@@ -116,10 +118,17 @@ def test_features_resume_and_skip_other_sequences(gen, prompts, tmp_path):
         cache_features(gen.session, answers, old, progress=False)
 
 
-def test_the_recorder_refuses_a_step_that_verified_drafted_tokens():
+def test_the_recorder_keeps_the_root_and_the_accepted_nodes():
+    """A step may verify a guess or a grammar's forced tokens: the features of the root and of the
+    accepted nodes are the committed positions', the rejected node's are not."""
     recorder = FeatureRecorder()
-    with pytest.raises(SpecrtError, match="one position a step"):
-        recorder.commit([0], [DraftTree.chain([5, 6])], None, None)
+    recorder.begin([0], [[1, 2]], Prefilled(np.zeros((1, 8)), [np.zeros((2, 3))]))
+    hidden = np.arange(12, dtype=np.float32).reshape(1, 4, 3)  # root, three nodes
+    step = StepOutput(None, hidden, None)
+    recorder.commit([0], [DraftTree.chain([5, 6, 7])], [Verdict([0, 1], 9)], step)
+    recorder.end([0], [[5, 6, 9]])
+    kept = recorder.take([1, 2], [5, 6, 9])
+    assert np.array_equal(kept[2:], hidden[0, :3]) and len(kept) == 5
 
 
 def test_a_refused_store_is_left_as_it_was(gen, prompts, tmp_path):

@@ -114,7 +114,9 @@ class CostModel:
     ):
         """free: draft positions per row a step computes whatever the plan (the session's floor
         less the root: a guess rides there, SpeculativeDecoder.guess). Step costs are read past
-        them: a step of the floor is the plain step, and the first `free` drafts cost nothing."""
+        them: a step of the floor is the plain step, and the first `free` drafts cost nothing.
+        Nor is beta (the jump from a one-position step to a multi-position one: matrix-vector to
+        matrix-matrix kernels) charged then: no step computes one position, the plain step paid it."""
         self.max_draft, self.decay, self.free = max_draft, decay, free
         self.accept = Acceptance(max_draft, decay)
         self._evidence: dict[tuple, list] = {}  # lookups' drafts: [acceptance, step aged to] by evidence
@@ -232,7 +234,7 @@ class CostModel:
         for n in range(1, max(len(r) for r in reaches)):
             gain = sum(r[n] if n < len(r) else r[-1] for r in reaches)
             paid = n - self.free  # the floor's positions are computed whatever the plan
-            out.append((1.0 + scale * gain) / (1.0 + (cost.beta + cost.alpha * paid if paid > 0 else 0.0)))
+            out.append((1.0 + scale * gain) / (1.0 + (self.jump(cost) + cost.alpha * paid if paid > 0 else 0.0)))
         return out
 
     def forget_row(self, row: int) -> None:
@@ -250,6 +252,10 @@ class CostModel:
 
     def fill_rates(self) -> np.ndarray:
         return self.accept.fill_rates()
+
+    def jump(self, cost: StepCost) -> float:
+        """beta where a step may compute one position; 0 under the floor (the plain step has it)."""
+        return 0.0 if self.free else cost.beta
 
     def observe_step(self, positions: int, batch: int, seconds: float) -> None:
         """One target step over `positions` positions for `batch` rows (positions == batch: no
@@ -319,7 +325,7 @@ class CostModel:
         paid = np.maximum(positions - positions[k], 0.0)
         some = positions[k + 1] - positions[k] if k < self.max_draft else 0.0  # a row drafted past them
         drafts = np.where(n > k, some, 0.0)
-        relative = 1.0 + cost.beta * drafts + cost.alpha * paid + cost.draft_ratio(n)
+        relative = 1.0 + self.jump(cost) * drafts + cost.alpha * paid + cost.draft_ratio(n)
         expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows, upper)
         return (1.0 + self.calibration() * (expected - 1.0)) / relative
 
