@@ -128,7 +128,7 @@ def test_step_costs_are_measured_at_build_and_seed_the_cost_model(tiny_artifacts
     gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
     assert gen.session.caps.step_ms == {int(q): ms for q, ms in m["step_ms"].items()}
     model = SpeculativeDecoder(gen, make_proposer("ngram"), make_policy("auto")).new_cost_model()
-    alpha, beta = step_priors(gen.session.caps.step_ms)
+    alpha, beta = step_priors(gen.session.caps.step_ms, gen.session.floor)  # read past the floor
     assert (model.steps.alpha_prior, model.steps.beta_prior) == (alpha, beta)
 
 
