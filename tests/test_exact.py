@@ -206,3 +206,33 @@ def test_the_manifest_records_the_bitwise_check_and_inspect_shows_it(built):
         a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"
     }
     assert levels == {4}
+
+
+def tree_logits(gen, order: str):
+    """Logits of the chain [a, b, c] after the prefix, verified as a chain or as a tree whose node
+    b sits after a sibling x (`order` "chain", "sibling first", "chain first")."""
+    from specrt.runtime.verification import DraftTree
+
+    s, mine = gen.session, ids()
+    a, b, c, x = mine[PREFIX : PREFIX + 4]
+    cache = s.new_cache(1, 64)
+    s.forward(cache, [mine[:PREFIX]])
+    if order == "chain":
+        return s.forward(cache, [[a, b, c]]).logits[0]
+    tree = DraftTree(np.array([x, b, c]), np.array([-1, -1, 1]))  # b and x children of the root
+    if order == "chain first":
+        tree = DraftTree(np.array([b, c, x]), np.array([-1, 0, -1]))
+    depths = np.concatenate([[0], tree.depths()])
+    out = s.forward(cache, [[a, *tree.tokens.tolist()]], [(depths, tree.ancestor_mask())]).logits[0]
+    return out[[0, 2, 3]] if order == "sibling first" else out[:3]
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_only_the_leading_chain_of_a_tree_is_plain_decodings_bits(name, built, tiny_portable_artifacts):
+    """A node whose ancestors are not the slots right before it sees a masked sibling among its
+    keys, and the attention's reduction rounds differently: greedy verdicts are cut where the
+    path leaves the leading chain (verification.on_leading_chain)."""
+    gen = open_target(name, built, tiny_portable_artifacts)
+    chain = tree_logits(gen, "chain")
+    assert np.array_equal(tree_logits(gen, "chain first"), chain)
+    assert not np.array_equal(tree_logits(gen, "sibling first")[1:], chain[1:])

@@ -11,7 +11,7 @@ import pytest
 from scipy.stats import chisquare
 
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
-from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling
+from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling, on_leading_chain
 
 # -- greedy --------------------------------------------------------------------------------------
 
@@ -316,3 +316,13 @@ def test_all_accepted_when_draft_equals_target():
     tree = draft_chain(0, target, rng, 4, point_mass=False)
     probs = np.vstack([target[0]] + [target[int(t)] for t in tree.tokens])
     assert len(accept_sampling(tree, probs, rng).accepted) == 4
+
+
+def test_a_greedy_verdict_is_cut_where_it_leaves_the_leading_chain():
+    # root -> 0 (a) -> 1 (b) -> 3 (d); root -> 2 (c): the leading chain is nodes 0, 1
+    tree = DraftTree(np.array([10, 11, 12, 13]), np.array([-1, 0, -1, 1]))
+    assert on_leading_chain(tree, Verdict([0, 1], 7)) == Verdict([0, 1], 7)  # on it: as it was
+    # node 3 is at depth 3 but slot 4, after the masked node 2: kept up to node 1, then node 3's token
+    assert on_leading_chain(tree, Verdict([0, 1, 3], 7)) == Verdict([0, 1], 13)
+    assert on_leading_chain(tree, Verdict([2], 7)) == Verdict([], 12)  # a sibling branch: its token only
+    assert on_leading_chain(DraftTree.empty(), Verdict([], 5)) == Verdict([], 5)

@@ -285,8 +285,10 @@ def _build_ort(
 
     edir = ArtifactLayout(spec.out).ort_engine(spec.provider, quantize)
     current = None if spec.force or stale else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
-    # an engine built before its step costs were measured is rebuilt (ORT's optimization: seconds)
-    if current is not None and current["onnx"]["files"] == onnx_files and "step_ms" in current:
+    # an engine built before its step costs or its bitwise check were measured is rebuilt (ORT's
+    # optimization: seconds)
+    measured = current is not None and "step_ms" in current and "bitwise" in current.get("batch_invariance", {})
+    if measured and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
     else:
         t0 = time.perf_counter()

@@ -12,7 +12,8 @@ the batching engine runs together, runtime/batching.py, the one generation loop)
              the draft, and each node gets the grammar's mask after its path
     verify   one target step over [root, draft nodes...] per row, at positions length + depth
              with the tree's ancestor mask (rows may draft different amounts)
-    accept   greedy: the path matching the target's argmax; sampling: recursive rejection
+    accept   greedy: the path matching the target's argmax (with the step floor, cut where it
+             leaves the tree's leading chain: verification.on_leading_chain); sampling: recursive rejection
              (verification.py): the output follows the target exactly (a constrained row's
              target masked at every node)
     commit   the cache keeps the root and the accepted path (`KVCache.keep_path`), the rows emit
@@ -49,7 +50,7 @@ from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.session import Prefilled
 from specrt.runtime.target import Rows, Target
-from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling
+from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling, on_leading_chain
 
 
 def exactness_warning(session) -> str | None:
@@ -354,6 +355,7 @@ class SpeculativeDecoder(Generates):
     ) -> dict[int, Verdict]:
         """Each row's verdict; a constrained row's against the target masked at every node (`masks`)."""
         verdicts, masks = {}, masks or {}
+        bitwise = self.gen.session.floor > 1
         free = [b for b in rows if b not in masks]
         top = out.argmax() if any(state.sampling[b].greedy for b in free) else None  # once, not per row
         for b in rows:
@@ -362,6 +364,8 @@ class SpeculativeDecoder(Generates):
             masked = np.where(masks[b], out.logits[b, :n], -np.inf) if b in masks else None
             if sampling.greedy:
                 verdicts[b] = accept_greedy(trees[b], top[b, :n] if masked is None else masked.argmax(-1))
+                if bitwise:  # off the leading chain a node's logits are not plain decoding's bits
+                    verdicts[b] = on_leading_chain(trees[b], verdicts[b])
             else:
                 logits = out.logits[b, :n] if masked is None else masked
                 verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, sampling), state.rng[b])

@@ -22,6 +22,14 @@ p(x), and the residual is p with x removed. The output is distributed exactly as
 own samples, provided each child's q is the distribution it was drawn from given its earlier
 siblings (for distinct children drawn without replacement: q with the earlier siblings removed).
 
+Bitwise exactness (greedy): a node's logits are the bits plain decoding would compute only when
+its ancestors fill the slots right before it (the leading chain: node j at depth j + 1). A node
+off it sees masked siblings among its keys, and the attention's reduction over them rounds
+differently (ORT's fused attention, on every engine). `on_leading_chain` cuts a greedy verdict
+where its path leaves the chain: the nodes kept and the next token (the argmax at the last kept
+position, which is the first dropped node's token) are plain decoding's own; the rest is drafted
+again.
+
 Randomness is passed in (a numpy Generator); nothing here touches a model or a cache.
 """
 
@@ -134,6 +142,16 @@ def accept_greedy(tree: DraftTree, target_argmax: np.ndarray) -> Verdict:
             return Verdict(accepted, want)
         node = int(match[0])
         accepted.append(node)
+
+
+def on_leading_chain(tree: DraftTree, verdict: Verdict) -> Verdict:
+    """A greedy verdict cut where its path leaves the tree's leading chain (module docstring):
+    the accepted nodes j = 0, 1, ... while node j is the j-th accepted, then the first other
+    accepted node's token as the next token (the target's argmax where the kept path ends)."""
+    for j, node in enumerate(verdict.accepted):
+        if node != j:
+            return Verdict(verdict.accepted[:j], int(tree.tokens[node]))
+    return verdict
 
 
 def accept_sampling(tree: DraftTree, target_probs: np.ndarray, rng: np.random.Generator) -> Verdict:

@@ -1,0 +1,179 @@
+"""Exact by construction, and then fast: each engine with the step floor (bitwise) and without it
+(near-ties), plain and `--draft auto`, side by side in one run.
+
+    .venv/bin/python bench/bench_exact.py --artifacts artifacts/SmolLM2-135M-Instruct \
+        --model models/SmolLM2-135M-Instruct [--genai-python /path/to/venv/bin/python] \
+        [--exact-prompts 200 --exact-tokens 256 --exact-engines gguf-a8]
+
+Engines: float32, gguf (the GGUF's own blocks, float32 activations) and gguf-a8 (the same blocks,
+int8 activations), each run bitwise (every step computes at least two positions per row, a
+one-position step's second one carrying a free guess) and near-ties (one-position steps as they
+are); gguf-a8 is built when missing. Every measurement runs the engines in turn, repeat after
+repeat, so machine noise hits them alike; medians are reported.
+
+  decode    plain greedy and --draft auto, tokens/s end to end per prompt class of
+            bench/prompts.jsonl (EOS ignored), and plain's tokens per step (the guesses)
+  exact     greedy --draft auto against plain on the same engine and setting, over
+            --exact-prompts made here (training/prompts.py, seed 7, none of the benchmark's) x
+            --exact-tokens: the prompts whose tokens are bitwise equal
+  steps     each engine's step cost by positions, as its build measured it (ms)
+  anchor    onnxruntime-genai's int4 graph (round-to-nearest int4, int8 activations), with
+            --genai-python: its decode tokens/s beside the others
+
+Table on stdout, JSON in bench/results/exact-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench_fused import build_genai_model, genai_runs
+
+from specrt.benchmark import write_result_json
+from specrt.engines.build import BuildSpec, build_all
+from specrt.layout import ArtifactLayout
+from specrt.runtime.generator import Generator
+
+from harness import envelope
+
+SCHEMES = {"float32": "none", "gguf": "gguf", "gguf-a8": "gguf-a8"}
+SETTINGS = ("bitwise", "near-ties")
+
+
+def runners(gen):
+    from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    return {"plain": gen, "auto": SpeculativeDecoder(gen, make_proposer("auto"), make_policy("auto"))}
+
+
+def timed(runner, ids: list[int], n: int):
+    t0 = time.perf_counter()
+    r = runner.generate_ids([ids], n)[0]
+    return r, len(r.token_ids) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifacts", type=Path, required=True)
+    ap.add_argument("--model", type=Path, required=True, help="The checkpoint (its GGUF origin gives the blocks).")
+    ap.add_argument("--prompts", type=Path, default=Path(__file__).with_name("prompts.jsonl"))
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--exact-prompts", type=int, default=40)
+    ap.add_argument("--exact-tokens", type=int, default=256)
+    ap.add_argument("--exact-engines", default="float32,gguf,gguf-a8", help="Comma-separated (bitwise and near-ties).")
+    ap.add_argument("--genai-python", default=None, help="A Python with onnxruntime-genai: the anchor.")
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
+    args = ap.parse_args()
+
+    from specrt.training.prompts import build_prompt_set
+
+    for line in build_all(BuildSpec(checkpoint=args.model, out=args.artifacts, quantize="gguf-a8", tensorrt="off")):
+        print(line, file=sys.stderr)
+    layout = ArtifactLayout(args.artifacts)
+    gens = {}
+    for name, scheme in SCHEMES.items():
+        for setting in SETTINGS:
+            g = Generator.from_engine(layout.ort_engine("cpu", scheme), args.model, exact=setting)
+            g.eos_ids = frozenset()  # every run generates its tokens
+            gens[f"{name} {setting}"] = g
+    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    classes = sorted({r["class"] for r in rows})
+    ref = next(iter(gens.values()))
+    encoded = [(r["class"], ref.encode_prompt(r["prompt"])) for r in rows]
+    genai_dir = None
+    if args.genai_python:
+        genai_dir = build_genai_model(args.genai_python, args.model, args.artifacts.with_name("genai-int4-cpu"))
+
+    modes = ("plain", "auto")
+    decode = {n: {m: {c: [] for c in classes} for m in modes} for n in gens}
+    per_step = {n: [] for n in gens}  # plain decoding's tokens per step
+    equal_bench = {n: [0, 0] for n in gens}
+    genai = {c: [] for c in classes}
+    run = {n: runners(g) for n, g in gens.items()}
+    for rep in range(args.repeats):
+        print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
+        for cls, ids in encoded:
+            for name in gens:
+                plain, tok_s = timed(run[name]["plain"], ids, args.new_tokens)
+                decode[name]["plain"][cls].append(tok_s)
+                per_step[name].append(len(plain.token_ids) / (1 + len(plain.step_seconds)))
+                spec, tok_s = timed(run[name]["auto"], ids, args.new_tokens)
+                decode[name]["auto"][cls].append(tok_s)
+                equal_bench[name][0] += spec.token_ids == plain.token_ids
+                equal_bench[name][1] += 1
+        if genai_dir:
+            got = genai_runs(args.genai_python, genai_dir, [ids for _, ids in encoded], args.new_tokens)
+            for (cls, _), r in zip(encoded, got["runs"]):
+                genai[cls].append(r["decode_tok_s"])
+
+    exact_names = [f"{e.strip()} {s}" for e in args.exact_engines.split(",") if e.strip() for s in SETTINGS]
+    made = build_prompt_set(args.exact_prompts, seed=7, exclude=tuple(r["prompt"] for r in rows))
+    exact_ids = [ref.encode_prompt(p.prompt) for p in made]
+    exact = {}
+    for name in exact_names:
+        t0, same, first = time.perf_counter(), 0, []
+        for i, ids in enumerate(exact_ids):
+            plain = run[name]["plain"].generate_ids([ids], args.exact_tokens)[0].token_ids
+            spec = run[name]["auto"].generate_ids([ids], args.exact_tokens)[0].token_ids
+            same += plain == spec
+            if plain != spec:
+                first.append(next(k for k, (a, b) in enumerate(zip(plain, spec)) if a != b))
+            print(f"exact {name}: {i + 1}/{len(exact_ids)} prompts, {same} equal", file=sys.stderr, end="\r")
+        print(file=sys.stderr)
+        exact[name] = {
+            "equal": same,
+            "prompts": len(exact_ids),
+            "tokens": args.exact_tokens,
+            "first_difference_at": first,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+
+    med = statistics.median
+    result = {
+        **envelope("onnxruntime", "onnx", threads="ORT default (one per physical core)"),
+        "settings": {
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "prompts": len(encoded),
+            "exact_prompts": args.exact_prompts,
+            "exact_tokens": args.exact_tokens,
+        },
+        "decode_tok_s": {
+            n: {m: {c: round(med(v), 1) for c, v in by.items()} for m, by in ms.items()} for n, ms in decode.items()
+        },
+        "plain_tokens_per_step": {n: round(med(v), 3) for n, v in per_step.items()},
+        "auto_equal_plain_bench_prompts": {n: f"{a}/{b}" for n, (a, b) in equal_bench.items()},
+        "exact": exact,
+        "step_ms_at_build": {n: g.backend.caps.step_ms for n, g in gens.items() if n.endswith("bitwise")},
+        "exactness": {n: g.session.exactness() for n, g in gens.items()},
+    }
+    if genai_dir:
+        result["decode_tok_s"]["onnxruntime-genai int4"] = {"plain": {c: round(med(v), 1) for c, v in genai.items()}}
+        result["anchor"] = {"onnxruntime_genai": got["version"]}
+    print_table(result, classes)
+    print(f"wrote {write_result_json(result, args.out, 'exact')}")
+
+
+def print_table(result: dict, classes: list[str]) -> None:
+    print(f"\n{'engine':24s} {'mode':6s} " + " ".join(f"{c:>13s}" for c in classes))
+    for n, ms in result["decode_tok_s"].items():
+        for m, by in ms.items():
+            print(f"{n:24s} {m:6s} " + " ".join(f"{by.get(c, float('nan')):13.1f}" for c in classes))
+    print("\nplain tokens per step (free guesses):", result["plain_tokens_per_step"])
+    print("auto == plain on the benchmark prompts:", result["auto_equal_plain_bench_prompts"])
+    for n, e in result["exact"].items():
+        print(f"exact {n:22s} {e['equal']}/{e['prompts']} prompts x {e['tokens']} tokens bitwise equal")
+    print("\nstep ms at build (positions: ms)")
+    for n, s in result["step_ms_at_build"].items():
+        print(f"{n:24s} " + "  ".join(f"{q}: {ms}" for q, ms in s.items()))
+
+
+if __name__ == "__main__":
+    main()
