@@ -9,7 +9,9 @@ turn for every prompt so machine noise hits them alike:
              engine's greedy answers to prompts of a seed neither the calibration set nor the draft
              heads use): perplexity, top-1 agreement with float32 at every position, mean
              KL(float32 || engine) of the next-token distribution
-  exactness  batch variance from the engine's manifest (speculation is exact below 1e-4)
+  exactness  from the engine's manifest: "bitwise" where every step shape gives the same bits
+             under the step floor (runtime/session.py), else the bound of one- against
+             multi-position steps (near-ties)
   speed      decode tokens/s (greedy, plain), the cost of one step over Q = 1, 2, 4, 8, 16
              positions after a 128-token prefill (ms; verification of N drafts is Q = N + 1)
   memory     the engine's size on disk and the resident memory its load added
@@ -251,6 +253,7 @@ def quant_report(spec: ReportSpec, log: Callable[[str], None] = print) -> dict:
             "top1_agreement": round(q["top1_agreement"], 4),
             "mean_kl": round(q["mean_kl"], 5),
             "batch_variance": g.backend.caps.batch_invariance["relative"] if g.backend.caps.batch_invariance else None,
+            "exactness": g.session.exactness()["exact"],
             "decode_tok_s": round(statistics.median(speed[n]["decode"]), 1),
             "step_ms": speed[n]["step_ms"],
             "step_cost_vs_q1": {q: round(ms / q1, 2) for q, ms in speed[n]["step_ms"].items()},
@@ -285,11 +288,12 @@ def format_report(result: dict) -> str:
     rows = result["engines"]
     qs = list(next(iter(rows.values()))["step_ms"])
     drafts = list(next(iter(rows.values()))["drafts"])
-    head = f"{'engine':<10}{'MiB':>6}{'ppl':>8}{'top-1':>8}{'KL':>9}{'batch var':>11}{'decode/s':>10}"
+    head = f"{'engine':<10}{'MiB':>6}{'ppl':>8}{'top-1':>8}{'KL':>9}{'exact':>11}{'decode/s':>10}"
     head += "".join(f"{'Q=' + str(q):>8}" for q in qs)
     lines = [head + "   (step cost relative to Q=1)"]
     for n, r in rows.items():
         bv = "n/a" if r["batch_variance"] is None else f"{r['batch_variance']:.1e}"
+        bv = "bitwise" if r.get("exactness") == "bitwise" else bv
         line = f"{n:<10}{r['engine_mib']:>6.0f}{r['perplexity']:>8.3f}{r['top1_agreement'] * 100:>7.1f}%"
         line += f"{r['mean_kl']:>9.4f}{bv:>11}{r['decode_tok_s']:>10.1f}"
         line += "".join(f"{r['step_cost_vs_q1'][q]:>7.2f}x" for q in qs)
@@ -322,7 +326,8 @@ def plot_report(result: dict, path: Path) -> Path | None:
     for n, r in result["engines"].items():
         x, y = r["decode_tok_s"], 100 * r["top1_agreement"]
         runs = [d["equals_plain"].split("/") for d in r["drafts"].values() if "equals_plain" in d]
-        exact = r["batch_variance"] is not None and r["batch_variance"] <= 1e-4 and all(a == b for a, b in runs)
+        bound = r["batch_variance"] is not None and r["batch_variance"] <= 1e-4
+        exact = (r.get("exactness") == "bitwise" or bound) and all(a == b for a, b in runs)
         near = next((g for g in groups if abs(g[0] - x) < 8 and abs(g[1] - y) < 1.5 and g[2] == exact), None)
         if near is None:
             groups.append((x, y, exact, [n]))

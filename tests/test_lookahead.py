@@ -94,7 +94,9 @@ def test_jacobi_alone_gets_drafts_accepted():
     gen = Generator(TorchBackend(random_model(LOOPY, seed=3, scale=0.3)))
     spec = SpeculativeDecoder(gen, make_proposer("lookahead", prompt_ngrams=False), make_policy(6))
     m = spec.generate_ids([[1, 2, 3]], 64)[0].metrics
-    assert m.accepted_tokens >= 8, m
+    # 8 accepted without the step floor, 7 with it: a window node off the tree's leading chain is
+    # cut (verification.on_leading_chain) and drafted again
+    assert m.accepted_tokens >= 6, m
 
 
 def test_sampled_lookahead_follows_the_model():

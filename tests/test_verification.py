@@ -326,3 +326,14 @@ def test_a_greedy_verdict_is_cut_where_it_leaves_the_leading_chain():
     assert on_leading_chain(tree, Verdict([0, 1, 3], 7)) == Verdict([0, 1], 13)
     assert on_leading_chain(tree, Verdict([2], 7)) == Verdict([], 12)  # a sibling branch: its token only
     assert on_leading_chain(DraftTree.empty(), Verdict([], 5)) == Verdict([], 5)
+
+
+def test_depth_first_puts_the_best_guess_at_every_depth_on_the_leading_chain():
+    # breadth first: root -> 0, 1; 0 -> 2, 3; 2 -> 4
+    tree = DraftTree(np.array([10, 11, 12, 13, 14]), np.array([-1, -1, 0, 0, 2]), scores=np.arange(5.0))
+    d = tree.depth_first()
+    assert d.tokens.tolist() == [10, 12, 14, 13, 11] and d.parents.tolist() == [-1, 0, 1, 0, -1]
+    assert d.origin.tolist() == [0, 2, 4, 3, 1] and d.scores.tolist() == [0, 2, 4, 3, 1]
+    assert np.array_equal(d.ancestor_mask()[3], [True, True, True, True, False, False])  # 14 sees 10, 12
+    chain = DraftTree.chain([1, 2, 3])
+    assert chain.depth_first() is chain  # nothing moves

@@ -36,7 +36,8 @@ would pad every decoding row to 64 positions; on its own row it costs only its o
 
 Each row keeps its own sampling settings and random generator (seeded from its request), so a
 request's output does not depend on what else is in the batch: greedy output equals its output
-alone (the runtime's batch-invariance check bounds the arithmetic differences), and sampled
+alone, bitwise with the step floor on an engine whose build measured it (runtime/session.py;
+else within the engine's measured bound), and sampled
 output with a seed draws the same numbers as alone. The cache's capacity follows the longest
 request in the batch (a step attends over the whole capacity, so it is not simply the context
 limit): it grows when a longer request joins and shrinks when the long ones have left.

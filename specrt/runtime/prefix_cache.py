@@ -23,11 +23,12 @@ the pool / prompt tokens looked up) and the evictions are counted for /metrics.
 
 Exactness. A hit gives the row the KV an earlier prefill computed for the same tokens at the same
 positions. It may have been computed in other chunks than this prompt's own prefill would use
-(a prefill running beside decoding rows goes in 64-token chunks), which changes the arithmetic
-within the engine's batch-invariance bound, the same bound continuous batching already lives
-with (runtime/batching.py). Drafts that read the target's features (EAGLE, MTP, Medusa heads)
-need every prompt position's features, which the pool does not keep: their engines prefill
-every prompt (BatchEngine does not look up).
+(a prefill running beside decoding rows goes in 64-token chunks); with the step floor
+(runtime/session.py) every chunk size gives the same bits on an engine whose build measured it
+bitwise, so a hit's answer is the answer without the pool; otherwise the arithmetic moves within
+the engine's measured bound, as continuous batching's does (runtime/batching.py). Drafts that
+read the target's features (EAGLE, MTP, Medusa heads) need every prompt position's features,
+which the pool does not keep: their engines prefill every prompt (BatchEngine does not look up).
 """
 
 from __future__ import annotations

@@ -256,6 +256,8 @@ class SpeculativeDecoder(Generates):
         guessed = self.guess(state, rows, trees, drafted) if self.gen.session.floor > 1 else {}
         trees = {**trees, **guessed}
         masks = self.constrain(state, trees) if state.grammars else {}
+        if self.gen.session.floor > 1:  # the best guess at every depth on the leading chain
+            trees, masks = self.depth_first(trees, masks)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
         out = self.verify(state, rows, trees, depths)
@@ -333,6 +335,16 @@ class SpeculativeDecoder(Generates):
             first = tree.truncate(1) if tree is not None and len(tree) else None
             guessed[b] = first or DraftTree.chain([follower(state.prompts[b], out[b])])
         return guessed
+
+    @staticmethod
+    def depth_first(trees: dict[int, DraftTree], masks: dict[int, np.ndarray]):
+        """Each tree depth first (verification.DraftTree.depth_first), a grammar's masks with it:
+        only the leading chain's logits are plain decoding's bits (verification.on_leading_chain)."""
+        trees = {b: t.depth_first() for b, t in trees.items()}
+        for b, m in masks.items():
+            if trees[b].origin is not None:
+                masks[b] = m[np.concatenate([[0], 1 + trees[b].origin])]
+        return trees, masks
 
     def verify(
         self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], depths: dict[int, np.ndarray]

@@ -25,10 +25,11 @@ siblings (for distinct children drawn without replacement: q with the earlier si
 Bitwise exactness (greedy): a node's logits are the bits plain decoding would compute only when
 its ancestors fill the slots right before it (the leading chain: node j at depth j + 1). A node
 off it sees masked siblings among its keys, and the attention's reduction over them rounds
-differently (ORT's fused attention, on every engine). `on_leading_chain` cuts a greedy verdict
-where its path leaves the chain: the nodes kept and the next token (the argmax at the last kept
-position, which is the first dropped node's token) are plain decoding's own; the rest is drafted
-again.
+differently (ORT's fused attention, on every engine). So trees are verified depth first
+(`DraftTree.depth_first`: the proposer's best guess at every depth is the leading chain), and
+`on_leading_chain` cuts a greedy verdict where its path leaves the chain: the nodes kept and the
+next token (the argmax at the last kept position, which is the first dropped node's token) are
+plain decoding's own; the rest is drafted again.
 
 Randomness is passed in (a numpy Generator); nothing here touches a model or a cache.
 """
@@ -51,6 +52,7 @@ class DraftTree:
     evidence: tuple = ()
     # drafts made beside this one and not chosen (drafts/auto.py): hindsight reads them too
     rivals: tuple = ()
+    origin: np.ndarray | None = None  # (n,) each node's index in the tree `depth_first` reordered
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int64)
@@ -104,6 +106,33 @@ class DraftTree:
             None if self.q is None else self.q[:n],
             None if self.scores is None else self.scores[:n],
             self.evidence,
+        )
+
+    def depth_first(self) -> "DraftTree":
+        """The same tree with every node's first child right after it (preorder, children in
+        draft order), so its leading chain is the path of first children: the proposer's best
+        guess at every depth. `origin` maps the nodes back; the tree itself when nothing moves."""
+        n = len(self)
+        children: list[list[int]] = [[] for _ in range(n + 1)]  # per node (the root first)
+        for i, p in enumerate(self.parents.tolist()):
+            children[p + 1].append(i)
+        order, stack = [], children[0][::-1]
+        while stack:
+            i = stack.pop()
+            order.append(i)
+            stack.extend(children[i + 1][::-1])
+        if order == list(range(n)):
+            return self
+        index = np.empty(n, np.int64)
+        index[order] = np.arange(n)
+        parents = self.parents[order]
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens[order],
+            parents=np.where(parents < 0, -1, index[np.maximum(parents, 0)]),
+            q=None if self.q is None else self.q[order],
+            scores=None if self.scores is None else self.scores[order],
+            origin=np.array(order, np.int64),
         )
 
     def behind(self, tokens) -> "DraftTree":

@@ -97,7 +97,13 @@ class LookaheadProposer:
             emitted = verdicts[i].tokens(tree)
             if row.window_nodes:  # the step was a Jacobi update too: read it along the window
                 argmax = step.argmax()[b, : len(tree) + 1]
-                self._iterate(row, [int(argmax[0]), *(int(argmax[n + 1]) for n in row.window_nodes)])
+                # the decoder may have verified the tree depth first: the window's nodes moved
+                at = (
+                    row.window_nodes
+                    if tree.origin is None
+                    else [int(np.flatnonzero(tree.origin == n)[0]) for n in row.window_nodes]
+                )
+                self._iterate(row, [int(argmax[0]), *(int(argmax[n + 1]) for n in at)])
                 row.window_nodes = []
             seq = row.tail + emitted
             if self.prompt_ngrams:  # the context's new n-grams: those ending in an emitted token
