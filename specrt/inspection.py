@@ -283,9 +283,11 @@ def exactness_lines(inv: dict) -> list[str]:
     if not shapes:
         return lines + ["  bitwise     not measured (built before the step floor): rebuild to measure it"]
     same = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in shapes.items())
+    padded = inv.get("padded_relative")
     verdict = (
         "every step shape gives the same bits: with the floor, speculative and batched output is bitwise plain output"
         if all(shapes.values())
         else "some shapes differ: exact only up to near-ties"
+        + ("" if padded is None else f" (padded steps move the logits by {padded:.1e} of their range)")
     )
     return lines + [f"  bitwise     padded one-position steps against one multi-position step: {same}; {verdict}"]

@@ -23,6 +23,7 @@ from specrt.runtime.prefix_cache import PrefixCache
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
 from conftest import random_model, save_checkpoint, tiny_hf_config
+from self_draft import SelfDraftProposer
 from test_gguf_blocks import TYPES
 from tiny_gguf import write_gguf
 
@@ -100,9 +101,10 @@ def test_the_traced_graph_is_exact_up_to_near_ties_and_says_so(name, built, tiny
         return
     measured = gen.backend.caps.batch_invariance
     assert not any(measured["bitwise"].values()) and 0 < measured["relative"] < 1e-5
+    assert 0 < measured["padded_relative"] < 1e-5
     assert gen.session.exactness() == {
         "exact": "near-ties",
-        "bound": measured["relative"],
+        "bound": measured["padded_relative"],
         "floor": 2,
         "bitwise": measured["bitwise"],
     }
@@ -154,6 +156,10 @@ def test_a_requests_tokens_and_logprobs_never_depend_on_what_else_runs(name, bui
     for draft in ("ngram", "suffix", "lookahead", "auto"):
         assert answers(spec(gen, draft), prompts, max_batch=2, arrivals=[0, 1, 3]) == alone, draft
     assert answers(spec(gen, "suffix", 4), prompts[1:2]) == alone[1:2]  # a fixed N
+    # a draft with weights (the target drafting for itself): chains and EAGLE-2 dynamic trees
+    for tree in (None, (2, 3)):
+        runner = SpeculativeDecoder(gen, SelfDraftProposer(gen.backend, tree=tree), make_policy(3))
+        assert answers(runner, prompts, max_batch=2, arrivals=[0, 1, 3]) == alone, tree
     # a prefix-cache hit: the first request's blocks serve the second's prompt
     pool = PrefixCache(64 << 20)
     shared, longer = ids(6, 45), ids(6, 45)[:33] + ids(7, 8)  # one block of 32 in common
@@ -206,6 +212,8 @@ def test_the_manifest_records_the_bitwise_check_and_inspect_shows_it(built):
         a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"
     }
     assert levels == {4}
+    bits = [a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"]
+    assert bits.count(8) == 3  # each Q8_0 weight (o twice, the head) one 8-bit product, not two 4-bit ones
 
 
 def tree_logits(gen, order: str):

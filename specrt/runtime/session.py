@@ -27,6 +27,7 @@ import dataclasses
 
 import numpy as np
 
+from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
 from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput
@@ -73,7 +74,8 @@ class StepSession:
         """What speculative output is guaranteed to equal plain output up to, on this session:
         {"exact": "bitwise"} when the floor holds and the engine's build found every step shape
         bitwise equal (engines/ort_measure.py); else {"exact": "near-ties", "bound": the
-        measured difference of one- and multi-position steps, relative to the logits' range};
+        measured difference of one- (with the floor: padded) and multi-position steps, relative to
+        the logits' range};
         "unmeasured" where the backend has no such record (PyTorch, TensorRT)."""
         measured = self.caps.batch_invariance
         if not measured:
@@ -81,7 +83,9 @@ class StepSession:
         shapes = measured.get("bitwise") or {}
         if self.floor >= 2 and shapes and all(shapes.values()):
             return {"exact": "bitwise", "floor": self.floor}
-        return {"exact": "near-ties", "bound": measured["relative"], "floor": self.floor, "bitwise": shapes}
+        # with the floor, one-position steps are gone: what is left is the padded steps' difference
+        bound = measured.get("padded_relative", measured["relative"]) if self.floor >= 2 else measured["relative"]
+        return {"exact": "near-ties", "bound": bound, "floor": self.floor, "bitwise": shapes}
 
     # -- caches ---------------------------------------------------------------------------------
 
@@ -210,3 +214,24 @@ class StepSession:
                         feats[b].append(out.hidden_states[b, : len(c)])
             start += self.prefill_chunk
         return Prefilled(last, [np.concatenate(f) for f in feats] if hidden else None)
+
+
+def exactness_warning(session) -> str | None:
+    """A warning when speculative output may differ from plain output on a near-tie by more than
+    float rounding: the session runs one-position steps (no floor, or a split engine) on an engine
+    whose logits move between one- and multi-position steps (int8 activations; measured when it
+    was built, StepSession.exactness)."""
+    e = session.exactness()
+    if e["exact"] != "near-ties" or e["bound"] <= BATCH_VARIANCE_LIMIT:
+        return None
+    shapes = e.get("bitwise") or {}
+    fix = (
+        "keep the step floor (--exact bitwise, the default), which makes this engine bitwise exact"
+        if shapes and all(shapes.values())
+        else "rebuild the engine (its build measures whether the step floor makes it bitwise exact), or use a "
+        "float32 or gguf engine"
+    )
+    return (
+        f"this engine's logits change by up to {e['bound']:.1%} of their range between one-position and "
+        f"multi-position steps (int8 activations?), so speculative output may differ from plain output; {fix}"
+    )

@@ -8,14 +8,18 @@ One step of `SpeculativeDecoder.step`, for the active rows of a batch (its `Spec
 the batching engine runs together, runtime/batching.py, the one generation loop):
     propose  the policy picks each row's N from the cost model; the proposer drafts a tree per
              row (greedy rows in one call, a seeded sampled row with its own generator)
+    guess    with the step floor (runtime/session.py: every step computes two positions per
+             row at least), a row with nothing to verify gets a one-token guess, for free
     constrain  a row with a grammar (runtime/grammar.py): the tokens it forces go in front of
              the draft, and each node gets the grammar's mask after its path
     verify   one target step over [root, draft nodes...] per row, at positions length + depth
-             with the tree's ancestor mask (rows may draft different amounts)
-    accept   greedy: the path matching the target's argmax (with the step floor, cut where it
-             leaves the tree's leading chain: verification.on_leading_chain); sampling: recursive rejection
-             (verification.py): the output follows the target exactly (a constrained row's
-             target masked at every node)
+             with the tree's ancestor mask (rows may draft different amounts); with the floor,
+             each tree depth first, so the best guess at every depth is its leading chain
+    accept   greedy: the path matching the target's argmax (with the floor, cut where it leaves
+             the leading chain, whose logits alone are plain decoding's bits:
+             verification.on_leading_chain); sampling: recursive rejection (verification.py):
+             the output follows the target exactly (a constrained row's target masked at every
+             node)
     commit   the cache keeps the root and the accepted path (`KVCache.keep_path`), the rows emit
              their tokens, and the proposer hears the verdicts (so a draft with state rolls back)
 and `observe` feeds what the step cost and accepted to the metrics and the cost model. A row's
@@ -34,7 +38,6 @@ import warnings
 
 import numpy as np
 
-from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.batching import Request
@@ -48,30 +51,9 @@ from specrt.runtime.logprobs import token_logprobs
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
-from specrt.runtime.session import Prefilled
+from specrt.runtime.session import Prefilled, exactness_warning
 from specrt.runtime.target import Rows, Target
 from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling, on_leading_chain
-
-
-def exactness_warning(session) -> str | None:
-    """A warning when speculative output may differ from plain output on a near-tie by more than
-    float rounding: the session runs one-position steps (no floor, or a split engine) on an engine
-    whose logits move between one- and multi-position steps (int8 activations; measured when it
-    was built, StepSession.exactness)."""
-    e = session.exactness()
-    if e["exact"] != "near-ties" or e["bound"] <= BATCH_VARIANCE_LIMIT:
-        return None
-    shapes = e.get("bitwise") or {}
-    fix = (
-        "keep the step floor (--exact bitwise, the default), which makes this engine bitwise exact"
-        if shapes and all(shapes.values())
-        else "rebuild the engine (its build measures whether the step floor makes it bitwise exact), or use a "
-        "float32 or gguf engine"
-    )
-    return (
-        f"this engine's logits change by up to {e['bound']:.1%} of their range between one-position and "
-        f"multi-position steps (int8 activations?), so speculative output may differ from plain output; {fix}"
-    )
 
 
 def make_policy(num_draft: int | str, max_draft: int = 16):
