@@ -43,6 +43,9 @@ from specrt.errors import SpecrtError
 from specrt.export.graph_files import ONNX_FILE
 
 SUPPORTED = LAYOUTS  # the GGUF block types read here: blocks.py computes each in its own layout
+# what a graph of these recipes records, so a graph of an older one is made again (2: a Q8_0
+# weight is one 8-bit product with int8 activations)
+RECIPE_VERSION = 2
 
 
 # -- the GGUF's blocks ---------------------------------------------------------------------------
@@ -102,6 +105,7 @@ def _recipe(gguf_path: Path, scheme: str) -> dict:
         "bits": 4,
         "block_size": BLOCK,
         "accuracy_level": GGUF_SCHEMES[scheme],
+        "recipe_version": RECIPE_VERSION,
         "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
     }
 

@@ -243,6 +243,7 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
 def _gguf_source(spec: BuildSpec) -> tuple[dict, Path]:
     """(the quantization fields a current gguf graph records, the GGUF file) of --quantize gguf."""
     from specrt.artifacts import file_sha256
+    from specrt.calibration.gguf_blocks import RECIPE_VERSION
     from specrt.export.gguf import gguf_origin
 
     gguf = spec.gguf or gguf_origin(spec.checkpoint)
@@ -254,7 +255,11 @@ def _gguf_source(spec: BuildSpec) -> tuple[dict, Path]:
         )
     if not Path(gguf).is_file():
         raise SpecrtError(f"--gguf {gguf}: no such file")
-    return {"scheme": spec.quantize, "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)}}, Path(gguf)
+    return {
+        "scheme": spec.quantize,
+        "recipe_version": RECIPE_VERSION,
+        "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)},
+    }, Path(gguf)
 
 
 def _calibration(spec: BuildSpec, odir: Path):
