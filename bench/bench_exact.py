@@ -70,7 +70,8 @@ def main() -> None:
     ap.add_argument(
         "--exact-engines",
         default="float32 bitwise,gguf bitwise,gguf-a8 bitwise,gguf-a8 near-ties",
-        help="Comma-separated engine settings (ENGINE SETTING) whose exactness is counted.",
+        help="Comma-separated engine settings (ENGINE SETTING[=PROMPTS], default --exact-prompts) whose exactness "
+        "is counted.",
     )
     ap.add_argument("--genai-python", default=None, help="A Python with onnxruntime-genai: the anchor.")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
@@ -117,11 +118,13 @@ def main() -> None:
             for (cls, _), r in zip(encoded, got["runs"]):
                 genai[cls].append(r["decode_tok_s"])
 
-    exact_names = [e.strip() for e in args.exact_engines.split(",") if e.strip()]
-    made = build_prompt_set(args.exact_prompts, seed=7, exclude=tuple(r["prompt"] for r in rows))
-    exact_ids = [ref.encode_prompt(p.prompt) for p in made]
+    wanted = [e.strip().partition("=") for e in args.exact_engines.split(",") if e.strip()]
+    counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
+    made = build_prompt_set(max(counts.values()), seed=7, exclude=tuple(r["prompt"] for r in rows))
+    all_ids = [ref.encode_prompt(p.prompt) for p in made]
     exact = {}
-    for name in exact_names:
+    for name, count in counts.items():
+        exact_ids = all_ids[:count]
         t0, same, first = time.perf_counter(), 0, []
         for i, ids in enumerate(exact_ids):
             plain = run[name]["plain"].generate_ids([ids], args.exact_tokens)[0].token_ids
@@ -146,7 +149,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
             "prompts": len(encoded),
-            "exact_prompts": args.exact_prompts,
+            "exact_prompts": counts,
             "exact_tokens": args.exact_tokens,
         },
         "decode_tok_s": {
