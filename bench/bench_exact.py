@@ -12,7 +12,9 @@ are); gguf-a8 is built when missing. Every measurement runs the engines in turn,
 repeat, so machine noise hits them alike; medians are reported.
 
   decode    plain greedy and --draft auto, tokens/s end to end per prompt class of
-            bench/prompts.jsonl (EOS ignored), and plain's tokens per step (the guesses)
+            bench/prompts.jsonl (up to EOS or --new-tokens), plain's decode steps alone (as
+            onnxruntime-genai's figure, which runs --new-tokens ignoring EOS), and plain's tokens
+            per step (the guesses)
   exact     greedy --draft auto against plain on the same engine and setting, over
             --exact-prompts made here (training/prompts.py, seed 7, none of the benchmark's) x
             --exact-tokens: the prompts whose tokens are bitwise equal
@@ -85,9 +87,9 @@ def main() -> None:
     gens = {}
     for name, scheme in SCHEMES.items():
         for setting in SETTINGS:
-            g = Generator.from_engine(layout.ort_engine("cpu", scheme), args.model, exact=setting)
-            g.eos_ids = frozenset()  # every run generates its tokens
-            gens[f"{name} {setting}"] = g
+            gens[f"{name} {setting}"] = Generator.from_engine(
+                layout.ort_engine("cpu", scheme), args.model, exact=setting
+            )
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     classes = sorted({r["class"] for r in rows})
     ref = next(iter(gens.values()))
@@ -98,6 +100,7 @@ def main() -> None:
 
     modes = ("plain", "auto")
     decode = {n: {m: {c: [] for c in classes} for m in modes} for n in gens}
+    plain_decode = {n: {c: [] for c in classes} for n in gens}  # decode steps only (as genai's figure)
     per_step = {n: [] for n in gens}  # plain decoding's tokens per step
     equal_bench = {n: [0, 0] for n in gens}
     genai = {c: [] for c in classes}
@@ -108,6 +111,7 @@ def main() -> None:
             for name in gens:
                 plain, tok_s = timed(run[name]["plain"], ids, args.new_tokens)
                 decode[name]["plain"][cls].append(tok_s)
+                plain_decode[name][cls].append(plain.decode_tokens_per_second)
                 per_step[name].append(len(plain.token_ids) / (1 + len(plain.step_seconds)))
                 spec, tok_s = timed(run[name]["auto"], ids, args.new_tokens)
                 decode[name]["auto"][cls].append(tok_s)
@@ -122,6 +126,8 @@ def main() -> None:
     counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
     made = build_prompt_set(max(counts.values()), seed=7, exclude=tuple(r["prompt"] for r in rows))
     all_ids = [ref.encode_prompt(p.prompt) for p in made]
+    for g in gens.values():
+        g.eos_ids = frozenset()  # every exactness run generates its --exact-tokens
     exact = {}
     for name, count in counts.items():
         exact_ids = all_ids[:count]
@@ -155,6 +161,7 @@ def main() -> None:
         "decode_tok_s": {
             n: {m: {c: round(med(v), 1) for c, v in by.items()} for m, by in ms.items()} for n, ms in decode.items()
         },
+        "plain_decode_tok_s": {n: {c: round(med(v), 1) for c, v in by.items()} for n, by in plain_decode.items()},
         "plain_tokens_per_step": {n: round(med(v), 3) for n, v in per_step.items()},
         "auto_equal_plain_bench_prompts": {n: f"{a}/{b}" for n, (a, b) in equal_bench.items()},
         "exact": exact,

@@ -203,7 +203,8 @@ def check_head_target(manifest: dict, checkpoint_hash: str | None, precision: st
         raise ManifestMismatchError(
             f"draft head {where} was trained against the target in {t['precision']}, but the target engine here runs "
             f"{precision}; its hidden states differ and acceptance collapses. Use a {t['precision']} engine of the "
-            f"target (train-draft trains against float32 features, which the float32 and gguf engines compute)"
+            f"target (train-draft trains against float32 features, the precision the float32 and gguf engines "
+            "compute)"
         )
 
 

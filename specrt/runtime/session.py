@@ -218,20 +218,19 @@ class StepSession:
 
 def exactness_warning(session) -> str | None:
     """A warning when speculative output may differ from plain output on a near-tie by more than
-    float rounding: the session runs one-position steps (no floor, or a split engine) on an engine
-    whose logits move between one- and multi-position steps (int8 activations; measured when it
-    was built, StepSession.exactness)."""
+    float rounding: the engine's logits move between step shapes (int8 activations; measured when
+    it was built, StepSession.exactness) and the step floor does not make it bitwise."""
     e = session.exactness()
     if e["exact"] != "near-ties" or e["bound"] <= BATCH_VARIANCE_LIMIT:
         return None
     shapes = e.get("bitwise") or {}
-    fix = (
-        "keep the step floor (--exact bitwise, the default), which makes this engine bitwise exact"
-        if shapes and all(shapes.values())
-        else "rebuild the engine (its build measures whether the step floor makes it bitwise exact), or use a "
-        "float32 or gguf engine"
-    )
+    if shapes and all(shapes.values()):
+        fix = "keep the step floor (--exact bitwise, the default), which makes this engine bitwise exact"
+    elif shapes:
+        fix = "use an engine of the fused graph (float32, gguf or gguf-a8), which the step floor makes bitwise exact"
+    else:
+        fix = "rebuild the engine (its build measures whether the step floor makes it bitwise exact)"
     return (
-        f"this engine's logits change by up to {e['bound']:.1%} of their range between one-position and "
-        f"multi-position steps (int8 activations?), so speculative output may differ from plain output; {fix}"
+        f"this engine's logits change by up to {e['bound']:.1%} of their range between steps of different shapes "
+        f"(int8 activations?), so speculative output may differ from plain output; {fix}"
     )
