@@ -164,7 +164,7 @@ def steady_costs(monkeypatch):
     machine and under load: a test that asserts auto drafts deep must not depend on them)."""
     from specrt.runtime.policy import CostModel, StepCost
 
-    monkeypatch.setattr(CostModel, "cost", lambda self, batch: StepCost(0.01, 0.02, 0.05, 0.0))
+    monkeypatch.setattr(CostModel, "cost", lambda self, batch: StepCost(0.01, 0.02, 0.05, 0.0, free=self.free))
 
 
 @pytest.fixture(scope="session")

@@ -124,6 +124,13 @@ def test_without_the_floor_one_position_steps_differ(name, built, tiny_portable_
     assert open_target(name, built, tiny_portable_artifacts).session.exactness() == {"exact": "bitwise", "floor": 2}
 
 
+def test_an_unknown_exactness_setting_is_refused_by_name(built, tiny_portable_artifacts):
+    from specrt.errors import SpecrtError
+
+    with pytest.raises(SpecrtError, match="exact must be one of bitwise, near-ties, got 'loose'"):
+        open_target("float32", built, tiny_portable_artifacts, exact="loose")
+
+
 def answers(runner, prompts, max_batch=1, arrivals=None, prefix=None, budget=24):
     """Each request's tokens and log probabilities (3 alternatives: the values are the logits'
     bits, through a log-softmax) run through the batching engine."""

@@ -118,12 +118,12 @@ def batch_invariance(
         capacity   the multi-position step over a cache of twice the capacity
 
     The unpadded difference is the bound speculation is exact up to without the floor, the
-    padded one with it where the shapes are not bitwise equal (float
-    rounding level on float kernels, ~1e-6 of the logits' range; int8 activations amplify it to
-    percents). `bitwise` says which shapes give exactly the multi-position step's logits
-    (np.array_equal): ORT's CPU kernels compute a one-row product in another numeric class than
-    a product of two or more rows, which agree with each other; with every one of those true,
-    plain, speculative and batched generation see the same logits whatever runs beside them.
+    padded one the bound with it where the shapes are not bitwise equal (float rounding level on
+    float kernels, ~1e-6 of the logits' range; int8 activations amplify it to percents).
+    `bitwise` says which shapes give exactly the multi-position step's logits (np.array_equal):
+    ORT's CPU kernels compute a one-row product in another numeric class than a product of two
+    or more rows, which agree with each other; with every one of those true, plain, speculative
+    and batched generation see the same logits whatever runs beside them.
     `steps` must reach the largest verification step: ORT's int8 Q/DQ kernels gave identical
     logits for 6 positions and moved them by 5 % of their range at 17."""
     from specrt.export.config import ModelConfig

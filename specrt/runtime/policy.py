@@ -87,6 +87,17 @@ class StepCost:
     beta: float  # fixed extra cost of a verification step, relative to T_decode
     draft0: float  # T_draft's fixed part, relative to T_decode
     draft1: float = 0.0  # T_draft per drafted token, relative to T_decode
+    free: int = 0  # draft positions per row every step computes (CostModel's `free`): not paid for
+
+    @property
+    def jump(self) -> float:
+        """beta where a step may compute one position; 0 under the floor (the plain step has it)."""
+        return 0.0 if self.free else self.beta
+
+    def verification(self, n: float) -> float:
+        """The extra cost of verifying n draft positions per row, relative to T_decode."""
+        paid = n - self.free
+        return self.jump + self.alpha * paid if paid > 0 else 0.0
 
     def draft_ratio(self, n) -> np.ndarray:
         """T_draft(n) / T_decode."""
@@ -96,7 +107,7 @@ class StepCost:
     def relative(self, n: np.ndarray) -> np.ndarray:
         """Cost of a step with n draft tokens per row, in plain decode steps."""
         n = np.asarray(n, dtype=np.float64)
-        return 1.0 + np.where(n > 0, self.beta + self.alpha * n, 0.0) + self.draft_ratio(n)
+        return 1.0 + np.vectorize(self.verification, otypes=[np.float64])(n) + self.draft_ratio(n)
 
 
 class CostModel:
@@ -228,13 +239,12 @@ class CostModel:
         """speedup(N) for N = 0 .. the longest draft, when each row verifies the first min(N, its
         draft's length) nodes of its draft (`reach`: what each prefix is expected to give). The
         step is dense, so its positions are the longest row's; the lookups are paid already."""
-        cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0)
+        cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0, free=self.free)
         scale = 1.0 / len(reaches)  # not calibrated: hindsight reads every draft, chosen or not
         out = [1.0]
         for n in range(1, max(len(r) for r in reaches)):
             gain = sum(r[n] if n < len(r) else r[-1] for r in reaches)
-            paid = n - self.free  # the floor's positions are computed whatever the plan
-            out.append((1.0 + scale * gain) / (1.0 + (self.jump(cost) + cost.alpha * paid if paid > 0 else 0.0)))
+            out.append((1.0 + scale * gain) / (1.0 + cost.verification(n)))
         return out
 
     def forget_row(self, row: int) -> None:
@@ -252,10 +262,6 @@ class CostModel:
 
     def fill_rates(self) -> np.ndarray:
         return self.accept.fill_rates()
-
-    def jump(self, cost: StepCost) -> float:
-        """beta where a step may compute one position; 0 under the floor (the plain step has it)."""
-        return 0.0 if self.free else cost.beta
 
     def observe_step(self, positions: int, batch: int, seconds: float) -> None:
         """One target step over `positions` positions for `batch` rows (positions == batch: no
@@ -277,7 +283,7 @@ class CostModel:
             if times is not None:
                 decode, alpha, beta = times
                 d0, d1 = self.drafts.line()
-                fit = StepCost(decode, alpha, beta, d0 / decode, d1 / decode)
+                fit = StepCost(decode, alpha, beta, d0 / decode, d1 / decode, self.free)
             self._fits[batch] = fit, self.accept.steps
         return fit
 
@@ -318,14 +324,14 @@ class CostModel:
     def speedups(self, batch: int, rows: list[int] | None = None, upper: bool = False) -> np.ndarray:
         """speedup(N) for N = 0 .. max_draft; with `rows`, E[tokens] from each row's own acceptance
         (`upper`: the most it can drift to while nothing is observed, `row_expected_tokens`)."""
-        cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0)
+        cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0, free=self.free)
         n = np.arange(self.max_draft + 1)
         positions = self.expected_positions(batch)
         k = min(self.free, self.max_draft)  # positions the floor computes whatever N: not paid for
         paid = np.maximum(positions - positions[k], 0.0)
         some = positions[k + 1] - positions[k] if k < self.max_draft else 0.0  # a row drafted past them
         drafts = np.where(n > k, some, 0.0)
-        relative = 1.0 + self.jump(cost) * drafts + cost.alpha * paid + cost.draft_ratio(n)
+        relative = 1.0 + cost.jump * drafts + cost.alpha * paid + cost.draft_ratio(n)
         expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows, upper)
         return (1.0 + self.calibration() * (expected - 1.0)) / relative
 

@@ -138,6 +138,11 @@ class SpeculativeDecoder(Generates):
         return self
 
     @property
+    def floored(self) -> bool:
+        """Whether every step computes two positions per row or more (runtime/session.py)."""
+        return self.gen.session.floor > 1
+
+    @property
     def eos_ids(self):
         return self.gen.eos_ids
 
@@ -235,10 +240,10 @@ class SpeculativeDecoder(Generates):
             plan = {b: 0 if forced.get(b) else min(n, most[b]) for b, n in plan.items()}
             drafted = trees = self.propose(state, rows, plan)
             trees = {b: DraftTree.chain(forced[b]) if forced.get(b) else tree for b, tree in trees.items()}
-        guessed = self.guess(state, rows, trees, drafted) if self.gen.session.floor > 1 else {}
+        guessed = self.guess(state, rows, trees, drafted) if self.floored else {}
         trees = {**trees, **guessed}
         masks = self.constrain(state, trees) if state.grammars else {}
-        if self.gen.session.floor > 1:  # the best guess at every depth on the leading chain
+        if self.floored:  # the best guess at every depth on the leading chain
             trees, masks = self.depth_first(trees, masks)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
@@ -349,7 +354,6 @@ class SpeculativeDecoder(Generates):
     ) -> dict[int, Verdict]:
         """Each row's verdict; a constrained row's against the target masked at every node (`masks`)."""
         verdicts, masks = {}, masks or {}
-        bitwise = self.gen.session.floor > 1
         free = [b for b in rows if b not in masks]
         top = out.argmax() if any(state.sampling[b].greedy for b in free) else None  # once, not per row
         for b in rows:
@@ -358,7 +362,7 @@ class SpeculativeDecoder(Generates):
             masked = np.where(masks[b], out.logits[b, :n], -np.inf) if b in masks else None
             if sampling.greedy:
                 verdicts[b] = accept_greedy(trees[b], top[b, :n] if masked is None else masked.argmax(-1))
-                if bitwise:  # off the leading chain a node's logits are not plain decoding's bits
+                if self.floored:  # off the leading chain a node's logits are not plain decoding's bits
                     verdicts[b] = on_leading_chain(trees[b], verdicts[b])
             else:
                 logits = out.logits[b, :n] if masked is None else masked
