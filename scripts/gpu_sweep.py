@@ -27,7 +27,6 @@ from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.session import StepSession
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
-from specrt.runtime.transfer import to_device
 
 BATCHES = (1, 2, 4, 8, 16)
 POSITIONS = (1, 2, 3, 5, 9, 17, 33)
@@ -41,7 +40,7 @@ def gpu_ms(backend, cache, tokens, repeats: int) -> float | None:
     if not torch.cuda.is_available() or backend.caps.cache_device is None:
         return None
     # the step StepSession.forward runs (logits at every position), its inputs on the device once
-    inputs = [to_device(a, backend.device) for a in StepSession.step_inputs(cache, tokens)[:4]]
+    inputs = backend.device_inputs(*StepSession.step_inputs(cache, tokens)[:4], cache)
     with torch.inference_mode():
         backend.enqueue(inputs, cache)  # warm (a graph is captured here if not yet)
         torch.cuda.synchronize()

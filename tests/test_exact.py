@@ -77,7 +77,7 @@ def step_logits(gen, splits, capacity=64, beside=None):
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", [*ENGINES, "torch"])
 def test_every_step_shape_gives_the_same_bits(name, built, tiny_portable_artifacts):
     gen = open_target(name, built, tiny_portable_artifacts)
     assert gen.session.floor == 2
@@ -88,17 +88,13 @@ def test_every_step_shape_gives_the_same_bits(name, built, tiny_portable_artifac
     assert np.array_equal(step_logits(gen, [STEPS], capacity=256), multi)  # another capacity
 
 
-@pytest.mark.parametrize("name", ["portable", "torch"])
-def test_the_traced_graph_is_exact_up_to_near_ties_and_says_so(name, built, tiny_portable_artifacts):
-    """The traced model (the portable ORT graph, the PyTorch backend) attends over the whole past
-    buffer and the new positions (capacity + Q keys), so a step's length changes the reduction
-    and its rounding: no step shape is bitwise another. An ORT build measures that, and the
-    session says near-ties with the bound (the PyTorch backend: unmeasured)."""
-    gen = open_target(name, built, tiny_portable_artifacts)
+def test_the_traced_graph_is_exact_up_to_near_ties_and_says_so(built, tiny_portable_artifacts):
+    """The traced graph (portable ORT) attends over the whole past buffer and the new positions
+    (capacity + Q keys), so a step's length changes the reduction and its rounding: no step
+    shape is bitwise another. Its build measures that, and the session says near-ties with the
+    bound."""
+    gen = open_target("portable", built, tiny_portable_artifacts)
     assert not np.array_equal(step_logits(gen, [1] * STEPS), step_logits(gen, [STEPS]))
-    if name == "torch":
-        assert gen.session.exactness() == {"exact": "unmeasured", "floor": 2}
-        return
     measured = gen.backend.caps.batch_invariance
     assert not any(measured["bitwise"].values()) and 0 < measured["relative"] < 1e-5
     assert 0 < measured["padded_relative"] < 1e-5
@@ -122,6 +118,25 @@ def test_without_the_floor_one_position_steps_differ(name, built, tiny_portable_
     assert measured["relative"] > 0 and all(measured["bitwise"].values())
     assert gen.session.exactness()["exact"] == "near-ties"
     assert open_target(name, built, tiny_portable_artifacts).session.exactness() == {"exact": "bitwise", "floor": 2}
+
+
+def test_pytorch_needs_its_steps_in_whole_tiles_of_four_rows(built):
+    """The PyTorch backend writes a step's keys in place and attends over the cache's slots alone
+    (no step shape changes a reduction), and its CPU products agree bitwise only among row
+    counts that keep a row in a whole tile of 4: so its steps are rounded up to a multiple of 4
+    positions (Capabilities.step_multiple). The measurement (runtime/step_shapes.py, what the GPU
+    check runs on CUDA) sees every shape bitwise under that rule and not under the floor alone,
+    and nothing at all without either."""
+    from specrt.runtime.step_shapes import measure
+
+    gen = Generator.from_checkpoint(built[0])
+    assert (gen.session.floor, gen.session.multiple) == (2, 4)
+    got = measure(gen.backend, rules=((2, 1),))
+    assert all(got["bitwise"].values()) and got["padded_relative"] == 0
+    assert 0 < got["relative"] < 1e-5  # one token per step, unpadded: the other class
+    floor_only = got["rules"]["floor 2, multiple 1"]["bitwise"]
+    assert not floor_only["padded"] and not floor_only["split"]
+    assert gen.session.exactness() == {"exact": "unmeasured", "floor": 2}  # measured here, not at load
 
 
 def test_an_unknown_exactness_setting_is_refused_by_name(built, tiny_portable_artifacts):

@@ -72,7 +72,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask_bias, past_k, past_v):
+    def forward(self, x, cos, sin, mask_bias, past_k, past_v, slots=None):
         B, Q, _ = x.shape
         D, Hkv, G = self.head_dim, self.n_kv, self.n_heads // self.n_kv
         q = self.q_proj(x).view(B, Q, Hkv * G, D).transpose(1, 2)  # (B, H, Q, D)
@@ -80,8 +80,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, Q, Hkv, D).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin  # cos/sin: (B, 1, Q, D)
         k = k * cos + rotate_half(k) * sin
-        keys = torch.cat([past_k, k], dim=2)  # (B, Hkv, P+Q, D)
-        values = torch.cat([past_v, v], dim=2)
+        if slots is None:
+            keys = torch.cat([past_k, k], dim=2)  # (B, Hkv, P+Q, D)
+            values = torch.cat([past_v, v], dim=2)
+        else:  # in place (LlamaModel.forward): the cache's buffers get the new positions first
+            at = slots[:, None, :, None].expand(B, Hkv, Q, D)
+            past_k.scatter_(2, at, as_dtype(k, past_k.dtype))
+            past_v.scatter_(2, at, as_dtype(v, past_v.dtype))
+            keys, values = as_dtype(past_k, k.dtype), as_dtype(past_v, v.dtype)  # (B, Hkv, C, D)
         # grouped-query attention without repeating K/V: fold the G query heads of a KV head
         # into the query axis, so one batched matmul per KV head reads each key once.
         qg = q.reshape(B, Hkv, G * Q, D)  # heads are laid out kv-major: head h = kv * G + g
@@ -112,8 +118,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask_bias, past_k, past_v):
-        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask_bias, past_k, past_v)
+    def forward(self, x, cos, sin, mask_bias, past_k, past_v, slots=None):
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask_bias, past_k, past_v, slots)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
@@ -146,7 +152,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
 
-    def forward(self, input_ids, position_ids, attention_mask, past_key_values, logits_index=None):
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values, logits_index=None, slots=None):
         """input_ids, position_ids: (B, Q) int64; attention_mask: (B, Q, P+Q) bool;
         past_key_values: list of (key, value), each (B, Hkv, P, D); logits_index: (B, K) int64,
         the positions (0..Q-1) whose logits are wanted (None: all Q; prefill asks for the last
@@ -154,9 +160,16 @@ class LlamaModel(nn.Module):
         Returns logits (B, K, V), hidden_states (B, Q, C * len(hidden_layers)) and
         present: list of (key, value), each (B, Hkv, Q, D) for the Q new positions only.
         Whatever the model's dtype (to_dtype), past KV comes in and every output goes out in
-        float32: the runtime's one contract (casts a float32 model does not trace at all)."""
+        float32: the runtime's one contract (casts a float32 model does not trace at all).
+
+        In place (slots (B, Q) int64, the PyTorch backend): the past is the cache's whole buffers
+        (B, Hkv, C, D), each layer writes the new keys and values into them at `slots` and
+        attends over the C slots alone, attention_mask (B, Q, C) (step_io.in_place); present is
+        empty. A key then sits at one slot and every reduction runs over C slots whatever the
+        step's shape, so a position's logits do not depend on how many positions its step has."""
         dtype = self.embed_tokens.weight.dtype
-        past_key_values = [(as_dtype(k, dtype), as_dtype(v, dtype)) for k, v in past_key_values]
+        if slots is None:
+            past_key_values = [(as_dtype(k, dtype), as_dtype(v, dtype)) for k, v in past_key_values]
         x = self.embed_tokens(input_ids)
         # angles in float32 (positions past 2,048 lose their phase in 16 bits), then the model's dtype
         cos, sin = (as_dtype(t, x.dtype) for t in rotary(position_ids, self.inv_freq))
@@ -164,8 +177,9 @@ class LlamaModel(nn.Module):
         present, taps = [], {}
         for i, layer in enumerate(self.layers):
             past_k, past_v = past_key_values[i]
-            x, k, v = layer(x, cos, sin, bias, past_k, past_v)
-            present.append((k, v))
+            x, k, v = layer(x, cos, sin, bias, past_k, past_v, slots)
+            if slots is None:
+                present.append((k, v))
             taps[i] = x
         normed = self.norm(x)
         taps[-1] = normed

@@ -142,6 +142,21 @@ def attention_mask(lengths: np.ndarray, capacity: int, q_len: int, new_mask: np.
     return mask
 
 
+def in_place(lengths: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mask (B, Q, C), slots (B, Q)) of a step whose portable mask is `attention_mask`
+    (B, Q, C + Q), for a backend that writes the new positions into the cache's C slots first
+    (row b's at [lengths[b], lengths[b] + Q): `slots`) and attends over those C slots alone. A
+    key then sits at its own slot whatever step computes it, and every step reduces over the same
+    C slots: the order of a position's sums does not depend on the step's shape."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    B, Q, width = attention_mask.shape
+    C = width - Q
+    mask = attention_mask[:, :, :C].copy()
+    slots = lengths[:, None] + np.arange(Q, dtype=np.int64)[None, :]
+    mask[np.arange(B)[:, None, None], np.arange(Q)[None, :, None], slots[:, None, :]] = attention_mask[:, :, C:]
+    return mask, slots
+
+
 def fused_inputs(lengths: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
     """The fused graph's attention inputs for a step whose portable mask is `attention_mask`
     (B, Q, C + Q) over rows of `lengths` committed positions: the past is each row's first

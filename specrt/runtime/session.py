@@ -65,6 +65,8 @@ class StepSession:
         self._pool: list[KVCache] = []
         # the fewest positions per row a step computes (the module docstring)
         self.floor = self.caps.floor if exact == "bitwise" else 1
+        # and the multiple every step's positions per row are rounded up to (Capabilities.step_multiple)
+        self.multiple = self.caps.step_multiple if exact == "bitwise" else 1
 
     @property
     def caps(self) -> Capabilities:
@@ -152,7 +154,8 @@ class StepSession:
         want_logits: bool = True,
     ) -> StepOutput:
         """One step over new tokens per row (rows may differ in count, even be empty); their KV is
-        appended to the cache. Returns the StepOutput (B, Q = longest row, ...): logits at every
+        appended to the cache. Returns the StepOutput (B, Q = longest row, ...; the padding
+        the floor adds is computed and dropped): logits at every
         position, or with last_only=True at each row's last token only (B, 1, V); with
         hidden=True also the hidden states of every position (B, Q, H*); with want_logits=False
         (greedy: only the argmax is read, `StepOutput.argmax()`) a device backend copies tokens to
@@ -161,12 +164,22 @@ class StepSession:
         trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
         sequence: position = committed length + depth, and each token sees what its mask allows."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
-        ids, positions, mask, index, every = self.step_inputs(cache, tokens, trees, last_only, self.floor)
+        ids, positions, mask, index, every = self.step_inputs(
+            cache, tokens, trees, last_only, self.floor, self.multiple
+        )
         out = self.backend.step(ids, positions, mask, index, cache, every if hidden else None, want_logits)
         if out.present is None:  # the backend wrote the positions in place (caps.cache_slack)
             cache.commit(counts)
         else:
             cache.append(out.present, counts)
+        longest = max(int(counts.max()), 1)
+        if not last_only and ids.shape[1] > longest:  # the padding's outputs are nobody's
+            out = dataclasses.replace(
+                out,
+                logits=None if out.logits is None else out.logits[:, :longest],
+                hidden_states=None if out.hidden_states is None else out.hidden_states[:, :longest],
+                top1=None if out.top1 is None else out.top1[:, :longest],
+            )
         return out
 
     @staticmethod
@@ -176,13 +189,14 @@ class StepSession:
         trees: list[tuple[np.ndarray, np.ndarray] | None] | None = None,
         last_only: bool = False,
         floor: int = 1,
+        multiple: int = 1,
     ) -> tuple[np.ndarray, ...]:
         """What `forward` hands the backend for a step of `tokens` per row: (input ids, position
         ids, attention mask, logits index, every position's index), each (B, Q, ...), Q the
-        longest row's count and at least `floor` (rows are padded: token 0 at the next
-        positions, seen by no real position)."""
+        longest row's count, at least `floor` and rounded up to a multiple of `multiple` (rows
+        are padded: token 0 at the next positions, seen by no real position)."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
-        Q = max(int(counts.max()), floor)
+        Q = -(-max(int(counts.max()), floor) // multiple) * multiple
         B = cache.batch
         ids = np.zeros((B, Q), dtype=np.int64)
         offsets = np.broadcast_to(np.arange(Q, dtype=np.int64), (B, Q)).copy()

@@ -12,6 +12,9 @@ from specrt.export.step_io import STEP_FLOOR
 from specrt.runtime.kv_cache import KVCache
 
 MAX_GRAPHS = 128  # captured step graphs kept per backend before they are dropped and captured again
+# a backend that writes a step's positions into the cache in place (the fused ONNX graph, PyTorch)
+# gives caches this many slots past their capacity for a step's padding, and verifies at most this many
+STEP_ROOM = 64
 
 
 @dataclasses.dataclass
@@ -46,6 +49,9 @@ class Capabilities:
     # step is padded, so every step shape gives the same bits); 1: it takes one-position steps as
     # they are (SplitBackend exists to run them on an engine of their own)
     floor: int = STEP_FLOOR
+    # and the multiple every step's positions per row are rounded up to, where a library's
+    # products are bitwise row-invariant only in whole tiles of rows (PyTorch's CPU GEMM: 4)
+    step_multiple: int = 1
     # measured at build: ms per step at batch 1 by the positions it computes ({1: .., 2: .., 17: ..})
     step_ms: dict[int, float] | None = None
     # what a draft head trained on this target must match (its features are these layers'

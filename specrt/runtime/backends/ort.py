@@ -3,7 +3,7 @@
 Two graph flavours (step_io): the portable graph takes the cache's past as inputs and returns
 the new positions (appended by the session); the fused graph writes them into the cache buffers
 itself (engines/ort_inplace.py binds them in place), so its caches carry room for a whole
-verification step beyond their capacity (`FUSED_STEP_ROOM`).
+verification step beyond their capacity (`STEP_ROOM`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import numpy as np
 
 from specrt.export.config import ModelConfig
 from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO, fused_inputs
-from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput, gather_rows
+from specrt.runtime.backends.base import STEP_ROOM, Capabilities, StepBackend, StepOutput, gather_rows
 
 # most positions a verification step of the fused graph has: its attention op writes all Q of
 # every row (padding included) from the row's length on, so a cache holds this many slots past
 # its capacity (for a row near its end beside a row verifying a long draft)
-FUSED_STEP_ROOM = 64
 
 
 class OrtBackend(StepBackend):
@@ -41,14 +40,14 @@ class OrtBackend(StepBackend):
         fused = flavour == "fused"
         self.description = f"onnxruntime {onnxruntime.__version__} {provider}" + (", fused graph" if fused else "")
         self.caps = Capabilities(
-            max_verify=FUSED_STEP_ROOM if fused else None,
+            max_verify=STEP_ROOM if fused else None,
             batch_invariance=batch_invariance,
             step_ms={int(q): float(ms) for q, ms in step_ms.items()} if step_ms else None,
             hidden_layers=tuple(hidden_layers),
             precision=precision,
             checkpoint_hash=checkpoint_hash,
             vocab_size=config.vocab_size,
-            cache_slack=FUSED_STEP_ROOM if fused else 0,
+            cache_slack=STEP_ROOM if fused else 0,
         )
         self._io = StepIO(config.num_hidden_layers)
         # fetching hidden_states only when asked saves its host copy on every other step

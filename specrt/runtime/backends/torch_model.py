@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from specrt.errors import SpecrtError
+from specrt.export.step_io import in_place
 from specrt.runtime.backends.base import (
     MAX_GRAPHS,
+    STEP_ROOM,
     Capabilities,
     StepBackend,
     StepOutput,
@@ -14,6 +18,12 @@ from specrt.runtime.backends.base import (
     graphable,
 )
 from specrt.runtime.transfer import to_device
+
+# PyTorch's CPU products give a row bitwise the same result only among products whose row count
+# puts it in a whole tile of 4 rows (measured with torch 2.13: M = 1, M = 2-3 and M >= 4 are three
+# classes), so with the in-place attention, steps of a multiple of 4 positions per row make every
+# step shape bitwise equal (runtime/step_shapes.py measures it; tests/test_exact.py holds it)
+CPU_STEP_MULTIPLE = 4
 
 
 class TorchBackend(StepBackend):
@@ -26,6 +36,11 @@ class TorchBackend(StepBackend):
     one memory pool shared by all graphs, and replayed with its inputs copied into static buffers;
     prefill chunks run eagerly (`graphable`). The generator
     then pools its caches (`reuse_cache`), so a shape is captured once, not once per generation.
+
+    A step writes its new positions into the cache's buffers in place and attends over the
+    buffers alone (LlamaModel.forward's `slots`; caches get STEP_ROOM slots of slack for a
+    step's padding), as the fused ONNX graph does: every position's attention sums over the same
+    slots in the same order whatever the step's shape.
     """
 
     def __init__(
@@ -56,6 +71,9 @@ class TorchBackend(StepBackend):
         self.caps = Capabilities(
             cache_device=None if self.device.type == "cpu" else str(self.device),
             reuse_cache=cuda_graphs,
+            cache_slack=STEP_ROOM,
+            max_verify=STEP_ROOM,
+            step_multiple=CPU_STEP_MULTIPLE if self.device.type == "cpu" else 1,
             hidden_layers=tuple(model.hidden_layers),
             checkpoint_hash=checkpoint_hash,
             vocab_size=self.config.vocab_size,
@@ -72,30 +90,40 @@ class TorchBackend(StepBackend):
             return [tuple(torch.from_numpy(t) for t in cache.past(i)) for i in range(cache.num_layers)]
         return [cache.past(i) for i in range(cache.num_layers)]
 
-    def _forward(self, ids, pos, mask, index, past):
-        logits, hidden, present = self.model(ids, pos, mask, past, index)
-        return [logits, hidden, *[t for kv in present for t in kv]]
+    def _forward(self, ids, pos, mask, index, slots, past):
+        logits, hidden, _ = self.model(ids, pos, mask, past, index, slots=slots)
+        return [logits, hidden]
+
+    def device_inputs(self, input_ids, position_ids, attention_mask, logits_index, cache) -> list:
+        """A step's inputs (StepSession.step_inputs) on the device: ids, positions, the mask over
+        the cache's buffers, the logits index and the slots the new positions go to."""
+        Q, width = input_ids.shape[1], cache.keys.shape[3]
+        if int(cache.lengths.max()) + Q > width:
+            raise ValueError(
+                f"a step of {Q} positions does not fit the cache's buffers ({width} slots) after "
+                f"{int(cache.lengths.max())} committed positions; give the cache room for it (Capabilities.cache_slack)"
+            )
+        mask, slots = in_place(cache.lengths, attention_mask)
+        arrays = (input_ids, position_ids, mask, logits_index, np.ascontiguousarray(slots))
+        return [to_device(a, self.device) for a in arrays]  # asynchronous copies (pinned staging)
 
     def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None, want_logits=True):
         import torch
 
-        arrays = (input_ids, position_ids, attention_mask, logits_index)
-        inputs = [to_device(a, self.device) for a in arrays]  # asynchronous copies (pinned staging)
+        inputs = self.device_inputs(input_ids, position_ids, attention_mask, logits_index, cache)
         with torch.inference_mode():
-            outs = self.enqueue(inputs, cache)
-        logits, hidden, flat = outs[0], outs[1], outs[2:]
-        present = list(zip(flat[0::2], flat[1::2]))
+            logits, hidden = self.enqueue(inputs, cache)
         hidden = None if hidden_index is None else gather_rows(hidden, hidden_index).float().cpu().numpy()
         if cache.device is None:  # the reference: host tensors, nothing to save
-            return StepOutput(logits.float().numpy(), hidden, [(k.numpy(), v.numpy()) for k, v in present])
+            return StepOutput(logits.float().numpy(), hidden, None)
         logits, top1 = device_logits(logits, want_logits)
-        return StepOutput(logits, hidden, present, top1=top1)
+        return StepOutput(logits, hidden, None, top1=top1)
 
     def enqueue(self, inputs, cache) -> list:
-        """The step on inputs already on the device (ids, positions, mask, logits index), through
-        its CUDA graph where it has one, else eagerly; returns the output tensors (logits, hidden,
-        then keys and values per layer) without reading anything back to the host, so on a GPU
-        the work is only enqueued (the GPU check times steps back to back this way)."""
+        """The step on inputs already on the device (`device_inputs`), through its CUDA graph
+        where it has one, else eagerly: the new keys and values are written into the cache and
+        the output tensors (logits, hidden) returned without reading anything back to the host,
+        so on a GPU the work is only enqueued (the GPU check times steps back to back this way)."""
         if graphable(self.cuda_graphs, inputs[0].shape[1], inputs[3].shape[1], self.max_graph_q):
             return self._replay(inputs, cache)
         return self._forward(*inputs, self._past(cache))
