@@ -16,6 +16,9 @@ Blocks, in order (the decisive ones first; the speed blocks stop at the time bud
 
     env         INFO  GPU, SM, driver, torch and CUDA, TensorRT / TensorRT-RTX or absent, TF32
     accuracy    PASS/FAIL  logits against the CPU float32 reference, eager and graphs (gpu_blocks.py)
+    exact       INFO  which step shapes give bitwise the same logits, float32 and bfloat16, eager
+                and graphs, under the backend's rule and other padding rules, and the row counts
+                a product of the model's shape agrees over (gpu_exact.py; on the CPU: PASS/FAIL)
     graphs      PASS/FAIL  capture counts exactly [0, 1, 2, 3] (a short prefill chunk not
                 captured), replays == eager, a first generation captures, a second nothing
     syncs       PASS/FAIL  host syncs of one graph decode step == 1
@@ -55,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_blocks as blocks  # noqa: E402
+import gpu_exact  # noqa: E402
 import gpu_sweep as speed  # noqa: E402
 
 from specrt.artifacts import package_versions  # noqa: E402
@@ -111,7 +115,19 @@ def cuda_broken() -> bool:
         return True
 
 
-BLOCKS = ("env", "accuracy", "graphs", "syncs", "greedy", "generation", "sweep", "decode", "tensorrt", "memory")
+BLOCKS = (
+    "env",
+    "accuracy",
+    "exact",
+    "graphs",
+    "syncs",
+    "greedy",
+    "generation",
+    "sweep",
+    "decode",
+    "tensorrt",
+    "memory",
+)
 
 
 class Report:
@@ -318,6 +334,14 @@ def main(argv=None) -> int:
     report.run(
         "accuracy", lambda: blocks.accuracy_block({f"torch {m}": backend(m == "graphs") for m in modes}, reference, ps)
     )
+
+    def exact_backend(m, graphs: bool):
+        b = TorchBackend(m, device=device, cuda_graphs=graphs)
+        if device == "cpu":
+            b.caps = dataclasses.replace(b.caps, cache_device="cpu")
+        return b
+
+    report.run("exact", gpu_exact.exact_block, model, exact_backend, device, modes)
     if cuda:
         report.run("graphs", blocks.graphs_block, lambda: backend(True), lambda: backend(False), ps)
         report.run("syncs", blocks.syncs_block, lambda: backend(True), ps)

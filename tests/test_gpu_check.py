@@ -89,6 +89,7 @@ def test_cpu_mode_runs_every_block_it_can(tmp_path):
     assert verdicts == {
         "env": "INFO",
         "accuracy": "PASS",
+        "exact": "PASS",  # on the CPU the PyTorch backend's own rule must be bitwise in every shape
         "graphs": "SKIP",
         "syncs": "SKIP",
         "greedy": "PASS",
