@@ -23,14 +23,14 @@ RULES = ((2, 1), (1, 4), (1, 8), (1, 16), (1, 32))  # (floor, multiple) padding 
 MAX_ROWS = 40
 
 
-def row_classes(n_in: int, n_out: int, dtype, device: str) -> list[list[int]]:
-    """Row counts M of y = x W^T grouped by the bits of the first row's result, in order."""
+def row_classes(n_in: int, n_out: int, dtype, device: str, rows: int = MAX_ROWS) -> list[list[int]]:
+    """Row counts M = 1..rows of y = x W^T grouped by the bits of the first row's result, in order."""
     gen = torch.Generator().manual_seed(0)
     w = (0.05 * torch.randn(n_out, n_in, generator=gen)).to(device, dtype)
-    x = torch.randn(MAX_ROWS, n_in, generator=gen).to(device, dtype)
+    x = torch.randn(rows, n_in, generator=gen).to(device, dtype)
     groups: dict[bytes, list[int]] = {}
     with torch.inference_mode():
-        for m in range(1, MAX_ROWS + 1):
+        for m in range(1, rows + 1):
             first = torch.nn.functional.linear(x[:m], w)[0].float().cpu().numpy()
             groups.setdefault(first.tobytes(), []).append(m)
     return list(groups.values())
@@ -85,3 +85,17 @@ def exact_block(model: LlamaModel, make_backend, device: str, modes: tuple[str, 
 def _verdicts(v: dict) -> str:
     bad = [k for k, ok in v.items() if not ok]
     return "bitwise in every shape" if not bad else f"not bitwise: {', '.join(bad)}"
+
+
+if __name__ == "__main__":  # the row classes of the model's three product shapes up to M = 512
+    import json
+    import sys
+
+    device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+    found = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for n_in, n_out in ((576, 1536), (1536, 576), (576, 49152)):
+            groups = row_classes(n_in, n_out, dtype, device, rows=512)
+            found[f"{dtype} {n_in}x{n_out}"] = groups
+            print(f"{dtype} {n_in}x{n_out}: {_spans(groups)}", flush=True)
+    print(json.dumps(found))
