@@ -43,8 +43,9 @@ from specrt.runtime.generator import Generator
 
 from harness import envelope
 
-SCHEMES = {"float32": "none", "gguf": "gguf", "gguf-a8": "gguf-a8"}
+SCHEMES = {"float32": "none", "gguf": "gguf", "gguf-a8": "gguf-a8", "int8-a8": "int8-a8", "int4-a8": "int4-a8"}
 SETTINGS = ("bitwise", "near-ties")
+DEFAULT_ENGINES = ",".join(f"{n} {s}" for n in ("float32", "gguf", "gguf-a8") for s in SETTINGS)
 
 
 def runners(gen):
@@ -75,21 +76,33 @@ def main() -> None:
         help="Comma-separated engine settings (ENGINE SETTING[=PROMPTS], default --exact-prompts) whose exactness "
         "is counted.",
     )
+    ap.add_argument(
+        "--engines",
+        default=DEFAULT_ENGINES,
+        help=f"Comma-separated engine settings (ENGINE SETTING) run side by side; engines: {', '.join(SCHEMES)}; "
+        "settings: bitwise, near-ties (each engine is built when missing).",
+    )
     ap.add_argument("--genai-python", default=None, help="A Python with onnxruntime-genai: the anchor.")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
     args = ap.parse_args()
 
     from specrt.training.prompts import build_prompt_set
 
-    for line in build_all(BuildSpec(checkpoint=args.model, out=args.artifacts, quantize="gguf-a8", tensorrt="off")):
-        print(line, file=sys.stderr)
+    engines = [tuple(e.split()) for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if len(e) != 2 or e[0] not in SCHEMES or e[1] not in SETTINGS]
+    if bad:
+        ap.error(
+            f"--engines: {bad} are not ENGINE SETTING pairs (engines {', '.join(SCHEMES)}; settings bitwise, near-ties)"
+        )
+    for scheme in sorted({SCHEMES[n] for n, _ in engines}):
+        for line in build_all(BuildSpec(checkpoint=args.model, out=args.artifacts, quantize=scheme, tensorrt="off")):
+            print(line, file=sys.stderr)
     layout = ArtifactLayout(args.artifacts)
     gens = {}
-    for name, scheme in SCHEMES.items():
-        for setting in SETTINGS:
-            gens[f"{name} {setting}"] = Generator.from_engine(
-                layout.ort_engine("cpu", scheme), args.model, exact=setting
-            )
+    for name, setting in engines:
+        gens[f"{name} {setting}"] = Generator.from_engine(
+            layout.ort_engine("cpu", SCHEMES[name]), args.model, exact=setting
+        )
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     classes = sorted({r["class"] for r in rows})
     ref = next(iter(gens.values()))
@@ -126,6 +139,8 @@ def main() -> None:
 
     wanted = [e.strip().partition("=") for e in args.exact_engines.split(",") if e.strip()]
     counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
+    if set(counts) - set(gens):
+        ap.error(f"--exact-engines {sorted(set(counts) - set(gens))} are not among --engines")
     made = build_prompt_set(max(counts.values()), seed=7, exclude=tuple(r["prompt"] for r in rows))
     all_ids = [ref.encode_prompt(p.prompt) for p in made]
     for g in gens.values():

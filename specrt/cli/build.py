@@ -96,7 +96,8 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     show_default=True,
     type=click.Choice(["fused", "portable"]),
     help="The step graphs: fused (ORT's engines run ORT's fused attention, norm and 4-bit kernels with the KV cache "
-    "written in place: onnx-fused/, float32, gguf and gguf-a8; TensorRT's the standard opset-23 graph: "
+    "written in place: onnx-fused/, float32, gguf, gguf-a8 and the weight-only int4, int4-a8, int8-a8; "
+    "TensorRT's the standard opset-23 graph: "
     "onnx-standard/) or portable (both run the traced graph: onnx/).",
 )
 @tensorrt_option("TensorRT engine: auto builds one when tensorrt or tensorrt_rtx is installed.")

@@ -31,7 +31,7 @@ class BuildSpec:
     )
     quant_block_size: int = 32
     # the ORT engines' step graph: "fused" (export/fused_graph.py: ORT's fused operators, the
-    # cache written in place) where a recipe writes one (FUSED_SCHEMES), else "portable"
+    # cache written in place) where a recipe writes one (FUSED_SCHEMES, FUSED_WEIGHT_ONLY), else "portable"
     graph: str = "fused"
     gguf: Path | None = None  # --quantize gguf: the GGUF file (default: the one the checkpoint was converted from)
     # --quantize gptq: the calibration set (calibration.data.CalibrationSet), or a function that
@@ -40,7 +40,9 @@ class BuildSpec:
     make_calibration: Callable[[Path], Path] | None = None
 
 
-FUSED_SCHEMES = ("none", *GGUF_SCHEMES)  # schemes with a fused graph; the others build their portable graph
+FUSED_SCHEMES = ("none", *GGUF_SCHEMES)  # schemes whose fused graph is written from the checkpoint or GGUF
+# schemes quantized from the float32 fused graph (its MatMuls become MatMulNBits, as on the portable one)
+FUSED_WEIGHT_ONLY = ("int4", "int8", "int4-a8", "int8-a8")
 
 
 def _records(manifest: dict | None, wanted: dict) -> bool:
@@ -138,6 +140,9 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
         return
 
     qdir = ArtifactLayout(spec.out).quant_onnx(spec.quantize)
+    if spec.graph == "fused" and spec.quantize in FUSED_WEIGHT_ONLY:  # from the float32 fused graph
+        odir, qdir = ArtifactLayout(spec.out).fused_onnx(), ArtifactLayout(spec.out).fused_onnx(spec.quantize)
+        onnx_files = read_onnx_manifest(odir)["files"]
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, qdir, ckpt_hash)
     wanted, make = _quantizer(spec, odir, qdir)
     fresh = (
