@@ -368,12 +368,17 @@ def plot_sweep(result: dict, path: Path) -> Path | None:
 
 
 def write_result_json(result: dict, out_dir: str | Path, name: str) -> Path:
-    """Write a benchmark's result as `<out_dir>/<name>-<date>.json` (the bench scripts share this)."""
+    """Write a benchmark's result as `<out_dir>/<name>-<date>.json` (the bench scripts share this);
+    a later run of the same day gets `-2`, `-3`, ...: an earlier result is never overwritten."""
     from specrt.artifacts import atomic_write_text
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}-{datetime.date.today().isoformat()}.json"
+    stem = f"{name}-{datetime.date.today().isoformat()}"
+    path, n = out_dir / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = out_dir / f"{stem}-{n}.json"
     atomic_write_text(path, json.dumps(result, indent=2) + "\n")  # a killed run leaves the last result whole
     return path
 

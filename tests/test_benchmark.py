@@ -159,3 +159,13 @@ def test_policy_bench_runs_on_a_virtual_clock(tiny_artifacts):
     quiet = a.step(1, 1)
     b.now = (start + end) / 2
     assert 1.5 <= factor <= 3.0 and b.step(1, 1) == pytest.approx(quiet * factor)
+
+
+def test_a_second_result_of_the_same_day_does_not_overwrite_the_first(tmp_path):
+    from specrt.benchmark import write_result_json
+
+    first = write_result_json({"run": 1}, tmp_path, "exact")
+    second = write_result_json({"run": 2}, tmp_path, "exact")
+    third = write_result_json({"run": 3}, tmp_path, "exact")
+    assert first != second != third and second.name.endswith("-2.json") and third.name.endswith("-3.json")
+    assert [json.loads(p.read_text())["run"] for p in (first, second, third)] == [1, 2, 3]
