@@ -21,6 +21,8 @@ repeat, so machine noise hits them alike; medians are reported.
   steps     each engine's step cost by positions, as its build measured it (ms)
   anchor    onnxruntime-genai's int4 graph (round-to-nearest int4, int8 activations), with
             --genai-python: its decode tokens/s beside the others
+  peer      llama.cpp's llama-server on the GGUF itself, with --llama-server: plain and its n-gram
+            speculative modes (--llama-modes), end to end and decode tokens/s (bench/llamacpp_peer.py)
 
 Table on stdout, JSON in bench/results/exact-<date>.json.
 """
@@ -28,6 +30,7 @@ Table on stdout, JSON in bench/results/exact-<date>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -83,6 +86,11 @@ def main() -> None:
         "settings: bitwise, near-ties (each engine is built when missing).",
     )
     ap.add_argument("--genai-python", default=None, help="A Python with onnxruntime-genai: the anchor.")
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: a peer on the GGUF.")
+    ap.add_argument("--gguf", type=Path, default=None, help="--llama-server: the GGUF (default: the checkpoint's).")
+    ap.add_argument(
+        "--llama-modes", default="plain,ngram-simple,ngram-mod", help="--llama-server: plain and n-gram spec types."
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
     args = ap.parse_args()
 
@@ -107,6 +115,19 @@ def main() -> None:
     classes = sorted({r["class"] for r in rows})
     ref = next(iter(gens.values()))
     encoded = [(r["class"], ref.encode_prompt(r["prompt"])) for r in rows]
+    peers = contextlib.ExitStack()
+    servers = {}
+    if args.llama_server:
+        from llamacpp_peer import LlamaServer
+
+        from specrt.export.gguf import gguf_origin
+
+        gguf = args.gguf or gguf_origin(args.model)
+        for mode in args.llama_modes.split(","):
+            servers[mode] = peers.enter_context(LlamaServer(args.llama_server, gguf, mode))
+    llama = {m: {c: [] for c in classes} for m in servers}
+    llama_decode = {m: {c: [] for c in classes} for m in servers}
+    llama_drafts = {m: [0, 0] for m in servers}
     genai_dir = None
     if args.genai_python:
         genai_dir = build_genai_model(args.genai_python, args.model, args.artifacts.with_name("genai-int4-cpu"))
@@ -132,6 +153,13 @@ def main() -> None:
                 decode[name]["auto"][cls].append(tok_s)
                 equal_bench[name][0] += spec.token_ids == plain.token_ids
                 equal_bench[name][1] += 1
+        for mode, server in servers.items():
+            for cls, ids in encoded:
+                r = server.complete(ids, args.new_tokens)
+                llama[mode][cls].append(r["tok_s"])
+                llama_decode[mode][cls].append(r["decode_tok_s"])
+                llama_drafts[mode][0] += r["drafted"]
+                llama_drafts[mode][1] += r["accepted"]
         if genai_dir:
             got = genai_runs(args.genai_python, genai_dir, [ids for _, ids in encoded], args.new_tokens)
             for (cls, _), r in zip(encoded, got["runs"]):
@@ -185,6 +213,17 @@ def main() -> None:
         "step_ms_at_build": {n: g.backend.caps.step_ms for n, g in gens.items() if n.endswith("bitwise")},
         "exactness": {n: g.session.exactness() for n, g in gens.items()},
     }
+    peers.close()
+    for mode in servers:
+        result["decode_tok_s"][f"llama-server {mode}"] = {
+            "plain": {c: round(med(v), 1) for c, v in llama[mode].items()}
+        }
+        result["plain_decode_tok_s"][f"llama-server {mode}"] = {
+            c: round(med(v), 1) for c, v in llama_decode[mode].items()
+        }
+        result.setdefault("llama_server_drafts", {})[mode] = dict(zip(("drafted", "accepted"), llama_drafts[mode]))
+    if servers:
+        result["anchor_llama_server"] = {"binary": str(args.llama_server), "modes": list(servers)}
     if genai_dir:
         result["decode_tok_s"]["onnxruntime-genai int4"] = {"plain": {c: round(med(v), 1) for c, v in genai.items()}}
         result["anchor"] = {"onnxruntime_genai": got["version"]}

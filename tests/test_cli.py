@@ -252,7 +252,7 @@ def test_generate_with_quantized_engine(tiny_checkpoint, tmp_path):
             "int4",
         ],
     )
-    assert r.exit_code == 0 and "onnx-int4: quantized" in r.output, r.output
+    assert r.exit_code == 0 and "onnx-fused-int4: quantized" in r.output, r.output
     r = CliRunner().invoke(
         main, ["generate", "--artifacts", str(art), "--quantize", "int4", "--prompt", "w5 w6", "--max-new-tokens", "6"]
     )

@@ -23,10 +23,10 @@ ATOL_KV = 1e-5
 @pytest.fixture(scope="module")
 def backends(tiny_checkpoint, tiny_portable_artifacts):
     """The portable graph's engine (its I/O is what these tests feed; the fused graph has its own
-    tests, test_fused_graph.py) and the PyTorch model."""
+    tests, test_fused_graph.py) and the PyTorch model in the form the export traces."""
     session, manifest, provider = load_ort_session(tiny_portable_artifacts / "engines" / "ort-cpu")
     ort_backend = OrtBackend.from_manifest(session, manifest, provider)
-    return ort_backend, TorchBackend(load_model(tiny_checkpoint))
+    return ort_backend, TorchBackend(load_model(tiny_checkpoint), in_place=False)
 
 
 def new_cache(cfg, batch, capacity):
@@ -202,7 +202,7 @@ def test_export_with_eagle3_hidden_layers(tiny_checkpoint, tmp_path):
         feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"] = cache.past(i)
     hidden = sess.run(["hidden_states"], feeds)[0]
     expected = (
-        TorchBackend(model)
+        TorchBackend(model, in_place=False)
         .step(
             ids,
             feeds["position_ids"],
@@ -304,7 +304,7 @@ def test_tied_embedding_is_stored_once(tmp_path, tiny_checkpoint):
             load_model(ckpt).cfg,
             "cpu",
         ),
-        TorchBackend(load_model(ckpt)),
+        TorchBackend(load_model(ckpt), in_place=False),
     ]
     ids = np.array([[3, 9, 27, 81 % 128, 100, 127, 0, 5]])
     a, b = run_both(backends, ids, np.arange(8)[None], lambda c: c.attention_mask(8))

@@ -180,13 +180,14 @@ def test_build_engines_quantize_builds_and_reuses(tiny_checkpoint, tmp_path):
     out = tmp_path / "art"
     lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out, tensorrt="off", quantize="int4")))
     assert (
-        any("onnx-int4: quantized" in line for line in lines)
+        any("onnx-fused-int4: quantized" in line for line in lines)
         and (out / "engines" / "ort-cpu-int4" / "manifest.json").is_file()
     )
     again = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out, tensorrt="off", quantize="int4")))
-    assert sum("up to date" in line for line in again) == 5  # onnx, onnx-fused, its engine, onnx-int4, its engine
+    # onnx, onnx-fused, its engine, onnx-fused-int4 (quantized from the fused graph), its engine
+    assert sum("up to date" in line for line in again) == 5
     other = list(
         build_all(BuildSpec(checkpoint=tiny_checkpoint, out=out, tensorrt="off", quantize="int4", quant_block_size=64))
     )
-    assert any("onnx-int4: quantized" in line for line in other)  # another block size is another graph
-    assert read_onnx_manifest(out / "onnx-int4")["quantization"]["block_size"] == 64
+    assert any("onnx-fused-int4: quantized" in line for line in other)  # another block size is another graph
+    assert read_onnx_manifest(out / "onnx-fused-int4")["quantization"]["block_size"] == 64

@@ -50,7 +50,10 @@ class TorchBackend(StepBackend):
         cuda_graphs: bool = False,
         max_graph_q: int = 32,
         checkpoint_hash: str | None = None,
+        in_place: bool = True,
     ):
+        """in_place=False: the traced form (new keys appended after the past, `present`
+        returned), what the ONNX export traces; the export's tests compare the two with it."""
         import torch
 
         if cuda_graphs and not str(device).startswith("cuda"):
@@ -63,6 +66,7 @@ class TorchBackend(StepBackend):
         self.model = model.eval().to(self.device)
         self.config = model.cfg
         self.cuda_graphs, self.max_graph_q = cuda_graphs, max_graph_q
+        self.in_place = in_place
         self._graphs: dict = {}  # (cache_key, (B, Q), (B, K)) -> (graph, static inputs, static outputs)
         self._pool = None  # the memory pool every graph is captured into (one, shared)
         self._stream = None  # the side stream graphs are captured on
@@ -71,9 +75,9 @@ class TorchBackend(StepBackend):
         self.caps = Capabilities(
             cache_device=None if self.device.type == "cpu" else str(self.device),
             reuse_cache=cuda_graphs,
-            cache_slack=STEP_ROOM,
-            max_verify=STEP_ROOM,
-            step_multiple=CPU_STEP_MULTIPLE if self.device.type == "cpu" else 1,
+            cache_slack=STEP_ROOM if in_place else 0,
+            max_verify=STEP_ROOM if in_place else None,
+            step_multiple=CPU_STEP_MULTIPLE if self.device.type == "cpu" and in_place else 1,
             hidden_layers=tuple(model.hidden_layers),
             checkpoint_hash=checkpoint_hash,
             vocab_size=self.config.vocab_size,
@@ -91,12 +95,18 @@ class TorchBackend(StepBackend):
         return [cache.past(i) for i in range(cache.num_layers)]
 
     def _forward(self, ids, pos, mask, index, slots, past):
+        if not self.in_place:
+            logits, hidden, present = self.model(ids, pos, mask, past, index)
+            return [logits, hidden, *[t for kv in present for t in kv]]
         logits, hidden, _ = self.model(ids, pos, mask, past, index, slots=slots)
         return [logits, hidden]
 
     def device_inputs(self, input_ids, position_ids, attention_mask, logits_index, cache) -> list:
         """A step's inputs (StepSession.step_inputs) on the device: ids, positions, the mask over
         the cache's buffers, the logits index and the slots the new positions go to."""
+        if not self.in_place:
+            arrays = (input_ids, position_ids, attention_mask, logits_index, np.zeros((1, 1), np.int64))
+            return [to_device(a, self.device) for a in arrays]
         Q, width = input_ids.shape[1], cache.keys.shape[3]
         if int(cache.lengths.max()) + Q > width:
             raise ValueError(
@@ -112,12 +122,14 @@ class TorchBackend(StepBackend):
 
         inputs = self.device_inputs(input_ids, position_ids, attention_mask, logits_index, cache)
         with torch.inference_mode():
-            logits, hidden = self.enqueue(inputs, cache)
+            logits, hidden, *flat = self.enqueue(inputs, cache)
+        present = list(zip(flat[0::2], flat[1::2])) if flat else None  # the traced form's new keys
         hidden = None if hidden_index is None else gather_rows(hidden, hidden_index).float().cpu().numpy()
         if cache.device is None:  # the reference: host tensors, nothing to save
-            return StepOutput(logits.float().numpy(), hidden, None)
+            host = None if present is None else [(k.numpy(), v.numpy()) for k, v in present]
+            return StepOutput(logits.float().numpy(), hidden, host)
         logits, top1 = device_logits(logits, want_logits)
-        return StepOutput(logits, hidden, None, top1=top1)
+        return StepOutput(logits, hidden, present, top1=top1)
 
     def enqueue(self, inputs, cache) -> list:
         """The step on inputs already on the device (`device_inputs`), through its CUDA graph
