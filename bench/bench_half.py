@@ -38,6 +38,8 @@ def reference_scorer(onnx_dir: Path):
     import onnx
     from onnx.reference import ReferenceEvaluator
 
+    from specrt.runtime.logprobs import log_softmax
+
     cfg = json.loads((onnx_dir / "manifest.json").read_text())["config"]
     evaluator = ReferenceEvaluator(onnx.load(str(onnx_dir / "model.onnx")))
     layers = range(cfg["num_hidden_layers"])
@@ -62,9 +64,7 @@ def reference_scorer(onnx_dir: Path):
             logits, *new = evaluator.run(["logits", *present], feeds)
             past = {n: np.concatenate([past[n], kv], axis=2) for n, kv in zip(kv_names, new)}
             rows.append(logits[0].astype(np.float64))
-        logits = np.concatenate(rows)
-        m = logits.max(-1, keepdims=True)
-        return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+        return log_softmax(np.concatenate(rows))
 
     return score
 

@@ -49,16 +49,16 @@ VARIANTS = {
 
 def nll_and_top1(gen, ids: list[int], chunk: int = 256):
     """Per-position negative log-likelihood of ids[1:] and the argmax predictions, teacher-forced."""
+    from specrt.runtime.logprobs import log_softmax
+
     cache = gen.session.new_cache(1, len(ids) + 1)
     nll, top1 = [], []
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start : start + chunk]
-        logits = gen.session.forward(cache, [piece]).logits[0].astype(np.float64)
         targets = ids[start + 1 : start + 1 + len(piece)]
-        logits = logits[: len(targets)]
-        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-        nll += (logz - logits[np.arange(len(targets)), targets]).tolist()
-        top1 += logits.argmax(-1).tolist()
+        logp = log_softmax(gen.session.forward(cache, [piece]).logits[0][: len(targets)])
+        nll += (-logp[np.arange(len(targets)), targets]).tolist()
+        top1 += logp.argmax(-1).tolist()
     return np.array(nll), np.array(top1)
 
 

@@ -48,9 +48,7 @@ class SpecBenchConfig:
     transformers: bool = True  # compare with transformers' prompt lookup and plain generate
     main_runs: bool = True  # False: only the speedup-vs-N sweep
     hf_lookup_tokens: int = 10
-    drafts: Path | None = (
-        None  # a `make drafts` directory: adds its heads (eagle/, eagle3/, mtp/, medusa/) and the hybrid
-    )
+    drafts: Path | None = None  # a `make drafts` directory: adds its heads (eagle/, eagle3/, mtp/, medusa/)
     tree: tuple[int, int] = (4, 6)  # EAGLE-2 dynamic trees: top-k per node, depth (the node budget is N)
     sweep: bool = True
 
@@ -72,16 +70,14 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
     for method, entry in DRAFT_METHODS.items():  # those with weights, in a `make drafts` directory each
         if not (entry.needs_draft_dir or entry.head_optional):
             continue
-        d = Path(cfg.drafts) / (entry.reads or method)
+        d = Path(cfg.drafts) / method
         if entry.head_optional:  # auto with each head it takes: its trees where no copy serves
             for head in AUTO_HEADS:
                 if HeadLayout(Path(cfg.drafts) / head).ort_engine().is_dir():
                     tree = _tree(cfg.tree) if DRAFT_METHODS[head].takes_tree else {}  # Medusa: its own tree
                     out.append((f"{method}+{head}", method, {"draft_dir": Path(cfg.drafts) / head} | tree))
             continue
-        if entry.reads:  # a composite (hybrid): its trees
-            shapes = [(method, cfg.tree)]
-        elif entry.takes_tree:
+        if entry.takes_tree:
             shapes = [(f"{method} chain", None), (f"{method} tree", cfg.tree)]
         else:  # Medusa drafts its own tree of choices (training.json); a draft model, chains
             shapes = [(method, None)]

@@ -40,6 +40,7 @@ from specrt.calibration import QUANT_SCHEMES
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout
 from specrt.runtime.generator import Generator
+from specrt.runtime.logprobs import log_softmax
 from specrt.runtime.runner import RunnerSpec, open_generator
 
 REPORT_SEED = 2  # the prompt set's seed for held-out text: calibration uses 1, draft heads 0
@@ -65,9 +66,7 @@ def log_softmax_rows(gen: Generator, ids: list[int], chunk: int = 256) -> np.nda
     rows = []
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start : start + chunk]
-        logits = gen.session.forward(cache, [piece]).logits[0].astype(np.float64)[: len(ids) - 1 - start]
-        m = logits.max(-1, keepdims=True)
-        rows.append(logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True)))
+        rows.append(log_softmax(gen.session.forward(cache, [piece]).logits[0][: len(ids) - 1 - start]))
     return np.concatenate(rows)
 
 

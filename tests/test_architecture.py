@@ -71,3 +71,21 @@ def test_the_runtime_and_its_drafts_load_without_torch():
     code = f"import sys\nfor m in {modules!r}:\n    __import__(m)\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_opening_an_ort_engine_loads_no_torch(tiny_artifacts):
+    """Opening the ORT engine and generating with it (Generator.from_engine: the manifest, the
+    checkpoint's fingerprint, the session) loads no torch: it was imported for the fingerprint."""
+    import subprocess
+    import sys
+
+    from specrt.layout import ArtifactLayout
+
+    engine = ArtifactLayout(tiny_artifacts).ort_engine()
+    code = (
+        "import sys\nfrom specrt.runtime.generator import Generator\n"
+        f"gen = Generator.from_engine({str(engine)!r})\n"
+        "assert gen.generate_ids([[5, 6, 7]], 3)[0].token_ids\nprint('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

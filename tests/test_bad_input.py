@@ -43,7 +43,7 @@ def last_line(r) -> str:
         # the tree was silently ignored (Medusa refused it)
         (
             ["--draft", "lookahead", "--draft-tree", "4,6"],
-            "--draft-tree is for --draft auto, eagle, eagle3, peagle, mtp, hybrid",
+            "--draft-tree is for --draft auto, eagle, eagle3, peagle, mtp",
         ),
         (["--draft", "auto", "--draft-tree", "4,6"], "shapes the head's drafts: give its --draft-dir too"),
         (["--draft", "suffix", "--draft-tree", "2,3"], "not --draft suffix"),
@@ -161,7 +161,7 @@ def test_a_grammar_past_the_engines_limits_is_one_line(tiny_artifacts):
     assert len(r.output.strip().splitlines()) == 1 and len(r.output) < 600, r.output
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle3", "peagle", "mtp", "auto", "hybrid", "draft-model"])
+@pytest.mark.parametrize("method", ["medusa", "eagle3", "peagle", "mtp", "auto", "draft-model"])
 def test_a_draft_dir_that_does_not_exist_is_named(tiny_artifacts, tmp_path, method):
     """It was reported as a missing engines/ort-cpu inside it, with build-draft advice."""
     missing = tmp_path / "no-such-head"

@@ -83,7 +83,7 @@ def test_the_bench_harness_serves_and_stops(tiny_artifacts, tmp_path):
 def test_head_variants_follow_the_draft_registry(tmp_path):
     """specrt bench --drafts runs every method with weights whose `make drafts` directory has an
     engine (read from DRAFT_METHODS: a new family needs no edit here): chains and trees for
-    the tree-taking heads, auto on each head it takes, the hybrid on the eagle3 head, Medusa and
+    the tree-taking heads, auto on each head it takes, Medusa and
     a draft model as they draft."""
     from specrt.benchmark import SpecBenchConfig, head_variants
     from specrt.layout import HeadLayout
@@ -101,7 +101,6 @@ def test_head_variants_follow_the_draft_registry(tmp_path):
         ("eagle3 tree", "eagle3", cfg.tree),
         ("peagle chain", "peagle", None),
         ("peagle tree", "peagle", cfg.tree),
-        ("hybrid", "hybrid", cfg.tree),
         ("medusa", "medusa", None),
     ]
     assert any("skipped eagle chain, eagle tree" in line for line in logged)

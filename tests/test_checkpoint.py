@@ -123,7 +123,7 @@ def test_hash_cache_is_used_and_invalidated_by_changes(tiny_checkpoint, tmp_path
 
     d = clone(tiny_checkpoint, tmp_path / "c")
     h = checkpoint_hash(d)
-    from specrt.export.checkpoint import _hash_cache_path
+    from specrt.export.checkpoint_files import _hash_cache_path
 
     cache_file = _hash_cache_path()
     cache = json.loads(cache_file.read_text())

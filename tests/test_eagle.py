@@ -219,37 +219,6 @@ def test_greedy_eagle_equals_plain(head_dir, tree, ort_gen):
         assert m.drafted_tokens > m.steps  # trees of several nodes were verified
 
 
-def test_greedy_hybrid_equals_plain(ort_gen, tiny_checkpoint, tmp_path):
-    """The hybrid picks per row and step (from timings, so which one wins varies by machine);
-    whatever it picks, the output is plain greedy and every tree came from one of the two."""
-    layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64)
-    prompts = [[5, 9, 13, 21, 34] * 6, [77, 78]]
-    plain = ort_gen.generate_ids(prompts, 60)
-    prop = make_proposer("hybrid", draft_dir=layout.root, target=ort_gen.session.caps)
-    out = SpeculativeDecoder(ort_gen, prop, make_policy(6)).generate_ids(prompts, 60)
-    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
-    assert prop.chosen["eagle"] > 0 and sum(prop.chosen.values()) >= out[0].metrics.steps
-
-
-def test_hybrid_head_catches_up_on_the_steps_the_suffix_draft_won(ort_gen, tiny_checkpoint, tmp_path):
-    """The head sees the target's features of the positions committed while the suffix draft
-    won only when it next drafts (one batched catch-up), and still drafts exactly: output equals
-    plain, and the head ran on fewer steps than the loop made."""
-    layout = make_head_dir(tiny_checkpoint, "eagle3", tmp_path / "h", draft_vocab=64)
-    prompts = [[5, 9, 13, 21, 34] * 6, [77, 78]]
-    plain = ort_gen.generate_ids(prompts, 60)
-    prop = make_proposer("hybrid", draft_dir=layout.root, target=ort_gen.session.caps)
-    turns = iter(range(10**6))
-    prop._suffix_wins = lambda tree: next(turns) % 5 != 0  # the head drafts one row-step in five
-    caught_up = []
-    real = prop.eagle.catch_up
-    prop.eagle.catch_up = lambda inp: caught_up.append([len(f) for f in inp.features]) or real(inp)
-    out = SpeculativeDecoder(ort_gen, prop, make_policy(4)).generate_ids(prompts, 60)
-    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
-    assert 0 < prop.chosen["eagle"] < prop.chosen["suffix"]
-    assert len(caught_up) < out[0].metrics.steps and max(max(c) for c in caught_up[1:]) > 5
-
-
 def test_greedy_auto_with_a_head_equals_plain(ort_gen, tiny_checkpoint, tmp_path):
     """--draft auto --draft-dir: with a fixed N the head drafts the rows no copy draft serves
     (one prompt repeats, one does not), catching up on the features of the steps it skipped;

@@ -136,7 +136,7 @@ def test_lookups_learn_from_drafts_that_were_never_verified(loopy_gen, method, s
     decoder = SpeculativeDecoder(loopy_gen, make_proposer(method), make_policy("auto"))
     states = []
     new_state = decoder.new_state
-    decoder.new_state = lambda batch: states.append(new_state(batch)) or states[-1]
+    decoder.new_state = lambda *a: states.append(new_state(*a)) or states[-1]
     result = decoder.generate_ids([ids], 40)[0]
     assert result.token_ids == plain
     m = result.metrics

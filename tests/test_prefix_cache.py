@@ -5,6 +5,7 @@ batching and speculation; the pool never holds more than its bound; the server c
 import numpy as np
 import pytest
 
+from specrt.errors import SpecrtError
 from specrt.runtime.batching import BatchEngine, Request
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
@@ -102,9 +103,16 @@ def test_a_zero_bound_keeps_nothing_and_features_turn_it_off(ort_gen):
     BatchEngine(ort_gen, max_batch=1, prefix_cache=pool).run([Request(SHARED, 2), Request(SHARED, 2)])
     assert pool.hit == 0 and not pool.blocks
 
-    # a draft that reads the target's features needs every prompt position's: no lookups
+    # a draft that reads the target's features needs every prompt position's: refused by name
+    # (it was dropped without a word), and the server starts without one and says so
     spec = SpeculativeDecoder(ort_gen, SelfDraftProposer(ort_gen.backend, check_features=True), make_policy(2))
-    assert BatchEngine(spec, max_batch=1, prefix_cache=PrefixCache(1 << 20)).prefix is None
+    with pytest.raises(SpecrtError, match="a prefix cache cannot serve draft 'self': it reads the target's features"):
+        BatchEngine(spec, max_batch=1, prefix_cache=PrefixCache(1 << 20))
+    pytest.importorskip("fastapi", reason="the server needs fastapi")
+    from specrt.server import CompletionService, ServerLimits
+
+    service = CompletionService(spec, "tiny", ServerLimits(prefix_cache_mb=16))
+    assert service.engine.prefix is None and "prefix cache off: draft 'self'" in service.notes[0]
 
 
 def test_the_server_counts_prefix_hits(ort_gen):

@@ -8,7 +8,8 @@ import pytest
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.generator import Generator
-from specrt.runtime.session import Prefilled
+from specrt.runtime.row import Request, Row
+from specrt.runtime.speculative import StepRecord
 from specrt.runtime.verification import DraftTree, Verdict
 from specrt.training.data import generate_answers, read_answers
 from specrt.training.features import FeatureCache, FeatureRecorder, FeatureStore, cache_features
@@ -122,11 +123,12 @@ def test_the_recorder_keeps_the_root_and_the_accepted_nodes():
     """A step may verify a guess or a grammar's forced tokens: the features of the root and of the
     accepted nodes are the committed positions', the rejected node's are not."""
     recorder = FeatureRecorder()
-    recorder.begin([0], [[1, 2]], Prefilled(np.zeros((1, 8)), [np.zeros((2, 3))]))
+    recorder.joined(0, Row(0, Request([1, 2]), 3, None), np.zeros((2, 3)))
     hidden = np.arange(12, dtype=np.float32).reshape(1, 4, 3)  # root, three nodes
     step = StepOutput(None, hidden, None)
-    recorder.commit([0], [DraftTree.chain([5, 6, 7])], [Verdict([0, 1], 9)], step)
-    recorder.end([0], [[5, 6, 9]])
+    trees = {0: DraftTree.chain([5, 6, 7])}
+    recorder.stepped(StepRecord([0], {0: 3}, trees, {}, {0: Verdict([0, 1], 9)}, trees, 1, 4, 0, 0, {}, step))
+    recorder.left(0, None, [5, 6, 9])
     kept = recorder.take([1, 2], [5, 6, 9])
     assert np.array_equal(kept[2:], hidden[0, :3]) and len(kept) == 5
 

@@ -226,6 +226,8 @@ def serve(
     from specrt.runtime.runner import described
 
     click.echo(f"serving {service.model_id!r} on http://{url_host}:{port} [{described(gen, choice)}]", err=True)
+    for note in service.notes:
+        click.echo(note, err=True)
     from specrt.server import serve as run_server
 
     run_server(service, sock)
@@ -322,7 +324,7 @@ def _serve_ray(choice: RunnerSpec, served_model_name, limits, host, port, replic
     "--drafts",
     type=click.Path(path_type=Path),
     default=None,
-    help="A `make drafts` directory (drafts/MODEL): also run its EAGLE heads (chains, EAGLE-2 trees) and the hybrid.",
+    help="A `make drafts` directory (drafts/MODEL): also run its heads (chains, trees) and auto with each.",
 )
 @_friendly_errors
 def bench(

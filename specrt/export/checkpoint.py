@@ -1,110 +1,22 @@
 """Loading checkpoints: a Hugging Face directory (config.json + safetensors, never pickle) or GGUF.
 
 `load_model(path)` returns our LlamaModel in float32 with the checkpoint's weights.
-`checkpoint_hash(path)` is the fingerprint every artifact manifest records.
+`checkpoint_hash(path)` is the fingerprint every artifact manifest records (export/checkpoint_files.py:
+torch-free, so opening an engine loads no torch).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
 
 import torch
 
 from specrt.errors import CheckpointError
+from specrt.export.checkpoint_files import checkpoint_hash, require_checkpoint_dir, weight_files
 from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel
 
-_HASH_CHUNK = 8 << 20
-
-
-def require_checkpoint_dir(ckpt_dir: Path) -> None:
-    if not Path(ckpt_dir).is_dir():
-        raise CheckpointError(
-            f"checkpoint directory {ckpt_dir} does not exist. Pass a directory with config.json and "
-            "*.safetensors, or a .gguf file (for the default model run `make model`)."
-        )
-
-
-def weight_files(ckpt_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory, in a stable order."""
-    ckpt_dir = Path(ckpt_dir)
-    require_checkpoint_dir(ckpt_dir)
-    files = sorted(ckpt_dir.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(p.name for p in ckpt_dir.glob("*.bin")) + sorted(p.name for p in ckpt_dir.glob("*.pt"))
-        hint = (
-            f" It has pickle weights ({', '.join(pickles)}), which specrt does not load; re-save them as safetensors."
-            if pickles
-            else ""
-        )
-        raise CheckpointError(f"no *.safetensors files in {ckpt_dir}.{hint}")
-    index = ckpt_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            needed = set(json.loads(index.read_text())["weight_map"].values())
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index} is corrupt ({e}); restore it from the original checkpoint.") from None
-        missing = sorted(needed - {f.name for f in files})
-        if missing:
-            raise CheckpointError(
-                f"{ckpt_dir} is incomplete: shards {', '.join(missing)} named in {index.name} are missing."
-            )
-    return files
-
-
-def _hash_cache_path() -> Path:
-    root = os.environ.get("SPECRT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "specrt"
-    )
-    return Path(root) / "checkpoint-hashes.json"
-
-
-def checkpoint_hash(path: str | Path) -> str:
-    """sha256 over config.json and the weight files (or over the GGUF file).
-
-    Hashing a checkpoint reads all of it (~1.3 s for 540 MB), so results are remembered in
-    ~/.cache/specrt keyed by each file's path, size and modification time; any change to a file
-    changes its key and forces a fresh hash.
-    """
-    path = Path(path)
-    if path.is_file():
-        files = [path]
-    else:
-        files = weight_files(path)
-        if not (path / "config.json").is_file():
-            raise CheckpointError(
-                f"{path} has no config.json; a checkpoint directory needs it next to its safetensors files."
-            )
-        files = [path / "config.json", *files]
-    stats = [os.stat(f) for f in files]
-    key = "|".join(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}" for f, st in zip(files, stats))
-    cache_path = _hash_cache_path()
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key in cache:
-        return cache[key]
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            while chunk := fh.read(_HASH_CHUNK):
-                h.update(chunk)
-    digest = "sha256:" + h.hexdigest()
-    try:  # the cache is an optimisation: a read-only home directory only costs time
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache = {k: v for k, v in cache.items() if not k.startswith(str(files[0].resolve().parent))}
-        cache[key] = digest
-        tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_path)
-    except OSError:
-        pass
-    return digest
+__all__ = ["checkpoint_hash", "load_config", "load_model", "require_checkpoint_dir", "weight_files"]
 
 
 def load_config(path: str | Path) -> ModelConfig:

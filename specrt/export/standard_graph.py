@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.export.fused_graph import _Builder, export_written_graph
+from specrt.export.graph_writer import GraphBuilder, export_written_graph
 from specrt.export.step_io import StepIO
 
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention are opset 23's
@@ -34,7 +34,7 @@ STANDARD_VERSION = 1  # the standard graph's layout; a graph of another version 
 
 
 class StandardOps:
-    """The standard flavour's norms, attention and I/O for export/fused_graph.write_graph."""
+    """The standard flavour's norms, attention and I/O for export/graph_writer.write_graph."""
 
     flavour, io_flavour = "standard", "portable"
 
@@ -58,14 +58,14 @@ class StandardOps:
 
         onnx.checker.check_model(str(onnx_file), full_check=True)
 
-    def norm(self, g: _Builder, block: str | None, residual: str, weight, eps: float, name: str):
+    def norm(self, g: GraphBuilder, block: str | None, residual: str, weight, eps: float, name: str):
         """(normed, residual + block); the first layer normalizes the embedding alone."""
         if block is not None:
             residual = g.node("Add", [residual, block], [f"{name}/residual"], f"{name}/Add")[0]
         w = g.init(f"{name}.weight", weight.detach().float().numpy())
         return g.node("RMSNormalization", [residual, w], [f"{name}/out"], name, axis=-1, epsilon=eps)[0], residual
 
-    def attention(self, g: _Builder, cfg, i: int, qkv: str, io: StepIO, shared: dict) -> str:
+    def attention(self, g: GraphBuilder, cfg, i: int, qkv: str, io: StepIO, shared: dict) -> str:
         p, H, Hkv, D = f"layers.{i}.attn", cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if "mask" not in shared:  # (B, 1, Q, P + Q): one mask for every head
             axis = g.init("axes.1", np.array([1], np.int64))

@@ -30,6 +30,12 @@ The batch has `max_batch` slots, each a row of one shared KV cache. Every `step`
     finish   a row that hit EOS or its budget leaves; its slot, its cache row and its draft
              state are free for the next request at once, as are a cancelled request's.
 
+A request's row (runtime/row.py `Row`: its request, random generator, grammar state, prefill
+progress, metrics) is made at `submit` and handed to the decoder whole: the decoder's `join`
+makes the first token as a step like every other (runtime/speculative.py). Step observers
+(`StepObserver`: training/features.py's recorder of the target's features) watch the rows join,
+every step and the rows leave, without drafting.
+
 Why a prompt chunk runs on its own row rather than inside the decode step (as GPU servers
 pack them): the step graph is dense, [B, Q] positions, so a 64-token chunk in the same step
 would pad every decoding row to 64 positions; on its own row it costs only its own tokens.
@@ -53,20 +59,21 @@ from typing import Protocol
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.runtime.grammar import NAMES, Grammar, Matcher
+from specrt.runtime.grammar import NAMES
 from specrt.runtime.kv_cache import KVCache
-from specrt.runtime.logprobs import token_logprobs
 from specrt.runtime.prefix_cache import PrefixCache
-from specrt.runtime.sampling import SamplingParams, next_tokens
-from specrt.runtime.session import Prefilled
+from specrt.runtime.row import Request, Row
 from specrt.runtime.target import GenerationResult, Target
+
+__all__ = ["BatchEngine", "Decoder", "Event", "Request", "StepObserver", "decoder_of"]
 
 CAPACITY_STEP = 64  # cache capacities are multiples of this (fewer reallocations)
 
 
 class Decoder(Protocol):
     """What the engine steps with (runtime/speculative.py's SpeculativeDecoder): the target, the
-    draft's demands, and the verbs of a row's life: join, step, leave."""
+    draft's demands, and the verbs of a row's life: join (which makes its first token), step,
+    leave. Each returns or takes rows by slot; the rows themselves are the engine's `slots`."""
 
     gen: Target
     policy: object  # its max_draft: the most draft nodes one step verifies; its setting: N or "auto"
@@ -74,26 +81,36 @@ class Decoder(Protocol):
     @property
     def needs_features(self) -> bool: ...
 
-    def new_state(self, batch: int): ...
+    def new_state(self, slots: list, features: bool = False): ...
 
-    def join(self, state, row: int, request, rng, budget: int, prefilled: Prefilled, matcher=None): ...
+    def join(self, state, row: int, out, features=None): ...
 
     def step(self, state): ...
 
     def leave(self, state, row: int) -> None: ...
 
+    def finish(self, state): ...
 
-@dataclasses.dataclass
-class Request:
-    prompt: list[int]
-    max_new_tokens: int = 128
-    sampling: SamplingParams = SamplingParams()
-    rng: np.random.Generator | None = None  # its random generator (default: one from sampling.seed)
-    # the most draft tokens a step verifies for it (0: it never drafts); None: the decoder's
-    max_draft: int | None = None
-    # log probabilities of its tokens (runtime/logprobs.py), with this many alternatives each; None: none
-    logprobs: int | None = None
-    grammar: Grammar | None = None  # structured output: its output follows this grammar (runtime/grammar.py)
+
+def decoder_of(runner) -> Decoder:
+    """The decoder a runner steps with: a SpeculativeDecoder is one; a Generator (plain decoding)
+    has one, its `decoder`."""
+    return getattr(runner, "decoder", runner)
+
+
+class StepObserver(Protocol):
+    """What watches the engine's rows and steps without drafting (training/features.py's
+    recorder): a row joined (`features`: every prompt position's, when `needs_features`), a decode
+    step ran (its record: rows, trees, verdicts, and the target's output with its features), a
+    row left with its tokens."""
+
+    needs_features: bool
+
+    def joined(self, b: int, row: Row, features) -> None: ...
+
+    def stepped(self, record) -> None: ...
+
+    def left(self, b: int, row: Row, tokens: list[int]) -> None: ...
 
 
 @dataclasses.dataclass
@@ -108,30 +125,6 @@ class Event:
     error: str | None = None
 
 
-@dataclasses.dataclass
-class _Slot:
-    """A request in a slot of the batch."""
-
-    rid: int
-    request: Request
-    budget: int  # tokens it may produce (its max_new_tokens, bounded by the context)
-    rng: np.random.Generator
-    matcher: Matcher | None = None  # its grammar's state, when it has one
-    prefilled: int = 0  # prompt tokens in the cache so far
-    looked_up: bool = False  # its prompt was looked up in the prefix cache
-    prefill_seconds: float = 0.0
-    steps: list[float] = dataclasses.field(default_factory=list)  # the decode steps it was in
-    hidden: list[np.ndarray] = dataclasses.field(default_factory=list)  # prompt features, by chunk
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.prompt
-
-    @property
-    def generating(self) -> bool:
-        return self.prefilled == len(self.prompt)
-
-
 class BatchEngine:
     def __init__(
         self,
@@ -140,15 +133,17 @@ class BatchEngine:
         prefill_budget: int = 64,
         max_waiting: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        observers: tuple[StepObserver, ...] = (),
     ):
-        """runner: a Generator (plain decoding) or a SpeculativeDecoder; the engine steps with its
-        `decoder`. max_batch: slots (requests generating at once); prefill_budget: prompt tokens
+        """runner: a SpeculativeDecoder, or a Generator (plain decoding: the engine steps with its
+        `decoder`). max_batch: slots (requests generating at once); prefill_budget: prompt tokens
         per step while rows decode; max_waiting: requests that may wait for a slot (`submit`
         refuses more; None: no limit); prefix_cache: a pool of earlier prompts' KV blocks
-        (runtime/prefix_cache.py; not with a draft that reads the target's features)."""
+        (runtime/prefix_cache.py; refused with a draft that reads the target's features: a cached
+        prompt has none); observers: StepObservers."""
         if max_batch < 1 or prefill_budget < 1:
             raise SpecrtError(f"max_batch and prefill_budget must be >= 1, got {max_batch} and {prefill_budget}")
-        self.decoder: Decoder = runner.decoder
+        self.decoder = decoder_of(runner)
         self.gen: Target = self.decoder.gen
         self.session = self.gen.session
         most = self.session.caps.max_batch
@@ -159,13 +154,21 @@ class BatchEngine:
                 "larger --max-batch"
             )
         self.max_batch, self.prefill_budget, self.max_waiting = max_batch, prefill_budget, max_waiting
-        self.prefix = None if self.decoder.needs_features else prefix_cache
+        if prefix_cache is not None and self.decoder.needs_features:
+            raise SpecrtError(
+                f"a prefix cache cannot serve draft {self.decoder.proposer.name!r}: it reads the target's features, "
+                "which cached prompts do not keep; leave out the prefix cache (serve: --prefix-cache-mb 0) or use a "
+                "draft without weights"
+            )
+        self.prefix = prefix_cache
+        self.observers = tuple(observers)
+        self.features = self.decoder.needs_features or any(o.needs_features for o in self.observers)
         # a step appends the root and at most max_draft nodes after a row's committed tokens (a
         # guess at the floor's position where nothing was drafted: SpeculativeDecoder.guess)
         self.headroom = max(self.decoder.policy.max_draft, self.session.floor - 1)
-        self.waiting: collections.deque[_Slot] = collections.deque()
-        self.slots: list[_Slot | None] = [None] * max_batch
-        self.state = self.decoder.new_state(max_batch)
+        self.waiting: collections.deque[Row] = collections.deque()
+        self.slots: list[Row | None] = [None] * max_batch  # the decoder's state holds this list
+        self.state = self.decoder.new_state(self.slots, self.features)
         self.rows = self.state.rows  # generating (prefill done) rows are active; a taken slot may not be
         self.cache: KVCache | None = None
         self._next_rid = 0
@@ -191,7 +194,7 @@ class BatchEngine:
             raise SpecrtError(f"{len(self.waiting)} requests already wait for a slot; retry later")
         rid, self._next_rid = self._next_rid, self._next_rid + 1
         rng = request.rng if request.rng is not None else np.random.default_rng(request.sampling.seed)
-        self.waiting.append(_Slot(rid, request, budget, rng, matcher))
+        self.waiting.append(Row(rid, request, budget, rng, matcher))
         return rid
 
     def cancel(self, rid: int) -> bool:
@@ -236,7 +239,7 @@ class BatchEngine:
             self.rows.active[b] = False
         self._fit_cache()
 
-    def _need(self, s: _Slot) -> int:
+    def _need(self, s: Row) -> int:
         return len(s.prompt) + s.budget + self.headroom
 
     def _fit_cache(self) -> None:
@@ -278,43 +281,30 @@ class BatchEngine:
                 size = self.session.prefill_chunk if budget is None else min(budget, self.session.prefill_chunk)
                 chunk = s.prompt[s.prefilled : s.prefilled + size]
                 t0 = time.perf_counter()
-                out = self.session.forward(self.cache.rows(b, b + 1), [chunk], last_only=True, hidden=self._features)
+                out = self.session.forward(self.cache.rows(b, b + 1), [chunk], last_only=True, hidden=self.features)
                 s.prefilled += len(chunk)
                 if budget is not None:
                     budget -= len(chunk)
-                if self._features:
-                    s.hidden.append(out.hidden_states[0, : len(chunk)])
+                if self.features:
+                    s.features.append(out.hidden_states[0, : len(chunk)])
                 s.prefill_seconds += time.perf_counter() - t0
                 if s.generating:
-                    self._start(b, out.logits[:, 0], events)
+                    self._start(b, out, events)
             if budget is not None and budget <= 0:
                 return
 
-    @property
-    def _features(self) -> bool:
-        return self.decoder.needs_features
-
-    def _start(self, b: int, logits: np.ndarray, events: list[Event]) -> None:
-        """Row b's prompt is in (logits: (1, V) at its last token): its first token, and it
-        starts generating."""
+    def _start(self, b: int, out, events: list[Event]) -> None:
+        """Row b's prompt is in (`out`: its last prefill step): it joins the decoder, which makes
+        its first token."""
         s = self.slots[b]
-        allowed = logits if s.matcher is None else s.matcher.masked(logits)
-        first = int(next_tokens(allowed, s.request.sampling, s.rng)[0])
-        if s.matcher is not None:
-            s.matcher.advance([first])
-        hidden = [np.concatenate(s.hidden)] if self._features else None
-        s.hidden = []
+        features = np.concatenate(s.features) if self.features else None
+        s.features = []
         if self.prefix is not None:  # the prompt's blocks, for later requests that start with them
             self.prefix.insert(s.prompt, self.cache, b)
-        self.decoder.join(self.state, b, s.request, s.rng, s.budget, Prefilled(logits, hidden), s.matcher)
-        tokens = self.rows.emit(b, [first])
-        top = s.request.logprobs
-        if s.matcher is not None and s.matcher.error is not None:
-            events.append(self._fail(b))
-            return
-        events.append(Event(s.rid, tokens, logprobs=None if top is None else token_logprobs(logits, tokens, top)))
-        if not self.rows.active[b]:
-            events[-1].result = self._finish(b)
+        for o in self.observers:
+            o.joined(b, s, features)
+        record = self.decoder.join(self.state, b, out, features)
+        self._events([b], record, events)
 
     def _decode(self, events: list[Event]) -> None:
         rows = [int(b) for b in np.flatnonzero(self.rows.active)]
@@ -323,9 +313,17 @@ class BatchEngine:
         record = self.decoder.step(self.state)
         seconds = time.perf_counter() - t0
         self.steps += 1
+        for o in self.observers:
+            o.stepped(record)
+        for b in rows:
+            self.slots[b].steps.append(seconds)
+        self._events(rows, record, events)
+
+    def _events(self, rows: list[int], record, events: list[Event]) -> None:
+        """Each row's event of a step (its first token's included): its tokens, its result once it
+        finished, or the error its grammar met."""
         for b in rows:
             s = self.slots[b]
-            s.steps.append(seconds)
             if s.matcher is not None and s.matcher.error is not None:
                 events.append(self._fail(b))
                 continue
@@ -350,7 +348,7 @@ class BatchEngine:
             s.prefill_seconds,
             float(sum(s.steps)),
             s.steps,
-            metrics=self.state.row_metrics[b],
+            metrics=s.metrics,
         )
         if self.prefix is not None:  # the prompt and the answer: what the chat's next turn starts with
             self.prefix.insert(s.prompt + self.rows.out[b], self.cache, b)
@@ -361,6 +359,8 @@ class BatchEngine:
         s, self.slots[b] = self.slots[b], None
         if s.generating:  # it joined the decoder
             self.decoder.leave(self.state, b)
+            for o in self.observers:
+                o.left(b, s, self.rows.out[b])
         self.rows.active[b] = False
         if self.cache is not None:
             self.cache.lengths[b] = 0

@@ -7,8 +7,8 @@
     print(stream.result.summary())
 
 A Generator is the target (runtime/target.py: its session, tokenizer, limits and loaders) with
-the static conveniences of every runner (generates.Generates). Plain decoding is speculation
-with N = 0: its `decoder` is a SpeculativeDecoder with no draft, whose step verifies the root
+the static conveniences (runtime/generates.py) over its `decoder`. Plain decoding is speculation
+with N = 0: that decoder is a SpeculativeDecoder with no draft, whose step verifies the root
 alone, so plain and speculative generation run the same loop (the batching engine) and differ
 only in what is drafted.
 """
@@ -18,14 +18,26 @@ from __future__ import annotations
 import functools
 
 from specrt.runtime.drafts.base import NoDraft
-from specrt.runtime.generates import Generates
 from specrt.runtime.policy import FixedPolicy
 from specrt.runtime.speculative import SpeculativeDecoder
 from specrt.runtime.target import Target
 
 
-class Generator(Target, Generates):
+class Generator(Target):
     @functools.cached_property
     def decoder(self) -> SpeculativeDecoder:
         """The decoder plain generation steps with: no draft, N = 0."""
         return SpeculativeDecoder(self, NoDraft(), FixedPolicy(0))
+
+    def iter_generate(self, *args, **kw):
+        """SpeculativeDecoder.iter_generate on plain decoding (runtime/generates.py)."""
+        return self.decoder.iter_generate(*args, **kw)
+
+    def generate_ids(self, *args, **kw):
+        return self.decoder.generate_ids(*args, **kw)
+
+    def stream(self, *args, **kw):
+        return self.decoder.stream(*args, **kw)
+
+    def generate(self, *args, **kw):
+        return self.decoder.generate(*args, **kw)

@@ -24,11 +24,17 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # the `top` most likely tokens there, most likely first
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """(..., V) logits -> (..., V) float64 log probabilities (max-shifted: no overflow). The one
+    log-softmax of the package and its benchmarks (logprobs, quality reports, perplexity)."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:
     """logits (n, V) at the positions the n tokens were emitted from; `top` alternatives each."""
-    x = np.asarray(logits[: len(tokens)], dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    logp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    logp = log_softmax(logits[: len(tokens)])
     out = []
     for row, t in zip(logp, tokens):
         best = np.argpartition(-row, top - 1)[:top] if top else np.zeros(0, np.int64)

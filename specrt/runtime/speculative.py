@@ -23,11 +23,14 @@ the batching engine runs together, runtime/batching.py, the one generation loop)
     commit   the cache keeps the root and the accepted path (`KVCache.keep_path`), the rows emit
              their tokens, and the proposer hears the verdicts (so a draft with state rolls back)
 and `observe` feeds what the step cost and accepted to the metrics and the cost model. A row's
-life around its steps is `join` (its prompt is in) and `leave` (it finished or was cancelled).
+life around its steps is `join` (its prompt is in: its first token is a step whose tree is empty,
+the prefill having computed the root's logits: accept, emit and logprobs make it as they make
+every other) and `leave` (it finished or was cancelled). What belongs to one request is its Row
+(runtime/row.py); the state holds only what belongs to the batch.
 
-Both runners, this decoder and the Generator (plain decoding: a decoder with no draft, N = 0),
-have the static conveniences of runtime/generates.py (`generate_ids`, `iter_generate`, `stream`,
-`generate`: the batching engine with every request arriving at step 0).
+The static conveniences (`generate_ids`, `iter_generate`, `stream`, `generate`: the batching
+engine with every request arriving at step 0) are functions over a decoder (runtime/generates.py),
+offered as methods here and on the Generator (plain decoding: a decoder with no draft, N = 0).
 """
 
 from __future__ import annotations
@@ -39,17 +42,16 @@ import warnings
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.runtime import generates
 from specrt.runtime.backends.base import StepOutput
-from specrt.runtime.batching import Request
 from specrt.runtime.drafts.base import DraftInput, Proposer, follower
 from specrt.runtime.estimators import step_priors
-from specrt.runtime.generates import Generates
-from specrt.runtime.grammar import Matcher
 from specrt.runtime.hindsight import Hindsight
 from specrt.runtime.kv_cache import KVCache
 from specrt.runtime.logprobs import token_logprobs
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
+from specrt.runtime.row import Row
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.session import Prefilled, exactness_warning
 from specrt.runtime.target import Rows, Target
@@ -71,27 +73,24 @@ def make_policy(num_draft: int | str, max_draft: int = 16):
 
 @dataclasses.dataclass
 class SpecState:
-    """The speculative bookkeeping of a batch (`SpeculativeDecoder.new_state`): its rows (what
-    each produced), its cache, each row's sampling, random generator and metrics, and the cost
-    model; rows come and go (`join`, `leave`)."""
+    """The bookkeeping of a batch (`SpeculativeDecoder.new_state`): its slots (each a Row while a
+    request holds it, runtime/row.py: whatever belongs to one request is there), the rows' tokens
+    (`Rows`), its cache, the cost model, the lookups' drafts under hindsight, and the batch's
+    metrics and step times."""
 
-    prompts: list[list[int]]  # per row
+    slots: list[Row | None]  # the batching engine's slots (the same list)
     rows: Rows
-    cache: KVCache | None  # the rows' cache (the batching engine's view of the rows in use)
-    sampling: list[SamplingParams]  # per row
-    rng: list[np.random.Generator | None]  # per row
     cost: CostModel
-    row_metrics: list[SpecMetrics | None]  # per row, while it runs (None: plain decoding)
+    features: bool = False  # its steps return the target's features (the draft's or an observer's need)
+    cache: KVCache | None = None  # the rows' cache (the batching engine's view of the rows in use)
     metrics: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)  # every row's steps
-    # per row: the target's features at the positions committed since the proposer last saw the
-    # row (the prompt's at first); None unless the proposer needs features
-    pending: list[list[np.ndarray]] | None = None
     step_times: list[float] = dataclasses.field(default_factory=list)
     drafted_per_step: list[float] = dataclasses.field(default_factory=list)
     hindsight: Hindsight = dataclasses.field(default_factory=Hindsight)  # a lookup's drafts, read as rows emit
-    caps: dict[int, int] = dataclasses.field(default_factory=dict)  # per row, its request's max_draft if it set one
-    logprobs: dict[int, int] = dataclasses.field(default_factory=dict)  # per row asking: its top_logprobs
-    grammars: dict[int, Matcher] = dataclasses.field(default_factory=dict)  # per constrained row (grammar.py)
+
+    def constrained(self, rows) -> dict[int, Row]:
+        """The rows among `rows` with a grammar."""
+        return {b: self.slots[b] for b in rows if self.slots[b].matcher is not None}
 
 
 @dataclasses.dataclass
@@ -108,13 +107,14 @@ class StepRecord:
     positions: int  # computed by the target step: batch x the longest row's positions
     draft_seconds: float
     verify_seconds: float
-    new_tokens: list[list[int]]
+    new_tokens: dict[int, list[int]]  # per row, the tokens it emitted
+    out: StepOutput | None = None  # the target step's output (its features, for step observers)
     logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per row asking: a TokenLogprob per token
     forced: dict[int, int] = dataclasses.field(default_factory=dict)  # per row: its grammar's tokens ahead of the draft
     guessed: set[int] = dataclasses.field(default_factory=set)  # rows whose tree is the floor's guess alone
 
 
-class SpeculativeDecoder(Generates):
+class SpeculativeDecoder:
     def __init__(self, generator: Target, proposer: Proposer, policy=None):
         self.gen = generator
         self.proposer = proposer
@@ -133,9 +133,19 @@ class SpeculativeDecoder(Generates):
         if self.exactness_warning:
             warnings.warn(self.exactness_warning, stacklevel=2)
 
-    @property
-    def decoder(self) -> "SpeculativeDecoder":
-        return self
+    # -- the static conveniences (runtime/generates.py) ---------------------------------------------
+
+    def iter_generate(self, prompts, max_new_tokens=128, sampling=SamplingParams(), grammar=None):
+        return generates.iter_generate(self, prompts, max_new_tokens, sampling, grammar)
+
+    def generate_ids(self, prompts, max_new_tokens=128, sampling=SamplingParams(), grammar=None):
+        return generates.iter_generate(self, prompts, max_new_tokens, sampling, grammar).run()
+
+    def stream(self, prompt, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None, grammar=None):
+        return generates.stream(self, prompt, max_new_tokens, sampling, chat, system, grammar)
+
+    def generate(self, prompt, max_new_tokens=128, sampling=SamplingParams(), chat=True, system=None, grammar=None):
+        return generates.generate(self, prompt, max_new_tokens, sampling, chat, system, grammar)
 
     @property
     def floored(self) -> bool:
@@ -161,61 +171,37 @@ class SpeculativeDecoder(Generates):
             max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token, free=floor - 1, **alpha_beta
         )
 
-    def new_state(self, batch: int) -> SpecState:
-        """The bookkeeping of a batch of `batch` rows, none of them running yet."""
-        rows = Rows(np.zeros(batch, np.int64), np.zeros(batch, np.int64), self.gen.eos_ids)
+    def new_state(self, slots: list[Row | None], features: bool = False) -> SpecState:
+        """The bookkeeping of a batch whose slots are `slots` (none of them generating yet);
+        `features`: its steps return the target's features even where the draft reads none (a
+        step observer's need, runtime/batching.py)."""
+        rows = Rows(np.zeros(len(slots), np.int64), np.zeros(len(slots), np.int64), self.gen.eos_ids)
         rows.active[:] = False
-        pending = [[] for _ in range(batch)] if self.needs_features else None
-        return SpecState(
-            [[] for _ in range(batch)],
-            rows,
-            None,
-            [SamplingParams()] * batch,
-            [None] * batch,
-            self.new_cost_model(),
-            [None] * batch,
-            pending=pending,
-        )
+        return SpecState(slots, rows, self.new_cost_model(), features=features or self.needs_features)
 
-    def join(
-        self,
-        state: SpecState,
-        b: int,
-        request: Request,
-        rng: np.random.Generator,
-        budget: int,
-        prefilled: Prefilled,
-        matcher: Matcher | None = None,
-    ) -> None:
-        """Row b's prompt is in the cache (`prefilled` holds that one row): it starts generating;
-        `matcher`: its grammar's state after its first token, when it has one."""
-        state.rows.join(b, len(request.prompt), budget)
-        state.prompts[b], state.sampling[b], state.rng[b] = request.prompt, request.sampling, rng
-        state.row_metrics[b] = SpecMetrics() if self.policy.max_draft else None
-        state.caps.pop(b, None)
-        if request.max_draft is not None:
-            state.caps[b] = max(0, request.max_draft)
-        state.logprobs.pop(b, None)
-        if request.logprobs is not None:
-            state.logprobs[b] = request.logprobs
-        state.grammars.pop(b, None)
-        if matcher is not None:
-            state.grammars[b] = matcher
-        if state.pending is not None:
-            state.pending[b] = [prefilled.hidden[0]]
-        self.proposer.begin([b], [request.prompt], prefilled)
+    def join(self, state: SpecState, b: int, out: StepOutput, features: np.ndarray | None = None) -> StepRecord:
+        """Row b's prompt is in the cache (`out`: the prefill's last step, that one row; `features`:
+        every prompt position's, when the state keeps them): it starts generating, and its first
+        token is made as every other is, a step whose tree is empty (the prefill computed the
+        root's logits). Returns that step's record."""
+        row = state.slots[b]
+        state.rows.join(b, len(row.prompt), row.budget)
+        row.metrics = SpecMetrics() if self.policy.max_draft else None
+        row.features = [features] if self.needs_features else []
+        hidden = None if features is None else [features]
+        self.proposer.begin([b], [row.prompt], Prefilled(out.logits[:, 0], hidden))
+        out, trees = out.at_row(b), {b: DraftTree.empty()}
+        masks = self.constrain(state, trees)
+        verdicts = self.accept(state, [b], trees, out, masks)
+        new_tokens = self.emit(state, [b], trees, verdicts)
+        logprobs = self.logprobs(state, [b], verdicts, out, new_tokens)
+        return StepRecord([b], {b: 0}, trees, {}, verdicts, trees, 1, 1, 0.0, 0.0, new_tokens, logprobs=logprobs)
 
     def leave(self, state: SpecState, b: int) -> None:
         """Row b finished or was cancelled: the proposer and the cost model forget it."""
         self.proposer.end([b], [state.rows.out[b]])
         state.cost.forget_row(b)
         state.hindsight.forget(b)
-        state.caps.pop(b, None)
-        state.logprobs.pop(b, None)
-        state.grammars.pop(b, None)
-        state.row_metrics[b] = None
-        if state.pending is not None:
-            state.pending[b] = []
 
     def step(self, state: SpecState) -> StepRecord:
         """One speculative step over the active rows: propose → verify → accept → commit."""
@@ -224,45 +210,52 @@ class SpeculativeDecoder(Generates):
         # pads them to the longest row): what a step costs, and so what the plan weighs
         batch = state.cache.batch
         t0 = time.perf_counter()
-        caps = state.caps
-        most = {b: min(self.policy.max_draft, caps.get(b, self.policy.max_draft)) for b in rows}
-        forced = self.forced(state, rows, most) if state.grammars else {}
-        if self.proposer.lookup:  # drafting is cheap: see every row's draft, then decide how much to verify
-            judge = self.policy.judge(state.cost, batch)
-            # a copy draft continues after the tokens the row's grammar forces
-            most = {b: most[b] - len(forced.get(b, ())) for b in rows}
-            drafted = self.propose(state, rows, most, judge, forced)
-            plan = self.policy.plan(state.cost, rows, drafted, batch)
-            trees = {b: tree.truncate(plan[b]).behind(forced.get(b, ())) for b, tree in drafted.items()}
-        else:
-            plan = self.policy.plan(state.cost, rows, batch=batch)
-            # a request's own limit (Request.max_draft); where the grammar forces tokens, they are the draft
-            plan = {b: 0 if forced.get(b) else min(n, most[b]) for b, n in plan.items()}
-            drafted = trees = self.propose(state, rows, plan)
-            trees = {b: DraftTree.chain(forced[b]) if forced.get(b) else tree for b, tree in trees.items()}
+        plan, drafted, trees, forced = self.draft(state, rows, batch)
         guessed = self.guess(state, rows, trees, drafted) if self.floored else {}
         trees = {**trees, **guessed}
-        masks = self.constrain(state, trees) if state.grammars else {}
+        masks = self.constrain(state, trees)
         if self.floored:  # the best guess at every depth on the leading chain
             trees, masks = self.depth_first(trees, masks)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
         out = self.verify(state, rows, trees, depths)
         verdicts = self.accept(state, rows, trees, out, masks)
-        new_tokens = self.commit(state, rows, trees, verdicts, out)
+        new_tokens = self.emit(state, rows, trees, verdicts)
+        self.commit(state, rows, trees, verdicts, out)
         logprobs = self.logprobs(state, rows, verdicts, out, new_tokens)
         # the step is dense: every row is computed at the longest row's length, the floor at least
         positions = batch * max(self.gen.session.floor, *(len(trees[b]) + 1 for b in rows))
-        elapsed = time.perf_counter() - t1
         record = StepRecord(
-            rows, plan, trees, depths, verdicts, drafted, batch, positions, t1 - t0, elapsed, new_tokens, logprobs
-        )
-        record.forced = {b: len(f) for b, f in forced.items() if f}
-        record.guessed = set(guessed)
+            rows, plan, trees, depths, verdicts, drafted, batch, positions, t1 - t0, time.perf_counter() - t1,
+            new_tokens, out, logprobs, {b: len(f) for b, f in forced.items() if f}, set(guessed),
+        )  # fmt: skip
         self.observe(state, record)
         return record
 
     # -- the verbs -------------------------------------------------------------------------------
+
+    def draft(self, state: SpecState, rows: list[int], batch: int):
+        """Each row's draft tree and how much of it to verify: (the plan: per row the draft length
+        the policy asked for, what was drafted, the trees to verify, the tokens each constrained
+        row's grammar forces ahead of its draft). A lookup drafts first (it is cheap: the plan
+        sees every row's draft, then cuts it); any other draft is asked for the planned length."""
+        caps = {b: state.slots[b].cap for b in rows}
+        most = {b: self.policy.max_draft if caps[b] is None else min(self.policy.max_draft, caps[b]) for b in rows}
+        forced = self.forced(state, rows, most)
+        if self.proposer.lookup:
+            judge = self.policy.judge(state.cost, batch)
+            # a copy draft continues after the tokens the row's grammar forces
+            most = {b: most[b] - len(forced.get(b, ())) for b in rows}
+            drafted = self.propose(state, rows, most, judge, forced)
+            plan = self.policy.plan(state.cost, rows, drafted, batch)
+            trees = {b: tree.truncate(plan[b]).behind(forced.get(b, ())) for b, tree in drafted.items()}
+            return plan, drafted, trees, forced
+        plan = self.policy.plan(state.cost, rows, batch=batch)
+        # a request's own limit (Request.max_draft); where the grammar forces tokens, they are the draft
+        plan = {b: 0 if forced.get(b) else min(n, most[b]) for b, n in plan.items()}
+        drafted = self.propose(state, rows, plan)
+        trees = {b: DraftTree.chain(forced[b]) if forced.get(b) else tree for b, tree in drafted.items()}
+        return plan, drafted, trees, forced
 
     def propose(
         self, state: SpecState, rows: list[int], plan: dict[int, int], judge=None, ahead=None
@@ -277,23 +270,22 @@ class SpeculativeDecoder(Generates):
         groups: dict[SamplingParams, list[int]] = {}
         for b in rows:
             if plan[b] > 0:  # one call per setting; each row draws from its own generator
-                sampling = state.sampling[b]
+                sampling = state.slots[b].sampling
                 key = SamplingParams() if sampling.greedy else dataclasses.replace(sampling, seed=None)
                 groups.setdefault(key, []).append(b)
+        out, budget = state.rows.out, state.rows.budget
         for group in groups.values():
+            slots = [state.slots[b] for b in group]
             n = max(plan[b] for b in group)
-            features = None
-            if state.pending is not None:  # handed over once: the proposer keeps what it needs
-                features = [np.concatenate(state.pending[b]) for b in group]
-                for b in group:
-                    state.pending[b] = []
+            # handed over once: the proposer keeps what it needs
+            features = [s.take_features() for s in slots] if self.needs_features else None
             inp = DraftInput(
                 group,
-                [state.prompts[b] + state.rows.out[b] + list(ahead.get(b, ())) for b in group],
+                [s.prompt + out[b] + list(ahead.get(b, ())) for b, s in zip(group, slots)],
                 n,
-                [int(state.rows.budget[b]) - len(state.rows.out[b]) - len(ahead.get(b, ())) for b in group],
-                state.sampling[group[0]],
-                [state.rng[b] for b in group],
+                [int(budget[b]) - len(out[b]) - len(ahead.get(b, ())) for b in group],
+                slots[0].sampling,
+                [s.rng for s in slots],
                 features,
                 judge,
             )
@@ -316,11 +308,11 @@ class SpeculativeDecoder(Generates):
         drafts, nor for one with a single token of budget left."""
         out, guessed = state.rows.out, {}
         for b in rows:
-            if len(trees[b]) or state.caps.get(b) == 0 or len(out[b]) + 1 >= state.rows.budget[b]:
+            if len(trees[b]) or state.slots[b].cap == 0 or len(out[b]) + 1 >= state.rows.budget[b]:
                 continue
             tree = drafted.get(b)
             first = tree.truncate(1) if tree is not None and len(tree) else None
-            guessed[b] = first or DraftTree.chain([follower(state.prompts[b], out[b])])
+            guessed[b] = first or DraftTree.chain([follower(state.slots[b].prompt, out[b])])
         return guessed
 
     @staticmethod
@@ -344,10 +336,9 @@ class SpeculativeDecoder(Generates):
             feed[b] = [state.rows.out[b][-1], *trees[b].tokens.tolist()]
             shapes[b] = (np.concatenate([[0], depths[b]]), trees[b].ancestor_mask())
         # greedy: the argmax is all accept reads, unless a row asks for its tokens' logprobs
-        sampled = any(not state.sampling[b].greedy or b in state.logprobs or b in state.grammars for b in rows)
-        return self.gen.session.forward(
-            state.cache, feed, shapes, hidden=self.proposer.needs_features, want_logits=sampled
-        )
+        slots = [state.slots[b] for b in rows]
+        sampled = any(not s.sampling.greedy or s.top_logprobs is not None or s.matcher is not None for s in slots)
+        return self.gen.session.forward(state.cache, feed, shapes, hidden=state.features, want_logits=sampled)
 
     def accept(
         self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput, masks=None
@@ -355,39 +346,49 @@ class SpeculativeDecoder(Generates):
         """Each row's verdict; a constrained row's against the target masked at every node (`masks`)."""
         verdicts, masks = {}, masks or {}
         free = [b for b in rows if b not in masks]
-        top = out.argmax() if any(state.sampling[b].greedy for b in free) else None  # once, not per row
+        top = out.argmax() if any(state.slots[b].sampling.greedy for b in free) else None  # once, not per row
         for b in rows:
-            n, sampling = len(trees[b]) + 1, state.sampling[b]
+            n, row = len(trees[b]) + 1, state.slots[b]
             # a greedy row's logits exist only when something asked for them (its grammar does)
             masked = np.where(masks[b], out.logits[b, :n], -np.inf) if b in masks else None
-            if sampling.greedy:
+            if row.sampling.greedy:
                 verdicts[b] = accept_greedy(trees[b], top[b, :n] if masked is None else masked.argmax(-1))
                 if self.floored:  # off the leading chain a node's logits are not plain decoding's bits
                     verdicts[b] = on_leading_chain(trees[b], verdicts[b])
             else:
                 logits = out.logits[b, :n] if masked is None else masked
-                verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, sampling), state.rng[b])
+                verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, row.sampling), row.rng)
         return verdicts
 
     def forced(self, state: SpecState, rows: list[int], most: dict[int, int]) -> dict[int, list[int]]:
         """Per constrained row, the tokens its grammar forces next, as many as its draft may hold
         and its budget can use (grammar drafts: runtime/grammar.py)."""
-        out = state.rows.out
+        out, budget = state.rows.out, state.rows.budget
         return {
-            b: g.forced(min(most[b], int(state.rows.budget[b]) - len(out[b]) - 1))
-            for b, g in state.grammars.items()
-            if b in most
+            b: r.matcher.forced(min(most[b], int(budget[b]) - len(out[b]) - 1))
+            for b, r in state.constrained(rows).items()
         }
 
     def constrain(self, state: SpecState, trees: dict[int, DraftTree]) -> dict[int, np.ndarray]:
         """Per constrained row, the grammar's mask at the root and at every node (cutting the
         tree before a node it forbids where that is exact: runtime/grammar.py)."""
         masks = {}
-        for b, g in state.grammars.items():
-            if b in trees:
-                cut = state.sampling[b].greedy or trees[b].q is None
-                trees[b], masks[b] = g.tree_masks(trees[b], cut)
+        for b, row in state.constrained(trees).items():
+            cut = row.sampling.greedy or trees[b].q is None
+            trees[b], masks[b] = row.matcher.tree_masks(trees[b], cut)
         return masks
+
+    def emit(
+        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], verdicts: dict[int, Verdict]
+    ) -> dict[int, list[int]]:
+        """Each row's new tokens (the accepted path and the bonus, up to EOS or its budget), its
+        grammar advanced over them."""
+        new_tokens = {}
+        for b in rows:
+            new_tokens[b] = state.rows.emit(b, verdicts[b].tokens(trees[b]))
+            if state.slots[b].matcher is not None:
+                state.slots[b].matcher.advance(new_tokens[b])
+        return new_tokens
 
     def commit(
         self,
@@ -396,29 +397,25 @@ class SpeculativeDecoder(Generates):
         trees: dict[int, DraftTree],
         verdicts: dict[int, Verdict],
         out: StepOutput,
-    ) -> list[list[int]]:
-        """Keep the root and the accepted path in the cache, emit the tokens, tell the proposer;
-        returns each row's new tokens."""
-        new_tokens: list[list[int]] = [[] for _ in range(state.cache.batch)]
+    ) -> None:
+        """Keep the root and the accepted path in the cache, the draft's features of them, and
+        tell the proposer."""
         for b in rows:
             root = int(state.cache.lengths[b]) - len(trees[b]) - 1  # the step appended [root, nodes...]
             state.cache.keep_path(b, root, verdicts[b].accepted)
-            new_tokens[b] = state.rows.emit(b, verdicts[b].tokens(trees[b]))
-            if b in state.grammars:
-                state.grammars[b].advance(new_tokens[b])
-            if state.pending is not None:  # the root's and the accepted nodes' features
-                state.pending[b].append(out.hidden_states[b, [0, *(1 + i for i in verdicts[b].accepted)]])
+            if self.needs_features:  # the root's and the accepted nodes' features
+                state.slots[b].features.append(out.hidden_states[b, [0, *(1 + i for i in verdicts[b].accepted)]])
         self.proposer.commit(rows, [trees[b] for b in rows], [verdicts[b] for b in rows], out)
-        return new_tokens
 
     def logprobs(self, state: SpecState, rows, verdicts, out: StepOutput, new_tokens) -> dict[int, list]:
         """The rows that ask: each new token's log probability under the target at the position
         it came from (the root's, then one per accepted node; runtime/logprobs.py)."""
         got = {}
         for b in rows:
-            if b in state.logprobs and new_tokens[b]:
+            top = state.slots[b].top_logprobs
+            if top is not None and new_tokens[b]:
                 at = [0, *(1 + i for i in verdicts[b].accepted)]
-                got[b] = token_logprobs(out.logits[b, at], new_tokens[b], state.logprobs[b])
+                got[b] = token_logprobs(out.logits[b, at], new_tokens[b], top)
         return got
 
     # -- bookkeeping -----------------------------------------------------------------------------
@@ -429,7 +426,7 @@ class SpeculativeDecoder(Generates):
         for b in r.rows:
             tree, verdict = r.trees[b], r.verdicts[b]
             depth = int(r.depths[b].max()) if len(tree) else 0
-            for m in (metrics, state.row_metrics[b]):
+            for m in (metrics, state.slots[b].metrics):
                 if m is not None and b in r.guessed:
                     m.observe_guess(len(verdict.accepted))
                 elif m is not None:
@@ -472,7 +469,7 @@ class SpeculativeDecoder(Generates):
         if not self.policy.max_draft:
             return None
         metrics = state.metrics
-        fitted = state.cost.cost(len(state.prompts))
+        fitted = state.cost.cost(len(state.slots))
         if fitted is not None and metrics.steps:
             drafted = np.array(state.drafted_per_step)
             metrics.alpha, metrics.beta = fitted.alpha, fitted.beta

@@ -65,9 +65,9 @@ class RequestError(SpecrtError):
 CLIENT_CLOSED = RequestError("client closed the request", status=499, code="client_closed_request")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Job:
-    """A checked request."""
+    """A checked request (made by keyword: thirteen fields, several of one type)."""
 
     chat: bool
     prompt_ids: list[int]
@@ -212,19 +212,19 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
     except SpecrtError as e:
         raise RequestError(f"'{FIELD}': {e}", param=FIELD) from None
     return Job(
-        chat,
-        prompt_ids,
-        min(max_tokens, room),
-        sampling,
-        stop,
-        stream,
-        include_usage,
-        max_draft,
-        speculation,
-        logprobs,
-        prompt_text,
-        n,
-        grammar,
+        chat=chat,
+        prompt_ids=prompt_ids,
+        max_tokens=min(max_tokens, room),
+        sampling=sampling,
+        stop=stop,
+        stream=stream,
+        include_usage=include_usage,
+        max_draft=max_draft,
+        speculation=speculation,
+        logprobs=logprobs,
+        echo=prompt_text,
+        n=n,
+        grammar=grammar,
     )
 
 

@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from specrt.errors import PromptError, SpecrtError
-from specrt.runtime.batching import BatchEngine, Request
+from specrt.runtime.batching import BatchEngine, Request, decoder_of
 from specrt.runtime.prefix_cache import PrefixCache
 from specrt.runtime.target import GenerationResult, Target
 from specrt.runtime.tokenizer import IncrementalDetokenizer
@@ -212,12 +212,12 @@ class CompletionService:
     def __init__(self, runner, model_id: str, limits: ServerLimits = ServerLimits()):
         """runner: a Generator or a SpeculativeDecoder over one (the engine steps with its `decoder`)."""
         self.runner = runner
-        self.gen: Target = runner.decoder.gen
+        decoder = decoder_of(runner)
+        self.gen: Target = decoder.gen
         if self.gen.tokenizer is None:
             raise SpecrtError("the server needs a generator with a tokenizer")
         self.model_id = model_id
         self.limits = limits
-        decoder = runner.decoder
         self.served = Served(
             model_id,
             limits,
@@ -228,7 +228,15 @@ class CompletionService:
             decoder.policy.setting,
             lambda grammar: self.gen.vocabulary().matcher(grammar),
         )
-        self.prefix_cache = PrefixCache(limits.prefix_cache_mb << 20) if limits.prefix_cache_mb else None
+        # a draft that reads the target's features needs every prompt position's: no cached prompts
+        features = limits.prefix_cache_mb and decoder.needs_features
+        self.prefix_cache = (
+            PrefixCache(limits.prefix_cache_mb << 20) if limits.prefix_cache_mb and not features else None
+        )
+        self.notes = [
+            f"prefix cache off: draft {decoder.proposer.name!r} reads the target's features, which cached prompts "
+            "do not keep"
+        ] if features else []  # fmt: skip
         self.engine = BatchEngine(
             runner, max_batch=limits.max_batch, prefill_budget=limits.prefill_budget, prefix_cache=self.prefix_cache
         )

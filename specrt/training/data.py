@@ -103,18 +103,15 @@ def generate_answers(
     bar = tqdm(
         total=len(prompts), initial=len(prompts) - len(todo), desc="target answers", unit="prompt", disable=not progress
     )
-    runner, recorder, store = gen, None, None
+    recorder, store = None, None
     if features is not None and todo:
-        from specrt.runtime.policy import FixedPolicy
-        from specrt.runtime.speculative import SpeculativeDecoder
         from specrt.training.features import FeatureRecorder, FeatureStore
 
-        # plain decoding whose "draft" keeps the hidden states each step returns anyway
+        # plain decoding, watched by a recorder that keeps the hidden states each step returns
         store, recorder = FeatureStore(features), FeatureRecorder()
-        runner = SpeculativeDecoder(gen, recorder, FixedPolicy(0))
     # a continuous batch: a row that finishes takes the next prompt at once, where a static batch
     # would wait for its longest answer (runtime/batching.py)
-    engine = BatchEngine(runner, max_batch=batch)
+    engine = BatchEngine(gen, max_batch=batch, observers=(recorder,) if recorder else ())
     owner: dict[int, tuple[Prompt, list[int]]] = {}
     try:
         with open(path, "a") as fh:

@@ -38,7 +38,6 @@ import numpy as np
 from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.errors import SpecrtError
 from specrt.runtime.session import StepSession
-from specrt.runtime.verification import DraftTree
 
 FORMAT = 2  # 1: one memory-mapped array over a fixed list of sequences (features.npy, index.json)
 _REDO = "delete the directory and run again: the features are made again from the answers, which are kept"
@@ -207,34 +206,29 @@ def feature_width(session: StepSession) -> int:
 
 
 class FeatureRecorder:
-    """A proposer that drafts nothing and keeps each row's features as the target computes them:
-    the prompt's at `begin`, each step's root and accepted nodes at `commit` (plain decoding
-    verifies the newest token and the floor's guess, SpeculativeDecoder.guess). When a row ends,
-    its features (every position but the last, which is never fed) wait under its prompt and
-    output for `take`."""
+    """A step observer of the batching engine (runtime/batching.py StepObserver) that keeps each
+    row's features as the target computes them: the prompt's when it joins, each step's root and
+    accepted nodes (plain decoding verifies the newest token and the floor's guess,
+    SpeculativeDecoder.guess). When a row leaves, its features (every position but the last,
+    which is never fed) wait under its prompt and output for `take`."""
 
-    name, needs_features, cost_per_token, lookup = "record", True, False, False
+    needs_features = True
 
     def __init__(self):
         self._rows: dict[int, tuple[tuple[int, ...], list[np.ndarray]]] = {}
         self._done: dict[tuple, list[np.ndarray]] = {}
 
-    def begin(self, rows, prompts, prefilled) -> None:
-        for b, prompt, hidden in zip(rows, prompts, prefilled.hidden):
-            self._rows[b] = (tuple(prompt), [np.asarray(hidden, np.float16)])
+    def joined(self, b: int, row, features: np.ndarray) -> None:
+        self._rows[b] = (tuple(row.prompt), [np.asarray(features, np.float16)])
 
-    def propose(self, inp) -> list[DraftTree]:
-        return [DraftTree.empty() for _ in inp.rows]
+    def stepped(self, record) -> None:
+        for b in record.rows:  # the root's and the accepted nodes' (a guess, forced tokens)
+            kept = [0, *(1 + i for i in record.verdicts[b].accepted)]
+            self._rows[b][1].append(record.out.hidden_states[b, kept].astype(np.float16))
 
-    def commit(self, rows, trees, verdicts, step) -> None:
-        for b, verdict in zip(rows, verdicts):  # the root's and the accepted nodes' (a guess, forced tokens)
-            kept = [0, *(1 + i for i in verdict.accepted)]
-            self._rows[b][1].append(step.hidden_states[b, kept].astype(np.float16))
-
-    def end(self, rows, outputs) -> None:
-        for b, out in zip(rows, outputs):
-            prompt, parts = self._rows.pop(b)
-            self._done.setdefault((prompt, tuple(out)), []).append(np.concatenate(parts))
+    def left(self, b: int, row, tokens) -> None:
+        prompt, parts = self._rows.pop(b)
+        self._done.setdefault((prompt, tuple(tokens)), []).append(np.concatenate(parts))
 
     def take(self, prompt: Sequence[int], output: Sequence[int]) -> np.ndarray:
         """The features of the finished row that had this prompt and output."""

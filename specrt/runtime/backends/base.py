@@ -28,6 +28,16 @@ class StepOutput:
         """(B, K) the greedy token at every position logits were asked for."""
         return self.top1 if self.top1 is not None else self.logits.argmax(axis=-1)
 
+    def at_row(self, b: int) -> "StepOutput":
+        """A one-row output seen as row b of a batch (rows 0..b all read its one row; views, no
+        copies): a row's prefill, computed on its own row of the cache, read by the code that
+        reads a batched step."""
+
+        def placed(a):
+            return None if a is None else np.broadcast_to(a[:1], (b + 1, *a.shape[1:]))
+
+        return StepOutput(placed(self.logits), placed(self.hidden_states), None, placed(self.top1))
+
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:

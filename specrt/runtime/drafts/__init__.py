@@ -16,7 +16,6 @@ from specrt.runtime.drafts.auto import AutoProposer
 from specrt.runtime.drafts.base import DraftInput, GrammarDrafts, Proposer
 from specrt.runtime.drafts.draft_model import DraftModelProposer
 from specrt.runtime.drafts.eagle import EagleProposer
-from specrt.runtime.drafts.hybrid import HybridProposer
 from specrt.runtime.drafts.lookahead import LookaheadProposer
 from specrt.runtime.drafts.medusa import MedusaProposer
 from specrt.runtime.drafts.ngram import NgramProposer
@@ -46,11 +45,6 @@ def _auto(**head) -> AutoProposer:
     return AutoProposer(head=_head(**head) if head.get("draft_dir") is not None else None)
 
 
-def _hybrid(**head) -> HybridProposer:
-    """The suffix draft and an EAGLE head (options: EagleProposer's)."""
-    return HybridProposer(_head(**head))
-
-
 @dataclasses.dataclass(frozen=True)
 class DraftMethod:
     """A registry entry: how to make the proposer, and what the CLI and the runner check of its
@@ -60,7 +54,6 @@ class DraftMethod:
     about: str  # what it drafts from, for --help
     needs_draft_dir: bool = False  # a method with weights: --draft-dir DIR
     takes_tree: bool = False  # drafts EAGLE-2 dynamic trees: --draft-tree TOP_K,DEPTH
-    reads: str | None = None  # its --draft-dir is another method's (`make drafts` names directories by method)
     head_optional: bool = False  # takes a trained head in --draft-dir when given (auto)
 
 
@@ -73,7 +66,6 @@ DRAFT_METHODS: dict[str, DraftMethod] = {
         "per row and step the copy draft (suffix, ngram) whose draft promises most, or none; with --draft-dir, "
         "also the head there where no copy serves",
         takes_tree=True,
-        reads="eagle3",
         head_optional=True,
     ),
     "lookahead": DraftMethod(LookaheadProposer, "Jacobi iteration's n-grams (no weights)"),
@@ -84,9 +76,6 @@ DRAFT_METHODS: dict[str, DraftMethod] = {
     "peagle": DraftMethod(ParallelProposer, "a parallel EAGLE-3 head in --draft-dir (K tokens a call)", True, True),
     # an MTP module drafts as an EAGLE head does
     "mtp": DraftMethod(functools.partial(EagleProposer, method="mtp"), _HEAD, True, True),
-    "hybrid": DraftMethod(
-        _hybrid, "suffix where its match is long, the head in --draft-dir elsewhere", True, True, reads="eagle3"
-    ),
     # make_proposer("medusa", draft_dir=DIR, target=caps[, tree=paths]): its own tree of choices
     "medusa": DraftMethod(MedusaProposer, "Medusa heads in --draft-dir", True),
     "draft-model": DraftMethod(DraftModelProposer, "a smaller model's build-engines output in --draft-dir", True),

@@ -22,7 +22,8 @@ import numpy as np
 
 from specrt.engines.head import open_head
 from specrt.errors import SpecrtError
-from specrt.export.head_io import MEDUSA, MEDUSA_INPUTS, check_head_target, check_tree, default_tree, feature_columns
+from specrt.export.head_io import MEDUSA, MEDUSA_INPUTS, check_head_target, feature_columns
+from specrt.export.medusa_tree import check_tree, default_tree
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.verification import DraftTree
 

@@ -1,0 +1,232 @@
+"""The graph writer: a step graph written node by node from a checkpoint's weights, its norms,
+attention and I/O from an `ops` object, its matrix products from a `products` object.
+
+    proto = write_graph(model, FusedOps(), products)         # an onnx ModelProto
+    export_written_graph(checkpoint, out_dir, ops)           # model.onnx, its data, manifest.json
+
+Two flavours use it: the fused graph (export/fused_graph.py `FusedOps`: ORT's fused operators,
+the KV cache written in place) and the standard graph (export/standard_graph.py `StandardOps`:
+opset-23 operators for TensorRT). A products object writes x @ W^T: `FloatProducts` as MatMuls
+over the float weights; a 4-bit recipe's (calibration/blocks.py) as MatMulNBits over their blocks.
+Each layer is: input norm, q|k|v product, attention, o product, post-attention norm, gate|up
+product, SiLU(gate) * up, down product; the final norm, the features and the head.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.artifacts import atomic_dir, write_manifest
+from specrt.export.checkpoint import checkpoint_hash, load_model
+from specrt.export.graph_files import DEFAULT_OPSET, ONNX_FILE, ONNX_KIND, graph_manifest, save_graph
+from specrt.export.llama import LlamaModel, rotary
+from specrt.export.step_graph import check_opset
+from specrt.export.step_io import HIDDEN, LOGITS, StepIO
+
+
+class GraphBuilder:
+    """Nodes and initializers of one graph; names are the tensors'."""
+
+    def __init__(self):
+        self.nodes, self.inits = [], []
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs) -> list[str]:
+        from onnx import helper
+
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs
+
+
+class FloatProducts:
+    """The products x @ W^T of the float graph: one MatMul over weights side by side (q/k/v and
+    gate/up each run as one product). A 4-bit recipe gives its own (calibration/blocks.py
+    BlockProducts: the same products on MatMulNBits), with the same `product` call."""
+
+    scheme = "none"
+
+    def manifest(self) -> dict:
+        return {}
+
+    def product(self, g: GraphBuilder, x: str, weights: list[torch.Tensor], name: str) -> str:
+        """The name of x @ [W_1; W_2; ...]^T (outputs of the weights (N_i, K) concatenated)."""
+        w = np.concatenate([f32(w) for w in weights], axis=0).T  # (K, sum N_i)
+        return g.node("MatMul", [x, g.init(f"{name}.weight_t", w)], [f"{name}/out"], name)[0]
+
+
+def f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).numpy()
+
+
+def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSET):
+    """A step graph of `model` written node by node: `ops` gives its norms, attention and I/O
+    (FusedOps in export/fused_graph.py, StandardOps in export/standard_graph.py), `products` its matrix products."""
+    from onnx import TensorProto, helper
+
+    products = products or FloatProducts()
+    cfg = model.cfg
+    L, D, C = cfg.num_hidden_layers, cfg.head_dim, cfg.hidden_size
+    io = StepIO(L, ops.io_flavour)
+    g = GraphBuilder()
+    eps = float(cfg.rms_norm_eps)
+
+    # embedding lookup; a tied table is stored once, as the head's W^T (C, V)
+    embed = model.embed_tokens.weight
+    if cfg.tie_word_embeddings:
+        table = g.init("lm_head.weight_t", f32(embed).T)
+        cbq = g.node("Gather", [table, "input_ids"], ["embed/cbq"], "embed/Gather", axis=1)[0]
+        x = g.node("Transpose", [cbq], ["embed/out"], "embed/to_bqc", perm=[1, 2, 0])[0]
+    else:
+        table = g.init("embed_tokens.weight", f32(embed))
+        x = g.node("Gather", [table, "input_ids"], ["embed/out"], "embed/Gather")[0]
+
+    # the rotary tables at every position the model takes, as the portable graph computes them
+    positions = torch.arange(cfg.max_position_embeddings)[None]
+    cos, sin = (t[0, 0, :, : D // 2].numpy() for t in rotary(positions, model.inv_freq))
+    shared = {
+        "cos_cache": g.init("rotary.cos", cos),
+        "sin_cache": g.init("rotary.sin", sin),
+        "mlp_split": g.init("mlp.split", np.array([cfg.intermediate_size] * 2, np.int64)),
+    }
+    taps = {}  # layer index -> the residual stream after that layer (hidden_layers reads them)
+    residual, pending = x, None  # pending: the last block's output, not yet added to the residual
+    for i, layer in enumerate(model.layers):
+        h, residual = ops.norm(g, pending, residual, layer.input_layernorm.weight, eps, f"layers.{i}.input_norm")
+        if i > 0:
+            taps[i - 1] = residual
+        pending, residual = _layer(g, ops, products, model, i, h, residual, io, shared)
+    final, residual = ops.norm(g, pending, residual, model.norm.weight, eps, "norm")
+    taps[L - 1], taps[-1] = residual, final
+
+    feats = [taps[j] for j in model.hidden_layers]
+    if len(feats) > 1:
+        g.node("Concat", feats, [HIDDEN], "hidden/Concat", axis=-1)
+    else:
+        g.node("Identity", feats, [HIDDEN], "hidden/Identity")
+    index = g.node("Unsqueeze", ["logits_index", g.init("axes.2", np.array([2], np.int64))], ["index/bk1"], "index")[0]
+    picked = g.node("GatherND", [final, index], ["head/in"], "head/GatherND", batch_dims=1)[0]
+    if cfg.tie_word_embeddings and products.scheme == "none":  # the lookup's table is the head's W^T
+        logits = g.node("MatMul", [picked, "lm_head.weight_t"], ["lm_head/out"], "lm_head")[0]
+    else:
+        logits = products.product(g, picked, [model.lm_head.weight], "lm_head")
+    if cfg.output_vocab is not None:
+        logits = _scatter_into_vocabulary(g, logits, model.output_ids.numpy(), cfg.vocab_size)
+    g.node("Identity", [logits], [LOGITS], "logits")
+
+    elem = {
+        "float32": TensorProto.FLOAT,
+        "bool": TensorProto.BOOL,
+        "int32": TensorProto.INT32,
+        "int64": TensorProto.INT64,
+    }
+    dims = _dims(io, cfg, C * len(model.hidden_layers))
+    inputs = [helper.make_tensor_value_info(n, elem[io.dtype(n)], dims[n]) for n in io.input_names]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims[n]) for n in io.output_names]
+    graph = helper.make_graph(g.nodes, f"specrt-{ops.flavour}-step", inputs, outputs, g.inits)
+    return helper.make_model(graph, opset_imports=ops.opsets(opset), producer_name="specrt")
+
+
+def _dims(io: StepIO, cfg, width: int) -> dict[str, list]:
+    """Each I/O tensor's dimensions: the dynamic axes' names (step_io) and the model's sizes."""
+    fixed = {"logits": cfg.vocab_size, "hidden_states": width}
+    fixed |= {n: (cfg.num_key_value_heads, cfg.head_dim) for n in (*io.past_names, *io.present_names)}
+    ranks = {"total_sequence_length": 0, "seqlens_k": 1, "query_seqlens": 1, "attention_bias": 4, "attention_mask": 3}
+    dims = {}
+    for n in (*io.input_names, *io.output_names):
+        axes = io.dynamic_axes.get(n, {})
+        if n in ranks:
+            shape: list = [1] * ranks[n]
+        elif n.startswith(("past", "present")):
+            shape = [None, fixed[n][0], None, fixed[n][1]]
+        else:
+            shape = [None, None] if n not in fixed else [None, None, fixed[n]]
+        dims[n] = [axes.get(a, d) for a, d in enumerate(shape)]
+    return dims
+
+
+def _layer(g: GraphBuilder, ops, products, model: LlamaModel, i: int, h: str, residual: str, io: StepIO, shared: dict):
+    """Decoder layer i after its input norm `h`: attention, the second norm, the MLP. Returns
+    (its MLP's output, the residual stream after attention); the next norm adds the two."""
+    cfg, layer, p = model.cfg, model.layers[i], f"layers.{i}"
+    att, mlp = layer.self_attn, layer.mlp
+    qkv = products.product(g, h, [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], f"{p}.qkv_proj")
+    if cfg.attention_bias:
+        b = np.concatenate([f32(att.q_proj.bias), f32(att.k_proj.bias), f32(att.v_proj.bias)])
+        qkv = g.node("Add", [qkv, g.init(f"{p}.qkv_proj.bias", b)], [f"{p}.qkv_proj/biased"], f"{p}.qkv/Add")[0]
+    a = ops.attention(g, cfg, i, qkv, io, shared)
+    o = products.product(g, a, [att.o_proj.weight], f"{p}.o_proj")
+    h, residual = ops.norm(
+        g, o, residual, layer.post_attention_layernorm.weight, float(cfg.rms_norm_eps), f"{p}.post_norm"
+    )
+    gate_up = products.product(g, h, [mlp.gate_proj.weight, mlp.up_proj.weight], f"{p}.gate_up_proj")
+    halves = [f"{p}.mlp/gate", f"{p}.mlp/up"]
+    gate, up = g.node("Split", [gate_up, shared["mlp_split"]], halves, f"{p}.mlp/Split", axis=-1)
+    sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
+    act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
+    prod = g.node("Mul", [act, up], [f"{p}.mlp/gated"], f"{p}.mlp/Mul")[0]
+    return products.product(g, prod, [mlp.down_proj.weight], f"{p}.down_proj"), residual
+
+
+def _scatter_into_vocabulary(g: GraphBuilder, logits: str, ids: np.ndarray, vocab: int) -> str:
+    """A reduced head's logits (B, K, Vo) at their token ids in (B, K, V); every other token gets
+    the most negative float (probability 0), as the portable graph does."""
+    from onnx import TensorProto, helper
+
+    shape = g.node("Shape", [logits], ["scatter/shape"], "scatter/Shape")[0]
+    bk = g.node(
+        "Slice",
+        [shape, g.init("scatter.0", np.array([0])), g.init("scatter.2", np.array([2]))],
+        ["scatter/bk"],
+        "scatter/BK",
+    )[0]
+    full_shape = g.node("Concat", [bk, g.init("scatter.V", np.array([vocab]))], ["scatter/bkv"], "scatter/BKV", axis=0)[
+        0
+    ]
+    low = helper.make_tensor("low", TensorProto.FLOAT, [1], [float(np.finfo(np.float32).min)])
+    full = g.node("ConstantOfShape", [full_shape], ["scatter/full"], "scatter/Full", value=low)[0]
+    index = g.node("Expand", [g.init("output_ids", ids.astype(np.int64)), shape], ["scatter/ids"], "scatter/Ids")[0]
+    return g.node("ScatterElements", [full, index, logits], ["scatter/out"], "scatter/Scatter", axis=-1)[0]
+
+
+def export_written_graph(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    ops,
+    hidden_layers: tuple[int, ...] | None = None,
+    opset: int = DEFAULT_OPSET,
+    products=None,
+) -> Path:
+    """Write the step graph `write_graph` makes with `ops` to `out_dir`, with its manifest."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    check_opset(opset)
+    t0 = time.perf_counter()
+    ckpt_hash = checkpoint_hash(checkpoint)
+    if hidden_layers is None:
+        from specrt.export.checkpoint import load_config
+        from specrt.export.head_io import default_target_layers
+
+        hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
+    model = load_model(checkpoint, hidden_layers=hidden_layers)
+    cfg = model.cfg
+    io = StepIO(cfg.num_hidden_layers, ops.io_flavour)
+    opset = ops.opset(opset)
+    with torch.no_grad():
+        products = products or FloatProducts()
+        proto = write_graph(model, ops, products, opset)
+    with atomic_dir(out_dir) as tmp:
+        save_graph(proto, tmp)
+        del proto
+        ops.check(tmp / ONNX_FILE)
+        body = graph_manifest(tmp, checkpoint, ckpt_hash, cfg, hidden_layers, io, opset, time.perf_counter() - t0)
+        body |= ops.manifest()
+        write_manifest(tmp, ONNX_KIND, body | {"compute_dtype": "float32"} | products.manifest())
+    return out_dir

@@ -1,0 +1,85 @@
+"""A request and its row: what one request asks for, and everything that is its own while it holds
+a slot of the batch.
+
+    rid = engine.submit(Request(prompt_ids, max_new_tokens=128, sampling=SamplingParams(seed=1)))
+    row = engine.slots[b]           # a Row: its request, random generator, grammar state, prefill
+    row.sampling, row.cap, row.top_logprobs, row.metrics
+
+A new per-request feature is a field of `Request` (and, where it keeps state while the row runs, a
+field of `Row`) and the lines that use it: the batching engine (runtime/batching.py) and the
+decoder (runtime/speculative.py) hand rows over whole, so neither copies a request's settings into
+containers of their own. Two views of the rows stay with the batch: `Rows` (runtime/target.py),
+the tokens each row produced and whether it still runs, as arrays the step reads at once; and the
+cache's rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specrt.runtime.grammar import Grammar, Matcher
+from specrt.runtime.metrics import SpecMetrics
+from specrt.runtime.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    rng: np.random.Generator | None = None  # its random generator (default: one from sampling.seed)
+    # the most draft tokens a step verifies for it (0: it never drafts); None: the decoder's
+    max_draft: int | None = None
+    # log probabilities of its tokens (runtime/logprobs.py), with this many alternatives each; None: none
+    logprobs: int | None = None
+    grammar: Grammar | None = None  # structured output: its output follows this grammar (runtime/grammar.py)
+
+
+@dataclasses.dataclass
+class Row:
+    """A request in a slot of the batch, from its submission to its end."""
+
+    rid: int
+    request: Request
+    budget: int  # tokens it may produce (its max_new_tokens, bounded by the context)
+    rng: np.random.Generator  # its own draws: a row samples the same numbers whatever else runs
+    matcher: Matcher | None = None  # its grammar's state, when it has one
+    prefilled: int = 0  # prompt tokens in the cache so far
+    looked_up: bool = False  # its prompt was looked up in the prefix cache
+    prefill_seconds: float = 0.0
+    steps: list[float] = dataclasses.field(default_factory=list)  # the decode steps it was in (seconds)
+    # the target's features the draft has not seen yet: the prompt's by chunk, then each step's
+    # root and accepted nodes (kept only when something reads features)
+    features: list[np.ndarray] = dataclasses.field(default_factory=list)
+    metrics: SpecMetrics | None = None  # its drafts' acceptance while it generates (None: plain decoding)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def generating(self) -> bool:
+        """Its prompt is in the cache: it takes part in the decode steps."""
+        return self.prefilled == len(self.prompt)
+
+    @property
+    def cap(self) -> int | None:
+        """The most draft tokens a step verifies for it (its request's max_draft), None: the decoder's."""
+        return None if self.request.max_draft is None else max(0, self.request.max_draft)
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """Alternatives per token when it asked for log probabilities, else None."""
+        return self.request.logprobs
+
+    def take_features(self) -> np.ndarray:
+        """The features the draft has not seen yet, handed over once."""
+        got = np.concatenate(self.features)
+        self.features = []
+        return got
