@@ -76,6 +76,9 @@ def engine_costs(artifacts: Path) -> dict[str, dict[int, float]]:
     if gguf is not None:
         out["gguf"] = gguf
         out["split"] = {1: gguf[1], **{q: t for q, t in f32.items() if q > 1}}
+    for scheme in ("gguf-a8", "int8-a8", "int4-a8"):  # the int8-activation engines (make serve: int8-a8)
+        if (curve := read(layout.ort_engine("cpu", scheme))) is not None:
+            out[scheme] = curve
     return out
 
 
@@ -263,7 +266,11 @@ def summary(rows: list[dict], labels: list[str]) -> dict:
 
 def main() -> None:
     ap = bench_arguments(__doc__, artifacts=True, prompts=True)
-    ap.add_argument("--engines", default="f32,gguf,split", help="Cost curves: f32, gguf, split.")
+    ap.add_argument(
+        "--engines",
+        default="f32,gguf,split",
+        help="Cost curves: f32, gguf, split, and the int8-activation engines built (gguf-a8, int8-a8, int4-a8).",
+    )
     ap.add_argument("--methods", default="ngram,suffix,auto", help="Drafts, each with N = auto.")
     ap.add_argument("--ablate", default="", help=f"Comma-separated, each a variant of the first method: {ABLATIONS}.")
     ap.add_argument("--noise", type=float, default=0.0, help="Step-time disturbance (lognormal sigma).")

@@ -53,7 +53,11 @@ class SpecBenchConfig:
     sweep: bool = True
 
 
-AUTO_HEADS = ("eagle3", "peagle", "medusa")  # the heads auto takes, each in its method's directory
+def auto_heads() -> tuple[str, ...]:
+    """The heads `--draft auto` is run with, each in its method's directory (a family's `in_auto`)."""
+    from specrt.families import families
+
+    return tuple(n for n, f in families().items() if f.drafting.in_auto)
 
 
 def _tree(tree) -> dict:
@@ -72,7 +76,7 @@ def head_variants(cfg: SpecBenchConfig, log: Callable[[str], None]) -> list[tupl
             continue
         d = Path(cfg.drafts) / method
         if entry.head_optional:  # auto with each head it takes: its trees where no copy serves
-            for head in AUTO_HEADS:
+            for head in auto_heads():
                 if HeadLayout(Path(cfg.drafts) / head).ort_engine().is_dir():
                     tree = _tree(cfg.tree) if DRAFT_METHODS[head].takes_tree else {}  # Medusa: its own tree
                     out.append((f"{method}+{head}", method, {"draft_dir": Path(cfg.drafts) / head} | tree))

@@ -89,3 +89,28 @@ def test_opening_an_ort_engine_loads_no_torch(tiny_artifacts):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_import_graph_has_no_circle():
+    """No module imports one that imports it back, directly or through others (the static
+    conveniences' mixin made the last circle: runtime/generates.py <-> runtime/speculative.py)."""
+    grimp = pytest.importorskip("grimp", reason="import-linter's graph library (the test extra)")
+    graph = grimp.build_graph("specrt", cache_dir=None)
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    done, on_path, circles = set(), [], []
+
+    def visit(m):  # depth first; a module met again on the current path closes a circle
+        if m in on_path:
+            circles.append(on_path[on_path.index(m) :] + [m])
+            return
+        if m in done:
+            return
+        on_path.append(m)
+        for n in sorted(edges.get(m, ())):
+            visit(n)
+        on_path.pop()
+        done.add(m)
+
+    for m in sorted(edges):
+        visit(m)
+    assert not circles, " -> ".join(circles[0])

@@ -43,11 +43,11 @@ def last_line(r) -> str:
         # the tree was silently ignored (Medusa refused it)
         (
             ["--draft", "lookahead", "--draft-tree", "4,6"],
-            "--draft-tree is for --draft auto, eagle, eagle3, peagle, mtp",
+            "--draft-tree is for --draft auto, eagle, eagle3, mtp, peagle",
         ),
         (["--draft", "auto", "--draft-tree", "4,6"], "shapes the head's drafts: give its --draft-dir too"),
         (["--draft", "suffix", "--draft-tree", "2,3"], "not --draft suffix"),
-        (["--draft", "medusa", "--draft-dir", ".", "--draft-tree", "2,3"], "Medusa drafts its own tree"),
+        (["--draft", "medusa", "--draft-dir", ".", "--draft-tree", "2,3"], "Medusa heads draft their own tree"),
         # a head given without --draft: plain decoding, the head silently unused
         (["--draft-dir", "."], "--draft-dir: for speculative decoding, so give --draft too"),
         (["--draft-tree", "4,6"], "--draft-tree: for speculative decoding"),

@@ -15,7 +15,8 @@ from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
 from specrt.export.draft_head import HeadConfig, head_from_target, load_head, save_head
 from specrt.export.head_graph import export_head
-from specrt.export.head_io import HEAD_INPUTS, eagle3_layers, read_head_manifest
+from specrt.export.head_io import eagle3_layers, read_head_manifest
+from specrt.families.eagle import HEAD_INPUTS
 from specrt.layout import HeadLayout
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer

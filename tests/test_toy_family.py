@@ -1,8 +1,9 @@
-"""A new trained draft family needs only its own code and three registry lines: this file defines
-a toy one (one linear layer from the target's final normed state to the token after the next)
-and adds it to the runtime's, the trainers' and the head graphs' registries only; train-draft
-then makes its data, trains it, exports and builds it, and the runtime drafts with it, with no
-edit to the CLI, the pipeline, the exporter, the engine builder, the benchmark or inspect."""
+"""A new trained draft family is its own code and one declaration: this file defines a toy one
+(one linear layer from the target's final normed state to the token after the next) and
+registers one `Family` (specrt/families/); the runtime's, the trainers' and the head graphs'
+registries read it from there, train-draft makes its data, trains it, exports and builds it,
+and the runtime drafts with it, with no edit to the CLI, the pipeline, the exporter, the engine
+builder, the benchmark or inspect."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import torch
 
 from specrt.engines.head import open_head
 from specrt.export.config import ModelConfig
-from specrt.export.head_io import HEAD_FAMILIES, HeadFamily, check_head_target, feature_columns
-from specrt.runtime.drafts import DRAFT_METHODS, DraftMethod, make_proposer
+from specrt.export.head_io import HEAD_FAMILIES, check_head_target, feature_columns
+from specrt.families import Drafting, Family, HeadGraph, Training, register, unregister
+from specrt.runtime.drafts import DRAFT_METHODS, make_proposer
 from specrt.runtime.verification import DraftTree
-from specrt.training.families import COMMON, TRAINED_FAMILIES, TrainedFamily
+from specrt.training.families import COMMON, TRAINED_FAMILIES
 from specrt.training.loop import CHECKPOINT, Trainer, run_training
 
 TOY = "toy"
@@ -156,17 +158,22 @@ class ToyProposer:
         pass
 
 
-# -- the three registry lines, and the family end to end --------------------------------------------
+# -- the family's one declaration, and the family end to end ------------------------------------------
 
 
 @pytest.fixture
-def toy_family(monkeypatch):
-    monkeypatch.setitem(DRAFT_METHODS, TOY, DraftMethod(ToyProposer, "a toy head in --draft-dir", True))
-    trainer = f"{__name__}:train_toy"
-    config = lambda method, o: ToyTrainConfig(**o.given(*COMMON))  # noqa: E731
-    monkeypatch.setitem(TRAINED_FAMILIES, TOY, TrainedFamily("a toy head", config, trainer))
-    module = f"{__name__}:ToyConfig", f"{__name__}:ToyHead"
-    monkeypatch.setitem(HEAD_FAMILIES, TOY, HeadFamily(*TOY_IO[:2], False, *module))
+def toy_family():
+    family = Family(
+        TOY,
+        "a toy head",
+        Training(lambda method, o: ToyTrainConfig(**o.given(*COMMON)), train_toy),
+        Drafting(ToyProposer, "a toy head in --draft-dir"),
+        HeadGraph(*TOY_IO[:2], False, ToyConfig, ToyHead),
+    )
+    register(family)
+    yield family
+    unregister(TOY)
+    assert TOY not in DRAFT_METHODS and TOY not in TRAINED_FAMILIES and TOY not in HEAD_FAMILIES
 
 
 def test_a_new_family_trains_exports_builds_and_drafts(toy_family, tiny_checkpoint, tiny_artifacts, tmp_path):
@@ -186,6 +193,8 @@ def test_a_new_family_trains_exports_builds_and_drafts(toy_family, tiny_checkpoi
         tensorrt="off",
         progress=False,
     )
+    assert DRAFT_METHODS[TOY].needs_draft_dir and TRAINED_FAMILIES[TOY].about == "a toy head"
+    assert HEAD_FAMILIES[TOY].load_types() == (ToyConfig, ToyHead)
     report = train_draft(spec)
     assert report["method"] == TOY and report["steps"] == report["planned_steps"] > 0
     assert (HeadLayout(out).ort_engine("cpu") / "manifest.json").is_file()

@@ -12,6 +12,7 @@ import click
 from specrt.calibration import QUANT_SCHEMES as RECIPES
 from specrt.errors import SpecrtError, UsageError
 from specrt.runtime.drafts import DRAFT_METHODS
+from specrt.runtime.runner import BACKENDS
 from specrt.runtime.session import EXACTNESS
 from specrt.server.limits import ServerLimits
 
@@ -216,8 +217,8 @@ def _with_engine_options(fn, draft: str):
             "--backend",
             default="ort",
             show_default=True,
-            type=click.Choice(["ort", "trt", "torch"]),
-            help="ort: the ONNX Runtime engine; trt: the TensorRT engine (NVIDIA GPU); torch: the PyTorch model.",
+            type=click.Choice(list(BACKENDS)),
+            help="; ".join(f"{name}: {b.about}" for name, b in BACKENDS.items()) + ".",
         ),
         click.option(
             "--provider",

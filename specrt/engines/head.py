@@ -30,12 +30,12 @@ from specrt.errors import ManifestMismatchError
 from specrt.export.head_io import (
     D2T_FILE,
     HEAD_FILE,
-    HEAD_INPUTS,
     check_head_parity,
     head_family,
     read_draft_to_target,
     read_head_manifest,
 )
+from specrt.families.eagle import HEAD_INPUTS
 
 HEAD_ENGINE_KIND = "ort-draft-head"
 OPT_FILE, OPT_DATA = "head.opt.onnx", "head.opt.onnx.data"

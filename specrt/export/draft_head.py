@@ -41,19 +41,10 @@ from torch import nn
 from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
-from specrt.export.head_io import (
-    CONFIG_FILE,
-    FULL_VOCAB_METHODS,
-    HEAD_DYNAMIC_AXES,
-    HEAD_INPUTS,
-    HEAD_OUTPUTS,
-    METHODS,
-    PARALLEL,
-    WEIGHTS_FILE,
-    default_target_layers,
-    eagle3_layers,
-)
+from specrt.export.head_io import CONFIG_FILE, WEIGHTS_FILE, default_target_layers, eagle3_layers
 from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
+from specrt.families.eagle import FULL_VOCAB_METHODS, HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, METHODS
+from specrt.families.parallel import PARALLEL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,6 @@ Importing the runtime's drafts therefore never loads torch.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -15,40 +14,9 @@ import numpy as np
 from specrt.artifacts import ArtifactError, ManifestMismatchError, check_files, read_manifest
 from specrt.errors import SpecrtError
 from specrt.export.config import config_from_manifest
+from specrt.families import HeadGraph as HeadFamily
+from specrt.families import View
 
-METHODS = ("eagle", "eagle3", "mtp", "peagle")
-PARALLEL = "peagle"  # EAGLE-3 with mask entries: the first draft and K - 1 more in the same call
-FULL_VOCAB_METHODS = ("eagle", "mtp")  # read the final normed state, project through the target's head
-
-# the head's step graph I/O, in order (the one definition; the proposer and the exporter read it)
-HEAD_INPUTS = (
-    "input_ids",  # [B, Q] int64: t[j+1]
-    "features",  # [B, Q, F] float32: the target's features at j (ignored where from_draft)
-    "draft_hidden",  # [B, Q, C] float32: the head's own hidden state at j - 1 (used where from_draft)
-    "from_draft",  # [B, Q] bool: take draft_hidden instead of features
-    "position_ids",  # [B, Q] int64: j
-    "attention_mask",  # [B, Q, P+Q] bool
-    "past_key",  # [B, Hkv, P, D] float32
-    "past_value",
-)
-HEAD_OUTPUTS = ("logits", "hidden", "present_key", "present_value")  # [B,Q,Vd], [B,Q,C], [B,Hkv,Q,D] x2
-# a parallel head's graph: the same, and which entries are mask entries (0: none; d: draft depth d + 1)
-PARALLEL_INPUTS = (*HEAD_INPUTS, "mask_depth")  # [B, Q] int64
-HEAD_DYNAMIC_AXES = {
-    "input_ids": {0: "batch", 1: "q"},
-    "features": {0: "batch", 1: "q"},
-    "draft_hidden": {0: "batch", 1: "q"},
-    "from_draft": {0: "batch", 1: "q"},
-    "position_ids": {0: "batch", 1: "q"},
-    "attention_mask": {0: "batch", 1: "q", 2: "kv"},
-    "past_key": {0: "batch", 2: "past"},
-    "past_value": {0: "batch", 2: "past"},
-    "logits": {0: "batch", 1: "q"},
-    "hidden": {0: "batch", 1: "q"},
-    "present_key": {0: "batch", 2: "q"},
-    "present_value": {0: "batch", 2: "q"},
-}
-PARALLEL_DYNAMIC_AXES = {**HEAD_DYNAMIC_AXES, "mask_depth": {0: "batch", 1: "q"}}
 WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
 
 
@@ -88,54 +56,7 @@ HOW_TO_MAKE = "specrt train-draft --method eagle3 --model CHECKPOINT --out DIR"
 MANIFEST_FIELDS = {"head": dict, "target": dict, "inputs": list, "outputs": list}
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadFamily:
-    """A head family's graph, for the exporters, the engine builders and the proposers: its I/O,
-    whether it keeps a KV cache of its own (steps over a past: draft and catch-up profiles) or
-    reads one feature per row, and where its PyTorch configuration and module are (imported only
-    when a head is loaded: this module stays torch-free).
-
-    What the exporter and the engine builder ask of the two: the module is made from its
-    configuration and has `io` (inputs, outputs, dynamic axes), `example_inputs()`,
-    `parity_inputs(generator)`, a `draft_to_target` buffer and `hc`, the configuration, with
-    `method`, `target` (the ModelConfig), `layers` (the target features it reads),
-    `feature_width`, `to_dict()` (holding method, target, layers, draft_vocab) and `from_dict`."""
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    cached: bool
-    config: str  # "module:Class" with from_dict
-    module: str  # "module:Class", made from its config
-
-    def load_types(self) -> tuple[type, type]:
-        import importlib
-
-        return tuple(
-            getattr(importlib.import_module(m), c) for m, c in (t.split(":") for t in (self.config, self.module))
-        )
-
-
-MEDUSA = "medusa"
-MEDUSA_INPUTS = ("features",)  # [B, C] float32: the target's final normed state at the root's parent
-MEDUSA_OUTPUTS = ("topk_logprobs", "topk_ids")  # [B, K, k] float32, [B, K, k] int64 (target ids)
-MEDUSA_DYNAMIC_AXES = {"features": {0: "batch"}, "topk_logprobs": {0: "batch"}, "topk_ids": {0: "batch"}}
-
-_EAGLE = HeadFamily(
-    HEAD_INPUTS, HEAD_OUTPUTS, True, "specrt.export.draft_head:HeadConfig", "specrt.export.draft_head:DraftHead"
-)
-HEAD_FAMILIES: dict[str, HeadFamily] = {
-    **dict.fromkeys(("eagle", "eagle3", "mtp"), _EAGLE),  # EAGLE-1, EAGLE-3 and MTP share one graph
-    PARALLEL: HeadFamily(
-        PARALLEL_INPUTS,
-        HEAD_OUTPUTS,
-        True,
-        "specrt.export.draft_head:HeadConfig",
-        "specrt.export.parallel_head:ParallelHead",
-    ),
-    MEDUSA: HeadFamily(
-        MEDUSA_INPUTS, MEDUSA_OUTPUTS, False, "specrt.export.medusa:MedusaConfig", "specrt.export.medusa:MedusaHeads"
-    ),
-}
+HEAD_FAMILIES = View(lambda family: family.head)  # method -> its HeadGraph, for every family with a head
 
 
 def head_family(method, where: str = "a head") -> HeadFamily:

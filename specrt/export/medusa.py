@@ -31,13 +31,8 @@ from torch import nn
 
 from specrt.errors import SpecrtError
 from specrt.export.config import ModelConfig
-from specrt.export.head_io import (
-    MEDUSA,
-    MEDUSA_DYNAMIC_AXES,
-    MEDUSA_INPUTS,
-    MEDUSA_OUTPUTS,
-)
 from specrt.export.llama import LlamaModel
+from specrt.families.medusa import MEDUSA, MEDUSA_DYNAMIC_AXES, MEDUSA_INPUTS, MEDUSA_OUTPUTS
 
 
 @dataclasses.dataclass(frozen=True)

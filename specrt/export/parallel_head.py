@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from specrt.export.draft_head import DraftHead, HeadConfig
-from specrt.export.head_io import HEAD_OUTPUTS, PARALLEL_DYNAMIC_AXES, PARALLEL_INPUTS
 from specrt.export.llama import mask_bias, rotary
+from specrt.families.eagle import HEAD_OUTPUTS
+from specrt.families.parallel import PARALLEL_DYNAMIC_AXES, PARALLEL_INPUTS
 
 
 class ParallelHead(DraftHead):

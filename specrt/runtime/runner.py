@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
+from typing import Callable
 
 from specrt.calibration import TRT_SCHEMES
 from specrt.errors import SpecrtError, UsageError
@@ -103,7 +104,8 @@ def _check_draft_options(spec: RunnerSpec) -> None:
         return
     if spec.draft_tree != "chain" and not entry.takes_tree:
         trees = ", ".join(n for n, m in DRAFT_METHODS.items() if m.takes_tree)
-        own = " (Medusa drafts its own tree of choices)" if draft == "medusa" else ""
+        what = entry.about.removesuffix(" in --draft-dir")
+        own = f" ({what} draft their own tree of choices)" if entry.own_tree else ""
         raise UsageError(f"--draft-tree is for --draft {trees}, not --draft {draft}{own}")
     weights = ", ".join(n for n, m in DRAFT_METHODS.items() if m.needs_draft_dir)
     if entry.head_optional and spec.draft_tree != "chain" and spec.draft_dir is None:
@@ -139,20 +141,34 @@ def draft_options(spec: RunnerSpec, gen: Generator) -> dict:
 
 
 def open_generator(spec: RunnerSpec) -> Generator:
-    """The generator on the chosen backend: the PyTorch model, a TensorRT engine or an ORT engine."""
+    """The generator on the chosen backend (BACKENDS: the ORT engine, a TensorRT engine, the PyTorch model)."""
+    if spec.backend not in BACKENDS:
+        raise UsageError(f"--backend {spec.backend!r}: choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[spec.backend].open(spec)
+
+
+def _open_torch(spec: RunnerSpec) -> Generator:
+    if spec.checkpoint is None:
+        raise UsageError("--backend torch needs --model CHECKPOINT")
+    return Generator.from_checkpoint(
+        spec.checkpoint, device=spec.device or "cpu", cuda_graphs=spec.cuda_graphs, exact=spec.exact
+    )
+
+
+def _open_trt(spec: RunnerSpec) -> Generator:
+    engine = spec.engine or _trt_engine(spec)
     verify = "full" if spec.verify_artifacts else "auto"
-    if spec.backend == "torch":
-        if spec.checkpoint is None:
-            raise UsageError("--backend torch needs --model CHECKPOINT")
-        return Generator.from_checkpoint(
-            spec.checkpoint, device=spec.device or "cpu", cuda_graphs=spec.cuda_graphs, exact=spec.exact
-        )
-    if spec.backend == "trt":
-        engine = spec.engine or _trt_engine(spec)
-        device = spec.device or "cuda"
-        return Generator.from_trt_engine(
-            engine, spec.checkpoint, device=device, cuda_graphs=spec.cuda_graphs, verify=verify, exact=spec.exact
-        )
+    return Generator.from_trt_engine(
+        engine,
+        spec.checkpoint,
+        device=spec.device or "cuda",
+        cuda_graphs=spec.cuda_graphs,
+        verify=verify,
+        exact=spec.exact,
+    )
+
+
+def _open_ort(spec: RunnerSpec) -> Generator:
     from specrt.engines.ort import OrtOptions
 
     engine = spec.engine
@@ -169,9 +185,28 @@ def open_generator(spec: RunnerSpec) -> Generator:
             )
     multi = ArtifactLayout(spec.artifacts).ort_engine(spec.provider) if spec.split else None
     options = OrtOptions(provider=spec.provider, intra_op_threads=spec.threads)
+    verify = "full" if spec.verify_artifacts else "auto"
     return Generator.from_engine(
         engine, spec.checkpoint, options=options, verify=verify, multi_engine=multi, exact=spec.exact
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A registry entry: how `--backend NAME` opens its generator from a RunnerSpec, and what it
+    is, for --help. A backend is its StepBackend (runtime/backends/), the Target loader that makes
+    one from files (runtime/target.py) and this entry (docs/architecture.md, "Adding an engine
+    backend")."""
+
+    open: Callable[[RunnerSpec], Generator]
+    about: str
+
+
+BACKENDS: dict[str, Backend] = {
+    "ort": Backend(_open_ort, "the ONNX Runtime engine"),
+    "trt": Backend(_open_trt, "the TensorRT engine (NVIDIA GPU)"),
+    "torch": Backend(_open_torch, "the PyTorch model"),
+}
 
 
 def _trt_engine(spec: RunnerSpec) -> Path:

@@ -36,6 +36,7 @@ from specrt.errors import SpecrtError
 from specrt.export.head_io import feature_columns
 from specrt.export.llama import LlamaModel, causal_mask
 from specrt.training.eagle import Sequence, TrainingData, choose_draft_vocab, length_batches
+from specrt.training.families import COMMON, TrainOptions
 from specrt.training.loop import CHECKPOINT, Trainer, run_training
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -188,3 +189,8 @@ def train_draft_model(
     run = run_training(trainer, draft, cfg, out_dir / CHECKPOINT, "train draft-model", progress)
     report = run.report(trainer, data, cfg) | {"layers": list(layers)}
     return draft, report
+
+
+def train_config(method: str, o: TrainOptions) -> DraftModelConfig:
+    """The distilled draft model's training config from train-draft's options."""
+    return DraftModelConfig(**o.given(*COMMON, "batch_tokens", "draft_vocab"))

@@ -39,9 +39,11 @@ import torch.nn.functional as F
 
 from specrt.errors import SpecrtError
 from specrt.export.draft_head import DraftHead, HeadConfig, head_from_target
-from specrt.export.head_io import PARALLEL, feature_columns
+from specrt.export.head_io import feature_columns
 from specrt.export.llama import LlamaModel
+from specrt.families.parallel import PARALLEL
 from specrt.training.data import Answer
+from specrt.training.families import COMMON, TrainOptions
 from specrt.training.features import FeatureCache
 from specrt.training.loop import CHECKPOINT, Trainer, run_training
 
@@ -339,3 +341,11 @@ def train_head(
         counts = data.answer_token_counts(head.hc.target.vocab_size)
         report["draft_vocab_coverage"] = round(float(counts[head.draft_to_target].sum() / max(1, counts.sum())), 4)
     return head, report
+
+
+def train_config(method: str, o: TrainOptions) -> TrainConfig:
+    """The training config of `method` (eagle, eagle3, mtp, peagle) from train-draft's options."""
+    kw = o.given(*COMMON, "batch_tokens", "ttt_steps")
+    if method in ("eagle3", "peagle"):  # the other methods predict the target's whole vocabulary
+        kw |= o.given("draft_vocab")
+    return TrainConfig(method, **kw)

@@ -1,4 +1,5 @@
-"""The trained draft families, as `specrt train-draft` sees them: one registry entry each.
+"""The trained draft families, as `specrt train-draft` sees them: one registry entry each, read
+from the families' declarations (specrt/families/).
 
     family = TRAINED_FAMILIES["medusa"]
     cfg = family.config("medusa", TrainOptions(epochs=1.0, heads=3))   # the family's config type
@@ -8,14 +9,17 @@ An entry says what the family is (for --help), how its training config is made f
 command's options (an option left None takes the family's own default), where its trainer is
 (imported when training starts, so the CLI's choices cost no torch import), and what training
 writes: a head (weights exported and built as a draft head) or a model (a checkpoint, built as
-build-engines builds any model). The CLI's --method choices and the pipeline read this registry.
+build-engines builds any model). The CLI's --method choices and the pipeline read this registry;
+each family's config function lives beside its trainer (training/eagle.py, medusa.py,
+draft_model.py: `train_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Callable
+
+from specrt.families import Family, View, load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,59 +52,17 @@ COMMON = ("epochs", "lr", "seed", "max_minutes")
 class TrainedFamily:
     about: str  # for --help
     config: Callable[[str, TrainOptions], object]  # (method, options) -> the family's training config
-    trainer: str  # "module:function": train(target, data, cfg, out_dir, progress) -> (module, report)
+    trainer: object  # reference: train(target, data, cfg, out_dir, progress) -> (module, report)
     writes: str = "head"  # "head": draft-head weights; "model": a checkpoint of a smaller model
     reads: tuple[str, ...] = ()  # the TrainOptions it reads besides COMMON (others given are refused)
 
     def train(self) -> Callable:
-        module, name = self.trainer.split(":")
-        return getattr(importlib.import_module(module), name)
+        return load(self.trainer)
 
 
-def _eagle_config(method: str, o: TrainOptions):
-    from specrt.training.eagle import TrainConfig
-
-    kw = o.given(*COMMON, "batch_tokens", "ttt_steps")
-    if method in ("eagle3", "peagle"):  # the other methods predict the target's whole vocabulary
-        kw |= o.given("draft_vocab")
-    return TrainConfig(method, **kw)
+def _trained(family: Family) -> TrainedFamily:
+    t = family.training
+    return TrainedFamily(family.about, lambda method, o: load(t.config)(method, o), t.train, t.writes, t.reads)
 
 
-def _medusa_config(method: str, o: TrainOptions):
-    from specrt.training.medusa import MedusaTrainConfig
-
-    kw = o.given(*COMMON, "draft_vocab")
-    if o.heads is not None:
-        kw["num_heads"] = o.heads
-    return MedusaTrainConfig(**kw)
-
-
-def _draft_model_config(method: str, o: TrainOptions):
-    from specrt.training.draft_model import DraftModelConfig
-
-    return DraftModelConfig(**o.given(*COMMON, "batch_tokens", "draft_vocab"))
-
-
-_HEAD = "specrt.training.eagle:train_head"
-_EAGLE = ("batch_tokens", "ttt_steps")  # eagle and mtp predict the target's whole vocabulary: no draft_vocab
-TRAINED_FAMILIES: dict[str, TrainedFamily] = {
-    "eagle": TrainedFamily("an EAGLE-1 head", _eagle_config, _HEAD, reads=_EAGLE),
-    "eagle3": TrainedFamily("an EAGLE-3 head", _eagle_config, _HEAD, reads=(*_EAGLE, "draft_vocab")),
-    "peagle": TrainedFamily(
-        "a parallel EAGLE-3 head (P-EAGLE: --ttt-steps tokens per call)",
-        _eagle_config,
-        _HEAD,
-        reads=(*_EAGLE, "draft_vocab"),
-    ),
-    "mtp": TrainedFamily("an MTP module (DeepSeek-V3 layout)", _eagle_config, _HEAD, reads=_EAGLE),
-    "medusa": TrainedFamily(
-        "Medusa heads", _medusa_config, "specrt.training.medusa:train_medusa", reads=("draft_vocab", "heads")
-    ),
-    "draft-model": TrainedFamily(
-        "a draft model distilled from the target's layers",
-        _draft_model_config,
-        "specrt.training.draft_model:train_draft_model",
-        writes="model",
-        reads=("batch_tokens", "draft_vocab"),
-    ),
-}
+TRAINED_FAMILIES = View(_trained)  # every family's trainer (specrt/families/: one unit per family)

@@ -33,6 +33,7 @@ from specrt.export.llama import LlamaModel
 from specrt.export.medusa import MedusaConfig, MedusaHeads, medusa_from_target
 from specrt.export.medusa_tree import DEFAULT_TREE_SIZE, derive_tree
 from specrt.training.eagle import STEP_WEIGHT, Sequence, TrainingData, choose_draft_vocab
+from specrt.training.families import COMMON, TrainOptions
 from specrt.training.loop import CHECKPOINT, Trainer, run_training
 
 
@@ -165,3 +166,11 @@ def train_medusa(
         "tree": [list(p) for p in derive_tree(run.final["rank_accuracy"], cfg.tree_size)],
     }
     return heads, report
+
+
+def train_config(method: str, o: TrainOptions) -> MedusaTrainConfig:
+    """Medusa's training config from train-draft's options (--heads: K)."""
+    kw = o.given(*COMMON, "draft_vocab")
+    if o.heads is not None:
+        kw["num_heads"] = o.heads
+    return MedusaTrainConfig(**kw)

@@ -2,24 +2,22 @@
 
 Methods are looked up by name in DRAFT_METHODS, one DraftMethod entry each (how to make it, and
 what its options need: the CLI's choices and checks come from here); `make_proposer("ngram",
-n_max=3)` builds one.
+n_max=3)` builds one. The methods without weights are listed here; the trained families add
+their own entries from their declarations (specrt/families/: one unit per family).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 from specrt.errors import SpecrtError
+from specrt.families import Family, View
 from specrt.runtime.drafts.auto import AutoProposer
 from specrt.runtime.drafts.base import DraftInput, GrammarDrafts, Proposer
-from specrt.runtime.drafts.draft_model import DraftModelProposer
 from specrt.runtime.drafts.eagle import EagleProposer
 from specrt.runtime.drafts.lookahead import LookaheadProposer
-from specrt.runtime.drafts.medusa import MedusaProposer
 from specrt.runtime.drafts.ngram import NgramProposer
-from specrt.runtime.drafts.parallel import ParallelProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
 
 
@@ -55,10 +53,10 @@ class DraftMethod:
     needs_draft_dir: bool = False  # a method with weights: --draft-dir DIR
     takes_tree: bool = False  # drafts EAGLE-2 dynamic trees: --draft-tree TOP_K,DEPTH
     head_optional: bool = False  # takes a trained head in --draft-dir when given (auto)
+    own_tree: bool = False  # drafts a tree of its own choosing (Medusa's tree of choices)
 
 
-_HEAD = "a trained head in --draft-dir"
-DRAFT_METHODS: dict[str, DraftMethod] = {
+_LOOKUPS: dict[str, DraftMethod] = {
     "ngram": DraftMethod(NgramProposer, "prompt lookup (no weights)"),
     "suffix": DraftMethod(SuffixProposer, "the prompt and earlier answers, SuffixDecoding (no weights)"),
     "auto": DraftMethod(
@@ -70,16 +68,16 @@ DRAFT_METHODS: dict[str, DraftMethod] = {
     ),
     "lookahead": DraftMethod(LookaheadProposer, "Jacobi iteration's n-grams (no weights)"),
     "grammar": DraftMethod(GrammarDrafts, "only the tokens a request's grammar forces (structured output)"),
-    # trained heads: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)
-    "eagle": DraftMethod(functools.partial(EagleProposer, method="eagle"), _HEAD, True, True),
-    "eagle3": DraftMethod(functools.partial(EagleProposer, method="eagle3"), _HEAD, True, True),
-    "peagle": DraftMethod(ParallelProposer, "a parallel EAGLE-3 head in --draft-dir (K tokens a call)", True, True),
-    # an MTP module drafts as an EAGLE head does
-    "mtp": DraftMethod(functools.partial(EagleProposer, method="mtp"), _HEAD, True, True),
-    # make_proposer("medusa", draft_dir=DIR, target=caps[, tree=paths]): its own tree of choices
-    "medusa": DraftMethod(MedusaProposer, "Medusa heads in --draft-dir", True),
-    "draft-model": DraftMethod(DraftModelProposer, "a smaller model's build-engines output in --draft-dir", True),
 }
+
+
+def _trained(family: Family) -> DraftMethod:
+    """A trained family's entry: make_proposer("eagle3", draft_dir=DIR, target=generator.session.caps)."""
+    d = family.drafting
+    return DraftMethod(d.make, d.about, needs_draft_dir=True, takes_tree=d.takes_tree, own_tree=d.own_tree)
+
+
+DRAFT_METHODS = View(_trained, _LOOKUPS)
 
 __all__ = ["DRAFT_METHODS", "DraftInput", "DraftMethod", "Proposer", "make_proposer"]
 

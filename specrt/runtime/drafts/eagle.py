@@ -28,7 +28,8 @@ import numpy as np
 
 from specrt.engines.head import open_head
 from specrt.errors import SpecrtError
-from specrt.export.head_io import HEAD_INPUTS, check_head_target, feature_columns
+from specrt.export.head_io import check_head_target, feature_columns
+from specrt.families.eagle import HEAD_INPUTS
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.drafts.dynamic_tree import TreeBuilder
 from specrt.runtime.sampling import SamplingParams, probs_from_logits, sample_from_probs

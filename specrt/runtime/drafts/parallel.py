@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.export.head_io import PARALLEL
+from specrt.families.parallel import PARALLEL
 from specrt.runtime.drafts.dynamic_tree import TreeBuilder
 from specrt.runtime.drafts.eagle import CONFIDENCE, EagleProposer
 from specrt.runtime.sampling import probs_from_logits, sample_from_probs
