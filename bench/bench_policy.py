@@ -21,8 +21,9 @@ lognormal(0, noise), and 3 % of steps 2-6x slower: what the cost model's robust 
 variant sees the same sequence.
 
 The figure per prompt is the decode speedup over plain decoding on the same virtual clock
-(prefill excluded: it is the same for all). Ablations (--ablate) switch one heuristic off, to show
-what it buys:
+(prefill excluded: it is the same for all); plain decoding runs there too, with the step floor's
+free guess (before 2026-12-05 it was counted as one-position steps, without the floor).
+Ablations (--ablate) switch one heuristic off, to show what it buys:
     hindsight     lookups learn only from the drafts that were verified (and, as nothing else
                   would ever back a draft, may verify on priors: the gate off too)
     gate          a lookup's draft may be verified on its evidence's prior alone
@@ -31,9 +32,8 @@ what it buys:
                   the lookups' plan does not use it)
     spike         no spike filter for less-observed step sizes (estimators.SPIKE)
     trust         a size's time is its median from the first observation (estimators.TRUST = 1)
-    priors        the generic alpha, beta priors instead of the engine's measured step costs
-    horizon       a lookup's draft verified as deep as the plan likes, not only to twice the depths
-                  hindsight has read (policy.HORIZON_GROWTH)
+(The engine's step costs as the cost model's priors, and a horizon on a lookup's first bets,
+were ablated here and went on 2026-12-05: below the noise, and below zero under load.)
 `--prompt-set N` runs the first N prompts of the offline prompt set (specrt/training/prompts.py,
 which holds the benchmark's prompts out) instead of the benchmark file: what a policy is tuned
 on, so that the benchmark's figures are not fitted to it. Prints a table per engine (rows:
@@ -56,7 +56,7 @@ from replay import ReplayBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-ABLATIONS = ("hindsight", "gate", "pooling", "calibration", "spike", "trust", "priors", "horizon")
+ABLATIONS = ("hindsight", "gate", "pooling", "calibration", "spike", "trust")
 
 
 def engine_costs(artifacts: Path) -> dict[str, dict[int, float]]:
@@ -138,7 +138,6 @@ def patched(ablations: set[str]):
         "calibration": model.calibration,
         "backed": model.backed,
         "_counts": model._counts,
-        "HORIZON_GROWTH": policy.HORIZON_GROWTH,
     }
     if "spike" in ablations:
         estimators.SPIKE = float("inf")
@@ -148,8 +147,6 @@ def patched(ablations: set[str]):
         model.calibration = lambda self: 1.0
     if "gate" in ablations or "hindsight" in ablations:
         model.backed = lambda self, key: True
-    if "horizon" in ablations:
-        policy.HORIZON_GROWTH = 1 << 20
     if "pooling" in ablations:
 
         def own(self, key):
@@ -161,7 +158,6 @@ def patched(ablations: set[str]):
     def restore():
         estimators.SPIKE, estimators.TRUST = saved["SPIKE"], saved["TRUST"]
         model.calibration, model.backed, model._counts = saved["calibration"], saved["backed"], saved["_counts"]
-        policy.HORIZON_GROWTH = saved["HORIZON_GROWTH"]
 
     return restore
 
@@ -169,14 +165,16 @@ def patched(ablations: set[str]):
 def run_virtual(target, method: str, ids: list[int], tokens: int, clock: VirtualClock, ablate=()):
     """One greedy generation with the cost model on `clock`; (result, virtual decode seconds)."""
     from specrt.runtime.drafts import make_proposer
-    from specrt.runtime.policy import CostModel
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
     from specrt.runtime.verification import DraftTree
 
-    decoder = SpeculativeDecoder(target, make_proposer(method), make_policy("auto"))
-    if "priors" in ablate:  # the generic priors
-        per_token = decoder.proposer.cost_per_token
-        decoder.new_cost_model = lambda: CostModel(decoder.policy.max_draft, draft_per_token=per_token)
+    if method == "plain":  # no draft, N = 0: what Generator runs
+        from specrt.runtime.drafts.base import NoDraft
+        from specrt.runtime.policy import FixedPolicy
+
+        decoder = SpeculativeDecoder(target, NoDraft(), FixedPolicy(0))
+    else:
+        decoder = SpeculativeDecoder(target, make_proposer(method), make_policy("auto"))
     real_observe = decoder.observe
 
     def observe(state, r):
@@ -184,7 +182,10 @@ def run_virtual(target, method: str, ids: list[int], tokens: int, clock: Virtual
         r.draft_seconds = clock.work_s
         clock.total += r.verify_seconds + r.draft_seconds
         if "hindsight" in ablate:  # only what was verified is read (no rivals)
-            r.drafted = {b: DraftTree(t.tokens, t.parents, t.q, t.scores, t.evidence) for b, t in r.trees.items()}
+            r.drafted = {
+                b: DraftTree.empty() if b in r.guessed else DraftTree(t.tokens, t.parents, t.q, t.scores, t.evidence)
+                for b, t in r.trees.items()
+            }  # the floor's guesses are no lookup's drafts
         real_observe(state, r)
 
     decoder.observe = observe
@@ -324,8 +325,12 @@ def main() -> None:
         rows = []
         for pi, (p, ids, answer) in enumerate(zip(prompts, encoded, answers)):
             noise_seed = 1000 * pi + args.seed
+            # plain decoding on the same clock: with the step floor each step computes two positions and
+            # its second carries a free guess (runtime/session.py), so it is run, not counted
             plain_clock = VirtualClock(curve, 0.0, args.noise, noise_seed, args.bursts)
-            plain_s = sum(plain_clock.step(1, 1) for _ in range(len(answer) - 1))
+            plain, plain_s = run_virtual(target, "plain", ids, args.max_new_tokens, plain_clock)
+            if plain.token_ids != answer:
+                raise SystemExit(f"plain decoding on the replay target differs from the recorded answer ({pi})")
             row = {"prompt": pi, "class": p["class"], "tokens": len(answer)}
             for label, method, ablate in variants:
                 restore = patched(set(ablate))

