@@ -225,6 +225,16 @@ def test_a_registry_entry_is_what_the_option_checks_read(monkeypatch):
         runner.check_options(runner.RunnerSpec(artifacts="a", draft="toy", draft_dir="d", draft_tree="2,3"))
 
 
+def test_an_unknown_backend_is_named_with_the_choices():
+    """The backends are a registry (runner.BACKENDS): a name outside it, given through the Python
+    API (the CLI's choices come from the same registry), is a UsageError naming the choices."""
+    from specrt.errors import UsageError
+    from specrt.runtime import runner
+
+    with pytest.raises(UsageError, match="--backend 'onnx': choose one of ort, trt, torch"):
+        runner.open_generator(runner.RunnerSpec(artifacts="a", backend="onnx"))
+
+
 class Recording:
     """A draft that repeats each row's last token, too long on purpose, and records every call."""
 

@@ -14,8 +14,7 @@ import numpy as np
 from specrt.artifacts import ArtifactError, ManifestMismatchError, check_files, read_manifest
 from specrt.errors import SpecrtError
 from specrt.export.config import config_from_manifest
-from specrt.families import HeadGraph as HeadFamily
-from specrt.families import View
+from specrt.families import HeadGraph, View
 
 WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
 
@@ -59,7 +58,7 @@ MANIFEST_FIELDS = {"head": dict, "target": dict, "inputs": list, "outputs": list
 HEAD_FAMILIES = View(lambda family: family.head)  # method -> its HeadGraph, for every family with a head
 
 
-def head_family(method, where: str = "a head") -> HeadFamily:
+def head_family(method, where: str = "a head") -> HeadGraph:
     if method not in HEAD_FAMILIES:
         raise ArtifactError(
             f"{where} is of an unknown head family {method!r} (known: {', '.join(HEAD_FAMILIES)}); "

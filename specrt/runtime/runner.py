@@ -45,11 +45,16 @@ class RunnerSpec:
     draft: str = "none"
     num_draft: str | int = "auto"
     max_draft: int = 16
-    verify_artifacts: bool = False
+    verify_artifacts: bool = False  # hash the engine's files in full (`verify`: "full"), else when they changed
     draft_dir: Path | None = None
     draft_tree: str = "chain"  # or "TOP_K,DEPTH" (EAGLE-2 dynamic trees)
     # the draft options the user set (the CLI's parameter sources); empty: those off their defaults
     given: tuple[str, ...] = ()
+
+    @property
+    def verify(self) -> str:
+        """How the engine's files are checked on load (specrt.artifacts.check_files)."""
+        return "full" if self.verify_artifacts else "auto"
 
 
 def open_runner(spec: RunnerSpec, generator: Generator | None = None) -> tuple[Generator, object]:
@@ -104,8 +109,7 @@ def _check_draft_options(spec: RunnerSpec) -> None:
         return
     if spec.draft_tree != "chain" and not entry.takes_tree:
         trees = ", ".join(n for n, m in DRAFT_METHODS.items() if m.takes_tree)
-        what = entry.about.removesuffix(" in --draft-dir")
-        own = f" ({what} draft their own tree of choices)" if entry.own_tree else ""
+        own = f" ({entry.what} draft their own tree of choices)" if entry.own_tree else ""
         raise UsageError(f"--draft-tree is for --draft {trees}, not --draft {draft}{own}")
     weights = ", ".join(n for n, m in DRAFT_METHODS.items() if m.needs_draft_dir)
     if entry.head_optional and spec.draft_tree != "chain" and spec.draft_dir is None:
@@ -157,13 +161,12 @@ def _open_torch(spec: RunnerSpec) -> Generator:
 
 def _open_trt(spec: RunnerSpec) -> Generator:
     engine = spec.engine or _trt_engine(spec)
-    verify = "full" if spec.verify_artifacts else "auto"
     return Generator.from_trt_engine(
         engine,
         spec.checkpoint,
         device=spec.device or "cuda",
         cuda_graphs=spec.cuda_graphs,
-        verify=verify,
+        verify=spec.verify,
         exact=spec.exact,
     )
 
@@ -185,9 +188,8 @@ def _open_ort(spec: RunnerSpec) -> Generator:
             )
     multi = ArtifactLayout(spec.artifacts).ort_engine(spec.provider) if spec.split else None
     options = OrtOptions(provider=spec.provider, intra_op_threads=spec.threads)
-    verify = "full" if spec.verify_artifacts else "auto"
     return Generator.from_engine(
-        engine, spec.checkpoint, options=options, verify=verify, multi_engine=multi, exact=spec.exact
+        engine, spec.checkpoint, options=options, verify=spec.verify, multi_engine=multi, exact=spec.exact
     )
 
 

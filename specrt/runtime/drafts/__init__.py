@@ -31,9 +31,8 @@ def _head(**options):
     if entry is None or not entry.needs_draft_dir:  # no readable head: EagleProposer's open says why
         return EagleProposer(**options)
     if options.get("tree") is not None and not entry.takes_tree:
-        what = entry.about.removesuffix(" in --draft-dir")  # e.g. "Medusa heads"
         raise SpecrtError(
-            f"{options['draft_dir']} holds {what}, which draft their own tree of choices: leave out --draft-tree"
+            f"{options['draft_dir']} holds {entry.what}, which draft their own tree of choices: leave out --draft-tree"
         )
     return entry.make(**options)
 
@@ -54,6 +53,11 @@ class DraftMethod:
     takes_tree: bool = False  # drafts EAGLE-2 dynamic trees: --draft-tree TOP_K,DEPTH
     head_optional: bool = False  # takes a trained head in --draft-dir when given (auto)
     own_tree: bool = False  # drafts a tree of its own choosing (Medusa's tree of choices)
+
+    @property
+    def what(self) -> str:
+        """What it drafts from, for an error message: e.g. "Medusa heads"."""
+        return self.about.removesuffix(" in --draft-dir")
 
 
 _LOOKUPS: dict[str, DraftMethod] = {
