@@ -100,7 +100,15 @@ def test_incomplete_sharded_checkpoint(tiny_checkpoint, tmp_path):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
-        ({"sliding_window": 64}, "sliding-window attention is not implemented"),
+        (
+            {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64},
+            "use_sliding_window=true is not supported",
+        ),
+        ({"architectures": ["Gemma3ForCausalLM"], "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        (
+            {"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"rope_type": "longrope"}},
+            "'longrope' is not supported",
+        ),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
     ],
 )

@@ -52,7 +52,10 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str, h
         from specrt.export.head_io import default_target_layers
 
         hidden_layers = default_target_layers(cfg.num_hidden_layers)
+    from specrt.export.arch import FAMILIES
+
     state = {k.removeprefix("model."): v.to(torch.float32) for k, v in state.items()}
+    state = FAMILIES[cfg.architecture].weights(state)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model = LlamaModel(cfg, hidden_layers=hidden_layers)

@@ -1,27 +1,26 @@
-"""Model configuration: the few numbers a Llama-family decoder needs, read from config.json.
+"""Model configuration: the few numbers a decoder needs, read from config.json.
 
-Supported architectures are the Llama family that share one block shape (RMSNorm, rotary
-embeddings, grouped-query attention, SwiGLU MLP): Llama, Mistral (without a sliding window
-shorter than the context), Qwen2 (bias on q/k/v) and SmolLM (a Llama).
+Every supported family shares one block (RMSNorm, rotary embeddings, grouped-query attention,
+a gated MLP); what differs between families is a handful of facts (export/arch/base.py lists
+them), each family's in its own file under export/arch/: Llama and SmolLM, Mistral, Qwen2,
+Qwen3, Phi-3 / Phi-4-mini and Gemma 3 (text).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from specrt.artifacts import read_json_object
 from specrt.errors import ArtifactError, CheckpointError, SpecrtError, UnsupportedArchitectureError
+from specrt.export.arch import FAMILIES
+from specrt.export.arch.base import as_number as _as
+from specrt.export.arch.base import field as _field
 
-# architecture name in config.json -> whether q/k/v projections carry a bias by default
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)  # config.json's architecture names
+ACTIVATIONS = ("silu", "gelu_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 OUTPUT_VOCAB_KEY = "specrt_output_vocab"  # config.json key of ModelConfig.output_vocab
 
@@ -47,6 +46,17 @@ class ModelConfig:
     # a draft model's reduced output vocabulary (train-draft --method draft-model): the output head
     # has this many rows, for the token ids in its `output_ids` buffer; None: the whole vocabulary
     output_vocab: int | None = None
+    # the block's facts (export/arch/base.py explains each; the defaults are the Llama block)
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    embed_scale: float | None = None
+    attn_scalar: float | None = None  # scores scaled by attn_scalar ** -0.5; None: head_dim
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    rotary_dim: int | None = None  # None: the whole head
 
     def __post_init__(self):
         # every reader of a config (config.json, an artifact's manifest) gets here: one place
@@ -103,6 +113,7 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs it to be."
             )
+        self._check_facts()
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedArchitectureError(
@@ -111,36 +122,72 @@ class ModelConfig:
                 "specrt/export/config.py:rope_inv_freq."
             )
 
+    def _check_facts(self):
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        if self.architecture not in FAMILIES:
+            raise UnsupportedArchitectureError(
+                f"architecture {self.architecture!r} is not supported; specrt handles {', '.join(FAMILIES)}."
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedArchitectureError(
+                f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})."
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise CheckpointError(f"sliding_window must be >= 1, got {self.sliding_window}; fix the config.json.")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.sliding_layers) or (
+            self.sliding_layers and self.sliding_window is None
+        ):
+            raise CheckpointError(
+                f"sliding layers {list(self.sliding_layers)} need a sliding_window and indices below "
+                f"num_hidden_layers={self.num_hidden_layers}; fix the checkpoint's config.json."
+            )
+        rd = self.rotary_dim
+        if rd is not None and (
+            isinstance(rd, bool) or not isinstance(rd, int) or rd % 2 or not 0 < rd <= self.head_dim
+        ):
+            raise CheckpointError(f"rotary_dim must be an even count in 1..head_dim ({self.head_dim}), got {rd!r}.")
+
+    @property
+    def rotary_dims(self) -> int:
+        """The leading dims of each head the rotary turns."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        return float(self.attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return layer in self.sliding_layers
+
+    @property
+    def plain(self) -> "ModelConfig":
+        """This model's shapes with the Llama block's facts: the layer a draft head adds (EAGLE's
+        head is its own model, a Llama layer over the target's features)."""
+        facts = dict(qk_norm=False, norm_offset=0.0, sandwich_norms=False, hidden_act="silu", embed_scale=None)
+        facts |= dict(attn_scalar=None, sliding_window=None, sliding_layers=(), rope_local_theta=None)
+        return dataclasses.replace(self, architecture="LlamaForCausalLM", **facts)
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or [d.get("model_type", "?")]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        family = FAMILIES.get(arch)
+        if family is None:
             raise UnsupportedArchitectureError(
                 f"architecture {arch!r} is not supported; specrt handles "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}. Convert the model to one of these or "
-                "add its block to specrt/export/llama.py."
+                f"{', '.join(FAMILIES)}. Convert the model to one of these or "
+                "add its family (docs/architecture.md, 'Adding a model family')."
             )
-        sliding = d.get("sliding_window") if d.get("use_sliding_window", True) else None
         max_pos = _field(d, "max_position_embeddings", int, 2048)
-        if sliding is not None and _as(int, sliding, "sliding_window") < max_pos:
-            raise UnsupportedArchitectureError(
-                f"sliding_window={sliding} is shorter than max_position_embeddings={max_pos}; "
-                "sliding-window attention is not implemented. Set sliding_window to null in "
-                "config.json if you only need contexts up to the window."
-            )
         if d.get("mlp_bias"):
-            raise UnsupportedArchitectureError("mlp_bias=true is not supported (no Llama-family model uses it).")
+            raise UnsupportedArchitectureError("mlp_bias=true is not supported (no supported family uses it).")
         # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
         rope_params = d.get("rope_parameters") or {}
         rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if scaling:
-            scaling = dict(scaling)
-            scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling.pop("type", None)
-            if scaling["rope_type"] == "default":
-                scaling = None
+        scaling = d.get("rope_scaling") or {
+            k: v for k, v in rope_params.items() if k not in ("rope_theta", "partial_rotary_factor")
+        }
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (_as(int, eos, "eos_token_id"),))
         n_heads = _field(d, "num_attention_heads", int)
@@ -150,11 +197,12 @@ class ModelConfig:
                 f"num_attention_heads must be a positive integer, got {n_heads}; fix the checkpoint's config.json."
             )
         kv_heads, head_dim = _field(d, "num_key_value_heads", int, None), _field(d, "head_dim", int, None)
-        return cls(
+        layers = _field(d, "num_hidden_layers", int)
+        fields = dict(
             vocab_size=_field(d, "vocab_size", int),
             hidden_size=hidden,
             intermediate_size=_field(d, "intermediate_size", int),
-            num_hidden_layers=_field(d, "num_hidden_layers", int),
+            num_hidden_layers=layers,
             num_attention_heads=n_heads,
             num_key_value_heads=n_heads if kv_heads is None else kv_heads,
             head_dim=hidden // n_heads if head_dim is None else head_dim,
@@ -163,12 +211,29 @@ class ModelConfig:
             rope_scaling=scaling or None,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+            attention_bias=bool(d.get("attention_bias", family.attention_bias)),
             architecture=arch,
             bos_token_id=_field(d, "bos_token_id", int, None),
             eos_token_id=eos_ids,
             output_vocab=_field(d, OUTPUT_VOCAB_KEY, int, None),
+            hidden_act=d.get("hidden_act") or family.hidden_act,
         )
+        fields |= family.facts(d)
+        if fields["hidden_act"] not in ACTIVATIONS:
+            raise UnsupportedArchitectureError(
+                f"hidden_act {fields['hidden_act']!r} is not supported for {arch} (supported: silu)."
+            )
+        scaling = fields["rope_scaling"]
+        if scaling:
+            scaling = dict(scaling)
+            scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling.pop("type", None)
+            fields["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+        if fields.get("sliding_layers") == "all":
+            fields["sliding_layers"] = tuple(range(layers))
+        if fields.get("sliding_window") is not None and fields["sliding_window"] >= max_pos:
+            fields |= dict(sliding_window=None, sliding_layers=())  # a window as long as the context
+        return cls(**fields)
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
@@ -187,10 +252,11 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json transformers reads for the same model (also used by our own loader)."""
-        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+        family = FAMILIES[self.architecture]
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta} | (self.rope_scaling or {})
         d = {
             "architectures": [self.architecture],
-            "model_type": model_type[self.architecture],
+            "model_type": family.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -199,16 +265,16 @@ class ModelConfig:
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            "rope_parameters": rope,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act.replace("gelu_tanh", "gelu_pytorch_tanh"),
             "torch_dtype": "float32",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
         }
+        d |= family.config_keys(self)
         if self.output_vocab is not None:  # specrt's own key: transformers has no such model
             d[OUTPUT_VOCAB_KEY] = self.output_vocab
         return d
@@ -230,6 +296,7 @@ class ModelConfig:
         d = dict(d)
         eos = d.get("eos_token_id") or ()
         d["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        d["sliding_layers"] = tuple(d.get("sliding_layers") or ())
         return cls(**d)
 
 
@@ -241,34 +308,13 @@ def config_from_manifest(manifest: dict[str, Any], where, how_to_make: str) -> M
         raise ArtifactError(f"{where}/manifest.json: {e}. Re-create the artifact with: {how_to_make}") from None
 
 
-def _as(kind: type, value: Any, name: str):
-    """value as int or float, or a CheckpointError naming the field (True, "two", 3.5 as int...)."""
-    ok = not isinstance(value, bool) and (
-        isinstance(value, (int, float))
-        if kind is float
-        else isinstance(value, int) or isinstance(value, float) and value.is_integer()
-    )
-    if not ok:
-        what = "an integer" if kind is int else "a number"
-        raise CheckpointError(f"{name} must be {what}, got {json.dumps(value)[:40]}; fix the checkpoint's config.json.")
-    return kind(value)
-
-
-def _field(d: dict[str, Any], name: str, kind: type, default: Any = dataclasses.MISSING):
-    if name not in d or d[name] is None:
-        if default is dataclasses.MISSING:
-            raise CheckpointError(
-                f"lacks the required key {name!r}; restore it from the original checkpoint's config.json."
-            )
-        return default
-    return _as(kind, d[name], name)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> list[float]:
-    """Inverse rotary frequencies (length head_dim/2) in float64, scaled as rope_scaling says."""
-    dim = cfg.head_dim
-    inv = [1.0 / (cfg.rope_theta ** (2 * i / dim)) for i in range(dim // 2)]
-    scaling = cfg.rope_scaling or {}
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> list[float]:
+    """Inverse rotary frequencies (length rotary_dims/2) in float64, scaled as rope_scaling says;
+    `local`: the sliding layers' (their own base where rope_local_theta is set, never scaled)."""
+    dim = cfg.rotary_dims
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv = [1.0 / (theta ** (2 * i / dim)) for i in range(dim // 2)]
+    scaling = {} if local and cfg.rope_local_theta else cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv = [f / float(scaling["factor"]) for f in inv]

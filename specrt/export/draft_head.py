@@ -115,7 +115,8 @@ class DraftHead(nn.Module):
     def __init__(self, hc: HeadConfig):
         super().__init__()
         self.hc = hc
-        cfg, C = hc.target, hc.target.hidden_size
+        # the head's layer is a Llama layer of the target's shapes, whatever the target's family
+        cfg, C = hc.target.plain, hc.target.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, C)  # the target's, frozen
         self.embed_tokens.weight.requires_grad_(False)
         self.enorm = self.hnorm = None

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from specrt.errors import UnsupportedArchitectureError
 from specrt.export.graph_files import DEFAULT_OPSET
-from specrt.export.graph_writer import GraphBuilder, export_written_graph, f32, write_graph
+from specrt.export.graph_writer import GraphBuilder, export_written_graph, f32, rotary_tables, write_graph
 from specrt.export.llama import LlamaModel
 from specrt.export.step_io import StepIO
 
@@ -85,12 +87,24 @@ class FusedOps:
     def norm(self, g: GraphBuilder, block: str | None, residual: str, weight, eps: float, name: str):
         return _norm(g, block, residual, weight, eps, name)
 
-    def attention(self, g: GraphBuilder, cfg, i: int, qkv: str, io: StepIO, shared: dict) -> str:
-        """GroupQueryAttention over q|k|v packed: rotary inside, the past written in place."""
+    def attention(self, g: GraphBuilder, cfg, i: int, qkv: str, io: StepIO, shared: dict, norms=None) -> str:
+        """GroupQueryAttention over q|k|v packed: rotary inside (after the per-head q/k norms
+        where the family has them), the past written in place. A sliding layer's window is in
+        its bias (`window_bias`), not the operator's local_window_size, which counts slots: a
+        tree's nodes sit at slots past their positions."""
         (past_k, past_v), (present_k, present_v) = io.past(i), io.present(i)
-        given = dict(query=qkv, past_key=past_k, past_value=past_v, cos_cache=shared["cos_cache"])
-        given |= dict(sin_cache=shared["sin_cache"], attention_bias="attention_bias", query_seqlens="query_seqlens")
+        if cfg.rotary_dims < cfg.head_dim and cfg.rotary_dims % 16:
+            raise UnsupportedArchitectureError(
+                f"a rotary over {cfg.rotary_dims} of {cfg.head_dim} dims: ONNX Runtime's GroupQueryAttention turns "
+                "a multiple of 16; build this model with --graph portable."
+            )
+        cos, sin = rotary_tables(cfg, i, shared)
+        bias = window_bias(g, cfg.sliding_window, shared) if cfg.is_sliding(i) else "attention_bias"
+        given = dict(query=qkv, past_key=past_k, past_value=past_v, cos_cache=cos, sin_cache=sin)
+        given |= dict(attention_bias=bias, query_seqlens="query_seqlens")
         given |= {n: n for n in ("seqlens_k", "total_sequence_length", "position_ids")}
+        if norms is not None:  # the CPU kernel has no q_norm_weight: the norms run before it
+            given |= _normed_heads(g, cfg, i, qkv, norms, shared)
         return g.node(
             "GroupQueryAttention",
             [given.get(n, "") for n in GQA_INPUTS],  # key and value empty: the query is q|k|v packed
@@ -102,8 +116,73 @@ class FusedOps:
             do_rotary=1,
             rotary_interleaved=0,
             causal=1,
-            scale=float(cfg.head_dim**-0.5),
+            scale=cfg.scale,
         )[0]
+
+    def gelu_tanh(self, g: GraphBuilder, x: str, name: str) -> str:
+        """gelu with the tanh approximation (ORT's FastGelu)."""
+        return g.node("FastGelu", [x], [f"{name}/out"], name, MS)[0]
+
+
+def _normed_heads(g: GraphBuilder, cfg, i: int, qkv: str, norms, shared: dict) -> dict:
+    """query, key and value for GroupQueryAttention, q and k normed over each head's dims."""
+    p, H, Hkv, D = f"layers.{i}.attn", cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if "qkv_split" not in shared:
+        shared["qkv_split"] = g.init("attn.split", np.array([H * D, Hkv * D, Hkv * D], np.int64))
+        shared["heads"] = g.init("attn.heads", np.array([0, 0, -1, D], np.int64))
+        shared["merge"] = g.init("attn.merge", np.array([0, 0, -1], np.int64))
+    q, k, v = g.node("Split", [qkv, shared["qkv_split"]], [f"{p}/{n}" for n in "qkv"], f"{p}/Split", axis=-1)
+    out = {"value": v}
+    for t, w, role in ((q, norms[0], "query"), (k, norms[1], "key")):
+        heads = g.node("Reshape", [t, shared["heads"]], [f"{t}/heads"], f"{t}/Heads")[0]
+        w = g.init(f"{p}.{role}_norm.weight", w)
+        eps = float(cfg.rms_norm_eps)
+        normed = g.node("SimplifiedLayerNormalization", [heads, w], [f"{t}/normed"], f"{t}/Norm", axis=-1, epsilon=eps)
+        out[role] = g.node("Reshape", [normed[0], shared["merge"]], [f"{t}/merged"], f"{t}/Merge")[0]
+    return out
+
+
+def window_bias(g: GraphBuilder, window: int, shared: dict) -> str:
+    """The sliding layers' attention bias (B, 1, Q, T): attention_bias, and -inf on keys
+    `window` or more positions behind the query. Key positions: slot s for the past (a row's
+    committed positions sit at their slots), position_ids for the new ones at
+    [length_b, length_b + Q). Written once, shared by every sliding layer."""
+    if "window_bias" in shared:
+        return shared["window_bias"]
+    i64, n = 7, "window"  # TensorProto.INT64
+    total = g.node("Cast", ["total_sequence_length"], [f"{n}/T64"], f"{n}/CastT", to=i64)[0]
+    # the runtime passes T as a scalar or as one element: both become both
+    t1 = g.node("Reshape", [total, g.init(f"{n}.shape1", np.array([1], np.int64))], [f"{n}/T1"], f"{n}/T1")[0]
+    total = g.node("Reshape", [total, g.init(f"{n}.scalar", np.zeros(0, np.int64))], [f"{n}/T"], f"{n}/T")[0]
+    zero, one = g.init(f"{n}.0", np.array(0, np.int64)), g.init(f"{n}.1", np.array(1, np.int64))
+    slots = g.node("Range", [zero, total, one], [f"{n}/slots"], f"{n}/Slots")[0]  # (T,)
+    batch = g.node("Shape", ["position_ids"], [f"{n}/B"], f"{n}/B", end=1)[0]
+    q_len = g.node("Shape", ["position_ids"], [f"{n}/Q1"], f"{n}/Q1", start=1, end=2)[0]
+    q_len = g.node("Squeeze", [q_len], [f"{n}/Q"], f"{n}/Q")[0]
+    bt = g.node("Concat", [batch, t1], [f"{n}/BT"], f"{n}/BT", axis=0)[0]
+    keys = g.node("Expand", [slots, bt], [f"{n}/keys_past"], f"{n}/KeysPast")[0]  # (B, T)
+    # each row's length before the step: seqlens_k + 1 - query_seqlens
+    seen = g.node("Sub", ["seqlens_k", "query_seqlens"], [f"{n}/seen32"], f"{n}/Seen")[0]
+    seen = g.node("Cast", [seen], [f"{n}/seen64"], f"{n}/CastSeen", to=i64)[0]
+    seen = g.node("Add", [seen, one], [f"{n}/length"], f"{n}/Length")[0]
+    offsets = g.node("Range", [zero, q_len, one], [f"{n}/offsets"], f"{n}/Offsets")[0]  # (Q,)
+    axes1 = g.init(f"{n}.axes1", np.array([1], np.int64))
+    at = g.node("Unsqueeze", [seen, axes1], [f"{n}/length_b1"], f"{n}/LengthB1")[0]
+    at = g.node("Add", [at, offsets], [f"{n}/new_slots"], f"{n}/NewSlots")[0]  # (B, Q)
+    keys = g.node("ScatterElements", [keys, at, "position_ids"], [f"{n}/keys"], f"{n}/Keys", axis=1)[0]
+    q = g.node("Unsqueeze", ["position_ids", g.init(f"{n}.axes2", np.array([2], np.int64))], [f"{n}/q"], f"{n}/Q3")[0]
+    k = g.node("Unsqueeze", [keys, axes1], [f"{n}/k"], f"{n}/K3")[0]
+    behind = g.node("Sub", [q, k], [f"{n}/behind"], f"{n}/Behind")[0]  # (B, Q, T)
+    near = g.node("Less", [behind, g.init(f"{n}.size", np.array(window, np.int64))], [f"{n}/near"], f"{n}/Near")[0]
+    cut = g.node(
+        "Where",
+        [near, g.init(f"{n}.open", np.array(0.0, np.float32)), g.init(f"{n}.shut", np.array(-np.inf, np.float32))],
+        [f"{n}/cut"],
+        f"{n}/Cut",
+    )[0]
+    cut = g.node("Unsqueeze", [cut, axes1], [f"{n}/cut4"], f"{n}/Cut4")[0]  # (B, 1, Q, T)
+    shared["window_bias"] = g.node("Add", ["attention_bias", cut], [f"{n}/bias"], f"{n}/Bias")[0]
+    return shared["window_bias"]
 
 
 def _norm(g: GraphBuilder, block: str | None, residual: str, weight: torch.Tensor, eps: float, name: str):

@@ -9,7 +9,9 @@ the KV cache written in place) and the standard graph (export/standard_graph.py 
 opset-23 operators for TensorRT). A products object writes x @ W^T: `FloatProducts` as MatMuls
 over the float weights; a 4-bit recipe's (calibration/blocks.py) as MatMulNBits over their blocks.
 Each layer is: input norm, q|k|v product, attention, o product, post-attention norm, gate|up
-product, SiLU(gate) * up, down product; the final norm, the features and the head.
+product, act(gate) * up, down product; the final norm, the features and the head. A family's
+facts (export/arch/base.py) add: a scaled embedding, norms after attention and after the MLP,
+per-head q/k norms, the gelu, a sliding window and its rotary on some layers (`local` below).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSE
 
     products = products or FloatProducts()
     cfg = model.cfg
-    L, D, C = cfg.num_hidden_layers, cfg.head_dim, cfg.hidden_size
+    L, C = cfg.num_hidden_layers, cfg.hidden_size
     io = StepIO(L, ops.io_flavour)
     g = GraphBuilder()
     eps = float(cfg.rms_norm_eps)
@@ -88,23 +90,33 @@ def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSE
     else:
         table = g.init("embed_tokens.weight", f32(embed))
         x = g.node("Gather", [table, "input_ids"], ["embed/out"], "embed/Gather")[0]
+    if cfg.embed_scale is not None:
+        scale = g.init("embed.scale", np.array(cfg.embed_scale, np.float32))
+        x = g.node("Mul", [x, scale], ["embed/scaled"], "embed/Scale")[0]
 
     # the rotary tables at every position the model takes, as the portable graph computes them
     positions = torch.arange(cfg.max_position_embeddings)[None]
-    cos, sin = (t[0, 0, :, : D // 2].numpy() for t in rotary(positions, model.inv_freq))
+    R = cfg.rotary_dims // 2
+    cos, sin = (t[0, 0, :, :R].numpy() for t in rotary(positions, model.inv_freq))
     shared = {
         "cos_cache": g.init("rotary.cos", cos),
         "sin_cache": g.init("rotary.sin", sin),
         "mlp_split": g.init("mlp.split", np.array([cfg.intermediate_size] * 2, np.int64)),
     }
+    if cfg.rope_local_theta:  # the sliding layers' own base
+        cos, sin = (t[0, 0, :, :R].numpy() for t in rotary(positions, model.local_inv_freq))
+        shared |= {
+            "local_cos_cache": g.init("rotary.local_cos", cos),
+            "local_sin_cache": g.init("rotary.local_sin", sin),
+        }
     taps = {}  # layer index -> the residual stream after that layer (hidden_layers reads them)
     residual, pending = x, None  # pending: the last block's output, not yet added to the residual
     for i, layer in enumerate(model.layers):
-        h, residual = ops.norm(g, pending, residual, layer.input_layernorm.weight, eps, f"layers.{i}.input_norm")
+        h, residual = ops.norm(g, pending, residual, layer.input_layernorm.scale(), eps, f"layers.{i}.input_norm")
         if i > 0:
             taps[i - 1] = residual
         pending, residual = _layer(g, ops, products, model, i, h, residual, io, shared)
-    final, residual = ops.norm(g, pending, residual, model.norm.weight, eps, "norm")
+    final, residual = ops.norm(g, pending, residual, model.norm.scale(), eps, "norm")
     taps[L - 1], taps[-1] = residual, final
 
     feats = [taps[j] for j in model.hidden_layers]
@@ -157,23 +169,40 @@ def _layer(g: GraphBuilder, ops, products, model: LlamaModel, i: int, h: str, re
     """Decoder layer i after its input norm `h`: attention, the second norm, the MLP. Returns
     (its MLP's output, the residual stream after attention); the next norm adds the two."""
     cfg, layer, p = model.cfg, model.layers[i], f"layers.{i}"
-    att, mlp = layer.self_attn, layer.mlp
+    att, mlp, eps = layer.self_attn, layer.mlp, float(cfg.rms_norm_eps)
     qkv = products.product(g, h, [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], f"{p}.qkv_proj")
     if cfg.attention_bias:
         b = np.concatenate([f32(att.q_proj.bias), f32(att.k_proj.bias), f32(att.v_proj.bias)])
         qkv = g.node("Add", [qkv, g.init(f"{p}.qkv_proj.bias", b)], [f"{p}.qkv_proj/biased"], f"{p}.qkv/Add")[0]
-    a = ops.attention(g, cfg, i, qkv, io, shared)
+    norms = (f32(att.q_norm.scale()), f32(att.k_norm.scale())) if cfg.qk_norm else None
+    a = ops.attention(g, cfg, i, qkv, io, shared, norms)
     o = products.product(g, a, [att.o_proj.weight], f"{p}.o_proj")
-    h, residual = ops.norm(
-        g, o, residual, layer.post_attention_layernorm.weight, float(cfg.rms_norm_eps), f"{p}.post_norm"
-    )
+    if cfg.sandwich_norms:  # the attention's output normed before the residual takes it
+        o = ops.norm(g, None, o, layer.post_attention_layernorm.scale(), eps, f"{p}.post_attn_norm")[0]
+        mlp_norm = layer.pre_feedforward_layernorm
+    else:
+        mlp_norm = layer.post_attention_layernorm
+    h, residual = ops.norm(g, o, residual, mlp_norm.scale(), eps, f"{p}.post_norm")
     gate_up = products.product(g, h, [mlp.gate_proj.weight, mlp.up_proj.weight], f"{p}.gate_up_proj")
     halves = [f"{p}.mlp/gate", f"{p}.mlp/up"]
     gate, up = g.node("Split", [gate_up, shared["mlp_split"]], halves, f"{p}.mlp/Split", axis=-1)
-    sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
-    act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
+    if cfg.hidden_act == "gelu_tanh":
+        act = ops.gelu_tanh(g, gate, f"{p}.mlp/Gelu")
+    else:
+        sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
+        act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
     prod = g.node("Mul", [act, up], [f"{p}.mlp/gated"], f"{p}.mlp/Mul")[0]
-    return products.product(g, prod, [mlp.down_proj.weight], f"{p}.down_proj"), residual
+    down = products.product(g, prod, [mlp.down_proj.weight], f"{p}.down_proj")
+    if cfg.sandwich_norms:
+        down = ops.norm(g, None, down, layer.post_feedforward_layernorm.scale(), eps, f"{p}.post_mlp_norm")[0]
+    return down, residual
+
+
+def rotary_tables(cfg, i: int, shared: dict) -> tuple[str, str]:
+    """Layer i's rotary cos and sin tables (a sliding layer's own where its base differs)."""
+    if cfg.is_sliding(i) and "local_cos_cache" in shared:
+        return shared["local_cos_cache"], shared["local_sin_cache"]
+    return shared["cos_cache"], shared["sin_cache"]
 
 
 def _scatter_into_vocabulary(g: GraphBuilder, logits: str, ids: np.ndarray, vocab: int) -> str:

@@ -1,4 +1,8 @@
-"""A compact Llama-family decoder written as one *step*: the function the step graph exports.
+"""A compact decoder written as one *step*: the function the step graph exports.
+
+One block serves every supported family (export/arch/): the Llama block, and the facts a
+family's config sets (qk_norm, norm_offset, sandwich_norms, hidden_act, embed_scale,
+attn_scalar, a sliding window on some layers with their own rotary base, a partial rotary).
 
 One call takes Q new tokens per sequence, the past KV of P positions and a mask over the P + Q
 keys, and returns logits, the hidden states draft heads read, and the KV of the Q new positions.
@@ -26,22 +30,29 @@ def as_dtype(x, dtype):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) scaled by (offset + weight): offset 0 for most families, 1 for Gemma's norms
+    (whose weights are stored as the scale minus one)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def scale(self):
+        return self.weight + self.offset if self.offset else self.weight
 
     def forward(self, x):
         # the statistics in float32 whatever the model's dtype: a residual channel of this model
         # family reaches ~25,000, whose square overflows float16 (a no-op in a float32 model)
         h = as_dtype(x, torch.float32)
         var = h.pow(2).mean(-1, keepdim=True)
-        return self.weight * as_dtype(h * torch.rsqrt(var + self.eps), x.dtype)
+        return self.scale() * as_dtype(h * torch.rsqrt(var + self.eps), x.dtype)
 
 
-def inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """The rotary embedding's inverse frequencies (computed in float64, kept in float32)."""
-    return torch.tensor(rope_inv_freq(cfg), dtype=torch.float64).to(torch.float32)
+def inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """The rotary embedding's inverse frequencies (computed in float64, kept in float32);
+    `local`: the sliding layers'."""
+    return torch.tensor(rope_inv_freq(cfg, local), dtype=torch.float64).to(torch.float32)
 
 
 def rotary(position_ids, inv_freq):
@@ -57,9 +68,33 @@ def mask_bias(attention_mask, dtype):
     return as_dtype(torch.where(attention_mask, 0.0, torch.finfo(dtype).min), dtype).unsqueeze(1)
 
 
+def window_bias(attention_mask, position_ids, slots, window: int, dtype):
+    """The sliding layers' mask bias: `attention_mask` (B, Q, K) and each key no further than
+    `window` - 1 positions behind the query. A key's position is its slot's for the past (a
+    row's committed positions sit at slots 0, 1, ...) and `position_ids`' for the new ones (a
+    tree's nodes sit at slots past their positions)."""
+    B, Q, K = attention_mask.shape
+    if slots is None:  # past slots, then the Q new positions
+        past = torch.arange(K - Q, device=position_ids.device).expand(B, K - Q)
+        keys = torch.cat([past, position_ids], dim=1)
+    else:
+        keys = torch.arange(K, device=position_ids.device).expand(B, K).scatter(1, slots, position_ids)
+    near = (position_ids.unsqueeze(-1) - keys.unsqueeze(1)) < window
+    return mask_bias(attention_mask & near, dtype)
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate(x, cos, sin):
+    """The rotary on x's leading cos.shape[-1] dims (all of them but for a partial rotary)."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned, kept = x[..., :d], x[..., d:]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
 
 
 class Attention(nn.Module):
@@ -71,15 +106,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.scale = cfg.scale
+        if cfg.qk_norm:  # over each head's D dims, before the rotary
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(self, x, cos, sin, mask_bias, past_k, past_v, slots=None):
         B, Q, _ = x.shape
         D, Hkv, G = self.head_dim, self.n_kv, self.n_heads // self.n_kv
-        q = self.q_proj(x).view(B, Q, Hkv * G, D).transpose(1, 2)  # (B, H, Q, D)
-        k = self.k_proj(x).view(B, Q, Hkv, D).transpose(1, 2)  # (B, Hkv, Q, D)
+        q = self.q_proj(x).view(B, Q, Hkv * G, D)
+        k = self.k_proj(x).view(B, Q, Hkv, D)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, Q, D), (B, Hkv, Q, D)
         v = self.v_proj(x).view(B, Q, Hkv, D).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin  # cos/sin: (B, 1, Q, D)
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # cos/sin: (B, 1, Q, rotary dims)
         if slots is None:
             keys = torch.cat([past_k, k], dim=2)  # (B, Hkv, P+Q, D)
             values = torch.cat([past_v, v], dim=2)
@@ -91,7 +132,7 @@ class Attention(nn.Module):
         # grouped-query attention without repeating K/V: fold the G query heads of a KV head
         # into the query axis, so one batched matmul per KV head reads each key once.
         qg = q.reshape(B, Hkv, G * Q, D)  # heads are laid out kv-major: head h = kv * G + g
-        scores = torch.matmul(qg, keys.transpose(2, 3)) * (D**-0.5)  # (B, Hkv, G*Q, P+Q)
+        scores = torch.matmul(qg, keys.transpose(2, 3)) * self.scale  # (B, Hkv, G*Q, P+Q)
         scores = scores.view(B, Hkv, G, Q, -1) + mask_bias.unsqueeze(1)  # mask_bias: (B, 1, Q, P+Q)
         probs = torch.softmax(scores, dim=-1).view(B, Hkv, G * Q, -1)
         out = torch.matmul(probs, values).view(B, Hkv * G, Q, D)  # (B, H, Q, D)
@@ -105,28 +146,45 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """Norm, attention, (norm), residual; norm, MLP, (norm), residual. With sandwich norms
+    (Gemma) post_attention_layernorm normalizes the attention's output and the MLP has its own
+    norms before and after; otherwise post_attention_layernorm is the MLP's input norm."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        C, eps, off = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(C, eps, off)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(C, eps, off)
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(C, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(C, eps, off)
 
     def forward(self, x, cos, sin, mask_bias, past_k, past_v, slots=None):
         a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask_bias, past_k, past_v, slots)
-        x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        if not self.sandwich:
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        x = x + self.post_attention_layernorm(a)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x, k, v
 
 
 class LlamaModel(nn.Module):
-    """Parameter names follow transformers' LlamaForCausalLM, so its state dict loads as is."""
+    """Parameter names follow transformers' LlamaForCausalLM (and Gemma3ForCausalLM's, Qwen3's
+    for their extra norms), so their state dicts load as they are (Phi-3's fused weights split
+    first: export/arch/phi3.py)."""
 
     def __init__(self, cfg: ModelConfig, hidden_layers: tuple[int, ...] = (-1,)):
         super().__init__()
@@ -143,7 +201,7 @@ class LlamaModel(nn.Module):
             )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.output_vocab or cfg.vocab_size, bias=False)
         if cfg.output_vocab is not None:
             # a draft model's reduced output head: its rows' token ids; logits stay vocabulary-wide
@@ -151,6 +209,8 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
+        if cfg.rope_local_theta:  # the sliding layers' own rotary base
+            self.register_buffer("local_inv_freq", inv_freq(cfg, local=True), persistent=False)
 
     def forward(self, input_ids, position_ids, attention_mask, past_key_values, logits_index=None, slots=None):
         """input_ids, position_ids: (B, Q) int64; attention_mask: (B, Q, P+Q) bool;
@@ -171,13 +231,25 @@ class LlamaModel(nn.Module):
         if slots is None:
             past_key_values = [(as_dtype(k, dtype), as_dtype(v, dtype)) for k, v in past_key_values]
         x = self.embed_tokens(input_ids)
+        cfg = self.cfg
+        if cfg.embed_scale is not None:
+            x = x * torch.tensor(cfg.embed_scale, dtype=torch.float32).to(x.dtype)
         # angles in float32 (positions past 2,048 lose their phase in 16 bits), then the model's dtype
         cos, sin = (as_dtype(t, x.dtype) for t in rotary(position_ids, self.inv_freq))
         bias = mask_bias(attention_mask, x.dtype)
+        local = (cos, sin, bias)  # the sliding layers': their window, their rotary base
+        if cfg.sliding_layers:
+            local_bias = window_bias(attention_mask, position_ids, slots, cfg.sliding_window, x.dtype)
+            if cfg.rope_local_theta:
+                cos_l, sin_l = (as_dtype(t, x.dtype) for t in rotary(position_ids, self.local_inv_freq))
+                local = (cos_l, sin_l, local_bias)
+            else:
+                local = (cos, sin, local_bias)
         present, taps = [], {}
         for i, layer in enumerate(self.layers):
             past_k, past_v = past_key_values[i]
-            x, k, v = layer(x, cos, sin, bias, past_k, past_v, slots)
+            c, s, b = local if cfg.is_sliding(i) else (cos, sin, bias)
+            x, k, v = layer(x, c, s, b, past_k, past_v, slots)
             if slots is None:
                 present.append((k, v))
             taps[i] = x
@@ -212,6 +284,8 @@ class LlamaModel(nn.Module):
         with positions in the thousands need the mantissa)."""
         self.to(dtype)
         self.inv_freq = inv_freq(self.cfg)
+        if self.cfg.rope_local_theta:
+            self.local_inv_freq = inv_freq(self.cfg, local=True)
         return self
 
     def empty_past(self, batch: int, dtype=torch.float32):

@@ -1,0 +1,75 @@
+"""Gemma 3 (text: Gemma3ForCausalLM, the 270M and 1B checkpoints). The shared block with:
+the embedding scaled by sqrt(hidden); norms that scale by (1 + weight), four per layer (before
+and after attention, before and after the MLP); GeGLU with the tanh-approximated gelu; an
+RMSNorm over each head's query and key; scores scaled by query_pre_attn_scalar ** -0.5; five of
+every six layers slide a window (512 on the 270M) with their own rotary base (10,000 beside
+the global layers' 1,000,000). Refused: logit soft-capping (Gemma 2's) and bidirectional
+attention, which no Gemma 3 text checkpoint sets."""
+
+from __future__ import annotations
+
+from specrt.errors import UnsupportedArchitectureError
+from specrt.export.arch.base import Family, field, layer_list
+
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _facts(d: dict) -> dict:
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise UnsupportedArchitectureError(
+            f"Gemma 3 with hidden_activation={act!r} is not supported (supported: {', '.join(ACTIVATIONS)})."
+        )
+    for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if d.get(key):
+            raise UnsupportedArchitectureError(
+                f"Gemma 3 with {key}={d[key]!r} is not supported; no Gemma 3 text checkpoint sets it."
+            )
+    layers = field(d, "num_hidden_layers", int)
+    sliding = layer_list(d)
+    if sliding is None:  # configs before layer_types: every `pattern`-th layer is global
+        pattern = field(d, "sliding_window_pattern", int, 6)
+        sliding = tuple(i for i in range(layers) if (i + 1) % pattern)
+    rope = d.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedArchitectureError(
+            f"Gemma 3's sliding layers with rope_type {local['rope_type']!r} are not supported (only the default)."
+        )
+    theta = field(full, "rope_theta", float, None) or field(d, "rope_theta", float, 1_000_000.0)
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"} or d.get("rope_scaling") or None
+    return {
+        "qk_norm": True,
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "hidden_act": ACTIVATIONS[act],
+        "embed_scale": field(d, "hidden_size", int) ** 0.5,
+        "attn_scalar": field(d, "query_pre_attn_scalar", float, 256.0),
+        "sliding_window": field(d, "sliding_window", int, 4096),
+        "sliding_layers": sliding,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_local_theta": field(local, "rope_theta", float, None)
+        or field(d, "rope_local_base_freq", float, 10_000.0),
+        "tie_word_embeddings": bool(d.get("tie_word_embeddings", True)),
+    }
+
+
+def _keys(cfg) -> dict:
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (cfg.rope_scaling or {})
+    types = ["sliding_attention" if i in cfg.sliding_layers else "full_attention" for i in range(cfg.num_hidden_layers)]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": cfg.attn_scalar,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": types,
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
+        },
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+
+
+GEMMA3 = Family("Gemma3ForCausalLM", "gemma3_text", facts=_facts, config_keys=_keys, gguf="gemma3")

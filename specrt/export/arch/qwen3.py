@@ -1,0 +1,14 @@
+"""Qwen3 (dense): the Llama block with an RMSNorm over each head's query and key before the
+rotary, and no q/k/v bias."""
+
+from __future__ import annotations
+
+from specrt.export.arch.base import Family
+from specrt.export.arch.llama import _no_window
+
+
+def _facts(d: dict) -> dict:
+    return _no_window("Qwen3")(d) | {"qk_norm": True}
+
+
+QWEN3 = Family("Qwen3ForCausalLM", "qwen3", facts=_facts, gguf="qwen3")
