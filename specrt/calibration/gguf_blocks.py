@@ -32,7 +32,6 @@ from specrt.artifacts import file_sha256
 from specrt.calibration import GGUF_SCHEMES
 from specrt.calibration.blocks import (
     BLOCK,
-    LAYOUTS,
     Blocks,
     float_source,
     rewrite_matmuls,
@@ -42,7 +41,8 @@ from specrt.calibration.blocks import (
 from specrt.errors import SpecrtError
 from specrt.export.graph_files import ONNX_FILE
 
-SUPPORTED = LAYOUTS  # the GGUF block types read here: blocks.py computes each in its own layout
+# the GGUF block types read here, each in one of blocks.py's layouts (_split_blocks)
+SUPPORTED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
 # what a graph of these recipes records, so a graph of an older one is made again (2: a Q8_0
 # weight is one 8-bit product with int8 activations)
 RECIPE_VERSION = 2
@@ -51,31 +51,69 @@ RECIPE_VERSION = 2
 # -- the GGUF's blocks ---------------------------------------------------------------------------
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes per value (..., 2) as float32 (...)."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes (..., n) as 2n codes: every low nibble, then every high one."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
 def _split_blocks(raw: np.ndarray, rows: int, kind: str) -> Blocks:
-    """A tensor's raw bytes (rows, row bytes) as its blocks: d (rows, nb) float32, q (rows, nb, 32)
-    integer codes, and m (rows, nb) float32 for Q4_1."""
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    """A tensor's raw bytes (rows, row bytes) as blocks of one of blocks.py's layouts, each weight
+    exactly as the gguf package dequantizes it:
+
+        Q4_0, Q4_1, Q8_0   their own layouts
+        Q5_0               Q8_0's (w = d * q) with q = code - 16 in -16..15
+        Q4_K               Q4_1's per 32 weights: scale d * sc and offset -(dmin * m), each an
+                           exact float32 product of the super-block's float16 and a 6-bit code
+        Q6_K               Q8_0's with blocks of 16: scale d * sc (an int8), q = code - 32
+    """
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}[kind]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1, size)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(blocks[..., :2])
     if kind == "Q8_0":
         return Blocks(kind, d, blocks[..., 2:].copy().view(np.int8).astype(np.int16))
-    start, m = 2, None
+    if kind == "Q4_0":
+        return Blocks(kind, d, _nibbles(blocks[..., 2:]).astype(np.int16))
     if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        start = 4
-    qs = blocks[..., start:]  # byte j: element j (low nibble) and element j + 16 (high nibble)
-    return Blocks(kind, d, np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16), m)
+        return Blocks(kind, d, _nibbles(blocks[..., 4:]).astype(np.int16), _f16(blocks[..., 2:4]))
+    if kind == "Q5_0":
+        high = blocks[..., 2:6].copy().view(np.uint32)  # bit i: element i's fifth bit
+        high = (high >> np.arange(32, dtype=np.uint32)) & 1
+        return Blocks("Q8_0", d, (_nibbles(blocks[..., 6:]) | (high << 4)).astype(np.int16) - 16)
+    n = blocks.shape[1]
+    if kind == "Q4_K":
+        from gguf.quants import Q4_K
+
+        sc, mins = (
+            a.reshape(rows, n, 8).astype(np.float32) for a in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        )
+        q = _nibbles(blocks[..., 16:].reshape(rows, n, 4, 32))  # (rows, n, 4, 64): sub-blocks 2j, 2j + 1
+        scale, offset = d[..., None] * sc, -(_f16(blocks[..., 2:4])[..., None] * mins)
+        return Blocks(
+            "Q4_1", scale.reshape(rows, -1), q.reshape(rows, -1, 32).astype(np.int16), offset.reshape(rows, -1)
+        )
+    # Q6_K: low 4 bits in 128 bytes (two halves of 64: low nibbles, then high), high 2 bits in
+    # 64 (two halves of 32: four 2-bit fields each), 16 int8 scales, the float16 d last
+    low = _nibbles(blocks[..., :128].reshape(rows, n, 2, 64)).reshape(rows, n, 8, 32)
+    high = blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = (low | ((high & 3).reshape(rows, n, 8, 32) << 4)).astype(np.int16) - 32
+    scale = _f16(blocks[..., 208:210])[..., None] * blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    return Blocks("Q8_0", scale.reshape(rows, -1), q.reshape(rows, -1, 16), block=16)
 
 
 def gguf_blocks(path: str | Path) -> list[tuple[str, Blocks]]:
     """(tensor name, its blocks with rows in the checkpoint's order) of every 2-D tensor stored in
     a supported block type."""
-    from specrt.export.gguf import gguf_field, open_gguf, unpermute_rows
+    from specrt.export.gguf import gguf_family, gguf_field, open_gguf, unpermute_rows
 
     reader = open_gguf(Path(path))
-    arch = gguf_field(reader, "general.architecture")
-    n_head = int(gguf_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    facts = gguf_family(reader, Path(path)).gguf
+    n_head = int(gguf_field(reader, f"{facts.arch}.attention.head_count"))
+    n_kv = int(gguf_field(reader, f"{facts.arch}.attention.head_count_kv", n_head))
     out = []
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -84,14 +122,35 @@ def gguf_blocks(path: str | Path) -> list[tuple[str, Blocks]]:
         rows = int(t.shape[1])  # ggml lists dims innermost first: (K, N)
         b = _split_blocks(np.asarray(t.data), rows, kind)
         role = t.name.split(".")[-2]
-        if arch == "llama" and role in ("attn_q", "attn_k"):
+        if facts.permuted_qk and role in ("attn_q", "attn_k"):
             heads = n_head if role == "attn_q" else n_kv
 
             def rows_back(a, heads=heads):  # the conversion's unpermutation: it moves whole rows
                 return None if a is None else np.ascontiguousarray(unpermute_rows(a, heads))
 
-            b = Blocks(kind, rows_back(b.d), rows_back(b.q), rows_back(b.m))
+            b = Blocks(b.layout, rows_back(b.d), rows_back(b.q), rows_back(b.m), b.block)
         out.append((t.name, b))
+    return out
+
+
+def float_tensors(path: str | Path) -> list[str]:
+    """The digests of the 2-D tensors a GGUF stores as floats (F32, F16, BF16), as the
+    conversion dequantizes them (the float model's weights, rows in the checkpoint's order)."""
+    from gguf.quants import dequantize
+
+    from specrt.export.gguf import gguf_family, open_gguf, read_gguf
+
+    reader = open_gguf(Path(path))
+    if not any(t.tensor_type.name in ("F32", "F16", "BF16") and len(t.shape) == 2 for t in reader.tensors):
+        return []
+    if gguf_family(reader, Path(path)).gguf.permuted_qk:  # rows moved by the conversion: read it whole
+        _, state, _ = read_gguf(path)
+        return [_digest(w.numpy()) for w in state.values() if w.ndim == 2]
+    out = []
+    for t in reader.tensors:
+        if t.tensor_type.name in ("F32", "F16", "BF16") and len(t.shape) == 2:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32)
+            out.append(_digest(w.reshape([int(d) for d in reversed(t.shape)])))
     return out
 
 
@@ -154,7 +213,8 @@ def quantize_from_gguf(
             f"no weight of {onnx_dir} is the dequantization of a block tensor of {gguf_path}: the checkpoint was not "
             f"converted from this GGUF file; give --gguf the file `specrt convert` read, or use --quantize int4"
         )
-    unmatched = [model.graph.node[i].name for i, _ in weights if i not in assigned]
+    floats = set(float_tensors(gguf_path))  # stored as floats: their MatMuls stay as they are
+    unmatched = [model.graph.node[i].name for i, w in weights if i not in assigned and _digest(w.T) not in floats]
     if unmatched:
         raise SpecrtError(
             f"{len(unmatched)} weight(s) of {onnx_dir} match no tensor of {gguf_path} (e.g. {unmatched[0]}): the "
@@ -203,8 +263,13 @@ def fused_from_gguf(
             "types only"
         )
 
-    def blocks_of(weight: np.ndarray) -> Blocks:
-        hit = blocks.get(_digest(weight))
+    floats = set(float_tensors(gguf_path))
+
+    def blocks_of(weight: np.ndarray) -> Blocks | None:
+        digest = _digest(weight)
+        hit = blocks.get(digest)
+        if hit is None and digest in floats:
+            return None  # stored as F32/F16/BF16: a float product, as it is
         if hit is None:
             raise SpecrtError(
                 f"a weight of {checkpoint} is not the dequantization of a block tensor of {gguf_path}: the checkpoint "

@@ -1,8 +1,9 @@
 """GGUF (llama.cpp) checkpoints: read the config and dequantized float32 weights, convert to a
 Hugging Face directory (config.json, model.safetensors, tokenizer files, chat template).
 
-Weights are read with the `gguf` package directly; llama.cpp stores the q/k projections of Llama
-models permuted for its interleaved rotary layout, which is undone here.
+Weights are read with the `gguf` package directly. What differs between families (llama.cpp's
+q/k permutation of Llama models, Gemma's norms stored as 1 + w, tensor names, metadata that
+llama.cpp leaves to its code) is each family's `Gguf` (export/arch/).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from specrt.artifacts import atomic_dir, file_sha256
 from specrt.errors import CheckpointError, SpecrtError, UnsupportedArchitectureError
+from specrt.export.arch import FAMILIES
 from specrt.export.config import ModelConfig
 
 # GGUF tensor name (after the block prefix) -> transformers name
@@ -30,7 +32,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF general.architecture -> the family that reads it
+GGUF_FAMILIES = {f.gguf.arch: f for f in FAMILIES.values() if f.gguf is not None}
 GGUF_SOURCE = "gguf_source.json"  # in a converted checkpoint: the GGUF file it came from (path, sha256)
 
 
@@ -59,6 +62,16 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_family(reader, path: Path):
+    """The family of a GGUF file, or an UnsupportedArchitectureError naming the ones read."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {arch!r} is not supported; specrt reads {', '.join(GGUF_FAMILIES)} GGUF files."
+        )
+    return GGUF_FAMILIES[arch]
+
+
 def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
     """(config, float32 state dict with transformers names, the open reader)."""
     from gguf.quants import dequantize
@@ -66,55 +79,64 @@ def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, di
 
     path = Path(path)
     reader = open_gguf(path)
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in _ARCHS:
-        raise UnsupportedArchitectureError(
-            f"GGUF architecture {arch!r} is not supported; specrt reads {', '.join(_ARCHS)} GGUF files."
-        )
-    p = arch + "."
-    n_head = int(gguf_field(reader, p + "attention.head_count"))
-    n_kv = int(gguf_field(reader, p + "attention.head_count_kv", n_head))
-    hidden = int(gguf_field(reader, p + "embedding_length"))
+    family = gguf_family(reader, path)
+    facts, p = family.gguf, family.gguf.arch + "."
+
+    def read(key, default=None):
+        return gguf_field(reader, p + key, default)
+
+    n_head = int(read("attention.head_count"))
+    n_kv = int(read("attention.head_count_kv", n_head))
+    hidden = int(read("embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = gguf_field(reader, p + "vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    cfg = ModelConfig.from_hf_dict(
-        {
-            "architectures": [_ARCHS[arch]],
-            "vocab_size": int(vocab),
-            "hidden_size": hidden,
-            "intermediate_size": int(gguf_field(reader, p + "feed_forward_length")),
-            "num_hidden_layers": int(gguf_field(reader, p + "block_count")),
-            "num_attention_heads": n_head,
-            "num_key_value_heads": n_kv,
-            "head_dim": int(gguf_field(reader, p + "attention.key_length", 0) or hidden // n_head),
-            "rms_norm_eps": float(gguf_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(gguf_field(reader, p + "rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(gguf_field(reader, p + "context_length", 2048)),
-            "tie_word_embeddings": "output.weight" not in names,
-            "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-            "eos_token_id": eos,
-        }
-    )
-    if gguf_field(reader, p + "rope.scaling.type") not in (None, "none"):
+    vocab = read("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    hf = {
+        "architectures": [family.architecture],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(read("feed_forward_length")),
+        "num_hidden_layers": int(read("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(read("attention.key_length", 0) or hidden // n_head),
+        "rms_norm_eps": float(read("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(read("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(read("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _end_of_turn(reader, family),
+    }
+    cfg = ModelConfig.from_hf_dict(hf | facts.config(read))
+    if read("rope.scaling.type") not in (None, "none"):
         raise UnsupportedArchitectureError(
             f"{path}: GGUF rope scaling is not supported; convert from the HF checkpoint instead."
         )
+    block_names = _BLOCK_NAMES | facts.names
     state = {}
     for t in tqdm(reader.tensors, desc="dequantize GGUF", unit="tensor", disable=not progress):
         parts = t.name.split(".")
-        if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+        if parts[0] == "blk" and parts[2] in block_names:
+            hf_name = f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
         elif parts[0] in _TOP_NAMES:
-            hf = ("" if parts[0] == "output" else "model.") + f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+            hf_name = ("" if parts[0] == "output" else "model.") + f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
         else:
-            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a {arch} model.")
+            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a {facts.arch} model.")
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
-        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
+        if facts.permuted_qk and parts[-2] in ("attn_q", "attn_k"):
             w = unpermute_rows(w, n_head if parts[-2] == "attn_q" else n_kv)
-        state[hf] = torch.from_numpy(np.ascontiguousarray(w))
+        state[hf_name] = torch.from_numpy(np.ascontiguousarray(facts.weight(hf_name, w)))
     return cfg, state, reader
+
+
+def _end_of_turn(reader, family) -> list[int]:
+    """EOS and the family's end-of-turn tokens the file's vocabulary has (Gemma's <end_of_turn>)."""
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    ids = [] if eos is None else [int(eos)]
+    if family.end_of_turn:
+        tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
+        ids += [tokens.index(t) for t in family.end_of_turn if t in tokens and tokens.index(t) not in ids]
+    return ids
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
@@ -154,8 +176,10 @@ def gguf_origin(checkpoint: str | Path) -> Path | None:
 def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
     """tokenizer.json and tokenizer_config.json (with the chat template) from the GGUF metadata.
 
-    transformers builds the fast tokenizer from GGUF vocab and merges; only this conversion step
-    uses transformers, the runtime reads tokenizer.json with the `tokenizers` package.
+    transformers builds the fast tokenizer from GGUF vocab and merges (or its SentencePiece
+    vocabulary and scores); only this conversion step uses transformers, the runtime reads
+    tokenizer.json with the `tokenizers` package. A file without a chat template gets its
+    family's (Gemma 3's: the 270M GGUF carries none).
     """
     try:
         from transformers import AutoTokenizer
@@ -164,7 +188,8 @@ def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
-    template = gguf_field(reader, "tokenizer.chat_template")
+    arch = gguf_field(reader, "general.architecture")
+    template = gguf_field(reader, "tokenizer.chat_template") or GGUF_FAMILIES[arch].chat_template
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
     if template and not tc.get("chat_template"):

@@ -42,6 +42,9 @@ class GraphBuilder:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
+    def has(self, name: str) -> bool:
+        return any(i.name == name for i in self.inits)
+
     def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs) -> list[str]:
         from onnx import helper
 
@@ -61,8 +64,10 @@ class FloatProducts:
 
     def product(self, g: GraphBuilder, x: str, weights: list[torch.Tensor], name: str) -> str:
         """The name of x @ [W_1; W_2; ...]^T (outputs of the weights (N_i, K) concatenated)."""
-        w = np.concatenate([f32(w) for w in weights], axis=0).T  # (K, sum N_i)
-        return g.node("MatMul", [x, g.init(f"{name}.weight_t", w)], [f"{name}/out"], name)[0]
+        table = f"{name}.weight_t"
+        if not g.has(table):  # (a tied head's W^T is the embedding's table, written already)
+            g.init(table, np.concatenate([f32(w) for w in weights], axis=0).T)  # (K, sum N_i)
+        return g.node("MatMul", [x, table], [f"{name}/out"], name)[0]
 
 
 def f32(t: torch.Tensor) -> np.ndarray:

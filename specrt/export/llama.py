@@ -211,6 +211,8 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
         if cfg.rope_local_theta:  # the sliding layers' own rotary base
             self.register_buffer("local_inv_freq", inv_freq(cfg, local=True), persistent=False)
+        if cfg.embed_scale is not None:  # float32, then the model's dtype (as transformers rounds it)
+            self.register_buffer("embed_scale", torch.tensor(cfg.embed_scale, dtype=torch.float32), persistent=False)
 
     def forward(self, input_ids, position_ids, attention_mask, past_key_values, logits_index=None, slots=None):
         """input_ids, position_ids: (B, Q) int64; attention_mask: (B, Q, P+Q) bool;
@@ -233,7 +235,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cfg = self.cfg
         if cfg.embed_scale is not None:
-            x = x * torch.tensor(cfg.embed_scale, dtype=torch.float32).to(x.dtype)
+            x = x * as_dtype(self.embed_scale, x.dtype)
         # angles in float32 (positions past 2,048 lose their phase in 16 bits), then the model's dtype
         cos, sin = (as_dtype(t, x.dtype) for t in rotary(position_ids, self.inv_freq))
         bias = mask_bias(attention_mask, x.dtype)

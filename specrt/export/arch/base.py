@@ -16,8 +16,10 @@ block every family shares (export/llama.py, the graph writers) reads only ModelC
     rotary_dim       the leading dims of a head the rotary turns (Phi-3's partial rotary)
 
 A family's file says how its config.json gives these (`facts`), what transformers needs back
-(`config_keys`), and how its weights' names map onto the shared block's (`weights`). Nothing else
-in the exporters names a family.
+(`config_keys`), and how its weights' names map onto the shared block's (`weights`); where a
+GGUF of the family converts, how its metadata, tensor names and stored values differ (`Gguf`),
+and the chat template and end-of-turn token a file without them needs. Nothing else in the
+exporters names a family.
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ def _same(state: dict) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gguf:
+    """How a GGUF file of the family reads (export/gguf.py reads the shared part)."""
+
+    arch: str  # general.architecture
+    # GGUF tensor role -> the shared block's name, beyond the common ones (export/gguf.py)
+    names: dict = dataclasses.field(default_factory=dict)
+    # read(key, default) of the `<arch>.` metadata -> config.json keys beyond the common ones
+    config: Callable[[Callable], dict] = _none
+    # (transformers name, float32 array) -> the array as transformers stores it
+    weight: Callable[[str, Any], Any] = lambda name, a: a
+    permuted_qk: bool = False  # llama.cpp permutes q/k rows for its interleaved rotary
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """One model family: its config.json name and how to read it."""
 
@@ -54,7 +70,10 @@ class Family:
     weights: Callable[[dict], dict] = _same
     attention_bias: bool = False  # q/k/v carry a bias where config.json does not say
     hidden_act: str = "silu"  # the config key's default
-    gguf: str | None = None  # GGUF general.architecture, where a GGUF of the family converts
+    gguf: Gguf | None = None  # where a GGUF of the family converts
+    # a file without a chat template gets this one; these tokens also end a turn (besides EOS)
+    chat_template: str | None = None
+    end_of_turn: tuple[str, ...] = ()
 
 
 def as_number(kind: type, value: Any, name: str):

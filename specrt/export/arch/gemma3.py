@@ -9,7 +9,7 @@ attention, which no Gemma 3 text checkpoint sets."""
 from __future__ import annotations
 
 from specrt.errors import UnsupportedArchitectureError
-from specrt.export.arch.base import Family, field, layer_list
+from specrt.export.arch.base import Family, Gguf, field, layer_list
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -60,7 +60,7 @@ def _keys(cfg) -> dict:
     types = ["sliding_attention" if i in cfg.sliding_layers else "full_attention" for i in range(cfg.num_hidden_layers)]
     return {
         "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": cfg.attn_scalar,
+        "query_pre_attn_scalar": int(cfg.attn_scalar) if float(cfg.attn_scalar).is_integer() else cfg.attn_scalar,
         "sliding_window": cfg.sliding_window,
         "layer_types": types,
         "rope_parameters": {
@@ -72,4 +72,46 @@ def _keys(cfg) -> dict:
     }
 
 
-GEMMA3 = Family("Gemma3ForCausalLM", "gemma3_text", facts=_facts, config_keys=_keys, gguf="gemma3")
+def _gguf_config(read) -> dict:
+    """What llama.cpp's Gemma 3 metadata leaves out, as llama.cpp itself assumes it: every sixth
+    layer global, the sliding layers' rotary base 10,000, scores scaled by key_length ** -0.5."""
+    return {
+        "sliding_window": int(read("attention.sliding_window", 512)),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": int(read("attention.key_length", 256)),
+        "tie_word_embeddings": True,
+    }
+
+
+def _gguf_weight(name: str, a):
+    """llama.cpp stores Gemma's norms as their scale (1 + w); transformers stores w."""
+    return a - 1.0 if name.endswith("norm.weight") else a
+
+
+GGUF_NAMES = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma's own turn format; a system message opens the first user turn (Gemma has no system role)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\\n\\n' %}{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' }}"
+    "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ m['content'] | trim }}{{ '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+GEMMA3 = Family(
+    "Gemma3ForCausalLM",
+    "gemma3_text",
+    facts=_facts,
+    config_keys=_keys,
+    gguf=Gguf("gemma3", names=GGUF_NAMES, config=_gguf_config, weight=_gguf_weight),
+    chat_template=CHAT_TEMPLATE,
+    end_of_turn=("<end_of_turn>",),
+)

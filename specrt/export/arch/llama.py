@@ -5,7 +5,7 @@ a window over every layer."""
 from __future__ import annotations
 
 from specrt.errors import UnsupportedArchitectureError
-from specrt.export.arch.base import Family, field
+from specrt.export.arch.base import Family, Gguf, field
 
 
 def _window_everywhere(d: dict) -> dict:
@@ -32,6 +32,6 @@ def _window_keys(cfg) -> dict:
     return {"sliding_window": cfg.sliding_window}
 
 
-LLAMA = Family("LlamaForCausalLM", "llama", gguf="llama")
+LLAMA = Family("LlamaForCausalLM", "llama", gguf=Gguf("llama", permuted_qk=True))
 MISTRAL = Family("MistralForCausalLM", "mistral", facts=_window_everywhere, config_keys=_window_keys)
-QWEN2 = Family("Qwen2ForCausalLM", "qwen2", facts=_no_window("Qwen2"), attention_bias=True, gguf="qwen2")
+QWEN2 = Family("Qwen2ForCausalLM", "qwen2", facts=_no_window("Qwen2"), attention_bias=True, gguf=Gguf("qwen2"))

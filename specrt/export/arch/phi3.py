@@ -1,7 +1,8 @@
 """Phi-3 and Phi-4-mini: the Llama block with q|k|v in one weight (qkv_proj) and gate|up in one
 (gate_up_proj), a rotary over the leading `partial_rotary_factor` of each head (Phi-4-mini:
 0.75) and, on Phi-3-mini-4k, a window on every layer. Refused: the longrope rotary (Phi-3-128k,
-Phi-4-mini's long contexts), whose frequencies change with the sequence's length."""
+Phi-4-mini's long contexts), whose frequencies change with the sequence's length; GGUF files
+(their fused blocks are not split yet: convert from the transformers checkpoint)."""
 
 from __future__ import annotations
 
@@ -53,4 +54,4 @@ def _thirds(state: dict, name: str, w):
     return w[:q_rows], w[q_rows : q_rows + kv], w[q_rows + kv :]
 
 
-PHI3 = Family("Phi3ForCausalLM", "phi3", facts=_facts, config_keys=_keys, weights=_weights, gguf="phi3")
+PHI3 = Family("Phi3ForCausalLM", "phi3", facts=_facts, config_keys=_keys, weights=_weights)

@@ -3,7 +3,7 @@ rotary, and no q/k/v bias."""
 
 from __future__ import annotations
 
-from specrt.export.arch.base import Family
+from specrt.export.arch.base import Family, Gguf
 from specrt.export.arch.llama import _no_window
 
 
@@ -11,4 +11,5 @@ def _facts(d: dict) -> dict:
     return _no_window("Qwen3")(d) | {"qk_norm": True}
 
 
-QWEN3 = Family("Qwen3ForCausalLM", "qwen3", facts=_facts, gguf="qwen3")
+QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+QWEN3 = Family("Qwen3ForCausalLM", "qwen3", facts=_facts, gguf=Gguf("qwen3", names=QK_NORMS))
