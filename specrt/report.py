@@ -76,7 +76,7 @@ def held_out_texts(ref: Generator, bench: tuple[str, ...], n: int, new_tokens: i
     chats alone are returned too (prompts to time generation on)."""
     from specrt.training.prompts import build_prompt_set
 
-    texts = [ref.tokenizer.encode(p) for p in bench]
+    texts = [ref.tokenizer.encode(p, add_special_tokens=True) for p in bench]
     chats = [ref.encode_prompt(p.prompt) for p in build_prompt_set(n, REPORT_SEED, exclude=bench)]
     texts += [c + a.token_ids for c, a in zip(chats, ref.generate_ids(chats, new_tokens))]
     return texts, chats

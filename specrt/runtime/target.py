@@ -320,7 +320,8 @@ class Target:
         if not prompt or not prompt.strip():
             raise PromptError("the prompt is empty; give some text to continue or answer.")
         if not chat:
-            return self.tokenizer.encode(prompt)
+            # the tokenizer's own special tokens, as transformers adds them (Gemma's and Llama's BOS)
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 

@@ -321,7 +321,7 @@ def _text_prompt(body: dict, tok, text: bool = False) -> list[int] | str:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("'prompt' must be a non-empty string", param="prompt")
-    return prompt if text else tok.encode(prompt)
+    return prompt if text else tok.encode(prompt, add_special_tokens=True)  # a BOS where the model takes one
 
 
 # -- response shapes ------------------------------------------------------------------------------
