@@ -18,7 +18,7 @@ from test_conformance import TOL, walk
 
 from specrt.calibration.gguf_blocks import _split_blocks
 from specrt.engines.build import BuildSpec, build_all
-from specrt.errors import UnsupportedArchitectureError
+from specrt.errors import SpecrtError, UnsupportedArchitectureError
 from specrt.export.checkpoint import load_model
 from specrt.export.gguf import read_gguf
 from specrt.layout import ArtifactLayout
@@ -105,6 +105,16 @@ def test_speculative_output_is_bitwise_plain_on_the_block_engines(gemma_gguf, sc
     for draft in ("suffix", "ngram"):
         spec = SpeculativeDecoder(gen, make_proposer(draft), make_policy(4, 4))
         assert [r.token_ids for r in spec.generate_ids(prompts, 24)] == plain, draft
+
+
+def test_a_block_type_the_engines_do_not_take_is_refused_by_name(tmp_path):
+    """Q5_K converts (the gguf package dequantizes it) but no gguf scheme computes from it."""
+    write_gemma3_gguf(tmp_path / "k5.gguf", TYPES | {"ffn_down": "Q5_K"}, layers=1, D=256)
+    model = load_model(tmp_path / "k5.gguf")
+    ckpt = save_checkpoint(model, model.cfg.to_hf_dict(), tmp_path / "ckpt")
+    spec = BuildSpec(checkpoint=ckpt, out=tmp_path / "art", quantize="gguf", gguf=tmp_path / "k5.gguf", tensorrt="off")
+    with pytest.raises(SpecrtError, match="stores tensors as Q5_K.*--quantize int8-a8"):
+        list(build_all(spec))
 
 
 def test_a_gguf_of_an_unread_architecture_is_refused(tmp_path):

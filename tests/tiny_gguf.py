@@ -71,9 +71,15 @@ def write_gguf(model, hf, path, types: dict[str, str] | None = None):
 
 # the bytes of one block of each type, and where its float16 fields sit (scale magnitudes that
 # keep a random model's activations of order one)
-BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
-WEIGHTS_PER_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}
-HALVES = {"Q8_0": {0: 2e-3}, "Q5_0": {0: 8e-3}, "Q4_K": {0: 3e-4, 2: 1e-3}, "Q6_K": {208: 6e-5}}
+BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210, "Q5_K": 176}
+WEIGHTS_PER_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256, "Q5_K": 256}
+HALVES = {
+    "Q8_0": {0: 2e-3},
+    "Q5_0": {0: 8e-3},
+    "Q4_K": {0: 3e-4, 2: 1e-3},
+    "Q6_K": {208: 6e-5},
+    "Q5_K": {0: 2e-4, 2: 1e-3},
+}
 
 
 def random_blocks(rows: int, cols: int, kind: str, rng) -> np.ndarray:

@@ -43,6 +43,7 @@ from specrt.export.graph_files import ONNX_FILE
 
 # the GGUF block types read here, each in one of blocks.py's layouts (_split_blocks)
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
+FLOATS = ("F32", "F16", "BF16")  # tensors the engines keep as float products
 # what a graph of these recipes records, so a graph of an older one is made again (2: a Q8_0
 # weight is one 8-bit product with int8 activations)
 RECIPE_VERSION = 2
@@ -114,6 +115,13 @@ def gguf_blocks(path: str | Path) -> list[tuple[str, Blocks]]:
     facts = gguf_family(reader, Path(path)).gguf
     n_head = int(gguf_field(reader, f"{facts.arch}.attention.head_count"))
     n_kv = int(gguf_field(reader, f"{facts.arch}.attention.head_count_kv", n_head))
+    other = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} - set(SUPPORTED) - set(FLOATS))
+    if other:
+        raise SpecrtError(
+            f"{path} stores tensors as {', '.join(other)}: block types the gguf schemes do not compute from (they "
+            f"take {', '.join(SUPPORTED)} and float tensors); build its converted checkpoint with --quantize "
+            "int8-a8 or int4 instead"
+        )
     out = []
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -141,14 +149,14 @@ def float_tensors(path: str | Path) -> list[str]:
     from specrt.export.gguf import gguf_family, open_gguf, read_gguf
 
     reader = open_gguf(Path(path))
-    if not any(t.tensor_type.name in ("F32", "F16", "BF16") and len(t.shape) == 2 for t in reader.tensors):
+    if not any(t.tensor_type.name in FLOATS and len(t.shape) == 2 for t in reader.tensors):
         return []
     if gguf_family(reader, Path(path)).gguf.permuted_qk:  # rows moved by the conversion: read it whole
         _, state, _ = read_gguf(path)
         return [_digest(w.numpy()) for w in state.values() if w.ndim == 2]
     out = []
     for t in reader.tensors:
-        if t.tensor_type.name in ("F32", "F16", "BF16") and len(t.shape) == 2:
+        if t.tensor_type.name in FLOATS and len(t.shape) == 2:
             w = dequantize(t.data, t.tensor_type).astype(np.float32)
             out.append(_digest(w.reshape([int(d) for d in reversed(t.shape)])))
     return out

@@ -241,7 +241,10 @@ def exactness_warning(session) -> str | None:
     if shapes and all(shapes.values()):
         fix = "keep the step floor (--exact bitwise, the default), which makes this engine bitwise exact"
     elif shapes:
-        fix = "use an engine of the fused graph (float32, gguf or gguf-a8), which the step floor makes bitwise exact"
+        fix = (
+            "its step shapes are not bitwise equal even with the step floor (the fused graph's are, but for heads of "
+            "256, such as Gemma 3's: ORT's attention kernel); the PyTorch backend (--backend torch) is bitwise"
+        )
     else:
         fix = "rebuild the engine (its build measures whether the step floor makes it bitwise exact)"
     return (

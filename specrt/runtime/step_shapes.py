@@ -1,6 +1,7 @@
 """Which step shapes give a position bitwise the same logits, on any backend, through a session.
 
-    measure(backend)                     the same 17 tokens after a 12-token prefix, computed in
+    measure(backend)                     the same 17 tokens after a 57-token prefix (crossing slot
+                                         64, where one ORT attention kernel changes), computed in
                                          one multi-position step and in the other shapes the
                                          runtime takes (the dict an ORT engine's manifest holds)
     measure(backend, floors=(2, 8, 16))  also with other step floors: where two positions per
@@ -23,7 +24,7 @@ BESIDE = 3  # the other row of a batch verifies this many tokens per step
 WIDER = 512  # the other capacity: this many slots more (past a pooled cache's 256-slot bucket)
 
 
-def measure(backend: StepBackend, prefix: int = 12, steps: int = 17, rules: tuple = (), seed: int = 0) -> dict:
+def measure(backend: StepBackend, prefix: int = 57, steps: int = 17, rules: tuple = (), seed: int = 0) -> dict:
     """How a position's logits depend on the shape of the step that computes them: `steps`
     tokens after a `prefix`, as one multi-position step (verification) and as
 
