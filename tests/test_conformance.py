@@ -251,6 +251,18 @@ def test_quantized_schemes_of_every_family(family, scheme):
     assert [r.token_ids for r in spec.generate_ids(PROMPTS, 24)] == plain, (name, scheme)
 
 
+def stepped(backend, q: int) -> np.ndarray:
+    """The logits of positions 40 to 119 of a fixed random text, computed q tokens a step."""
+    from specrt.runtime.session import StepSession
+
+    ids = np.random.default_rng(0).integers(3, 150, 120).tolist()
+    session = StepSession(backend, exact="bitwise")
+    cache = session.new_cache(1, 256)
+    session.prefill(cache, [ids[:40]])
+    steps = [(a, min(a + q, len(ids))) for a in range(40, len(ids), q)]
+    return np.concatenate([session.forward(cache, [ids[a:b]]).logits[0, : b - a] for a, b in steps])
+
+
 @pytest.mark.parametrize("head_dim", [16, 256])
 def test_the_build_records_whether_step_shapes_agree_past_slot_64(tmp_path, head_dim):
     """An engine's build says whether its step shapes give a position the same bits (what makes
@@ -260,27 +272,25 @@ def test_the_build_records_whether_step_shapes_agree_past_slot_64(tmp_path, head
     checked against the runtime's own steps at positions 40 to 120."""
     import json
 
-    from specrt.runtime.session import StepSession
-
     ref = reference("llama", head_dim=head_dim, num_key_value_heads=1)
     ckpt = checkpoint(ref, tmp_path / "ckpt")
     list(build_all(BuildSpec(checkpoint=ckpt, out=tmp_path / "art", tensorrt="off")))
     engine = tmp_path / "art" / "engines" / "ort-cpu"
     recorded = json.loads((engine / "manifest.json").read_text())["batch_invariance"]["bitwise"]["padded"]
     backend = Generator.from_engine(engine).backend
-    ids = np.random.default_rng(0).integers(3, 150, 120).tolist()
-
-    def logits(q: int):
-        session = StepSession(backend, exact="bitwise")
-        cache = session.new_cache(1, 256)
-        session.prefill(cache, [ids[:40]])
-        steps = [(a, min(a + q, len(ids))) for a in range(40, len(ids), q)]
-        return np.concatenate([session.forward(cache, [ids[a:b]]).logits[0, : b - a] for a, b in steps])
-
-    one = logits(1)  # padded to the floor
-    observed = all(np.array_equal(one, logits(q)) for q in (3, 8, 17))
+    one = stepped(backend, 1)  # padded to the floor
+    observed = all(np.array_equal(one, stepped(backend, q)) for q in (3, 8, 17))
     assert recorded == observed, (head_dim, recorded, observed)
     assert observed == (head_dim != 256)  # ORT 1.32; a later ORT that fixes it fails here: say so in the docs
+
+
+def test_the_pytorch_backend_is_bitwise_for_gemma3s_heads_of_256(tmp_path):
+    """Where ORT's attention is not (above), the PyTorch backend reduces over the cache's whole
+    capacity in every step: a position gets the same bits in every step shape, windows included."""
+    ref = reference("gemma3", head_dim=256, num_key_value_heads=1)
+    backend = TorchBackend(load_model(checkpoint(ref, tmp_path / "ckpt")))
+    one = stepped(backend, 1)
+    assert all(np.array_equal(one, stepped(backend, q)) for q in (3, 8, 17))
 
 
 def test_sampled_speculation_follows_gemma3(tmp_path):

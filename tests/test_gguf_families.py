@@ -3,8 +3,8 @@ one (norms stored as 1 + w, the embedding tied to the head, metadata llama.cpp l
 code) with Q5_0, Q4_K, Q6_K and Q8_0 tensors. The blocks dequantize bit for bit as the gguf
 package does; the model converted from the file equals transformers' reading of the same file;
 the engines computed from the file's own blocks are the float model within float rounding
-(`gguf`) and, with int8 activations (`gguf-a8`), their own model whose speculative output is
-bitwise its plain output.
+(`gguf`) and, with int8 activations (`gguf-a8`), their own model; speculative output is their
+plain output (on steps within 64 positions: see the last test).
 """
 
 from __future__ import annotations
@@ -97,13 +97,20 @@ def test_the_engine_from_the_blocks_is_the_float_model(gemma_gguf):
 
 
 @pytest.mark.parametrize("scheme", ["gguf", "gguf-a8"])
-def test_speculative_output_is_bitwise_plain_on_the_block_engines(gemma_gguf, scheme):
+def test_speculative_output_is_plain_output_on_the_block_engines(gemma_gguf, scheme):
+    """Within 64 positions: past them ORT's attention with heads of 256 (this model's) gives a
+    position other bits in other step shapes, which the engine's build records (and
+    tests/test_conformance.py checks), so that speculation is exact up to near-ties there."""
     gen = Generator.from_engine(ArtifactLayout(gemma_gguf[2]).ort_engine("cpu", scheme))
     gen.eos_ids = frozenset()
     prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [40, 41, 42, 43, 40, 41, 42, 43, 40]]
     plain = [r.token_ids for r in gen.generate_ids(prompts, 24)]
     for draft in ("suffix", "ngram"):
-        spec = SpeculativeDecoder(gen, make_proposer(draft), make_policy(4, 4))
+        if scheme == "gguf-a8":  # int8 activations amplify the kernel's difference: the decoder says so
+            with pytest.warns(UserWarning, match="heads of 256"):
+                spec = SpeculativeDecoder(gen, make_proposer(draft), make_policy(4, 4))
+        else:
+            spec = SpeculativeDecoder(gen, make_proposer(draft), make_policy(4, 4))
         assert [r.token_ids for r in spec.generate_ids(prompts, 24)] == plain, draft
 
 

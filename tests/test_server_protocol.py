@@ -20,7 +20,7 @@ from specrt.server.protocol import (
 class Words:
     """A tokenizer of whitespace words: id = the word's length."""
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=False):  # no special tokens to add
         return [len(w) for w in text.split()]
 
     def apply_chat_template(self, messages, add_generation_prompt):
