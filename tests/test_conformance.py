@@ -251,6 +251,21 @@ def test_quantized_schemes_of_every_family(family, scheme):
     assert [r.token_ids for r in spec.generate_ids(PROMPTS, 24)] == plain, (name, scheme)
 
 
+def test_a_draft_head_of_every_family_runs(family):
+    """A trained draft's head is a Llama layer of the target's shapes (ModelConfig.plain),
+    whatever the target's family: it builds from the target and runs its step."""
+    from specrt.export.draft_head import HeadConfig, head_from_target
+    from specrt.export.head_io import default_target_layers
+
+    name, _, ckpt, _ = family
+    target = load_model(ckpt)
+    layers = default_target_layers(target.cfg.num_hidden_layers)
+    head = head_from_target(target, HeadConfig("eagle3", target.cfg, layers, draft_vocab=64), draft_ids=range(64))
+    with torch.no_grad():
+        logits, hidden, k, v = head(*head.example_inputs())
+    assert logits.shape[-1] == 64 and torch.isfinite(logits).all() and torch.isfinite(hidden).all(), name
+
+
 def stepped(backend, q: int) -> np.ndarray:
     """The logits of positions 40 to 119 of a fixed random text, computed q tokens a step."""
     from specrt.runtime.session import StepSession

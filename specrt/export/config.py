@@ -165,7 +165,7 @@ class ModelConfig:
         """This model's shapes with the Llama block's facts: the layer a draft head adds (EAGLE's
         head is its own model, a Llama layer over the target's features)."""
         facts = dict(qk_norm=False, norm_offset=0.0, sandwich_norms=False, hidden_act="silu", embed_scale=None)
-        facts |= dict(attn_scalar=None, sliding_window=None, sliding_layers=(), rope_local_theta=None)
+        facts |= dict(attn_scalar=None, sliding_window=None, sliding_layers=(), rope_local_theta=None, rotary_dim=None)
         return dataclasses.replace(self, architecture="LlamaForCausalLM", **facts)
 
     @classmethod

@@ -224,9 +224,10 @@ def head_from_target(target: LlamaModel, hc: HeadConfig, draft_ids=None, seed: i
             raise SpecrtError(f"{len(ids)} draft ids for a draft vocabulary of {hc.draft_vocab}")
         head.draft_to_target.copy_(ids)
         head.lm_head.weight.copy_(target.lm_head.weight[ids])
-        last = target.layers[-1].state_dict()
-        own = head.layer.state_dict()
+        last, own = _plain_layer_weights(target.layers[-1]), head.layer.state_dict()
         for name, w in last.items():
+            if name not in own:  # the head's own weights (EAGLE-3's hidden_norm) start as they are
+                continue
             if own[name].shape == w.shape:
                 own[name].copy_(w)
             else:  # EAGLE-3's 2C-wide q/k/v: the feature half from the target, the embedding half small
@@ -239,12 +240,24 @@ def head_from_target(target: LlamaModel, hc: HeadConfig, draft_ids=None, seed: i
             head.fc.weight[:, C:].copy_(eye)
         elif hc.method == "mtp":  # the normed feature passes through; the output norm is the target's
             head.fc.weight[:, C:].copy_(eye)
-            head.norm.weight.copy_(target.norm.weight)
+            head.norm.weight.copy_(target.norm.scale())
         else:
             # the high layer's block is the last C columns of the fused features
             head.fc.weight[:, -C:].copy_(eye)
-            head.norm.weight.copy_(target.norm.weight)
+            head.norm.weight.copy_(target.norm.scale())
     return head
+
+
+def _plain_layer_weights(layer) -> dict[str, torch.Tensor]:
+    """A target layer's weights as a Llama layer holds them (the head's layer is one, whatever the
+    target's family): each norm's scale (Gemma's 1 + w), the MLP's input norm (Gemma's
+    pre-feed-forward norm), and none of what a Llama layer lacks (q/k norms, Gemma's norms after
+    attention and the MLP)."""
+    out = {k: v for k, v in layer.state_dict().items() if "norm" not in k}
+    mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
+    out["input_layernorm.weight"] = layer.input_layernorm.scale()
+    out["post_attention_layernorm.weight"] = mlp_norm.scale()
+    return out
 
 
 def save_head(head: DraftHead, directory: str | Path, extra: dict | None = None) -> None:
