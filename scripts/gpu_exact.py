@@ -1,8 +1,8 @@
 """The GPU check's exactness block: which step shapes give a position bitwise the same logits on
 the PyTorch backend, and under which padding rule (runtime/step_shapes.py).
 
-On the CPU the rule is measured and kept (in-place attention, steps rounded to a multiple of 4
-positions: tests/test_exact.py). A GPU library picks its matrix-product kernel by the product's
+On the CPU every step shape is bitwise by construction (in-place attention, products in blocks
+of 8 rows: tests/test_exact.py). A GPU library picks its matrix-product kernel by the product's
 shape (cuBLAS: tile sizes, split-K), so a row's result may change with the row count in other
 classes than on the CPU; this block finds them on the machine it runs on:
 

@@ -3,12 +3,13 @@ row, runtime/session.py), a position's logits are the same bits whatever step co
 one token at a time, a verification step of any size, a split step, a batch beside other rows, a
 prefix-cache hit, a cache of another capacity. Checked with np.array_equal on every scheme of
 ORT's fused graph (float32, the GGUF's blocks with float32 and with int8 activations, the
-weight-only int8-a8 and int4-a8) and on PyTorch (in-place attention, steps in tiles of 4); the
+weight-only int8-a8 and int4-a8) and on PyTorch (in-place attention, products in blocks of a fixed row count); the
 traced graph (portable ORT) is exact up to near-ties and says so. End to end: a request's
 greedy tokens and log probabilities are bitwise the same alone, beside others, with any draft and
 from a prefix-cache hit. Without the floor the one-position steps fall into the other numeric
 class: the test of that must see a difference, so the rule is what makes the equality."""
 
+import contextlib
 import json
 
 import numpy as np
@@ -121,23 +122,45 @@ def test_without_the_floor_one_position_steps_differ(name, built, tiny_portable_
     assert open_target(name, built, tiny_portable_artifacts).session.exactness() == {"exact": "bitwise", "floor": 2}
 
 
-def test_pytorch_needs_its_steps_in_whole_tiles_of_four_rows(built):
+def test_pytorch_is_bitwise_by_its_row_blocks_not_by_a_step_rule(built, monkeypatch):
     """The PyTorch backend writes a step's keys in place and attends over the cache's slots alone
-    (no step shape changes a reduction), and its CPU products agree bitwise only among row
-    counts that keep a row in a whole tile of 4: so its steps are rounded up to a multiple of 4
-    positions (Capabilities.step_multiple). The measurement (runtime/step_shapes.py, what the GPU
-    check runs on CUDA) sees every shape bitwise under that rule and not under the floor alone,
-    and nothing at all without either."""
+    (no step shape changes a reduction), and on the CPU runs every product in blocks of a fixed
+    row count (row_blocks.py): every step shape is bitwise, even one-token steps without the
+    floor. Without the blocks the CPU library picks its kernel by the product's row count, and
+    one-token steps compute in another class (on every CPU measured: AMD EPYC, Intel Xeon)."""
+    from specrt.runtime.backends import torch_model
     from specrt.runtime.step_shapes import measure
 
     gen = Generator.from_checkpoint(built[0])
-    assert (gen.session.floor, gen.session.multiple) == (2, 4)
-    got = measure(gen.backend, rules=((2, 1),))
-    assert all(got["bitwise"].values()) and got["padded_relative"] == 0
-    assert 0 < got["relative"] < 1e-5  # one token per step, unpadded: the other class
-    floor_only = got["rules"]["floor 2, multiple 1"]["bitwise"]
-    assert not floor_only["padded"] and not floor_only["split"]
+    assert (gen.session.floor, gen.session.multiple) == (2, 1)
+    got = measure(gen.backend, rules=((1, 1),))
+    assert all(got["bitwise"].values()) and got["relative"] == 0 == got["padded_relative"]
+    assert all(got["rules"]["floor 1, multiple 1"]["bitwise"].values())
     assert gen.session.exactness() == {"exact": "unmeasured", "floor": 2}  # measured here, not at load
+
+    monkeypatch.setattr(torch_model, "row_block_mode", contextlib.nullcontext)
+    assert 0 < measure(gen.backend)["relative"] < 1e-5  # one token per step, unpadded: the other class
+
+
+def test_a_rows_product_does_not_depend_on_its_place_in_the_block():
+    """What the row blocks rest on, checked on the machine that runs the suite: in a product of
+    a fixed shape, a row gets the same bits wherever it sits and whatever rows are beside it."""
+    import torch
+
+    from specrt.runtime.backends.row_blocks import ROWS, row_block_mode
+
+    torch.manual_seed(0)
+    for k, n in [(64, 128), (576, 1536), (1536, 576), (640, 2048)]:
+        weight, x = torch.randn(n, k), torch.randn(k)
+        with row_block_mode():
+            alone = torch.nn.functional.linear(x[None], weight)[0]
+            for m in (2, ROWS - 1, ROWS, 3 * ROWS + 5):
+                rows = torch.randn(m, k)
+                rows[m // 2] = x
+                assert torch.equal(torch.nn.functional.linear(rows, weight)[m // 2], alone)
+                folded = torch.matmul(rows.expand(3, m, k), weight.T)  # one product of 3m rows
+                batched = torch.matmul(rows.expand(3, m, k), weight.T.expand(3, k, n))  # three
+                assert torch.equal(folded[1, m // 2], alone) and torch.equal(batched[2, m // 2], alone)
 
 
 def test_an_unknown_exactness_setting_is_refused_by_name(built, tiny_portable_artifacts):

@@ -60,7 +60,7 @@ class Capabilities:
     # they are (SplitBackend exists to run them on an engine of their own)
     floor: int = STEP_FLOOR
     # and the multiple every step's positions per row are rounded up to, where a library's
-    # products are bitwise row-invariant only in whole tiles of rows (PyTorch's CPU GEMM: 4)
+    # products are bitwise row-invariant only in whole tiles of rows (the GPU check tries them)
     step_multiple: int = 1
     # measured at build: ms per step at batch 1 by the positions it computes ({1: .., 2: .., 17: ..})
     step_ms: dict[int, float] | None = None

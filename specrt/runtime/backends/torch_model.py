@@ -17,13 +17,8 @@ from specrt.runtime.backends.base import (
     gather_rows,
     graphable,
 )
+from specrt.runtime.backends.row_blocks import row_block_mode
 from specrt.runtime.transfer import to_device
-
-# PyTorch's CPU products give a row bitwise the same result only among products whose row count
-# puts it in a whole tile of 4 rows (measured with torch 2.13: M = 1, M = 2-3 and M >= 4 are three
-# classes), so with the in-place attention, steps of a multiple of 4 positions per row make every
-# step shape bitwise equal (runtime/step_shapes.py measures it; tests/test_exact.py holds it)
-CPU_STEP_MULTIPLE = 4
 
 
 class TorchBackend(StepBackend):
@@ -40,7 +35,8 @@ class TorchBackend(StepBackend):
     A step writes its new positions into the cache's buffers in place and attends over the
     buffers alone (LlamaModel.forward's `slots`; caches get STEP_ROOM slots of slack for a
     step's padding), as the fused ONNX graph does: every position's attention sums over the same
-    slots in the same order whatever the step's shape.
+    slots in the same order whatever the step's shape. On the CPU every product runs in blocks
+    of a fixed row count (row_blocks.py), so no step shape changes a row's kernel either.
     """
 
     def __init__(
@@ -77,7 +73,6 @@ class TorchBackend(StepBackend):
             reuse_cache=cuda_graphs,
             cache_slack=STEP_ROOM if in_place else 0,
             max_verify=STEP_ROOM if in_place else None,
-            step_multiple=CPU_STEP_MULTIPLE if self.device.type == "cpu" and in_place else 1,
             hidden_layers=tuple(model.hidden_layers),
             checkpoint_hash=checkpoint_hash,
             vocab_size=self.config.vocab_size,
@@ -95,6 +90,12 @@ class TorchBackend(StepBackend):
         return [cache.past(i) for i in range(cache.num_layers)]
 
     def _forward(self, ids, pos, mask, index, slots, past):
+        if self.device.type == "cpu" and self.in_place:  # the reference: bitwise by construction
+            with row_block_mode():
+                return self._run(ids, pos, mask, index, slots, past)
+        return self._run(ids, pos, mask, index, slots, past)
+
+    def _run(self, ids, pos, mask, index, slots, past):
         if not self.in_place:
             logits, hidden, present = self.model(ids, pos, mask, past, index)
             return [logits, hidden, *[t for kv in present for t in kv]]

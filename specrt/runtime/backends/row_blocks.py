@@ -1,0 +1,64 @@
+"""Every product in blocks of a fixed row count: PyTorch's CPU reference, bitwise by construction.
+
+A CPU BLAS picks its kernel, and with it the order of a dot product's additions, by the shape of
+the whole product: how many rows it has among them. Measured with torch 2.13 (MKL 2024.2): on an
+AMD EPYC, M = 1, M = 2-3 and M >= 4 give a row three different results; on an Intel Xeon with
+AVX-512 the boundary moves with the shape (M < 3 for K = 64, M < 16 for K = 576, M < 57 for
+K = 1536 on two threads). No rule about the step's positions holds on every machine. So the
+reference runs each matrix product as products of exactly `rows` rows of its left operand,
+the last block padded with zeros: every row of every step then goes through the same kernel of
+the same shape, whatever the step computes beside it, on any CPU. A row's result does not depend
+on where it sits in a block (tests/test_exact.py checks it on the machine that runs it).
+
+No library offers this (batch-invariant kernels exist for GPUs, not for PyTorch's CPU
+products), and a TorchFunctionMode keeps it out of the model: the same module is traced to
+ONNX, where each engine has its own kernels and its own rule.
+"""
+
+from __future__ import annotations
+
+ROWS = 8  # rows per product: decoding pads 2 to 8 (memory-bound: about the cost of 2); prefill
+# reads the weights once per 8 rows
+
+
+def _blocks(a, rows: int, fn):
+    """fn over blocks of `rows` rows of a (along dim -2), the last padded; the rows put back."""
+    import torch
+
+    m = a.shape[-2]
+    if m == 0:
+        return fn(a)
+    pad = -m % rows
+    if pad:
+        a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
+    out = torch.cat([fn(part) for part in a.split(rows, dim=-2)], dim=-2)
+    return out[..., :m, :].contiguous()
+
+
+def row_block_mode(rows: int = ROWS):
+    """A context manager under which F.linear and matmul compute in blocks of `rows` rows."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    matmuls = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+    class RowBlocks(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.linear:
+                x, weight, *rest = args
+                bias = rest[0] if rest else kwargs.get("bias")
+                return _flat(x, lambda part: F.linear(part, weight, bias))
+            if func in matmuls and not kwargs and args[0].dim() >= 2 and args[1].dim() >= 2:
+                a, b = args
+                if b.dim() == 2:  # one product whose rows are all of a's (as PyTorch folds it)
+                    return _flat(a, lambda part: torch.matmul(part, b))
+                return _blocks(a, rows, lambda part: torch.matmul(part, b))  # one product per batch
+            return func(*args, **kwargs)
+
+    def _flat(x, fn):
+        out = _blocks(x.reshape(-1, x.shape[-1]), rows, fn)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return RowBlocks()
