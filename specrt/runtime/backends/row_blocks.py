@@ -17,8 +17,10 @@ ONNX, where each engine has its own kernels and its own rule.
 
 from __future__ import annotations
 
-ROWS = 8  # rows per product: decoding pads 2 to 8 (memory-bound: about the cost of 2); prefill
-# reads the weights once per 8 rows
+# rows per product. The price, SmolLM2-135M on a 2-core Xeon (against no blocks, interleaved,
+# medians of 3): blocks of 2 / 4 / 8 / 16 rows: a decode step 1.3 / 1.7 / 1.9 / 2.0x, a 17-position
+# verification 2.0 / 2.1 / 1.8 / 1.8x, a 150-token prefill 3.2 / 3.3 / 2.4 / 2.0x
+ROWS = 8
 
 
 def _blocks(a, rows: int, fn):
