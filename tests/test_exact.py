@@ -3,8 +3,8 @@ row, runtime/session.py), a position's logits are the same bits whatever step co
 one token at a time, a verification step of any size, a split step, a batch beside other rows, a
 prefix-cache hit, a cache of another capacity. Checked with np.array_equal on every scheme of
 ORT's fused graph (float32, the GGUF's blocks with float32 and with int8 activations, the
-weight-only int8-a8 and int4-a8) and on PyTorch (in-place attention, products in blocks of a fixed row count); the
-traced graph (portable ORT) is exact up to near-ties and says so. End to end: a request's
+weight-only int8-a8 and int4-a8) and on PyTorch (in-place attention, products in blocks of a
+fixed row count); the traced graph (portable ORT) is exact up to near-ties and says so. End to end: a request's
 greedy tokens and log probabilities are bitwise the same alone, beside others, with any draft and
 from a prefix-cache hit. Without the floor the one-position steps fall into the other numeric
 class: the test of that must see a difference, so the rule is what makes the equality."""

@@ -17,6 +17,8 @@ ONNX, where each engine has its own kernels and its own rule.
 
 from __future__ import annotations
 
+import functools
+
 # rows per product. The price, SmolLM2-135M on a 2-core Xeon (against no blocks, interleaved,
 # medians of 3): blocks of 2 / 4 / 8 / 16 rows: a decode step 1.3 / 1.7 / 1.9 / 2.0x, a 17-position
 # verification 2.0 / 2.1 / 1.8 / 1.8x, a 150-token prefill 3.2 / 3.3 / 2.4 / 2.0x
@@ -39,6 +41,12 @@ def _blocks(a, rows: int, fn):
 
 def row_block_mode(rows: int = ROWS):
     """A context manager under which F.linear and matmul compute in blocks of `rows` rows."""
+    return _mode_class()(rows)
+
+
+@functools.cache
+def _mode_class():
+    """The TorchFunctionMode, defined once (torch is imported lazily, so not at module level)."""
     import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
@@ -46,21 +54,25 @@ def row_block_mode(rows: int = ROWS):
     matmuls = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
     class RowBlocks(TorchFunctionMode):
+        def __init__(self, rows: int):
+            super().__init__()
+            self.rows = rows
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is F.linear:
                 x, weight, *rest = args
                 bias = rest[0] if rest else kwargs.get("bias")
-                return _flat(x, lambda part: F.linear(part, weight, bias))
+                return self._flat(x, lambda part: F.linear(part, weight, bias))
             if func in matmuls and not kwargs and args[0].dim() >= 2 and args[1].dim() >= 2:
                 a, b = args
                 if b.dim() == 2:  # one product whose rows are all of a's (as PyTorch folds it)
-                    return _flat(a, lambda part: torch.matmul(part, b))
-                return _blocks(a, rows, lambda part: torch.matmul(part, b))  # one product per batch
+                    return self._flat(a, lambda part: torch.matmul(part, b))
+                return _blocks(a, self.rows, lambda part: torch.matmul(part, b))  # one product per batch
             return func(*args, **kwargs)
 
-    def _flat(x, fn):
-        out = _blocks(x.reshape(-1, x.shape[-1]), rows, fn)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        def _flat(self, x, fn):
+            out = _blocks(x.reshape(-1, x.shape[-1]), self.rows, fn)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    return RowBlocks()
+    return RowBlocks
