@@ -112,7 +112,7 @@ def engine_logprobs(gen, ids, n, top):
     got = []
     while not engine.idle:
         got += [lp for ev in engine.step() for lp in ev.logprobs or []]
-    return [(g.logprob, [x for _, x in g.top]) for g in got if g.token not in gen.eos_ids]
+    return [(g.logprob, [x for _, x in g.top]) for g in got]
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -155,6 +155,56 @@ def test_logprobs_chat_and_completions_streamed_or_not(gen, speculative):
     assert all(
         len(top) == 1 and max(top.values()) >= x - 1e-9 for top, x in zip(lp["top_logprobs"], lp["token_logprobs"])
     )
+
+
+def choice_entries(body_or_chunks, n: int, stream: bool) -> tuple[list[list[dict]], list[str], list[str], dict]:
+    """Per choice: its logprobs entries, its text and its finish reason; and the usage."""
+    entries, texts, finishes = [[] for _ in range(n)], [""] * n, [""] * n
+    if not stream:
+        for ch in body_or_chunks["choices"]:
+            entries[ch["index"]] = ch["logprobs"]["content"]
+            texts[ch["index"]], finishes[ch["index"]] = ch["message"]["content"], ch["finish_reason"]
+        return entries, texts, finishes, body_or_chunks["usage"]
+    for chunk in body_or_chunks[:-1]:
+        for ch in chunk["choices"]:
+            i = ch["index"]
+            entries[i] += (ch["logprobs"] or {}).get("content", [])
+            texts[i] += ch["delta"].get("content", "")
+            finishes[i] = ch["finish_reason"] or finishes[i]
+    return entries, texts, finishes, body_or_chunks[-1]["usage"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stop", [None, " w7"])
+def test_every_counted_token_has_its_logprob(tiny_artifacts, stop, stream):
+    """n = 1..4 with logprobs: the usage's completion tokens are the entries the choices report,
+    the end-of-sequence token an answer ends on included (its entry adds no text, as in vLLM);
+    a stop sequence ends the tokens and the entries at the one that completed it, also where a
+    speculative step emitted more."""
+    ends = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
+    ends.eos_ids = frozenset(range(2, 128, 9))  # one token in nine ends an answer: most end within 12 tokens
+    c = client(SpeculativeDecoder(ends, make_proposer("suffix"), make_policy(4)))
+    ended, stopped = 0, 0
+    for n in (1, 2, 3, 4):
+        req = {"messages": MESSAGES, "max_tokens": 12, "temperature": 1, "seed": 42, "n": n, "logprobs": True}
+        req |= {"top_logprobs": 2, "stop": stop}
+        if stream:
+            req |= {"stream": True, "stream_options": {"include_usage": True}}
+        r = c.post("/v1/chat/completions", json=req)
+        assert r.status_code == 200, r.text
+        entries, texts, finishes, usage = choice_entries(sse(r) if stream else r.json(), n, stream)
+        assert usage["completion_tokens"] == sum(len(e) for e in entries)
+        for e, text, finish in zip(entries, texts, finishes):
+            joined = "".join(x["token"] for x in e)
+            if stop is not None and stop in joined:  # the last entry completed the stop sequence
+                assert finish == "stop" and joined.startswith(text) and stop not in "".join(x["token"] for x in e[:-1])
+                stopped += 1
+                continue
+            assert joined == text
+            if finish == "stop":  # its last token is the end of sequence
+                assert e[-1]["token"] == "" and e[-1]["bytes"] == [] and e[-1]["logprob"] <= 0
+                ended += 1
+    assert ended > 0 and (stop is None or stopped > 0)  # both endings were met
 
 
 @pytest.mark.parametrize("speculative", [False, True])

@@ -129,8 +129,10 @@ class _Reply:
 
     def push(self, tokens: list[int], logprobs: list | None = None) -> bool:
         """New tokens of a step (and their TokenLogprobs when the request asked): send what is
-        safe to send; True when a stop sequence appeared (the text is cut before it; the
-        logprobs keep the tokens up to the one that completed it)."""
+        safe to send; True when a stop sequence appeared (the text is cut before it). Every
+        token counted has its logprobs entry, the end-of-sequence token's included (it adds no
+        text: its entry's token is ""), and a stop sequence ends both at the token that
+        completed it: a step's tokens after it are neither counted nor reported (as vLLM)."""
         if not tokens:
             return False
         now, metrics = time.perf_counter(), self.service.metrics
@@ -142,34 +144,42 @@ class _Reply:
             metrics.tokens_out(now - self.last_out, len(tokens))
         self.last_out = now
         eos = self.service.gen.eos_ids
-        for t in tokens:
+        scores = logprobs if self.logprobs is not None else None
+        for i, t in enumerate(tokens):
             self.count += 1
-            if t not in eos:
-                self.text += self.detok.push(t)
-        if self.logprobs is not None and logprobs:
-            self.logprobs += [self._render(lp) for lp in logprobs if lp.token not in eos]
-        start = max(0, self.sent - self.hold)
-        cut = min((i for i in (self.text.find(x, start) for x in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
-            return True
+            if scores:
+                self.logprobs.append(self._render(scores[i], t in eos))
+            if t in eos:
+                continue
+            self.text += self.detok.push(t)
+            cut = self._stop_at()
+            if cut >= 0:
+                self.text = self.text[:cut]
+                return True
         safe = len(self.text) - self.hold if self.stop else len(self.text)
         if safe > self.sent:
             self.ticket.put(Piece(self.text[self.sent : safe], logprobs=self._take_logprobs(), index=self.index))
             self.sent = safe
         return False
 
-    def _render(self, lp) -> tuple:
+    def _stop_at(self) -> int:
+        """Where the first stop sequence begins in the text not yet sent (and the held back
+        text before it); -1: none."""
+        start = max(0, self.sent - self.hold)
+        return min((i for i in (self.text.find(x, start) for x in self.stop) if i >= 0), default=-1)
+
+    def _render(self, lp, end: bool = False) -> tuple:
         """A TokenLogprob as the protocol shows it, each token as the text it adds after the
         answer's previous tokens (decoded alone, a word-level or SentencePiece token would lose
-        its leading space), so the tokens' texts concatenate to the answer."""
+        its leading space), so the tokens' texts concatenate to the answer; `end`: the token is
+        the end of sequence, which adds none."""
         decode = self.service.gen.tokenizer.decode
         before = decode(self.window)
 
         def text(t: int) -> str:
             return decode([*self.window, t])[len(before) :]
 
-        out = text(lp.token), lp.logprob, tuple((text(t), x) for t, x in lp.top)
+        out = "" if end else text(lp.token), lp.logprob, tuple((text(t), x) for t, x in lp.top)
         self.window = [*self.window, lp.token][-WINDOW:]
         return out
 
