@@ -86,6 +86,19 @@ def test_a_damaged_file_of_a_resumable_run_is_one_line(
     assert snapshot(out) == before, "the refusal changed files"
 
 
+def test_rows_past_the_last_record_are_trimmed_by_train_draft(trained, tiny_checkpoint, tiny_artifacts, tmp_path):
+    """features.bin with 1,000 bytes past its last record (a write cut short): train-draft
+    resumes and the store is back at its intact size, the records as they were."""
+    out = shutil.copytree(trained, tmp_path / "eagle3")
+    feats, log = out / "data/features/features.bin", out / "data/features/records.jsonl"
+    intact, records = feats.read_bytes(), log.read_bytes()
+    with open(feats, "ab") as fh:
+        fh.write(b"\x01" * 1000)
+    r = run(*train_args(tiny_checkpoint, tiny_artifacts, out))
+    assert r.exit_code == 0, r.output
+    assert feats.read_bytes() == intact and log.read_bytes() == records
+
+
 @pytest.mark.parametrize(
     "name, damage, message",
     [

@@ -1,6 +1,7 @@
 """Training data for draft heads: the target's answers and its features, resumable on disk."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -117,6 +118,33 @@ def test_features_resume_and_skip_other_sequences(gen, prompts, tmp_path):
     (old / "index.json").write_text("{}")
     with pytest.raises(SpecrtError, match="older format; delete the directory"):
         cache_features(gen.session, answers, old, progress=False)
+
+
+def test_a_write_cut_short_is_trimmed_when_the_store_is_opened(gen, prompts, tmp_path):
+    """Rows past the last record (a write cut short) are cut when a reader that checked the
+    width opens the store, although it appends nothing; a later append lands at the records'
+    offset, after an interruption that left a cut record line too."""
+    answers = generate_answers(gen, prompts[:5], tmp_path / "a.jsonl", max_new_tokens=8, progress=False)
+    full = cache_features(gen.session, answers, tmp_path / "full", progress=False)
+    d = tmp_path / "f"
+    cache_features(gen.session, answers[:3], d, progress=False)
+    intact, log = (d / "features.bin").stat().st_size, (d / "records.jsonl").read_text()
+    with open(d / "features.bin", "ab") as fh:
+        fh.write(b"\1" * 1000)  # killed while writing a block's rows
+    cache_features(gen.session, answers[:3], d, progress=False)  # reads only: every block is there
+    assert (d / "features.bin").stat().st_size == intact and (d / "records.jsonl").read_text() == log
+    with open(d / "features.bin", "ab") as fh:
+        fh.write(b"\1" * 1000)
+    with open(d / "records.jsonl", "a") as fh:
+        fh.write('{"id": 3, "offs')  # ... and its record's line
+    FeatureStore(d)  # without a width to check: nothing is written
+    assert (d / "features.bin").stat().st_size == intact + 1000
+    resumed = cache_features(gen.session, answers, d, progress=False)
+    assert [r["offset"] for r in map(json.loads, (d / "records.jsonl").read_text().splitlines())] == [
+        sum(len(a.tokens) - 1 for a in answers[:i]) for i in range(5)
+    ]
+    assert all(np.array_equal(resumed.sequence(i), full.sequence(i)) for i in range(5))
+    assert (d / "features.bin").stat().st_size == (tmp_path / "full" / "features.bin").stat().st_size
 
 
 def test_the_recorder_keeps_the_root_and_the_accepted_nodes():

@@ -21,8 +21,13 @@ The directory is append-only and survives interruption:
 - meta.json: the row width and dtype.
 
 A run that is cut short loses at most the block being written: a cut line and rows past the last
-record are dropped, by the first write after every check has passed (opening a store, or
-refusing one, writes nothing).
+record are dropped once every check has passed: when the store is opened for a target whose row
+width it checked (`FeatureStore(dir, width)`, as every reader of training data opens it), else
+by the first append. Offsets come from the records, never from the file's size, and the drop
+comes before any append, so a block is never written after stray bytes. The log is rewritten
+to a temporary name and renamed; the rows are cut by one truncation to the length the records
+account for (rows on disk before their record: nothing recorded is ever cut). A store opened
+without a width check (its meta.json may have been edited) and one refused write nothing.
 """
 
 from __future__ import annotations
@@ -56,8 +61,8 @@ class FeatureStore:
 
     def __init__(self, directory: str | Path, width: int | None = None):
         """Open (or begin) the store; `width`: the row width the caller's target returns, checked
-        against the store's before anything is read or written. Opening writes nothing: what an
-        interruption left is dropped by the first `append`, after every check has passed."""
+        against the store's before anything is read or written. What an interruption left is
+        dropped here once that check has passed, else by the first `append` (module docstring)."""
         self.directory = Path(directory)
         if (self.directory / "index.json").exists() or (self.directory / "features.npy").exists():
             raise StaleFeatures(f"{self.directory} holds features in an older format; {_REDO}")
@@ -79,6 +84,8 @@ class FeatureStore:
         self._repair: list[str] | None = None  # the log's lines to keep, where an interruption cut it
         self._tidied = False
         self.rows = self._recover()
+        if width is not None and self.width == width and self.directory.is_dir():
+            self._tidy()
 
     def _recover(self) -> int:
         """Read the records, noting what an interruption left (a cut last line, rows past the last
@@ -108,9 +115,9 @@ class FeatureStore:
         return rows
 
     def _tidy(self) -> None:
-        """Before the first write: drop a cut log line and rows past the last record (or every
-        file of a store without a meta.json or records)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Once, before the first write: drop a cut log line and rows past the last record (or
+        every file of a store without a meta.json or records)."""
+        self._tidied = True
         if self.width is None or not self.log.is_file():
             self.bin.unlink(missing_ok=True)
             self.log.unlink(missing_ok=True)
@@ -120,6 +127,7 @@ class FeatureStore:
         if self.width is not None and self.bin.is_file() and self.bin.stat().st_size != self.rows * self.width * 2:
             with open(self.bin, "r+b") as fh:
                 fh.truncate(self.rows * self.width * 2)
+                os.fsync(fh.fileno())
 
     def has(self, answer_id: int, tokens: Sequence[int]) -> bool:
         r = self.records.get(answer_id)
@@ -131,9 +139,9 @@ class FeatureStore:
             raise ValueError(f"{features.shape} features for {len(tokens)} tokens (want {len(tokens) - 1} rows)")
         if self.width is not None and features.shape[1] != self.width:
             raise SpecrtError(f"{self.directory} stores features {self.width} wide, these are {features.shape[1]}")
+        self.directory.mkdir(parents=True, exist_ok=True)
         if not self._tidied:
             self._tidy()
-            self._tidied = True
         if self.width is None:
             self.width = int(features.shape[1])
             meta = {"format": FORMAT, "dtype": "float16", "width": self.width}
