@@ -116,6 +116,68 @@ def inspect_artifact(path: str | Path) -> Inspection:
     )
 
 
+# bits per weight of the block types a quantized graph's MatMulNBits take (GGUF's names; the fitted
+# recipes write theirs in the same layouts)
+BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q6_K": 6, "Q8_0": 8, "F16": 16, "BF16": 16, "F32": 32}
+_INT8_ACTIVATIONS = "int8 activations (MatMulNBits at accuracy level 4: each row quantized to int8 per block)"
+_QDQ = {  # the TensorRT graphs: (weights, activations)
+    "qdq-int8": ("8-bit integer weights per output channel", "int8 activations (static scales, per tensor)"),
+    "qdq-fp8": ("8-bit float (FP8 E4M3) weights per output channel", "FP8 activations (static scales, per tensor)"),
+    "qdq-int4": ("4-bit integer weights in blocks of 32", "float32 activations"),
+}
+
+
+def precision_line(q: dict | None) -> str:
+    """What a graph or engine computes with, from its quantization record (None: none, the float
+    model): the scheme, the weights' bits and the activations' type."""
+    if not q:
+        return "float32: 32-bit float weights, float32 activations"
+    scheme = q.get("scheme")
+    if scheme in _QDQ:
+        weights, acts = _QDQ[scheme]
+    elif "compute_dtype" in q:  # fp16, bf16
+        weights, acts = f"16-bit float ({q['compute_dtype']}) weights", f"{q['compute_dtype']} activations"
+    elif "bits" in q:  # MatMulNBits: the GGUF's blocks, the fitted recipes, round to nearest
+        types = q.get("rewritten_matmuls") or {}
+        bits = sorted({BLOCK_BITS.get(t, 0) for t in types}) or [q["bits"]]
+        weights = " and ".join(f"{b}-bit" if b else "other" for b in bits) + " weights"
+        if types:
+            weights += " (" + ", ".join(f"{n} {t}" for t, n in types.items()) + " MatMuls)"
+        elif q.get("block_size"):
+            weights += f" in blocks of {q['block_size']}"
+        acts = _INT8_ACTIVATIONS if q.get("accuracy_level") == 4 else "float32 activations"
+    else:
+        return f"{scheme}: a scheme this version of specrt does not describe"
+    return f"{scheme}: {weights}, {acts}"
+
+
+def engine_quantization(manifest: dict) -> tuple[bool, dict | None]:
+    """(known, the quantization record) of an engine: its own (engines built since it was
+    recorded), else that of the ONNX export it names when the export is still there unchanged."""
+    if "quantization" in manifest:
+        return True, manifest["quantization"]
+    source = (manifest.get("onnx") or {}).get("path")
+    try:
+        m = json.loads((Path(source) / MANIFEST).read_text())
+    except (OSError, ValueError, TypeError, RecursionError):
+        return False, None
+    if not isinstance(m, dict) or m.get("files") != manifest["onnx"].get("files"):
+        return False, None
+    return True, m.get("quantization")
+
+
+def _precision(manifest: dict, kind: str) -> str:
+    if kind == "onnx-step-graph":
+        return f"  precision   {precision_line(manifest.get('quantization'))}"
+    known, q = engine_quantization(manifest)
+    if known:
+        return f"  precision   {precision_line(q)}"
+    return (
+        f"  precision   not recorded (an engine built before specrt recorded it, its ONNX export moved or changed); "
+        f"it computes as {manifest.get('precision', '?')}: rebuild it with specrt build-engines to see more"
+    )
+
+
 def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
     cfg = manifest.get("config", {})
     lines = [f"  created     {manifest.get('created', '?')}"]
@@ -129,6 +191,8 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
     if ckpt:
         lines.append(f"  checkpoint  {ckpt.get('path')} ({str(ckpt.get('hash', ''))[:19]}…)")
     lines.append(f"  size        {_size(path)}")
+    if kind in ("onnx-step-graph", "ort-engine", "trt-engine"):
+        lines.append(_precision(manifest, kind))
     if kind == "onnx-step-graph":
         flavour = manifest.get("graph_flavour", "portable")
         lines.append(

@@ -236,6 +236,52 @@ def test_inspect_artifacts(tiny_artifacts, tmp_path):
     assert r.exit_code == 1 and "holds no specrt artifacts" in r.output
 
 
+def test_inspect_says_what_every_engine_computes(tiny_artifacts, tmp_path):
+    """A precision line for graphs and engines of every kind: the scheme, the weights' bits and
+    the activations' type (int8-a8 and gguf-a8 said neither); an engine built before its
+    manifest recorded it reads its ONNX export's, and says so when that is gone."""
+    import json
+    import shutil
+
+    from specrt.inspection import precision_line
+
+    r = CliRunner().invoke(main, ["inspect", str(tiny_artifacts)])
+    floats = [line for line in r.output.splitlines() if line.startswith("  precision")]
+    assert len(floats) == len(list(tiny_artifacts.glob("*/manifest.json"))) + len(
+        list(tiny_artifacts.glob("engines/*/manifest.json"))
+    )
+    assert set(floats) == {"  precision   float32: 32-bit float weights, float32 activations"}
+    level4 = "int8 activations (MatMulNBits at accuracy level 4"
+    table = [
+        ({"scheme": "int8-a8", "bits": 8, "block_size": 32, "accuracy_level": 4},
+         f"int8-a8: 8-bit weights in blocks of 32, {level4}"),
+        ({"scheme": "gguf-a8", "bits": 4, "accuracy_level": 4, "rewritten_matmuls": {"Q4_K": 7, "Q6_K": 1}},
+         f"gguf-a8: 4-bit and 6-bit weights (7 Q4_K, 1 Q6_K MatMuls), {level4}"),
+        ({"scheme": "gguf", "bits": 4, "accuracy_level": 0, "rewritten_matmuls": {"Q4_1": 3}},
+         "gguf: 4-bit weights (3 Q4_1 MatMuls), float32 activations"),
+        ({"scheme": "hqq", "bits": 4, "accuracy_level": 0, "rewritten_matmuls": {"Q4_1": 14, "Q8_0": 1}},
+         "hqq: 4-bit and 8-bit weights (14 Q4_1, 1 Q8_0 MatMuls), float32 activations"),
+        ({"scheme": "qdq-fp8", "bits": 8},
+         "qdq-fp8: 8-bit float (FP8 E4M3) weights per output channel, FP8 activations"),
+        ({"scheme": "bf16", "compute_dtype": "bfloat16"},
+         "bf16: 16-bit float (bfloat16) weights, bfloat16 activations"),
+    ]  # fmt: skip
+    for q, said in table:
+        assert precision_line(q).startswith(said), precision_line(q)
+    art = shutil.copytree(tiny_artifacts, tmp_path / "art")
+    path = art / "engines" / "ort-cpu" / "manifest.json"
+    m = json.loads(path.read_text())
+    assert "quantization" in m  # recorded at build
+    del m["quantization"]
+    m["onnx"]["path"] = str(art / "onnx-fused")
+    path.write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["inspect", str(art / "engines" / "ort-cpu")])
+    assert "precision   float32: 32-bit float weights, float32 activations" in r.output, r.output
+    shutil.rmtree(art / "onnx-fused")
+    r = CliRunner().invoke(main, ["inspect", str(art / "engines" / "ort-cpu")])
+    assert "precision   not recorded" in r.output and "it computes as float32: rebuild it" in r.output, r.output
+
+
 def test_generate_with_quantized_engine(tiny_checkpoint, tmp_path):
     art = tmp_path / "art"
     r = CliRunner().invoke(
@@ -261,6 +307,8 @@ def test_generate_with_quantized_engine(tiny_checkpoint, tmp_path):
     assert r.exit_code == 1 and "ort-cpu-int8-a8 does not exist" in r.output and "--quantize int8-a8" in r.output
     r = CliRunner().invoke(main, ["inspect", str(art)])
     assert "quantized   int4: 4-bit weights in blocks of 32, float32 activations" in r.output
+    engine = r.output[r.output.index("engines/ort-cpu-int4  [ort-engine]") :]
+    assert "precision   int4: 4-bit weights in blocks of 32, float32 activations" in engine, r.output
 
 
 def test_build_and_generate_with_the_gguf_engine(tmp_path):

@@ -186,6 +186,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "graph_flavour": flavour,
                 # what draft heads trained on this target must have been trained against
                 "precision": precision_of(onnx_manifest.get("quantization", {}).get("scheme")),
+                "quantization": onnx_manifest.get("quantization"),  # what it computes (specrt inspect)
                 "provider": active,
                 "host_cpu": cpu_model(),
                 "graph_optimization_level": "ORT_ENABLE_ALL",

@@ -170,6 +170,7 @@ def build_trt_engine(
                 "config": cfg,
                 "hidden_layers": onnx_manifest["hidden_layers"],
                 "graph_flavour": graph_flavour,
+                "quantization": onnx_manifest.get("quantization"),  # what it computes (specrt inspect)
                 "fallback_from": fallback_from,
                 "profiles": [dataclasses.asdict(p) for p in profiles],
                 "files": {ENGINE_FILE: file_sha256(tmp / ENGINE_FILE)},
