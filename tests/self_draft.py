@@ -13,6 +13,14 @@ back in `commit` to what the target accepted, and the target's features read and
 - tree=(top_k, depth): draft EAGLE-2 dynamic trees (runtime/drafts/dynamic_tree.py) instead of
   chains: each depth re-evaluates the candidate tree in one tree-masked step of the own session
   (then rolled back), and a TreeBuilder per row picks what to expand and what to keep.
+- keep_tree: in tree mode, feed the drafted tree into the own cache and keep it there (node i
+  of the proposal at the slot after the root plus i, as a tree draft with a cache keeps its
+  nodes); `commit` compacts the accepted path behind the root, reading each verified node's
+  index in the proposal (`DraftTree.proposed`: the loop verifies trees depth first, so a
+  verdict's node indexes are not the proposal's).
+
+Every mode keeps the tokens its cache holds per row and checks, at each proposal, that they are
+the committed context: a rollback that kept the wrong positions fails there.
 """
 
 from __future__ import annotations
@@ -33,10 +41,18 @@ class SelfDraftProposer:
     lookup = False
 
     def __init__(
-        self, backend, temperature_scale: float = 1.0, check_features: bool = False, tree: tuple[int, int] | None = None
+        self,
+        backend,
+        temperature_scale: float = 1.0,
+        check_features: bool = False,
+        tree: tuple[int, int] | None = None,
+        keep_tree: bool = False,
     ):
         self.session = StepSession(backend)
         self.tree_shape = tree
+        self.keep_tree = keep_tree
+        self._tokens: dict[int, list[int]] = {}  # row -> the tokens its own cache holds, slot by slot
+        self.moved = 0  # accepted nodes kept whose verified index was not their index in the proposal
         self._fed: dict[int, int] = {}  # row -> draft tokens left in the own cache by the last proposal
         self.widest = 0  # most children of a tree's root seen (tree mode)
         self.temperature_scale = temperature_scale
@@ -62,6 +78,7 @@ class SelfDraftProposer:
         for i, (b, p) in enumerate(zip(rows, prompts)):
             self.cache.lengths[b] = 0
             self._fed.pop(b, None)
+            self._tokens[b] = list(p)
             pre = self.session.prefill(self.cache.rows(b, b + 1), [list(p)], hidden=self.needs_features)
             if self.needs_features:
                 self._hidden[b] = list(pre.hidden[0])
@@ -72,7 +89,10 @@ class SelfDraftProposer:
         B = self.cache.batch
         feed = [[] for _ in range(B)]
         for b, ctx in zip(inp.rows, inp.contexts):
+            held = self._tokens[b]
+            assert held == list(ctx[: len(held)]), f"row {b}: the own cache holds other tokens than the context"
             feed[b] = list(ctx[int(self.cache.lengths[b]) :])  # what the target committed since: at least the root
+            held += feed[b]
         self.proposals += 1
         if self.needs_features:
             self._check(inp, feed)
@@ -99,6 +119,7 @@ class SelfDraftProposer:
                 tokens[b].append(t)
                 if k + 1 < inp.max_tokens:
                     feed[b] = [t]
+                    self._tokens[b].append(t)
         for b in inp.rows:
             self._fed[b] = max(inp.max_tokens - 1, 0)  # the last draft token was never fed
         return [DraftTree.chain(tokens[b], np.stack(qs[b]) if qs[b] else None) for b in inp.rows]
@@ -130,14 +151,37 @@ class SelfDraftProposer:
             self.cache.rollback(start)
             for b in inp.rows:
                 builders[b].expand({n: probs_from_logits(step.logits[b, n], confidence) for n in frontier[b]})
-        for b in inp.rows:
-            self._fed[b] = 0  # the own cache ends at the root
         trees = [builders[b].tree() for b in inp.rows]
+        for b, t in zip(inp.rows, trees):
+            self._fed[b] = len(t) if self.keep_tree else 0  # the own cache ends at the root, or at the tree
+        if self.keep_tree:  # the tree after the root, node i at slot root + 1 + i, kept
+            B = self.cache.batch
+            tokens, shapes = [[] for _ in range(B)], [None] * B
+            for b, t in zip(inp.rows, trees):
+                tokens[b], shapes[b] = t.tokens.tolist(), (t.depths() - 1, t.ancestor_mask()[1:, 1:])
+                self._tokens[b] += tokens[b]
+            step = self.session.forward(self.cache, tokens, shapes, hidden=self.needs_features)
+            if self.needs_features:
+                for b, t in zip(inp.rows, trees):
+                    self._hidden[b].extend(step.hidden_states[b, : len(t)])
         self.widest = max([self.widest, *(len(t.children(-1)) for t in trees)])
         return trees
 
+    def proposal_nodes(self, tree, verdict) -> list[int]:
+        """The accepted nodes' indexes in the proposal, up to the first the proposal did not hold
+        (a forced token, the floor's guess): those are the slots after the root to keep."""
+        nodes = []
+        for n in tree.proposed()[verdict.accepted].tolist():
+            if n < 0:
+                break
+            nodes.append(n)
+        self.moved += sum(n != v for n, v in zip(nodes, verdict.accepted))
+        return nodes
+
     def commit(self, rows, trees, verdicts, step):
         """Keep the root and the accepted drafts in the own cache; forget the rest."""
+        if self.keep_tree:
+            return self._commit_tree(rows, trees, verdicts)
         lengths = self.cache.lengths.copy()
         for b, tree, verdict in zip(rows, trees, verdicts):
             fed_drafts = self._fed.pop(b, 0) if len(tree) else 0
@@ -146,10 +190,24 @@ class SelfDraftProposer:
             lengths[b] = keep
             if self.needs_features:
                 del self._hidden[b][keep:]
+            del self._tokens[b][keep:]
         self.cache.rollback(lengths)
+
+    def _commit_tree(self, rows, trees, verdicts):
+        for b, tree, verdict in zip(rows, trees, verdicts):
+            fed = self._fed.pop(b, 0)
+            root = int(self.cache.lengths[b]) - fed - 1  # the root's slot; the proposal's nodes follow it
+            kept = [root + 1 + n for n in self.proposal_nodes(tree, verdict)] if fed else []
+            self.rolled_back += int(self.cache.lengths[b]) - (root + 1 + len(kept))
+            self.cache.keep(b, root + 1, kept)
+            for held in (self._tokens[b], self._hidden.get(b)):
+                if held is not None:
+                    held[root + 1 :] = [held[i] for i in kept]
 
     def end(self, rows, outputs):
         self.live.difference_update(rows)
+        for b in rows:
+            self._tokens.pop(b, None)
         if self.cache is not None and not self.live:
             self.session.release(self.cache)
             self.cache = None

@@ -7,6 +7,7 @@ import pytest
 
 from specrt.runtime.drafts.dynamic_tree import TreeBuilder, grow_tree
 from specrt.runtime.generator import Generator
+from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
 from self_draft import SelfDraftProposer
@@ -88,6 +89,31 @@ def test_greedy_dynamic_trees_equal_plain(ort_gen, shape):
     assert m.mean_accepted_length > 2 and draft.features_checked == draft.proposals > 0
     assert draft.widest == shape[0]  # real trees, not chains
     assert 2 <= len(m.drafted_at_depth) <= shape[1]  # trees as deep as asked, no deeper
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_with_its_own_cache_rolls_back_from_the_depth_first_tree(ort_gen, temperature):
+    """A tree draft that keeps its nodes in its own KV cache (node i of its proposal after the
+    root) is handed the tree that was verified: re-ordered depth first, so a verdict's node
+    indexes are not the proposal's. Reading `DraftTree.proposed`, it keeps the accepted path
+    and its cache holds the committed context at every step (greedy: plain's tokens); reading
+    the verdict's indexes as its own (what the contract said before), it keeps other nodes."""
+    prompts = [[40, 41, 42], [5, 9, 13, 5, 9, 13, 5, 9]]
+    sampling = SamplingParams(temperature=temperature, seed=2)
+    plain = ort_gen.generate_ids(prompts, 30, sampling)
+    draft = SelfDraftProposer(ort_gen.backend, tree=(3, 4), keep_tree=True, check_features=True)
+    out = SpeculativeDecoder(ort_gen, draft, make_policy(8)).generate_ids(prompts, 30, sampling)
+    if not temperature:
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert draft.moved > 0 and draft.rolled_back > 0 and draft.features_checked == draft.proposals > 0
+
+    class ProposalOrder(SelfDraftProposer):
+        def proposal_nodes(self, tree, verdict):
+            return list(verdict.accepted)
+
+    wrong = ProposalOrder(ort_gen.backend, tree=(3, 4), keep_tree=True)
+    with pytest.raises(AssertionError, match="the own cache holds other tokens than the context"):
+        SpeculativeDecoder(ort_gen, wrong, make_policy(8)).generate_ids(prompts, 30, sampling)
 
 
 def test_sampled_dynamic_trees_follow_the_target():

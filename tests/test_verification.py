@@ -337,3 +337,16 @@ def test_depth_first_puts_the_best_guess_at_every_depth_on_the_leading_chain():
     assert np.array_equal(d.ancestor_mask()[3], [True, True, True, True, False, False])  # 14 sees 10, 12
     chain = DraftTree.chain([1, 2, 3])
     assert chain.depth_first() is chain  # nothing moves
+
+
+def test_a_verified_tree_names_each_node_in_the_proposal():
+    """Cut, behind a grammar's forced tokens, then depth first: `proposed` still names each
+    node's index in the proposer's tree (-1 for the forced tokens and the floor's guess)."""
+    tree = DraftTree(np.array([10, 11, 12, 13, 14]), np.array([-1, -1, 0, 0, 2]))
+    assert tree.proposed().tolist() == [0, 1, 2, 3, 4]
+    verified = tree.truncate(4).behind([7, 8]).depth_first()
+    assert verified.tokens.tolist() == [7, 8, 10, 12, 13, 11]
+    assert verified.proposed().tolist() == [-1, -1, 0, 2, 3, 1]
+    assert np.array_equal(tree.tokens[verified.proposed()[2:]], verified.tokens[2:])
+    assert DraftTree.imposed([5]).proposed().tolist() == [-1]
+    assert DraftTree.imposed([5]).depth_first().proposed().tolist() == [-1]

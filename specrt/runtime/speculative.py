@@ -252,7 +252,7 @@ class SpeculativeDecoder:
         # a request's own limit (Request.max_draft); where the grammar forces tokens, they are the draft
         plan = {b: 0 if forced.get(b) else min(n, most[b]) for b, n in plan.items()}
         drafted = self.propose(state, rows, plan)
-        trees = {b: DraftTree.chain(forced[b]) if forced.get(b) else tree for b, tree in drafted.items()}
+        trees = {b: DraftTree.imposed(forced[b]) if forced.get(b) else tree for b, tree in drafted.items()}
         return plan, drafted, trees, forced
 
     def propose(
@@ -310,17 +310,18 @@ class SpeculativeDecoder:
                 continue
             tree = drafted.get(b)
             first = tree.truncate(1) if tree is not None and len(tree) else None
-            guessed[b] = first or DraftTree.chain([follower(state.slots[b].prompt, out[b])])
+            guessed[b] = first or DraftTree.imposed([follower(state.slots[b].prompt, out[b])])
         return guessed
 
     @staticmethod
     def depth_first(trees: dict[int, DraftTree], masks: dict[int, np.ndarray]):
         """Each tree depth first (verification.DraftTree.depth_first), a grammar's masks with it:
         only the leading chain's logits are plain decoding's bits (verification.on_leading_chain)."""
+        orders = {b: t.preorder() for b, t in trees.items()}
         trees = {b: t.depth_first() for b, t in trees.items()}
         for b, m in masks.items():
-            if trees[b].origin is not None:
-                masks[b] = m[np.concatenate([[0], 1 + trees[b].origin])]
+            if orders[b] is not None:
+                masks[b] = m[np.concatenate([[0], 1 + orders[b]])]
         return trees, masks
 
     def verify(

@@ -52,7 +52,10 @@ class DraftTree:
     evidence: tuple = ()
     # drafts made beside this one and not chosen (drafts/auto.py): hindsight reads them too
     rivals: tuple = ()
-    origin: np.ndarray | None = None  # (n,) each node's index in the tree `depth_first` reordered
+    # (n,) each node's index in its row's proposal (the tree the proposer returned), -1 for a node
+    # the proposer did not draft (a grammar's forced token, the floor's guess); None: node i is the
+    # proposal's node i. Cutting, re-ordering and forced tokens in front keep it (`proposed`).
+    origin: np.ndarray | None = None
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int64)
@@ -73,6 +76,17 @@ class DraftTree:
     @classmethod
     def empty(cls) -> "DraftTree":
         return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    @classmethod
+    def imposed(cls, tokens) -> "DraftTree":
+        """A chain of point masses no proposer drafted (a grammar's forced tokens, the floor's
+        guess): every node's origin is -1."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        return cls(tokens, np.arange(len(tokens)) - 1, origin=np.full(len(tokens), -1, np.int64))
+
+    def proposed(self) -> np.ndarray:
+        """(n,) each node's index in its row's proposal, -1 where the proposer drafted none."""
+        return np.arange(len(self), dtype=np.int64) if self.origin is None else self.origin
 
     def depths(self) -> np.ndarray:
         """(n,) depth of each node; children of the root have depth 1."""
@@ -106,12 +120,12 @@ class DraftTree:
             None if self.q is None else self.q[:n],
             None if self.scores is None else self.scores[:n],
             self.evidence,
+            origin=None if self.origin is None else self.origin[:n],
         )
 
-    def depth_first(self) -> "DraftTree":
-        """The same tree with every node's first child right after it (preorder, children in
-        draft order), so its leading chain is the path of first children: the proposer's best
-        guess at every depth. `origin` maps the nodes back; the tree itself when nothing moves."""
+    def preorder(self) -> np.ndarray | None:
+        """The node order of `depth_first` (preorder, children in draft order); None when it is
+        the tree's own."""
         n = len(self)
         children: list[list[int]] = [[] for _ in range(n + 1)]  # per node (the root first)
         for i, p in enumerate(self.parents.tolist()):
@@ -121,10 +135,17 @@ class DraftTree:
             i = stack.pop()
             order.append(i)
             stack.extend(children[i + 1][::-1])
-        if order == list(range(n)):
+        return None if order == list(range(n)) else np.array(order, np.int64)
+
+    def depth_first(self) -> "DraftTree":
+        """The same tree with every node's first child right after it (`preorder`), so its
+        leading chain is the path of first children: the proposer's best guess at every depth.
+        `origin` follows the nodes; the tree itself when nothing moves."""
+        order = self.preorder()
+        if order is None:
             return self
-        index = np.empty(n, np.int64)
-        index[order] = np.arange(n)
+        index = np.empty(len(self), np.int64)
+        index[order] = np.arange(len(self))
         parents = self.parents[order]
         return dataclasses.replace(
             self,
@@ -132,7 +153,7 @@ class DraftTree:
             parents=np.where(parents < 0, -1, index[np.maximum(parents, 0)]),
             q=None if self.q is None else self.q[order],
             scores=None if self.scores is None else self.scores[order],
-            origin=np.array(order, np.int64),
+            origin=self.proposed()[order],
         )
 
     def behind(self, tokens) -> "DraftTree":
@@ -146,7 +167,9 @@ class DraftTree:
         if self.q is not None:  # a point mass is a one-hot q
             q = np.concatenate([np.eye(self.q.shape[1], dtype=self.q.dtype)[list(tokens)], self.q])
         scores = None if self.scores is None else np.concatenate([np.ones(k), self.scores])
-        return DraftTree(np.concatenate([np.asarray(tokens, np.int64), self.tokens]), parents, q, scores, self.evidence)
+        origin = np.concatenate([np.full(k, -1, np.int64), self.proposed()])
+        tokens = np.concatenate([np.asarray(tokens, np.int64), self.tokens])
+        return DraftTree(tokens, parents, q, scores, self.evidence, origin=origin)
 
 
 @dataclasses.dataclass

@@ -51,13 +51,20 @@ What the runtime guarantees, and what it asks of a method:
   without replacement gives the second sibling q with the first removed and renormalised, the
   third q with both removed, and so on. Anything else makes the output another distribution than
   the target's (tests/test_verification.py catches such a draft). Point masses are always exact.
-- The plan may cut. The loop keeps at most the row's planned number of nodes, the first ones in
-  node order (`DraftTree.truncate`), and `commit` gets the tree that was verified; its verdict
-  indexes that tree's nodes. Under a grammar (runtime/grammar.py) that tree is not only the cut
-  one: the tokens the grammar forces come in front of it (a lookup's draft continues after them)
-  or are the whole tree (other methods: a step that has forced tokens verifies those alone), and
-  it is cut again before the first node the grammar forbids (greedy rows and point masses).
-  Read the verified tree's tokens, not your own proposal's, to roll back.
+- What is verified is not your proposal. The loop keeps at most the row's planned number of
+  nodes, the first ones in your node order (`DraftTree.truncate`); under a grammar
+  (runtime/grammar.py) the tokens it forces come in front (a lookup's draft continues after
+  them) or are the whole tree (other methods: a step that has forced tokens verifies those
+  alone), and the tree is cut again before the first node the grammar forbids (greedy rows and
+  point masses); where a row has nothing to verify, the step's floor verifies a one-token
+  guess. Then, under the step floor (`StepSession.floor` >= 2: the default where the backend
+  keeps one, runtime/session.py), the tree is re-ordered depth first (`DraftTree.depth_first`:
+  every node's first child right after it), so its leading chain is your best guess at every
+  depth. `commit` gets that verified tree, and each verdict indexes *its* nodes, not your
+  proposal's: `tree.proposed()[verdict.accepted]` are the accepted nodes' indexes in your
+  proposal (-1 for a node you did not draft: a forced token, the guess), and the accepted
+  tokens are `verdict.tokens(tree)`. A draft with state per proposal node (its own KV cache
+  holding the tree) keeps the slots `proposed()` names and rolls back the rest.
 - A method with a model of its own (draft_model.py) reads its backend's `config` as the runtime
   reads the target's (runtime/backends/base.py lists the fields).
 

@@ -98,11 +98,7 @@ class LookaheadProposer:
             if row.window_nodes:  # the step was a Jacobi update too: read it along the window
                 argmax = step.argmax()[b, : len(tree) + 1]
                 # the decoder may have verified the tree depth first: the window's nodes moved
-                at = (
-                    row.window_nodes
-                    if tree.origin is None
-                    else [int(np.flatnonzero(tree.origin == n)[0]) for n in row.window_nodes]
-                )
+                at = [int(np.flatnonzero(tree.proposed() == n)[0]) for n in row.window_nodes]
                 self._iterate(row, [int(argmax[0]), *(int(argmax[n + 1]) for n in at)])
                 row.window_nodes = []
             seq = row.tail + emitted
