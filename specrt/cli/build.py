@@ -33,10 +33,17 @@ from specrt.cli.common import (
 @_friendly_errors
 def convert(gguf_file: Path, out: Path):
     """Convert a GGUF file to a float32 Hugging Face checkpoint directory."""
-    from specrt.export.gguf import convert_gguf
+    from specrt.calibration.gguf_blocks import SUPPORTED, other_block_types
+    from specrt.export.gguf import convert_gguf, open_gguf
 
     convert_gguf(gguf_file, out)
     click.echo(f"wrote {out}")
+    other = other_block_types(open_gguf(gguf_file))
+    if other:
+        click.echo(
+            f"note: {gguf_file} stores tensors as {', '.join(other)}, which the engines of its own blocks (--quantize "
+            f"gguf, gguf-a8: {', '.join(SUPPORTED)}) do not compute from; build {out} with --quantize int8-a8 or int4"
+        )
 
 
 @main.command()
@@ -207,6 +214,7 @@ def build_engines(
     from specrt.engines.trt import TrtBuildSpec
     from specrt.layout import ArtifactLayout
 
+    _check_max_context(checkpoint, max_context)
     shapes = EngineShapes(max_batch=max_batch, max_context=max_context, max_prefill=max_prefill, max_verify=max_verify)
     trt_spec = TrtBuildSpec(
         shapes=shapes,
@@ -230,6 +238,22 @@ def build_engines(
     )
     for line in build_all(spec):
         click.echo(line)
+
+
+def _check_max_context(checkpoint: Path, max_context: int) -> None:
+    """An explicit --max-context past the model's own context (the positions its rotary settings
+    and tables cover) is refused by name; the default only ever serves the model's context."""
+    from specrt.errors import UsageError
+    from specrt.export.checkpoint import load_config
+
+    if click.get_current_context().get_parameter_source("max_context") != click.core.ParameterSource.COMMANDLINE:
+        return
+    limit = load_config(checkpoint).max_position_embeddings
+    if max_context > limit:
+        raise UsageError(
+            f"--max-context {max_context}: the model's context is {limit} positions (max_position_embeddings in "
+            f"{checkpoint}/config.json; its rotary settings cover no more); give --max-context {limit} or less"
+        )
 
 
 def _calibration_set(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from specrt.calibration import GGUF_SCHEMES, HALF_SCHEMES, QDQ_SCHEMES, TRT_SCHEMES
+from specrt.engines.memory import require_memory
 from specrt.engines.trt import TrtBuildSpec
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout
@@ -64,11 +65,40 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
     One build at a time writes to `spec.out` (a second is refused); it starts by removing the
     temporary directories a build that was killed left behind (up to an engine's size each)."""
     from specrt.artifacts import clean_stale_temporaries, exclusive_lock
+    from specrt.export.checkpoint import load_config
 
+    _check_context(load_config(spec.checkpoint), spec.checkpoint)  # before anything is written
+    if spec.quantize in GGUF_SCHEMES:  # the file's block types, before the float export's minutes
+        from specrt.calibration.gguf_blocks import require_block_types
+        from specrt.export.gguf import open_gguf
+
+        gguf = _gguf_source(spec)[1]
+        require_block_types(open_gguf(gguf), gguf)
     with exclusive_lock(spec.out, "specrt build-engines"):
         for stale in clean_stale_temporaries(spec.out):
             yield f"cleaned   {stale}: left by an interrupted build"
-        yield from _build_all(spec)
+        try:
+            yield from _build_all(spec)
+        except MemoryError:  # an allocation refused (the kernel's kill is what require_memory heads off)
+            from specrt.engines.memory import out_of_memory
+
+            raise out_of_memory(spec.checkpoint) from None
+
+
+def _check_context(cfg, checkpoint) -> None:
+    """Refuse, before anything is written, a model whose context cannot hold the steps an
+    engine's build measures (and the runtime verifies): its largest verification step after one
+    position, with the step floor's padding."""
+    from specrt.engines.ort_measure import min_context
+    from specrt.engines.profiles import EngineShapes
+
+    if cfg.max_position_embeddings < min_context():
+        raise SpecrtError(
+            f"{checkpoint}: the model's context length is {cfg.max_position_embeddings} positions "
+            f"(max_position_embeddings in its config.json); an engine needs at least {min_context()} (a prefix "
+            f"position, a verification step of {EngineShapes.max_verify} and the step floor's padding). "
+            "Give the model's real context length in config.json."
+        )
 
 
 def _build_all(spec: BuildSpec) -> Iterator[str]:
@@ -90,6 +120,7 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
     if not exported:
         yield f"onnx      {odir}: up to date (checkpoint {ckpt_hash[:19]}…)"
     else:
+        require_memory(spec.checkpoint, "exporting the step graph")
         t0 = time.perf_counter()
         export_step_graph(spec.checkpoint, odir, opset=spec.opset)
         yield f"onnx      {odir}: exported in {time.perf_counter() - t0:.1f} s"
@@ -123,6 +154,8 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
             current = None
         make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset, scheme)  # noqa: E731
     fresh = not _records(current, wanted)
+    if fresh:
+        require_memory(spec.checkpoint, f"writing the fused graph ({'float32' if scheme == 'none' else scheme})")
     label = "fused" if scheme == "none" else scheme
     yield _made_or_kept(label, fdir, fresh, make, "written" if scheme == "none" else "quantized")
     files = read_onnx_manifest(fdir)["files"]

@@ -111,6 +111,20 @@ def _fused_runner(session, cfg, capacity: int, batch: int):
 SHAPES_PREFIX = 57
 
 
+def min_context(steps: int = EngineShapes.max_verify) -> int:
+    """The shortest context an engine is measured in: one prefix position, then `steps` at once
+    and the step floor's padding after the last of them."""
+    return 1 + steps + STEP_FLOOR
+
+
+def within_context(cfg, prefix: int, steps: int) -> int:
+    """The prefix a measurement of `steps` positions after it starts from, moved down where the
+    model's context ends first: every slot a step computes (its padding included) must be a
+    position the model has a rotary angle for (ORT's GroupQueryAttention refuses a step past its
+    cos_cache). A context too short for any is refused before the build (engines/build.py)."""
+    return max(1, min(prefix, cfg.max_position_embeddings - steps - STEP_FLOOR))
+
+
 def batch_invariance(
     session,
     config: dict,
@@ -140,6 +154,7 @@ def batch_invariance(
     from specrt.export.config import ModelConfig
 
     cfg = ModelConfig.from_dict(config)
+    prefix = within_context(cfg, prefix, steps)
     # the fused graph writes a step's positions in place: room for the steps and their padding
     room = prefix + (2 * steps if flavour == "fused" else steps)
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, 2 * (prefix + steps)).tolist()
@@ -196,6 +211,7 @@ def step_costs(session, config: dict, flavour: str = "portable", prefix: int = 1
 
     cfg = ModelConfig.from_dict(config)
     top = max(COST_POSITIONS)
+    prefix = within_context(cfg, prefix, top)
     fresh, run = _runner(session, cfg, flavour, prefix + 2 * top)
     cache = fresh()
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, prefix + top).tolist()  # any vocabulary size

@@ -47,7 +47,7 @@ from specrt.export.llama import LlamaModel
 from specrt.export.step_io import StepIO
 
 MS = "com.microsoft"
-FUSED_VERSION = 1  # the fused graph's layout; a graph of another version is written again
+FUSED_VERSION = 2  # the fused graph's layout (2: rotary tables past the context); another version is written again
 
 
 # GroupQueryAttention's inputs in its order (ORT 1.32); the graph names the ones it gives

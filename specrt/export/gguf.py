@@ -46,7 +46,7 @@ def open_gguf(path: Path):
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/struct.error/IndexError on garbage
         raise CheckpointError(
-            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it."
+            f"{path} is not a readable GGUF file (cut short or damaged: {type(e).__name__}: {e}); download it again."
         ) from None
 
 
@@ -121,7 +121,14 @@ def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, di
             hf_name = ("" if parts[0] == "output" else "model.") + f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
         else:
             raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a {facts.arch} model.")
-        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        with np.errstate(all="ignore"):  # garbage scales: said below, by tensor, not as numpy's warnings
+            w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        finite = np.isfinite(w)
+        if not finite.all():
+            raise CheckpointError(
+                f"{path}: tensor {t.name} ({t.tensor_type.name}) dequantizes to {w.size - int(finite.sum())} "
+                f"non-finite values (NaN or infinity) of {w.size}: the file is damaged; download it again."
+            )
         w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
         if facts.permuted_qk and parts[-2] in ("attn_q", "attn_k"):
             w = unpermute_rows(w, n_head if parts[-2] == "attn_q" else n_kv)
@@ -148,6 +155,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     from safetensors.torch import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = open_gguf(gguf_path)
+    gguf_family(reader, gguf_path)  # before minutes of dequantizing: a family specrt reads,
+    _require_tokenizer(reader, gguf_path)  # with a tokenizer
     cfg, state, reader = read_gguf(gguf_path, progress=progress)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -173,6 +183,17 @@ def gguf_origin(checkpoint: str | Path) -> Path | None:
     return path if path.is_file() and file_sha256(path) == source.get("sha256") else None
 
 
+def _require_tokenizer(reader, path: Path) -> None:
+    """A conversion makes the checkpoint's tokenizer from the file's own: refuse a file without one."""
+    missing = [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if k not in reader.fields]
+    if missing:
+        raise CheckpointError(
+            f"{path} carries no tokenizer (its metadata has no {' or '.join(missing)}), and specrt converts the "
+            "tokenizer from the file itself; use a GGUF written with its tokenizer (llama.cpp's convert_hf_to_gguf.py "
+            "writes it), or convert the model's Hugging Face checkpoint directory instead."
+        )
+
+
 def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
     """tokenizer.json and tokenizer_config.json (with the chat template) from the GGUF metadata.
 
@@ -186,7 +207,14 @@ def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
     except ImportError:
         raise SpecrtError("converting a GGUF tokenizer needs transformers: pip install 'specrt[convert]'") from None
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, TypeError, IndexError) as e:  # a tokenizer transformers does not build
+        kind = gguf_field(reader, "tokenizer.ggml.model")
+        raise CheckpointError(
+            f"{gguf_path}: its tokenizer ({kind!r}) cannot be converted ({type(e).__name__}: {e}); convert the "
+            "model's Hugging Face checkpoint directory instead."
+        ) from None
     tok.save_pretrained(str(out))
     arch = gguf_field(reader, "general.architecture")
     template = gguf_field(reader, "tokenizer.chat_template") or GGUF_FAMILIES[arch].chat_template

@@ -27,7 +27,7 @@ from specrt.export.checkpoint import checkpoint_hash, load_model
 from specrt.export.graph_files import DEFAULT_OPSET, ONNX_FILE, ONNX_KIND, graph_manifest, save_graph
 from specrt.export.llama import LlamaModel, rotary
 from specrt.export.step_graph import check_opset
-from specrt.export.step_io import HIDDEN, LOGITS, StepIO
+from specrt.export.step_io import HIDDEN, LOGITS, STEP_ROOM, StepIO
 
 
 class GraphBuilder:
@@ -99,8 +99,10 @@ def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSE
         scale = g.init("embed.scale", np.array(cfg.embed_scale, np.float32))
         x = g.node("Mul", [x, scale], ["embed/scaled"], "embed/Scale")[0]
 
-    # the rotary tables at every position the model takes, as the portable graph computes them
-    positions = torch.arange(cfg.max_position_embeddings)[None]
+    # the rotary tables at every position the model takes, as the portable graph computes them,
+    # and STEP_ROOM more: a step's padding past the context's end (ORT's attention refuses a step
+    # whose slots pass its table)
+    positions = torch.arange(cfg.max_position_embeddings + STEP_ROOM)[None]
     R = cfg.rotary_dims // 2
     cos, sin = (t[0, 0, :, :R].numpy() for t in rotary(positions, model.inv_freq))
     shared = {

@@ -30,7 +30,7 @@ from specrt.export.graph_writer import GraphBuilder, export_written_graph, rotar
 from specrt.export.step_io import StepIO
 
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention are opset 23's
-STANDARD_VERSION = 1  # the standard graph's layout; a graph of another version is written again
+STANDARD_VERSION = 2  # the standard graph's layout (2: rotary tables past the context); another is written again
 
 
 class StandardOps:

@@ -53,6 +53,11 @@ LOGITS, HIDDEN = "logits", "hidden_states"
 # and all products of two or more agree bitwise: with the floor, a position's logits are the
 # same bits whether plain decoding, a verification step, a split step or a batch computes it
 STEP_FLOOR = 2
+# a backend that writes a step's positions into the cache in place (the fused ONNX graph, PyTorch)
+# gives caches this many slots past their capacity for a step's padding, and verifies at most this
+# many; the graphs' rotary tables reach this far past the model's context, since a dense step pads
+# a row at the context's end to the longest row's positions (computed, never committed)
+STEP_ROOM = 64
 INPUT_DTYPES = {
     "input_ids": "int64",
     "position_ids": "int64",

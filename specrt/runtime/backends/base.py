@@ -12,9 +12,6 @@ from specrt.export.step_io import STEP_FLOOR
 from specrt.runtime.kv_cache import KVCache
 
 MAX_GRAPHS = 128  # captured step graphs kept per backend before they are dropped and captured again
-# a backend that writes a step's positions into the cache in place (the fused ONNX graph, PyTorch)
-# gives caches this many slots past their capacity for a step's padding, and verifies at most this many
-STEP_ROOM = 64
 
 
 @dataclasses.dataclass

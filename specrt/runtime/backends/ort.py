@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.export.config import ModelConfig
-from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO, fused_inputs
-from specrt.runtime.backends.base import STEP_ROOM, Capabilities, StepBackend, StepOutput, gather_rows
+from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, STEP_ROOM, StepIO, fused_inputs
+from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput, gather_rows
 
 # most positions a verification step of the fused graph has: its attention op writes all Q of
 # every row (padding included) from the row's length on, so a cache holds this many slots past

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.export.step_io import in_place
+from specrt.export.step_io import STEP_ROOM, in_place
 from specrt.runtime.backends.base import (
     MAX_GRAPHS,
-    STEP_ROOM,
     Capabilities,
     StepBackend,
     StepOutput,
