@@ -11,9 +11,8 @@ import shutil
 import gguf
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from test_bad_input import last_line, run
 
-from specrt.cli import main
 from specrt.engines.build import BuildSpec, build_all
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
@@ -21,16 +20,6 @@ from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
 from conftest import random_model, tiny_hf_config
 from tiny_gguf import write_gemma3_gguf, write_gguf
-
-
-def run(*args):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    assert "Traceback" not in r.output and not (r.exception and not isinstance(r.exception, SystemExit)), r.output
-    return r
-
-
-def last_line(r) -> str:
-    return r.output.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

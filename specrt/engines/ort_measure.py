@@ -119,9 +119,9 @@ def min_context(steps: int = EngineShapes.max_verify) -> int:
 
 def within_context(cfg, prefix: int, steps: int) -> int:
     """The prefix a measurement of `steps` positions after it starts from, moved down where the
-    model's context ends first: every slot a step computes (its padding included) must be a
-    position the model has a rotary angle for (ORT's GroupQueryAttention refuses a step past its
-    cos_cache). A context too short for any is refused before the build (engines/build.py)."""
+    model's context ends first: what is measured is what the runtime serves, every position a
+    step computes (its padding included) inside the model's context. A context too short for
+    any is refused before the build (engines/build.py)."""
     return max(1, min(prefix, cfg.max_position_embeddings - steps - STEP_FLOOR))
 
 

@@ -318,7 +318,7 @@ class SpeculativeDecoder:
         """Each tree depth first (verification.DraftTree.depth_first), a grammar's masks with it:
         only the leading chain's logits are plain decoding's bits (verification.on_leading_chain)."""
         orders = {b: t.preorder() for b, t in trees.items()}
-        trees = {b: t.depth_first() for b, t in trees.items()}
+        trees = {b: t if orders[b] is None else t.reordered(orders[b]) for b, t in trees.items()}
         for b, m in masks.items():
             if orders[b] is not None:
                 masks[b] = m[np.concatenate([[0], 1 + orders[b]])]

@@ -142,8 +142,10 @@ class DraftTree:
         leading chain is the path of first children: the proposer's best guess at every depth.
         `origin` follows the nodes; the tree itself when nothing moves."""
         order = self.preorder()
-        if order is None:
-            return self
+        return self if order is None else self.reordered(order)
+
+    def reordered(self, order: np.ndarray) -> "DraftTree":
+        """The nodes in `order` (a permutation that keeps parents before children)."""
         index = np.empty(len(self), np.int64)
         index[order] = np.arange(len(self))
         parents = self.parents[order]
