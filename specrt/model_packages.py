@@ -24,6 +24,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from specrt.artifacts import file_sha256
 from specrt.errors import SpecrtError
 
 _BLOCK = 1 << 20
@@ -56,11 +57,7 @@ def _fetch(chunk: Chunk, directory: Path) -> str:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path).removeprefix("sha256:")
 
 
 def check_chunks(chunked: ChunkedFile, directory: Path) -> list[Path]:

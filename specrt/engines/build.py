@@ -72,7 +72,7 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
         from specrt.calibration.gguf_blocks import require_block_types
         from specrt.export.gguf import open_gguf
 
-        gguf = _gguf_source(spec)[1]
+        gguf = _gguf_file(spec)
         require_block_types(open_gguf(gguf), gguf)
     with exclusive_lock(spec.out, "specrt build-engines"):
         for stale in clean_stale_temporaries(spec.out):
@@ -278,10 +278,8 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
     )
 
 
-def _gguf_source(spec: BuildSpec) -> tuple[dict, Path]:
-    """(the quantization fields a current gguf graph records, the GGUF file) of --quantize gguf."""
-    from specrt.artifacts import file_sha256
-    from specrt.calibration.gguf_blocks import RECIPE_VERSION
+def _gguf_file(spec: BuildSpec) -> Path:
+    """The GGUF file --quantize gguf computes from: --gguf, or the one the checkpoint records."""
     from specrt.export.gguf import gguf_origin
 
     gguf = spec.gguf or gguf_origin(spec.checkpoint)
@@ -293,6 +291,15 @@ def _gguf_source(spec: BuildSpec) -> tuple[dict, Path]:
         )
     if not Path(gguf).is_file():
         raise SpecrtError(f"--gguf {gguf}: no such file")
+    return Path(gguf)
+
+
+def _gguf_source(spec: BuildSpec) -> tuple[dict, Path]:
+    """(the quantization fields a current gguf graph records, the GGUF file) of --quantize gguf."""
+    from specrt.artifacts import file_sha256
+    from specrt.calibration.gguf_blocks import RECIPE_VERSION
+
+    gguf = _gguf_file(spec)
     return {
         "scheme": spec.quantize,
         "recipe_version": RECIPE_VERSION,
