@@ -50,7 +50,8 @@ LAYOUTS = ("Q4_0", "Q4_1", "Q8_0")
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """One weight (N outputs, K = nb · block inputs) in a block layout: d (N, nb) float32 scales,
-    q (N, nb, block) integer codes, m (N, nb) float32 offsets (Q4_1 only). Blocks are 32 weights
+    q (N, nb, block) integer codes (any integer type that holds them: a GGUF's are one byte
+    each), m (N, nb) float32 offsets (Q4_1 only). Blocks are 32 weights
     but for Q8_0's layout, which also takes 16 (a GGUF's Q6_K: a scale per 16 weights)."""
 
     layout: str
@@ -98,12 +99,15 @@ class _Rewriter:
     def __init__(self, prefix: str, accuracy_level: int = 0):
         self.prefix, self.accuracy_level = prefix, accuracy_level
         self.inits: list = []
+        self.sink = None  # init(name, array) of a graph being written: its initializers go there instead
         self._ones: dict[int, str] = {}  # K -> name of its (K, K/32) block-summing matrix
         self._sums: dict[str, str] = {}  # input -> its block sums (q, k and v share theirs)
 
     def add_init(self, name: str, array: np.ndarray) -> str:
         from onnx import numpy_helper
 
+        if self.sink is not None:
+            return self.sink(name, array)
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
@@ -169,9 +173,11 @@ class _Rewriter:
                 helper.make_node("Add", [f"{base}.code_part", offset], [out], name=f"{base}/Add"),
             ]
         if self.accuracy_level == 4:  # int8 activations: one 8-bit product, 2x faster than two 4-bit ones
-            return [self.nbits(base, a, out, b.q + 128, b.d, zero=False, bits=8)]
-        lo = b.q & 0x0F
-        hi = (b.q - lo) // 16  # -8..7
+            codes = b.q.astype(np.int8, copy=False).view(np.uint8) ^ np.uint8(0x80)  # q + 128, in one byte
+            return [self.nbits(base, a, out, codes, b.d, zero=False, bits=8)]
+        q = b.q.astype(np.int16)
+        lo = q & 0x0F
+        hi = (q - lo) // 16  # -8..7
         return [
             self.nbits(f"{base}.lo", a, f"{base}.lo_part", lo, b.d, zero=True),
             self.nbits(f"{base}.hi", a, f"{base}.hi_part", hi + 8, 16.0 * b.d, zero=False),
@@ -202,10 +208,24 @@ class BlockProducts:
         }
         return {"quantization": {**self.quantization, **done, **(self.extra() if self.extra else {})}}
 
+    def lookup(self, g, embed, tied: bool) -> str:
+        """The embedding of input_ids (B, Q, C) gathered from the table's blocks: one row of codes
+        and its scales per token, dequantized in the graph as Blocks.dequantize computes it (the
+        same float32 operations, so the same values as the float table), which is never stored:
+        the table in 4 or 8 bits, not 32 (a 151,936 x 1536 table: 0.13 GB, not 0.93). A table the
+        recipe keeps as floats is looked up as the float graph does."""
+        b = self.blocks_of(embed)
+        if b is None:
+            from specrt.export.graph_writer import FloatProducts
+
+            return FloatProducts().lookup(g, embed, tied)
+        return gather_blocks(g, b, "input_ids", "embed.blocks")
+
     def product(self, g, x: str, weights: list, name: str) -> str:
         from onnx import helper
 
-        parts = [self.blocks_of(w.detach().float().numpy()) for w in weights]
+        self.rewriter.sink = g.init
+        parts = [self.blocks_of(w) for w in weights]
         for b in parts:
             self.counts["float" if b is None else b.layout] += 1
         # consecutive weights of one kind run as one computation (a weight kept as floats: a
@@ -230,11 +250,42 @@ class BlockProducts:
                 blocks = Blocks.concat([parts[i] for i in run])
                 g.nodes.extend(self.rewriter._compute(x, out, blocks, f"{self.prefix}.{name}.{j}"))
             outs.append(out)
-        g.inits.extend(self.rewriter.inits)
-        self.rewriter.inits = []
         if len(outs) > 1:
             g.nodes.append(helper.make_node("Concat", outs, [f"{name}/out"], name=f"{name}/Concat", axis=-1))
         return f"{name}/out"
+
+
+def gather_blocks(g, b: Blocks, ids: str, name: str) -> str:
+    """Rows `ids` (B, Q) of the weight in blocks `b` (V, K), dequantized: (B, Q, K) float32.
+    The codes stay packed two to a byte (4-bit layouts) or one int8 each (Q8_0's) until a row
+    is gathered; w = d * (q - 8), d * q + m or q * d, as Blocks.dequantize."""
+    V, nb, block = b.q.shape
+    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    if b.layout == "Q8_0":
+        codes = g.init(f"{name}.codes", b.q.astype(np.int8).reshape(V, -1))
+    else:
+        codes = g.init(f"{name}.codes", pack4(b.q).reshape(V, -1))
+    rows = g.node("Gather", [codes, ids], [f"{name}/codes"], f"{name}/GatherCodes")[0]  # (B, Q, K or K/2)
+    q = g.node("Cast", [rows], [f"{name}/codes32"], f"{name}/CastCodes", to=6)[0]  # int32
+    if b.layout != "Q8_0":  # element 2j in the low nibble, 2j + 1 in the high one (pack4)
+        sixteen, last = g.init(f"{name}.16", np.array(16, np.int32)), g.init(f"{name}.last", i64(-1))
+        high = g.node("Div", [q, sixteen], [f"{name}/high"], f"{name}/High")[0]
+        high16 = g.node("Mul", [high, sixteen], [f"{name}/high16"], f"{name}/High16")[0]
+        low = g.node("Sub", [q, high16], [f"{name}/low"], f"{name}/Low")[0]
+        pairs = [g.node("Unsqueeze", [t, last], [f"{t}/1"], f"{t}/Unsqueeze")[0] for t in (low, high)]
+        q = g.node("Concat", pairs, [f"{name}/pairs"], f"{name}/Pairs", axis=-1)[0]
+    shape = g.init(f"{name}.blocks", i64(0, 0, nb, block))  # (B, Q, nb, block): 0 keeps B and Q
+    q = g.node("Reshape", [q, shape], [f"{name}/q"], f"{name}/Blocks")[0]
+    w = g.node("Cast", [q], [f"{name}/qf"], f"{name}/CastFloat", to=1)[0]
+    d = g.node("Gather", [g.init(f"{name}.d", b.d[..., None]), ids], [f"{name}/d"], f"{name}/GatherD")[0]
+    if b.layout == "Q4_0":
+        eight = g.init(f"{name}.8", np.array(8, np.float32))
+        w = g.node("Sub", [w, eight], [f"{name}/centred"], f"{name}/Centre")[0]
+    w = g.node("Mul", [d, w], [f"{name}/scaled"], f"{name}/Scale")[0]
+    if b.layout == "Q4_1":
+        m = g.node("Gather", [g.init(f"{name}.m", b.m[..., None]), ids], [f"{name}/m"], f"{name}/GatherM")[0]
+        w = g.node("Add", [w, m], [f"{name}/offset"], f"{name}/Offset")[0]
+    return g.node("Reshape", [w, g.init(f"{name}.rows", i64(0, 0, nb * block))], [f"{name}/rows"], f"{name}/Rows")[0]
 
 
 def float_source(onnx_dir: str | Path) -> dict:

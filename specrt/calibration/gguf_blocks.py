@@ -47,6 +47,7 @@ FLOATS = ("F32", "F16", "BF16")  # tensors the engines keep as float products
 # what a graph of these recipes records, so a graph of an older one is made again (2: a Q8_0
 # weight is one 8-bit product with int8 activations)
 RECIPE_VERSION = 2
+ROWS_AT_ONCE = 1 << 23  # weights a tensor's blocks are read in (bounds the temporaries: 8M weights)
 
 
 # -- the GGUF's blocks ---------------------------------------------------------------------------
@@ -64,7 +65,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _split_blocks(raw: np.ndarray, rows: int, kind: str) -> Blocks:
     """A tensor's raw bytes (rows, row bytes) as blocks of one of blocks.py's layouts, each weight
-    exactly as the gguf package dequantizes it:
+    exactly as the gguf package dequantizes it, codes one byte each (uint8 0..15, int8):
 
         Q4_0, Q4_1, Q8_0   their own layouts
         Q5_0               Q8_0's (w = d * q) with q = code - 16 in -16..15
@@ -76,15 +77,15 @@ def _split_blocks(raw: np.ndarray, rows: int, kind: str) -> Blocks:
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1, size)
     d = _f16(blocks[..., :2])
     if kind == "Q8_0":
-        return Blocks(kind, d, blocks[..., 2:].copy().view(np.int8).astype(np.int16))
+        return Blocks(kind, d, blocks[..., 2:].copy().view(np.int8))
     if kind == "Q4_0":
-        return Blocks(kind, d, _nibbles(blocks[..., 2:]).astype(np.int16))
+        return Blocks(kind, d, _nibbles(blocks[..., 2:]))
     if kind == "Q4_1":
-        return Blocks(kind, d, _nibbles(blocks[..., 4:]).astype(np.int16), _f16(blocks[..., 2:4]))
+        return Blocks(kind, d, _nibbles(blocks[..., 4:]), _f16(blocks[..., 2:4]))
     if kind == "Q5_0":
         high = blocks[..., 2:6].copy().view(np.uint32)  # bit i: element i's fifth bit
-        high = (high >> np.arange(32, dtype=np.uint32)) & 1
-        return Blocks("Q8_0", d, (_nibbles(blocks[..., 6:]) | (high << 4)).astype(np.int16) - 16)
+        high = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        return Blocks("Q8_0", d, ((_nibbles(blocks[..., 6:]) | (high << 4)) - np.uint8(16)).view(np.int8))
     n = blocks.shape[1]
     if kind == "Q4_K":
         from gguf.quants import Q4_K
@@ -94,14 +95,12 @@ def _split_blocks(raw: np.ndarray, rows: int, kind: str) -> Blocks:
         )
         q = _nibbles(blocks[..., 16:].reshape(rows, n, 4, 32))  # (rows, n, 4, 64): sub-blocks 2j, 2j + 1
         scale, offset = d[..., None] * sc, -(_f16(blocks[..., 2:4])[..., None] * mins)
-        return Blocks(
-            "Q4_1", scale.reshape(rows, -1), q.reshape(rows, -1, 32).astype(np.int16), offset.reshape(rows, -1)
-        )
+        return Blocks("Q4_1", scale.reshape(rows, -1), q.reshape(rows, -1, 32), offset.reshape(rows, -1))
     # Q6_K: low 4 bits in 128 bytes (two halves of 64: low nibbles, then high), high 2 bits in
     # 64 (two halves of 32: four 2-bit fields each), 16 int8 scales, the float16 d last
     low = _nibbles(blocks[..., :128].reshape(rows, n, 2, 64)).reshape(rows, n, 8, 32)
     high = blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
-    q = (low | ((high & 3).reshape(rows, n, 8, 32) << 4)).astype(np.int16) - 32
+    q = ((low | ((high & 3).reshape(rows, n, 8, 32) << 4)) - np.uint8(32)).view(np.int8)
     scale = _f16(blocks[..., 208:210])[..., None] * blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
     return Blocks("Q8_0", scale.reshape(rows, -1), q.reshape(rows, -1, 16), block=16)
 
@@ -125,30 +124,35 @@ def require_block_types(reader, path) -> None:
 def gguf_blocks(path: str | Path) -> list[tuple[str, Blocks]]:
     """(tensor name, its blocks with rows in the checkpoint's order) of every 2-D tensor stored in
     a supported block type."""
-    from specrt.export.gguf import gguf_family, gguf_field, open_gguf, unpermute_rows
+    from specrt.export.gguf import gguf_model_facts, open_gguf
 
     reader = open_gguf(Path(path))
-    facts = gguf_family(reader, Path(path)).gguf
-    n_head = int(gguf_field(reader, f"{facts.arch}.attention.head_count"))
-    n_kv = int(gguf_field(reader, f"{facts.arch}.attention.head_count_kv", n_head))
+    _, tensors = gguf_model_facts(reader, Path(path))
     require_block_types(reader, path)
-    out = []
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED or len(t.shape) != 2:
-            continue
-        rows = int(t.shape[1])  # ggml lists dims innermost first: (K, N)
-        b = _split_blocks(np.asarray(t.data), rows, kind)
-        role = t.name.split(".")[-2]
-        if facts.permuted_qk and role in ("attn_q", "attn_k"):
-            heads = n_head if role == "attn_q" else n_kv
+    return [
+        (t.name, tensor_blocks(t, tensors.heads(t)))
+        for t in reader.tensors
+        if t.tensor_type.name in SUPPORTED and len(t.shape) == 2
+    ]
 
-            def rows_back(a, heads=heads):  # the conversion's unpermutation: it moves whole rows
-                return None if a is None else np.ascontiguousarray(unpermute_rows(a, heads))
 
-            b = Blocks(b.layout, rows_back(b.d), rows_back(b.q), rows_back(b.m), b.block)
-        out.append((t.name, b))
-    return out
+def tensor_blocks(t, heads: int | None = None) -> Blocks:
+    """One GGUF tensor's blocks (a supported block type), rows in the checkpoint's order: `heads`
+    the heads whose rows llama.cpp permuted (export/gguf.py GgufTensors.heads), or None."""
+    from specrt.export.gguf import unpermute_rows
+
+    raw, kind = np.asarray(t.data), t.tensor_type.name  # (N rows, their bytes): ggml lists dims as (K, N)
+    rows = raw.reshape(int(t.shape[1]), -1)
+    step = max(1, ROWS_AT_ONCE // max(1, int(t.shape[0])))  # a few million weights at a time
+    parts = [_split_blocks(rows[r : r + step], len(rows[r : r + step]), kind) for r in range(0, len(rows), step)]
+    b = parts[0] if len(parts) == 1 else Blocks.concat(parts)
+    if heads is None:
+        return b
+
+    def rows_back(a):  # the conversion's unpermutation: it moves whole rows
+        return None if a is None else np.ascontiguousarray(unpermute_rows(a, heads))
+
+    return Blocks(b.layout, rows_back(b.d), rows_back(b.q), rows_back(b.m), b.block)
 
 
 def float_tensors(path: str | Path) -> list[str]:
@@ -264,41 +268,67 @@ def fused_from_gguf(
     scheme: str = "gguf",
 ) -> Path:
     """The fused step graph (export/fused_graph.py) of `checkpoint` with every product computed
-    from `gguf_path`'s own blocks (found by content, as quantize_from_gguf finds them), written
-    to `out_dir` with the quantization in its manifest."""
+    from `gguf_path`'s own blocks, written to `out_dir` with the quantization in its manifest.
+
+    A checkpoint whose weights are the GGUF file's (a .gguf, or `convert --weights gguf`) is
+    streamed: each product's blocks are read from its own tensor as the writer reaches it, and
+    the graph's tensors go to disk as they are made (peak memory about one tensor besides
+    ONNX and torch). A float checkpoint's weights are matched to the blocks by content, as
+    quantize_from_gguf matches them (every block tensor is read first)."""
     from specrt.calibration.blocks import BlockProducts
+    from specrt.export.checkpoint import gguf_weights
     from specrt.export.fused_graph import export_fused_graph
+    from specrt.export.gguf_model import GgufWeight
 
     gguf_path = Path(gguf_path)
     t0 = time.perf_counter()
     recipe = _recipe(gguf_path, scheme)
-    named = gguf_blocks(gguf_path)
-    blocks = {_digest(b.dequantize()): (name, b) for name, b in named}  # by the weight (N, K)
-    used: set[str] = set()
-    if not blocks:
+    source = Path(checkpoint) if Path(checkpoint).suffix == ".gguf" else gguf_weights(checkpoint)
+    if source is not None and file_sha256(source) != recipe["gguf"]["sha256"]:
         raise SpecrtError(
-            f"{gguf_path} stores no tensor as {', '.join(SUPPORTED)}; the {scheme} scheme rewrites those block "
-            "types only"
+            f"{checkpoint} reads its weights from {source}, not from --gguf {gguf_path}; give --gguf {source} "
+            "(or leave --gguf out)"
         )
+    require_block_types(_open(gguf_path), gguf_path)
+    used: dict[str, bool] = {}  # block tensor name -> read by a product
+    by_content: dict = {}  # a float checkpoint's: digest -> (name, blocks), and the float tensors
 
-    floats = set(float_tensors(gguf_path))
-
-    def blocks_of(weight: np.ndarray) -> Blocks | None:
-        digest = _digest(weight)
-        hit = blocks.get(digest)
-        if hit is None and digest in floats:
-            return None  # stored as F32/F16/BF16: a float product, as it is
+    def blocks_of(weight) -> Blocks | None:
+        if isinstance(weight, GgufWeight):
+            t = weight.tensor
+            used.setdefault(t.name, False)
+            if t.tensor_type.name in FLOATS:
+                return None  # stored as F32/F16/BF16: a float product, as it is
+            used[t.name] = True
+            blocks = tensor_blocks(t, weight.heads)
+            weight.tensors.release(t)
+            return blocks
+        if not by_content:
+            named = gguf_blocks(gguf_path)
+            by_content["blocks"] = {_digest(b.dequantize()): (name, b) for name, b in named}  # by the weight (N, K)
+            by_content["floats"] = set(float_tensors(gguf_path))
+            used.update({name: False for name, _ in named})
+        digest = _digest(weight.detach().float().numpy())
+        hit = by_content["blocks"].get(digest)
+        if hit is None and digest in by_content["floats"]:
+            return None
         if hit is None:
             raise SpecrtError(
                 f"a weight of {checkpoint} is not the dequantization of a block tensor of {gguf_path}: the checkpoint "
                 "was not converted from this GGUF file; give --gguf the file `specrt convert` read, or convert again"
             )
-        used.add(hit[0])
+        used[hit[0]] = True
         return hit[1]
 
     def unused() -> dict:  # e.g. an embedding that is only looked up
-        return {"block_tensors_unused": sorted(name for name, _ in named if name not in used)}
+        return {"block_tensors_unused": sorted(name for name, read in used.items() if not read)}
 
     quantization = {**recipe, "fused": True}
     products = BlockProducts(scheme, blocks_of, "gguf", quantization, t0, extra=unused)
     return export_fused_graph(checkpoint, out_dir, hidden_layers, opset, products=products)
+
+
+def _open(path: Path):
+    from specrt.export.gguf import open_gguf
+
+    return open_gguf(path)

@@ -28,16 +28,25 @@ from specrt.cli.common import (
     "--out",
     required=True,
     type=click.Path(path_type=Path),
-    help="Checkpoint directory to write (config.json, model.safetensors, tokenizer).",
+    help="Checkpoint directory to write (config.json, tokenizer, model.safetensors with --weights float32).",
+)
+@click.option(
+    "--weights",
+    type=click.Choice(["float32", "gguf"]),
+    default="float32",
+    show_default=True,
+    help="float32: write the weights' float32 dequantization (a standalone checkpoint, 4-8x the file's size); "
+    "gguf: write none, read them from the GGUF file (keep it where it is), one tensor at a time: what a "
+    "1B+ model needs on a machine of its size.",
 )
 @_friendly_errors
-def convert(gguf_file: Path, out: Path):
-    """Convert a GGUF file to a float32 Hugging Face checkpoint directory."""
+def convert(gguf_file: Path, out: Path, weights: str):
+    """Convert a GGUF file to a Hugging Face checkpoint directory."""
     from specrt.calibration.gguf_blocks import SUPPORTED, other_block_types
     from specrt.export.gguf import convert_gguf, open_gguf
 
-    convert_gguf(gguf_file, out)
-    click.echo(f"wrote {out}")
+    convert_gguf(gguf_file, out, weights=weights)
+    click.echo(f"wrote {out}" + (f" (weights read from {gguf_file})" if weights == "gguf" else ""))
     other = other_block_types(open_gguf(gguf_file))
     if other:
         click.echo(

@@ -85,6 +85,13 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
             raise out_of_memory(spec.checkpoint) from None
 
 
+def _weights_in_gguf(checkpoint: Path) -> bool:
+    """A .gguf file, or a directory converted from one with its weights left there."""
+    from specrt.export.checkpoint import gguf_weights
+
+    return Path(checkpoint).suffix == ".gguf" or gguf_weights(checkpoint) is not None
+
+
 def _check_context(cfg, checkpoint) -> None:
     """Refuse, before anything is written, a model whose context cannot hold the steps an
     engine's build measures (and the runtime verifies): its largest verification step after one
@@ -110,6 +117,13 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
     if spec.graph not in ("fused", "portable"):
         raise SpecrtError(f"graph flavour {spec.graph!r}: choose fused or portable")
     ckpt_hash = checkpoint_hash(spec.checkpoint)
+    if _weights_in_gguf(spec.checkpoint) and spec.quantize in GGUF_SCHEMES and spec.graph == "fused":
+        # the weights stay in the file: build what the engine of its blocks needs, streamed from it
+        yield "onnx      skipped: the weights stay in the GGUF file (its float32 graphs: --quantize none)"
+        yield from _build_fused(
+            spec, ckpt_hash, list(default_target_layers(load_config(spec.checkpoint).num_hidden_layers)), spec.quantize
+        )
+        return
     odir = ArtifactLayout(spec.out).onnx
     onnx_manifest = None if spec.force else _manifest_if_valid(read_onnx_manifest, odir, ckpt_hash)
     layers = list(default_target_layers(load_config(spec.checkpoint).num_hidden_layers))
@@ -155,7 +169,10 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
         make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset, scheme)  # noqa: E731
     fresh = not _records(current, wanted)
     if fresh:
-        require_memory(spec.checkpoint, f"writing the fused graph ({'float32' if scheme == 'none' else scheme})")
+        streamed = _gguf_file(spec) if scheme in GGUF_SCHEMES and _weights_in_gguf(spec.checkpoint) else None
+        require_memory(
+            spec.checkpoint, f"writing the fused graph ({'float32' if scheme == 'none' else scheme})", streamed
+        )
     label = "fused" if scheme == "none" else scheme
     yield _made_or_kept(label, fdir, fresh, make, "written" if scheme == "none" else "quantized")
     files = read_onnx_manifest(fdir)["files"]

@@ -8,6 +8,11 @@ fused graph and ORT engine): a 2-layer test model 0.41 GB (the libraries alone),
 model past what the machine has free was killed by the kernel (Qwen2.5-Coder-1.5B: 6.2 GB of
 float32 weights, killed at 24 GB); a build now refuses it first, naming both figures, before
 anything is written. `SPECRT_MEMORY_CHECK=off` skips the check.
+
+A build from a GGUF file's own blocks whose weights stay in the file (`specrt convert --weights
+gguf`) streams them one tensor at a time and holds no float32 copy: Qwen2.5-Coder-1.5B's Q4_K_M
+file (1.12 GB) peaked at 2.0 GB writing its gguf-a8 graph and 2.4 GB building its engine
+(2026-12-05), so about 0.4 GB plus 1.8 times the file; `STREAMED` allows 2.
 """
 
 from __future__ import annotations
@@ -20,14 +25,18 @@ from specrt.errors import SpecrtError
 GIB = 2**30
 LIBRARIES = 0.4 * GIB  # resident before any weight: torch, onnx, onnxruntime
 HELD = 4.8  # float32 copies of the weights at the export's peak (module docstring)
+STREAMED = 2.0  # a streamed build's peak, in GGUF files (module docstring)
 
 
 def float32_bytes(checkpoint: str | Path) -> int:
     """The checkpoint's weights in float32, from its safetensors headers (nothing is loaded)."""
     from safetensors import safe_open
 
-    from specrt.export.checkpoint_files import weight_files
+    from specrt.export.checkpoint_files import gguf_weights, weight_files
 
+    gguf = Path(checkpoint) if Path(checkpoint).suffix == ".gguf" else gguf_weights(checkpoint)
+    if gguf is not None:
+        return 4 * _gguf_weights(gguf)
     count = 0
     for f in weight_files(Path(checkpoint)):
         with safe_open(str(f), "np") as fh:
@@ -39,8 +48,21 @@ def float32_bytes(checkpoint: str | Path) -> int:
     return 4 * count
 
 
-def needed_bytes(checkpoint: str | Path) -> int:
-    """What exporting the checkpoint holds at its peak (module docstring)."""
+def _gguf_weights(path: Path) -> int:
+    """The number of weights a GGUF file holds (its tensor headers; nothing is dequantized)."""
+    import gguf
+
+    count = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        count += int(t.n_elements)
+    return count
+
+
+def needed_bytes(checkpoint: str | Path, streamed: Path | None = None) -> int:
+    """What exporting the checkpoint holds at its peak (module docstring); `streamed`: the GGUF
+    file a streamed build reads."""
+    if streamed is not None:
+        return int(LIBRARIES + STREAMED * streamed.stat().st_size)
     return int(LIBRARIES + HELD * float32_bytes(checkpoint))
 
 
@@ -55,18 +77,24 @@ def available_bytes() -> int | None:
     return None
 
 
-def require_memory(checkpoint: str | Path, what: str) -> None:
-    """Refuse a step that would run out of memory (`what` it is), before it writes anything."""
+def require_memory(checkpoint: str | Path, what: str, streamed: Path | None = None) -> None:
+    """Refuse a step that would run out of memory (`what` it is), before it writes anything;
+    `streamed`: the GGUF file a streamed build reads its weights from, one tensor at a time."""
     if os.environ.get("SPECRT_MEMORY_CHECK", "on") == "off":
         return
     free = available_bytes()
     if free is None:
         return
-    need = needed_bytes(checkpoint)
+    need = needed_bytes(checkpoint, streamed)
+    held = (
+        f"streamed from a GGUF file of {streamed.stat().st_size / GIB:.1f} GiB"
+        if streamed is not None
+        else f"{float32_bytes(checkpoint) / GIB:.1f} GiB of float32 weights, held about {HELD:g} times over while "
+        "the graph is traced and written"
+    )
     if need > free:
         raise SpecrtError(
-            f"{what} of {checkpoint} needs about {need / GIB:.1f} GiB of memory ({float32_bytes(checkpoint) / GIB:.1f} "
-            f"GiB of float32 weights, held about {HELD:g} times over while the graph is traced and written), and "
+            f"{what} of {checkpoint} needs about {need / GIB:.1f} GiB of memory ({held}), and "
             f"{free / GIB:.1f} GiB are free here; free memory or build on a machine with more (nothing was written; "
             "SPECRT_MEMORY_CHECK=off tries anyway)"
         )

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from specrt.errors import CheckpointError
-from specrt.export.checkpoint_files import checkpoint_hash, require_checkpoint_dir, weight_files
+from specrt.export.checkpoint_files import checkpoint_hash, gguf_weights, require_checkpoint_dir, weight_files
 from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel
 
-__all__ = ["checkpoint_hash", "load_config", "load_model", "require_checkpoint_dir", "weight_files"]
+__all__ = ["checkpoint_hash", "gguf_weights", "load_config", "load_model", "require_checkpoint_dir", "weight_files"]
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -78,13 +78,20 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str, h
     return model.eval()
 
 
-def load_model(path: str | Path, hidden_layers=None) -> LlamaModel:
-    """Our float32 model from a HF checkpoint directory or a .gguf file."""
+def load_model(path: str | Path, hidden_layers=None, streamed: bool = False) -> LlamaModel:
+    """Our float32 model from a HF checkpoint directory, a .gguf file, or a directory converted
+    from a GGUF file whose weights stay in it (`specrt convert --weights gguf`). streamed: where
+    the weights are a GGUF file's, leave its matrices there (export/gguf_model.py: the graph
+    writers read one at a time); else every weight is read now, as float32."""
     path = Path(path)
-    if path.suffix == ".gguf":
+    gguf = path if path.suffix == ".gguf" else gguf_weights(path)
+    if gguf is not None:
         from specrt.export.gguf import read_gguf
+        from specrt.export.gguf_model import streamable, streamed_model
 
-        cfg, state, _ = read_gguf(path)
+        if streamed and streamable(gguf):
+            return streamed_model(gguf, hidden_layers)
+        cfg, state, _ = read_gguf(gguf)
         return build_model(cfg, state, str(path), hidden_layers)
     cfg = load_config(path)
     return build_model(cfg, read_state_dict(path), str(path), hidden_layers)

@@ -23,6 +23,30 @@ def require_checkpoint_dir(ckpt_dir: Path) -> None:
         )
 
 
+GGUF_SOURCE = "gguf_source.json"  # in a converted checkpoint: the GGUF file it came from (path, sha256)
+
+
+def gguf_weights(ckpt_dir: str | Path) -> Path | None:
+    """The GGUF file a checkpoint directory reads its weights from (`specrt convert --weights
+    gguf` writes no copy of them), or None for a directory with weights of its own."""
+    record = Path(ckpt_dir) / GGUF_SOURCE
+    if not record.is_file():
+        return None
+    try:
+        source = json.loads(record.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{record} is not valid JSON ({e}); convert the GGUF file again.") from None
+    if not isinstance(source, dict) or not source.get("weights_in_file"):
+        return None
+    path = Path(source.get("file", ""))
+    if not path.is_file():
+        raise CheckpointError(
+            f"{ckpt_dir} reads its weights from the GGUF file {path}, which is gone; put it back or convert the "
+            "file again (specrt convert FILE --out DIR)."
+        )
+    return path
+
+
 def weight_files(ckpt_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint directory, in a stable order."""
     ckpt_dir = Path(ckpt_dir)
@@ -58,7 +82,8 @@ def _hash_cache_path() -> Path:
 
 
 def checkpoint_hash(path: str | Path) -> str:
-    """sha256 over config.json and the weight files (or over the GGUF file).
+    """sha256 over config.json and the weight files (or over the GGUF file, or config.json and
+    the GGUF file a converted directory reads its weights from).
 
     Hashing a checkpoint reads all of it (~1.3 s for 540 MB), so results are remembered in
     ~/.cache/specrt keyed by each file's path, size and modification time; any change to a file
@@ -67,6 +92,8 @@ def checkpoint_hash(path: str | Path) -> str:
     path = Path(path)
     if path.is_file():
         files = [path]
+    elif gguf_weights(path) is not None:
+        files = [path / "config.json", gguf_weights(path)]
     else:
         files = weight_files(path)
         if not (path / "config.json").is_file():

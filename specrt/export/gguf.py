@@ -17,6 +17,7 @@ import torch
 from specrt.artifacts import atomic_dir, file_sha256
 from specrt.errors import CheckpointError, SpecrtError, UnsupportedArchitectureError
 from specrt.export.arch import FAMILIES
+from specrt.export.checkpoint_files import GGUF_SOURCE
 from specrt.export.config import ModelConfig
 
 # GGUF tensor name (after the block prefix) -> transformers name
@@ -34,7 +35,6 @@ _BLOCK_NAMES = {
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 # GGUF general.architecture -> the family that reads it
 GGUF_FAMILIES = {f.gguf.arch: f for f in FAMILIES.values() if f.gguf is not None}
-GGUF_SOURCE = "gguf_source.json"  # in a converted checkpoint: the GGUF file it came from (path, sha256)
 
 
 def open_gguf(path: Path):
@@ -74,11 +74,88 @@ def gguf_family(reader, path: Path):
 
 def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
     """(config, float32 state dict with transformers names, the open reader)."""
-    from gguf.quants import dequantize
     from tqdm import tqdm
 
     path = Path(path)
     reader = open_gguf(path)
+    cfg, tensors = gguf_model_facts(reader, path)
+    state = {}
+    for t in tqdm(reader.tensors, desc="dequantize GGUF", unit="tensor", disable=not progress):
+        state[tensors.hf_name(t)] = torch.from_numpy(tensors.float32(t))
+    return cfg, state, reader
+
+
+class GgufTensors:
+    """How a GGUF file's tensors read as the checkpoint's: their transformers names and their
+    exact float32 dequantization (q/k rows unpermuted, values as transformers stores them)."""
+
+    def __init__(self, path: Path, family, n_head: int, n_kv: int, reader=None):
+        self.path, self.facts, self.n_head, self.n_kv, self.reader = path, family.gguf, n_head, n_kv, reader
+        self.block_names = _BLOCK_NAMES | self.facts.names
+
+    def hf_name(self, t) -> str:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in self.block_names:
+            return f"model.layers.{parts[1]}.{self.block_names[parts[2]]}.{parts[3]}"
+        if parts[0] in _TOP_NAMES:
+            return ("" if parts[0] == "output" else "model.") + f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+        raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for a {self.facts.arch} model.")
+
+    def heads(self, t) -> int | None:
+        """The heads whose rows llama.cpp permuted in this tensor (None: rows as stored)."""
+        role = t.name.split(".")[-2]
+        if not (self.facts.permuted_qk and role in ("attn_q", "attn_k")):
+            return None
+        return self.n_head if role == "attn_q" else self.n_kv
+
+    def float32(self, t) -> np.ndarray:
+        w = self._finite(t, t.data)
+        self.release(t)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
+        heads = self.heads(t)
+        if heads is not None:
+            w = unpermute_rows(w, heads)
+        return np.ascontiguousarray(self.facts.weight(self.hf_name(t), w))
+
+    def release(self, t) -> None:
+        """Let the kernel take back this process's pages of tensor t (the file is memory-mapped:
+        a tensor read stays resident until then; the page cache keeps them for a reread)."""
+        import mmap
+
+        mapped = getattr(getattr(self.reader, "data", None), "_mmap", None)
+        if mapped is None or not hasattr(mapped, "madvise"):
+            return
+        start = t.data_offset - t.data_offset % mmap.PAGESIZE
+        end = min(t.data_offset + t.n_bytes, len(mapped))
+        try:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):  # an advice the system does not take: only memory is lost
+            pass
+
+    def check(self, t, rows: int = 4096) -> None:
+        """Refuse a tensor whose values are not all finite, reading `rows` rows at a time (a
+        table of 151,936 x 1536 is 0.9 GB as float32)."""
+        data = t.data if t.data.ndim > 1 else t.data[None]
+        for r in range(0, len(data), rows):
+            self._finite(t, data[r : r + rows])
+        self.release(t)
+
+    def _finite(self, t, raw) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        with np.errstate(all="ignore"):  # garbage scales: said below, by tensor, not as numpy's warnings
+            w = dequantize(raw, t.tensor_type).astype(np.float32)
+        finite = np.isfinite(w)
+        if not finite.all():
+            raise CheckpointError(
+                f"{self.path}: tensor {t.name} ({t.tensor_type.name}) dequantizes to {w.size - int(finite.sum())} "
+                f"non-finite values (NaN or infinity) of {w.size}: the file is damaged; download it again."
+            )
+        return w
+
+
+def gguf_model_facts(reader, path: Path) -> tuple[ModelConfig, GgufTensors]:
+    """(the model's config, how its tensors read) from a GGUF file's metadata."""
     family = gguf_family(reader, path)
     facts, p = family.gguf, family.gguf.arch + "."
 
@@ -111,29 +188,7 @@ def read_gguf(path: str | Path, progress: bool = False) -> tuple[ModelConfig, di
         raise UnsupportedArchitectureError(
             f"{path}: GGUF rope scaling is not supported; convert from the HF checkpoint instead."
         )
-    block_names = _BLOCK_NAMES | facts.names
-    state = {}
-    for t in tqdm(reader.tensors, desc="dequantize GGUF", unit="tensor", disable=not progress):
-        parts = t.name.split(".")
-        if parts[0] == "blk" and parts[2] in block_names:
-            hf_name = f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
-        elif parts[0] in _TOP_NAMES:
-            hf_name = ("" if parts[0] == "output" else "model.") + f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
-        else:
-            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a {facts.arch} model.")
-        with np.errstate(all="ignore"):  # garbage scales: said below, by tensor, not as numpy's warnings
-            w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        finite = np.isfinite(w)
-        if not finite.all():
-            raise CheckpointError(
-                f"{path}: tensor {t.name} ({t.tensor_type.name}) dequantizes to {w.size - int(finite.sum())} "
-                f"non-finite values (NaN or infinity) of {w.size}: the file is damaged; download it again."
-            )
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
-        if facts.permuted_qk and parts[-2] in ("attn_q", "attn_k"):
-            w = unpermute_rows(w, n_head if parts[-2] == "attn_q" else n_kv)
-        state[hf_name] = torch.from_numpy(np.ascontiguousarray(facts.weight(hf_name, w)))
-    return cfg, state, reader
+    return cfg, GgufTensors(path, family, n_head, n_kv, reader)
 
 
 def _end_of_turn(reader, family) -> list[int]:
@@ -146,29 +201,54 @@ def _end_of_turn(reader, family) -> list[int]:
     return ids
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Write a Hugging Face checkpoint directory (float32 safetensors + tokenizer) for a GGUF file.
+WEIGHTS = ("float32", "gguf")  # what a conversion writes of the weights (convert --weights)
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True, weights: str = "float32") -> Path:
+    """Write a Hugging Face checkpoint directory (config.json, tokenizer, chat template) for a
+    GGUF file; weights: "float32" writes the float32 dequantization as model.safetensors (the
+    checkpoint stands alone, for transformers), "gguf" writes no weights: the directory reads
+    them from the GGUF file, which must stay where it is (no float32 copy on disk or in memory:
+    a 1.5B model's is 6 GB).
 
     The directory is written under a temporary name and renamed into place, so an interrupted
     conversion never leaves a half-written checkpoint behind.
     """
-    from safetensors.torch import save_file
-
+    if weights not in WEIGHTS:
+        raise SpecrtError(f"--weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
     gguf_family(reader, gguf_path)  # before minutes of dequantizing: a family specrt reads,
     _require_tokenizer(reader, gguf_path)  # with a tokenizer
-    cfg, state, reader = read_gguf(gguf_path, progress=progress)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if weights == "float32":
+        cfg, state, reader = read_gguf(gguf_path, progress=progress)
+    else:  # each tensor read once, to refuse a damaged file now rather than at the build
+        cfg, tensors = gguf_model_facts(reader, gguf_path)
+        for t in _progress(reader.tensors, progress):
+            tensors.hf_name(t)
+            tensors.check(t)
     with atomic_dir(out_dir) as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+        if weights == "float32":
+            from safetensors.torch import save_file
+
+            if cfg.tie_word_embeddings:
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+            del state
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
         _write_tokenizer(gguf_path, reader, tmp)
         # build-engines --quantize gguf computes from the GGUF's own blocks: it finds the file here
         source = {"file": str(gguf_path.resolve()), "sha256": file_sha256(gguf_path)}
+        if weights == "gguf":
+            source["weights_in_file"] = True  # export/checkpoint_files.py gguf_weights
         (tmp / GGUF_SOURCE).write_text(json.dumps(source, indent=2) + "\n")
     return out_dir
+
+
+def _progress(tensors, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(tensors, desc="check GGUF", unit="tensor", disable=not progress)
 
 
 def gguf_origin(checkpoint: str | Path) -> Path | None:

@@ -16,6 +16,7 @@ per-head q/k norms, the gelu, a sliding window and its rotary on some layers (`l
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -24,32 +25,73 @@ import torch
 
 from specrt.artifacts import atomic_dir, write_manifest
 from specrt.export.checkpoint import checkpoint_hash, load_model
-from specrt.export.graph_files import DEFAULT_OPSET, ONNX_FILE, ONNX_KIND, graph_manifest, save_graph
+from specrt.export.graph_files import DEFAULT_OPSET, ONNX_DATA, ONNX_FILE, ONNX_KIND, graph_manifest, save_graph
 from specrt.export.llama import LlamaModel, rotary
 from specrt.export.step_graph import check_opset
 from specrt.export.step_io import HIDDEN, LOGITS, STEP_ROOM, StepIO
 
 
 class GraphBuilder:
-    """Nodes and initializers of one graph; names are the tensors'."""
+    """Nodes and initializers of one graph; names are the tensors'.
 
-    def __init__(self):
+    With `data` (a file path), every initializer over 1 KiB is written there as it is made and
+    the graph keeps only its place (ONNX external data): a graph of a billion weights is then
+    never whole in memory; save the graph beside `data` with `save` (close it first)."""
+
+    def __init__(self, data: Path | None = None):
         self.nodes, self.inits = [], []
+        self._names: set[str] = set()
+        self._data = open(data, "wb") if data is not None else None  # noqa: SIM115 (closed by close())
+        self._location = None if data is None else Path(data).name
 
     def init(self, name: str, array: np.ndarray) -> str:
-        from onnx import numpy_helper
+        from onnx import TensorProto, helper, numpy_helper
 
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
-        return name
+        array = np.ascontiguousarray(array)
+        if self._data is None or array.nbytes <= EXTERNAL_MIN_BYTES:
+            return self.add(numpy_helper.from_array(array, name))
+        # the bytes go to the file straight from the array: a TensorProto that held them would
+        # keep them in its protobuf arena after they are cleared
+        offset = -self._data.tell() % EXTERNAL_ALIGN + self._data.tell()  # page-aligned: ORT can map it
+        self._data.seek(offset)
+        self._data.write(memoryview(array).cast("B"))
+        tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self._location), ("offset", offset), ("length", array.nbytes)):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
+        return self.add(tensor)
+
+    def add(self, tensor) -> str:
+        """Take an initializer (a TensorProto whose data it holds, or external data); returns its name."""
+        if self._data is not None and len(tensor.raw_data) > EXTERNAL_MIN_BYTES:
+            from onnx import numpy_helper
+
+            return self.init(tensor.name, numpy_helper.to_array(tensor))
+        self.inits.append(tensor)
+        self._names.add(tensor.name)
+        return tensor.name
+
+    def close(self) -> None:
+        """Flush the external data file to disk."""
+        if self._data is not None:
+            self._data.flush()
+            os.fsync(self._data.fileno())
+            self._data.close()
+            self._data = None
 
     def has(self, name: str) -> bool:
-        return any(i.name == name for i in self.inits)
+        return name in self._names
 
     def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs) -> list[str]:
         from onnx import helper
 
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs
+
+
+EXTERNAL_MIN_BYTES = 1024  # as save_graph: smaller tensors stay inside model.onnx
+EXTERNAL_ALIGN = 4096
 
 
 class FloatProducts:
@@ -62,7 +104,17 @@ class FloatProducts:
     def manifest(self) -> dict:
         return {}
 
-    def product(self, g: GraphBuilder, x: str, weights: list[torch.Tensor], name: str) -> str:
+    def lookup(self, g: GraphBuilder, embed, tied: bool) -> str:
+        """The embedding of input_ids (B, Q, C) from the float table; a tied table is stored
+        once, as the head's W^T (C, V)."""
+        if tied:
+            table = g.init("lm_head.weight_t", f32(embed).T)
+            cbq = g.node("Gather", [table, "input_ids"], ["embed/cbq"], "embed/Gather", axis=1)[0]
+            return g.node("Transpose", [cbq], ["embed/out"], "embed/to_bqc", perm=[1, 2, 0])[0]
+        table = g.init("embed_tokens.weight", f32(embed))
+        return g.node("Gather", [table, "input_ids"], ["embed/out"], "embed/Gather")[0]
+
+    def product(self, g: GraphBuilder, x: str, weights: list, name: str) -> str:
         """The name of x @ [W_1; W_2; ...]^T (outputs of the weights (N_i, K) concatenated)."""
         table = f"{name}.weight_t"
         if not g.has(table):  # (a tied head's W^T is the embedding's table, written already)
@@ -70,31 +122,35 @@ class FloatProducts:
         return g.node("MatMul", [x, table], [f"{name}/out"], name)[0]
 
 
-def f32(t: torch.Tensor) -> np.ndarray:
+def f32(t) -> np.ndarray:
+    """A weight as float32: a tensor's values, or a streamed weight read now (export/gguf_model.py)."""
+    if hasattr(t, "float32"):
+        return t.float32()
     return t.detach().to(torch.float32).numpy()
 
 
-def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSET):
+def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSET, data: Path | None = None):
     """A step graph of `model` written node by node: `ops` gives its norms, attention and I/O
-    (FusedOps in export/fused_graph.py, StandardOps in export/standard_graph.py), `products` its matrix products."""
+    (FusedOps in export/fused_graph.py, StandardOps in export/standard_graph.py), `products` its
+    matrix products; with `data`, its initializers stream into that file as they are written
+    (GraphBuilder), and the graph returned refers to it."""
+    products = products or FloatProducts()
+    io = StepIO(model.cfg.num_hidden_layers, ops.io_flavour)
+    g = GraphBuilder(data)
+    try:
+        return _write_graph(g, model, ops, products, opset, io)
+    finally:
+        g.close()
+
+
+def _write_graph(g: GraphBuilder, model: LlamaModel, ops, products, opset: int, io: StepIO):
     from onnx import TensorProto, helper
 
-    products = products or FloatProducts()
     cfg = model.cfg
     L, C = cfg.num_hidden_layers, cfg.hidden_size
-    io = StepIO(L, ops.io_flavour)
-    g = GraphBuilder()
     eps = float(cfg.rms_norm_eps)
 
-    # embedding lookup; a tied table is stored once, as the head's W^T (C, V)
-    embed = model.embed_tokens.weight
-    if cfg.tie_word_embeddings:
-        table = g.init("lm_head.weight_t", f32(embed).T)
-        cbq = g.node("Gather", [table, "input_ids"], ["embed/cbq"], "embed/Gather", axis=1)[0]
-        x = g.node("Transpose", [cbq], ["embed/out"], "embed/to_bqc", perm=[1, 2, 0])[0]
-    else:
-        table = g.init("embed_tokens.weight", f32(embed))
-        x = g.node("Gather", [table, "input_ids"], ["embed/out"], "embed/Gather")[0]
+    x = products.lookup(g, model.embed_tokens.weight, cfg.tie_word_embeddings)  # the embedding
     if cfg.embed_scale is not None:
         scale = g.init("embed.scale", np.array(cfg.embed_scale, np.float32))
         x = g.node("Mul", [x, scale], ["embed/scaled"], "embed/Scale")[0]
@@ -133,7 +189,7 @@ def write_graph(model: LlamaModel, ops, products=None, opset: int = DEFAULT_OPSE
         g.node("Identity", feats, [HIDDEN], "hidden/Identity")
     index = g.node("Unsqueeze", ["logits_index", g.init("axes.2", np.array([2], np.int64))], ["index/bk1"], "index")[0]
     picked = g.node("GatherND", [final, index], ["head/in"], "head/GatherND", batch_dims=1)[0]
-    if cfg.tie_word_embeddings and products.scheme == "none":  # the lookup's table is the head's W^T
+    if cfg.tie_word_embeddings and g.has("lm_head.weight_t"):  # the lookup's table is the head's W^T
         logits = g.node("MatMul", [picked, "lm_head.weight_t"], ["lm_head/out"], "lm_head")[0]
     else:
         logits = products.product(g, picked, [model.lm_head.weight], "lm_head")
@@ -251,14 +307,14 @@ def export_written_graph(
         from specrt.export.head_io import default_target_layers
 
         hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
-    model = load_model(checkpoint, hidden_layers=hidden_layers)
+    model = load_model(checkpoint, hidden_layers=hidden_layers, streamed=True)
     cfg = model.cfg
     io = StepIO(cfg.num_hidden_layers, ops.io_flavour)
     opset = ops.opset(opset)
-    with torch.no_grad():
-        products = products or FloatProducts()
-        proto = write_graph(model, ops, products, opset)
     with atomic_dir(out_dir) as tmp:
+        with torch.no_grad():
+            products = products or FloatProducts()
+            proto = write_graph(model, ops, products, opset, data=tmp / ONNX_DATA)
         save_graph(proto, tmp)
         del proto
         ops.check(tmp / ONNX_FILE)

@@ -34,4 +34,12 @@ def _window_keys(cfg) -> dict:
 
 LLAMA = Family("LlamaForCausalLM", "llama", gguf=Gguf("llama", permuted_qk=True))
 MISTRAL = Family("MistralForCausalLM", "mistral", facts=_window_everywhere, config_keys=_window_keys)
-QWEN2 = Family("Qwen2ForCausalLM", "qwen2", facts=_no_window("Qwen2"), attention_bias=True, gguf=Gguf("qwen2"))
+# an instruct model's GGUF names <|im_end|> its EOS; <|endoftext|> (the end of a document) ends generation too
+QWEN2 = Family(
+    "Qwen2ForCausalLM",
+    "qwen2",
+    facts=_no_window("Qwen2"),
+    attention_bias=True,
+    gguf=Gguf("qwen2"),
+    end_of_turn=("<|im_end|>", "<|endoftext|>"),
+)
