@@ -6,9 +6,9 @@ per block):
 
     Q4_0   w = d · (q - 8)          one MatMulNBits (its default zero point is 8)
     Q4_1   w = d · q + m            MatMulNBits with zero points 0 gives x·(d·q); the m part is
-                                    each block's sum of x times its m: (x · S) · M, with S the
-                                    (K, K/32) block-summing 0/1 matrix and M (K/32, N) the offsets
-                                    (1/32 of the weights' count, in float32)
+                                    each block's sum of x times its m: sums(x) · M, the sums a
+                                    ReduceSum over x in blocks and M (K/32, N) the offsets (1/32 of
+                                    the weights' count, in float32)
     Q8_0   w = d · q, q in -128..127 = 16·hi + lo, lo in 0..15, hi in -8..7: two MatMulNBits,
                                     (blocks of 32 or 16 weights: a GGUF's Q6_K has a scale per 16)
                                     lo with zero points 0 and scale d, hi + 8 with scale 16·d
@@ -100,7 +100,6 @@ class _Rewriter:
         self.prefix, self.accuracy_level = prefix, accuracy_level
         self.inits: list = []
         self.sink = None  # init(name, array) of a graph being written: its initializers go there instead
-        self._ones: dict[int, str] = {}  # K -> name of its (K, K/32) block-summing matrix
         self._sums: dict[str, str] = {}  # input -> its block sums (q, k and v share theirs)
 
     def add_init(self, name: str, array: np.ndarray) -> str:
@@ -134,12 +133,18 @@ class _Rewriter:
             accuracy_level=self.accuracy_level,
         )
 
-    def block_sum_matrix(self, K: int) -> str:
-        if K not in self._ones:
-            S = np.zeros((K, K // BLOCK), np.float32)
-            S[np.arange(K), np.arange(K) // BLOCK] = 1.0
-            self._ones[K] = self.add_init(f"{self.prefix}.block_sum.{K}", S)
-        return self._ones[K]
+    def block_sums(self, a: str, nb: int, out: str, base: str) -> list:
+        """Each block's sum of `a` (..., nb * 32) as (..., nb): `a` in blocks, summed over each (a
+        product with a 0/1 matrix read that matrix, K x K/32 floats: 10 MB for K = 8960; the
+        1.5B's decode step took 7 % less without it, 79.5 against 85.2 ms)."""
+        from onnx import helper
+
+        shape = self.add_init(f"{base}.in_blocks", np.array([0, 0, nb, BLOCK], np.int64))
+        axis = self.add_init(f"{base}.last_axis", np.array([-1], np.int64))
+        return [
+            helper.make_node("Reshape", [a, shape], [f"{base}.blocks_in"], name=f"{base}/InBlocks"),
+            helper.make_node("ReduceSum", [f"{base}.blocks_in", axis], [out], name=f"{base}/BlockSum", keepdims=0),
+        ]
 
     def replace(self, nodes: list, parts: list[Blocks], base: str) -> list:
         """The nodes computing the outputs of `nodes` (MatMuls of one input, their weights all of
@@ -165,8 +170,7 @@ class _Rewriter:
             nodes = [self.nbits(base, a, f"{base}.code_part", b.q, b.d, zero=True)]
             if a not in self._sums:
                 self._sums[a] = f"{base}.block_sums"
-                S = self.block_sum_matrix(nb * BLOCK)
-                nodes.append(helper.make_node("MatMul", [a, S], [self._sums[a]], name=f"{base}/BlockSum"))
+                nodes += self.block_sums(a, nb, self._sums[a], base)
             offset = f"{base}.offset_part"
             return nodes + [
                 helper.make_node("MatMul", [self._sums[a], self.add_init(f"{base}.m", b.m.T)], [offset]),

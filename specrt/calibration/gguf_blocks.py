@@ -45,8 +45,9 @@ from specrt.export.graph_files import ONNX_FILE
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
 FLOATS = ("F32", "F16", "BF16")  # tensors the engines keep as float products
 # what a graph of these recipes records, so a graph of an older one is made again (2: a Q8_0
-# weight is one 8-bit product with int8 activations)
-RECIPE_VERSION = 2
+# weight is one 8-bit product with int8 activations; 3: block sums by ReduceSum, the embedding looked up
+# from its blocks)
+RECIPE_VERSION = 3
 ROWS_AT_ONCE = 1 << 23  # weights a tensor's blocks are read in (bounds the temporaries: 8M weights)
 
 
