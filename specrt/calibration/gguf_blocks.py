@@ -279,18 +279,20 @@ def fused_from_gguf(
     from specrt.calibration.blocks import BlockProducts
     from specrt.export.checkpoint import gguf_weights
     from specrt.export.fused_graph import export_fused_graph
+    from specrt.export.gguf import open_gguf
     from specrt.export.gguf_model import GgufWeight
 
     gguf_path = Path(gguf_path)
     t0 = time.perf_counter()
     recipe = _recipe(gguf_path, scheme)
-    source = Path(checkpoint) if Path(checkpoint).suffix == ".gguf" else gguf_weights(checkpoint)
-    if source is not None and file_sha256(source) != recipe["gguf"]["sha256"]:
+    source = gguf_weights(checkpoint)  # the file itself is not hashed again: _recipe just did
+    same = source is not None and source.resolve() == gguf_path.resolve()
+    if source is not None and not same and file_sha256(source) != recipe["gguf"]["sha256"]:
         raise SpecrtError(
             f"{checkpoint} reads its weights from {source}, not from --gguf {gguf_path}; give --gguf {source} "
             "(or leave --gguf out)"
         )
-    require_block_types(_open(gguf_path), gguf_path)
+    require_block_types(open_gguf(gguf_path), gguf_path)
     used: dict[str, bool] = {}  # block tensor name -> read by a product
     by_content: dict = {}  # a float checkpoint's: digest -> (name, blocks), and the float tensors
 
@@ -327,9 +329,3 @@ def fused_from_gguf(
     quantization = {**recipe, "fused": True}
     products = BlockProducts(scheme, blocks_of, "gguf", quantization, t0, extra=unused)
     return export_fused_graph(checkpoint, out_dir, hidden_layers, opset, products=products)
-
-
-def _open(path: Path):
-    from specrt.export.gguf import open_gguf
-
-    return open_gguf(path)

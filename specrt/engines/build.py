@@ -89,7 +89,7 @@ def _weights_in_gguf(checkpoint: Path) -> bool:
     """A .gguf file, or a directory converted from one with its weights left there."""
     from specrt.export.checkpoint import gguf_weights
 
-    return Path(checkpoint).suffix == ".gguf" or gguf_weights(checkpoint) is not None
+    return gguf_weights(checkpoint) is not None
 
 
 def _check_context(cfg, checkpoint) -> None:
@@ -117,16 +117,14 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
     if spec.graph not in ("fused", "portable"):
         raise SpecrtError(f"graph flavour {spec.graph!r}: choose fused or portable")
     ckpt_hash = checkpoint_hash(spec.checkpoint)
+    layers = list(default_target_layers(load_config(spec.checkpoint).num_hidden_layers))
     if _weights_in_gguf(spec.checkpoint) and spec.quantize in GGUF_SCHEMES and spec.graph == "fused":
         # the weights stay in the file: build what the engine of its blocks needs, streamed from it
         yield "onnx      skipped: the weights stay in the GGUF file (its float32 graphs: --quantize none)"
-        yield from _build_fused(
-            spec, ckpt_hash, list(default_target_layers(load_config(spec.checkpoint).num_hidden_layers)), spec.quantize
-        )
+        yield from _build_fused(spec, ckpt_hash, layers, spec.quantize)
         return
     odir = ArtifactLayout(spec.out).onnx
     onnx_manifest = None if spec.force else _manifest_if_valid(read_onnx_manifest, odir, ckpt_hash)
-    layers = list(default_target_layers(load_config(spec.checkpoint).num_hidden_layers))
     if onnx_manifest is not None and onnx_manifest["hidden_layers"] != layers:
         yield f"onnx      {odir}: returns the features of layers {onnx_manifest['hidden_layers']}, not {layers}"
         onnx_manifest = None  # an export made before draft heads read several layers
@@ -301,8 +299,7 @@ def _gguf_file(spec: BuildSpec) -> Path:
     from specrt.export.checkpoint import gguf_weights
     from specrt.export.gguf import gguf_origin
 
-    own = Path(spec.checkpoint) if Path(spec.checkpoint).suffix == ".gguf" else gguf_weights(spec.checkpoint)
-    gguf = spec.gguf or own or gguf_origin(spec.checkpoint)
+    gguf = spec.gguf or gguf_weights(spec.checkpoint) or gguf_origin(spec.checkpoint)
     if gguf is None:
         raise SpecrtError(
             f"--quantize {spec.quantize} computes from the GGUF file's own blocks, and {spec.checkpoint} records no "

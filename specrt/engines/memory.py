@@ -34,7 +34,7 @@ def float32_bytes(checkpoint: str | Path) -> int:
 
     from specrt.export.checkpoint_files import gguf_weights, weight_files
 
-    gguf = Path(checkpoint) if Path(checkpoint).suffix == ".gguf" else gguf_weights(checkpoint)
+    gguf = gguf_weights(checkpoint)
     if gguf is not None:
         return 4 * _gguf_weights(gguf)
     count = 0

@@ -84,7 +84,7 @@ def load_model(path: str | Path, hidden_layers=None, streamed: bool = False) -> 
     the weights are a GGUF file's, leave its matrices there (export/gguf_model.py: the graph
     writers read one at a time); else every weight is read now, as float32."""
     path = Path(path)
-    gguf = path if path.suffix == ".gguf" else gguf_weights(path)
+    gguf = gguf_weights(path)
     if gguf is not None:
         from specrt.export.gguf import read_gguf
         from specrt.export.gguf_model import streamable, streamed_model

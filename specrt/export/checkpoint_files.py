@@ -27,8 +27,11 @@ GGUF_SOURCE = "gguf_source.json"  # in a converted checkpoint: the GGUF file it 
 
 
 def gguf_weights(ckpt_dir: str | Path) -> Path | None:
-    """The GGUF file a checkpoint directory reads its weights from (`specrt convert --weights
-    gguf` writes no copy of them), or None for a directory with weights of its own."""
+    """The GGUF file a checkpoint's weights are: a .gguf checkpoint itself, or the file a
+    directory reads them from (`specrt convert --weights gguf` writes no copy of them); None for
+    a directory with weights of its own."""
+    if Path(ckpt_dir).suffix == ".gguf":
+        return Path(ckpt_dir)
     record = Path(ckpt_dir) / GGUF_SOURCE
     if not record.is_file():
         return None

@@ -36,7 +36,7 @@ class GraphBuilder:
 
     With `data` (a file path), every initializer over 1 KiB is written there as it is made and
     the graph keeps only its place (ONNX external data): a graph of a billion weights is then
-    never whole in memory; save the graph beside `data` with `save` (close it first)."""
+    never whole in memory; `close` it, then save the graph (graph_files.save_graph) beside `data`."""
 
     def __init__(self, data: Path | None = None):
         self.nodes, self.inits = [], []
@@ -49,7 +49,7 @@ class GraphBuilder:
 
         array = np.ascontiguousarray(array)
         if self._data is None or array.nbytes <= EXTERNAL_MIN_BYTES:
-            return self.add(numpy_helper.from_array(array, name))
+            return self._keep(numpy_helper.from_array(array, name))
         # the bytes go to the file straight from the array: a TensorProto that held them would
         # keep them in its protobuf arena after they are cleared
         offset = -self._data.tell() % EXTERNAL_ALIGN + self._data.tell()  # page-aligned: ORT can map it
@@ -60,14 +60,9 @@ class GraphBuilder:
         for key, value in (("location", self._location), ("offset", offset), ("length", array.nbytes)):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, str(value)
-        return self.add(tensor)
+        return self._keep(tensor)
 
-    def add(self, tensor) -> str:
-        """Take an initializer (a TensorProto whose data it holds, or external data); returns its name."""
-        if self._data is not None and len(tensor.raw_data) > EXTERNAL_MIN_BYTES:
-            from onnx import numpy_helper
-
-            return self.init(tensor.name, numpy_helper.to_array(tensor))
+    def _keep(self, tensor) -> str:
         self.inits.append(tensor)
         self._names.add(tensor.name)
         return tensor.name
