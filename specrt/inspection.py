@@ -338,20 +338,25 @@ def find_artifacts(path: str | Path) -> list[Path]:
 
 def exactness_lines(inv: dict) -> list[str]:
     """What an ORT engine's build measured of its exactness (engines/ort_measure.py)."""
+    from specrt.engines.ort_measure import floor_of
+
     shapes = inv.get("bitwise")
     lines = [
         f"  positions   logits move by {inv['relative']:.1e} of their range between 1- and {inv['positions']}-position "
-        "steps (argmax agrees at "
-        f"{inv['argmax_agreement']:.0%}): without the step floor, speculative output equals plain up to near-ties"
+        f"steps (argmax agrees at {inv['argmax_agreement']:.0%})"
     ]
     if not shapes:
         return lines + ["  bitwise     not measured (built before the step floor): rebuild to measure it"]
     same = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in shapes.items())
     padded = inv.get("padded_relative")
-    verdict = (
-        "every step shape gives the same bits: with the floor, speculative and batched output is bitwise plain output"
-        if all(shapes.values())
-        else "some shapes differ: exact only up to near-ties"
-        + ("" if padded is None else f" (padded steps move the logits by {padded:.1e} of their range)")
-    )
-    return lines + [f"  bitwise     padded one-position steps against one multi-position step: {same}; {verdict}"]
+    floored = {k: v for k, v in shapes.items() if not k.startswith("unpadded")}
+    if floor_of(inv) == 1:
+        verdict = "every step shape gives the same bits, one-position steps too: no step floor needed"
+    elif all(floored.values()):
+        verdict = "every step shape gives the same bits with the step floor (two positions a step at least)"
+    else:
+        verdict = "some shapes differ: exact only up to near-ties" + (
+            "" if padded is None else f" (padded steps move the logits by {padded:.1e} of their range)"
+        )
+    verdict += ": speculative and batched output is bitwise plain output" if "same bits" in verdict else ""
+    return lines + [f"  bitwise     against one multi-position step: {same}; {verdict}"]

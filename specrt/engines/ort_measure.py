@@ -136,7 +136,8 @@ def batch_invariance(
     `steps` tokens after a `prefix`, computed as one multi-position step (as verification does)
     and as
 
-        unpadded   one token per step (plain decoding without the step floor)
+        unpadded   one token per step (plain decoding without the step floor), alone and
+                   beside another row that decodes one token per step too
         padded     one token per step, each step padded to STEP_FLOOR positions (the floor)
         split      two multi-position steps (a draft verified in two parts)
         batch      a padded step beside another row (continuous batching)
@@ -146,9 +147,12 @@ def batch_invariance(
     padded one the bound with it where the shapes are not bitwise equal (float rounding level on
     float kernels, ~1e-6 of the logits' range; int8 activations amplify it to percents).
     `bitwise` says which shapes give exactly the multi-position step's logits (np.array_equal):
-    ORT's CPU kernels compute a one-row product in another numeric class than a product of two
-    or more rows, which agree with each other; with every one of those true, plain, speculative
-    and batched generation see the same logits whatever runs beside them.
+    Some of ORT's CPU kernels compute one row in another order of float operations than two or
+    more rows, which agree with each other (its attention did, and the fused graph pads a
+    one-position step's attention to two positions; its 4-bit and 8-bit products did not);
+    with every shape but the unpadded ones true, plain, speculative and batched generation see
+    the same logits under the step floor, and with those too without it (the engine needs no
+    floor: Capabilities.floor 1).
     `steps` must reach the largest verification step: ORT's int8 Q/DQ kernels gave identical
     logits for 6 positions and moved them by 5 % of their range at 17."""
     from specrt.export.config import ModelConfig
@@ -166,13 +170,13 @@ def batch_invariance(
         run([mine[:prefix], other[:prefix]][:batch], cache)
         return run, cache
 
-    def one_by_one(q=None, batch=1):
+    def one_by_one(q=None, batch=1, verifying=3):
         run, cache = started(batch=batch)
         out = []
         for i, t in enumerate(mine[prefix:]):
-            beside = other[prefix + 3 * i : prefix + 3 * i + 3]  # the other row verifies 3 at a time
+            beside = other[prefix + verifying * i : prefix + verifying * (i + 1)]  # the other row's tokens
             out.append(run([[t], beside][:batch], cache, q)[0, 0])
-            if batch > 1 and len(beside) < 3:
+            if batch > 1 and len(beside) < verifying:
                 break
         return np.stack(out)
 
@@ -184,6 +188,7 @@ def batch_invariance(
     run, cache = started(capacity=2 * room)
     wide = run([mine[prefix:]], cache)[0]
     single, padded, batched = one_by_one(), one_by_one(q=STEP_FLOOR), one_by_one(q=STEP_FLOOR, batch=2)
+    decoding = one_by_one(batch=2, verifying=1)  # two rows decoding, one position each
     diff, span = float(np.abs(single - multi).max()), max(float(np.ptp(multi)), 1e-12)
     return {
         "max_abs_diff": diff,
@@ -196,6 +201,10 @@ def batch_invariance(
             "split": bool(np.array_equal(split, multi)),
             "batch": bool(np.array_equal(batched, multi[: len(batched)])),
             "capacity": bool(np.array_equal(wide, multi)),
+            # one-position steps as they are, alone and beside another row: with these too, an
+            # engine needs no step floor (the fused graph's attention pads them itself)
+            "unpadded": bool(np.array_equal(single, multi)),
+            "unpadded_batch": bool(np.array_equal(decoding, multi[: len(decoding)])),
         },
     }
 
@@ -225,3 +234,10 @@ def step_costs(session, config: dict, flavour: str = "portable", prefix: int = 1
                 times[q].append(time.perf_counter() - t)
             cache[-1][:] = prefix  # roll back: every step sees the same past
     return {str(q): round(statistics.median(ts) * 1e3, 3) for q, ts in times.items()}
+
+
+def floor_of(measured: dict | None) -> int:
+    """The step floor an engine needs: 1 where its build found every step shape bitwise equal,
+    one-position steps included (batch_invariance's `unpadded`), else STEP_FLOOR."""
+    shapes = (measured or {}).get("bitwise") or {}
+    return 1 if shapes.get("unpadded") and all(shapes.values()) else STEP_FLOOR

@@ -47,7 +47,10 @@ from specrt.export.llama import LlamaModel
 from specrt.export.step_io import StepIO
 
 MS = "com.microsoft"
-FUSED_VERSION = 2  # the fused graph's layout (2: rotary tables past the context); another version is written again
+# the fused graph's layout (2: rotary tables past the context; 3: attention of one-position steps
+# padded to two); another version is written again
+FUSED_VERSION = 3
+ATTENTION_ROWS = 2  # the fewest query positions GroupQueryAttention computes (_two_positions)
 
 
 # GroupQueryAttention's inputs in its order (ORT 1.32); the graph names the ones it gives
@@ -99,16 +102,20 @@ class FusedOps:
                 "a multiple of 16; build this model with --graph portable."
             )
         cos, sin = rotary_tables(cfg, i, shared)
-        bias = window_bias(g, cfg.sliding_window, shared) if cfg.is_sliding(i) else "attention_bias"
-        given = dict(query=qkv, past_key=past_k, past_value=past_v, cos_cache=cos, sin_cache=sin)
-        given |= dict(attention_bias=bias, query_seqlens="query_seqlens")
-        given |= {n: n for n in ("seqlens_k", "total_sequence_length", "position_ids")}
+        given = dict(_two_positions(g, shared))
+        if cfg.is_sliding(i):
+            given["attention_bias"] = window_bias(g, cfg.sliding_window, shared)
+        qkv = g.node("Pad", [qkv, shared["pad_rows"]], [f"layers.{i}.attn/qkv2"], f"layers.{i}.attn/Pad", mode="edge")[
+            0
+        ]
+        given |= dict(query=qkv, past_key=past_k, past_value=past_v, cos_cache=cos, sin_cache=sin)
         if norms is not None:  # the CPU kernel has no q_norm_weight: the norms run before it
             given |= _normed_heads(g, cfg, i, qkv, norms, shared)
-        return g.node(
+        out = f"layers.{i}.attn/out2"
+        g.node(
             "GroupQueryAttention",
             [given.get(n, "") for n in GQA_INPUTS],  # key and value empty: the query is q|k|v packed
-            [f"layers.{i}.attn/out", present_k, present_v],
+            [out, present_k, present_v],
             f"layers.{i}.attn",
             MS,
             num_heads=cfg.num_attention_heads,
@@ -117,11 +124,47 @@ class FusedOps:
             rotary_interleaved=0,
             causal=1,
             scale=cfg.scale,
-        )[0]
+        )
+        back = [out, shared["zero1"], shared["q_len"], shared["axis1"]]  # the step's own positions
+        return g.node("Slice", back, [f"layers.{i}.attn/out"], f"layers.{i}.attn/Slice")[0]
 
     def gelu_tanh(self, g: GraphBuilder, x: str, name: str) -> str:
         """gelu with the tanh approximation (ORT's FastGelu)."""
         return g.node("FastGelu", [x], [f"{name}/out"], name, MS)[0]
+
+
+def _two_positions(g: GraphBuilder, shared: dict) -> dict:
+    """GroupQueryAttention's step inputs for at least two query positions: a one-position step
+    gets a copy of its position after it (its key written one slot further, where the next
+    step writes again; causal order hides it from the real one). ORT's attention computes a
+    one-row query in another order of float operations than two or more rows, which agree with
+    each other, while its 4-bit and 8-bit products (MatMulNBits) give a row the same bits alone
+    or beside others: so the int8-activation engines' one-position steps are bitwise their
+    multi-position steps' rows (the build measures it: `unpadded` in its batch invariance) and
+    plain decoding needs no second position through the weights. Steps of two or more
+    positions are padded by nothing. Written once, shared by every layer."""
+    if "two_positions" in shared:
+        return shared["two_positions"]
+    n = "two"
+    shared["zero1"] = g.init(f"{n}.zero1", np.zeros(1, np.int64))
+    shared["axis1"] = g.init(f"{n}.axis1", np.ones(1, np.int64))
+    shared["q_len"] = g.node("Shape", ["position_ids"], [f"{n}/Q"], f"{n}/Q", start=1, end=2)[0]
+    fewest = g.init(f"{n}.fewest", np.array([ATTENTION_ROWS], np.int64))
+    short = g.node("Sub", [fewest, shared["q_len"]], [f"{n}/short"], f"{n}/Short")
+    pad = g.node("Max", [short[0], shared["zero1"]], [f"{n}/pad"], f"{n}/Pad")[0]  # (1,): 1 or 0
+    zeros = {k: g.init(f"{n}.zeros{k}", np.zeros(k, np.int64)) for k in (1, 3, 4, 6)}
+    shared["pad_rows"] = g.node("Concat", [zeros[4], pad, zeros[1]], [f"{n}/pads3"], f"{n}/Pads3", axis=0)[0]
+    pads2 = g.node("Concat", [zeros[3], pad], [f"{n}/pads2"], f"{n}/Pads2", axis=0)[0]
+    pads4 = g.node("Concat", [zeros[6], pad, pad], [f"{n}/pads4"], f"{n}/Pads4", axis=0)[0]
+    pad32 = g.node("Cast", [pad], [f"{n}/pad32"], f"{n}/Pad32", to=6)[0]  # INT32
+    given = {
+        "position_ids": g.node("Pad", ["position_ids", pads2], [f"{n}/position_ids"], f"{n}/Positions", mode="edge")[0],
+        "attention_bias": g.node("Pad", ["attention_bias", pads4], [f"{n}/bias"], f"{n}/Bias")[0],
+    }
+    for name in ("seqlens_k", "total_sequence_length", "query_seqlens"):
+        given[name] = g.node("Add", [name, pad32], [f"{n}/{name}"], f"{n}/{name}")[0]
+    shared["two_positions"] = given
+    return given
 
 
 def _normed_heads(g: GraphBuilder, cfg, i: int, qkv: str, norms, shared: dict) -> dict:
@@ -150,27 +193,30 @@ def window_bias(g: GraphBuilder, window: int, shared: dict) -> str:
     if "window_bias" in shared:
         return shared["window_bias"]
     i64, n = 7, "window"  # TensorProto.INT64
-    total = g.node("Cast", ["total_sequence_length"], [f"{n}/T64"], f"{n}/CastT", to=i64)[0]
+    t = _two_positions(g, shared)  # the attention's own inputs: a one-position step's padded
+    total = g.node("Cast", [t["total_sequence_length"]], [f"{n}/T64"], f"{n}/CastT", to=i64)[0]
     # the runtime passes T as a scalar or as one element: both become both
     t1 = g.node("Reshape", [total, g.init(f"{n}.shape1", np.array([1], np.int64))], [f"{n}/T1"], f"{n}/T1")[0]
     total = g.node("Reshape", [total, g.init(f"{n}.scalar", np.zeros(0, np.int64))], [f"{n}/T"], f"{n}/T")[0]
     zero, one = g.init(f"{n}.0", np.array(0, np.int64)), g.init(f"{n}.1", np.array(1, np.int64))
     slots = g.node("Range", [zero, total, one], [f"{n}/slots"], f"{n}/Slots")[0]  # (T,)
-    batch = g.node("Shape", ["position_ids"], [f"{n}/B"], f"{n}/B", end=1)[0]
-    q_len = g.node("Shape", ["position_ids"], [f"{n}/Q1"], f"{n}/Q1", start=1, end=2)[0]
+    batch = g.node("Shape", [t["position_ids"]], [f"{n}/B"], f"{n}/B", end=1)[0]
+    q_len = g.node("Shape", [t["position_ids"]], [f"{n}/Q1"], f"{n}/Q1", start=1, end=2)[0]
     q_len = g.node("Squeeze", [q_len], [f"{n}/Q"], f"{n}/Q")[0]
     bt = g.node("Concat", [batch, t1], [f"{n}/BT"], f"{n}/BT", axis=0)[0]
     keys = g.node("Expand", [slots, bt], [f"{n}/keys_past"], f"{n}/KeysPast")[0]  # (B, T)
     # each row's length before the step: seqlens_k + 1 - query_seqlens
-    seen = g.node("Sub", ["seqlens_k", "query_seqlens"], [f"{n}/seen32"], f"{n}/Seen")[0]
+    seen = g.node("Sub", [t["seqlens_k"], t["query_seqlens"]], [f"{n}/seen32"], f"{n}/Seen")[0]
     seen = g.node("Cast", [seen], [f"{n}/seen64"], f"{n}/CastSeen", to=i64)[0]
     seen = g.node("Add", [seen, one], [f"{n}/length"], f"{n}/Length")[0]
     offsets = g.node("Range", [zero, q_len, one], [f"{n}/offsets"], f"{n}/Offsets")[0]  # (Q,)
     axes1 = g.init(f"{n}.axes1", np.array([1], np.int64))
     at = g.node("Unsqueeze", [seen, axes1], [f"{n}/length_b1"], f"{n}/LengthB1")[0]
     at = g.node("Add", [at, offsets], [f"{n}/new_slots"], f"{n}/NewSlots")[0]  # (B, Q)
-    keys = g.node("ScatterElements", [keys, at, "position_ids"], [f"{n}/keys"], f"{n}/Keys", axis=1)[0]
-    q = g.node("Unsqueeze", ["position_ids", g.init(f"{n}.axes2", np.array([2], np.int64))], [f"{n}/q"], f"{n}/Q3")[0]
+    keys = g.node("ScatterElements", [keys, at, t["position_ids"]], [f"{n}/keys"], f"{n}/Keys", axis=1)[0]
+    q = g.node("Unsqueeze", [t["position_ids"], g.init(f"{n}.axes2", np.array([2], np.int64))], [f"{n}/q"], f"{n}/Q3")[
+        0
+    ]
     k = g.node("Unsqueeze", [keys, axes1], [f"{n}/k"], f"{n}/K3")[0]
     behind = g.node("Sub", [q, k], [f"{n}/behind"], f"{n}/Behind")[0]  # (B, Q, T)
     near = g.node("Less", [behind, g.init(f"{n}.size", np.array(window, np.int64))], [f"{n}/near"], f"{n}/Near")[0]
@@ -181,7 +227,7 @@ def window_bias(g: GraphBuilder, window: int, shared: dict) -> str:
         f"{n}/Cut",
     )[0]
     cut = g.node("Unsqueeze", [cut, axes1], [f"{n}/cut4"], f"{n}/Cut4")[0]  # (B, 1, Q, T)
-    shared["window_bias"] = g.node("Add", ["attention_bias", cut], [f"{n}/bias"], f"{n}/Bias")[0]
+    shared["window_bias"] = g.node("Add", [t["attention_bias"], cut], [f"{n}/bias"], f"{n}/Bias")[0]
     return shared["window_bias"]
 
 

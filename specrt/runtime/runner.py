@@ -40,6 +40,7 @@ class RunnerSpec:
     split: bool = False  # --quantize gguf: one row's one-position steps on the 4-bit engine, the rest on float32
     exact: str = "bitwise"  # or "near-ties": one-position steps as they are (runtime/session.py)
     threads: int = 0  # ORT intra-op threads (0: one per physical core)
+    spin: bool = False  # ORT's threads wait for work spinning (a machine of its own: engines/ort.py OrtOptions)
     device: str | None = None
     cuda_graphs: bool = False
     draft: str = "none"
@@ -187,7 +188,7 @@ def _open_ort(spec: RunnerSpec) -> Generator:
                 f"{spec.artifacts} --quantize {spec.quantize}"
             )
     multi = ArtifactLayout(spec.artifacts).ort_engine(spec.provider) if spec.split else None
-    options = OrtOptions(provider=spec.provider, intra_op_threads=spec.threads)
+    options = OrtOptions(provider=spec.provider, intra_op_threads=spec.threads, allow_spinning=spec.spin)
     return Generator.from_engine(
         engine, spec.checkpoint, options=options, verify=spec.verify, multi_engine=multi, exact=spec.exact
     )

@@ -15,7 +15,10 @@ host only for the positions asked for.
 Every step computes at least `floor` positions per row (export/step_io.py STEP_FLOOR, where the
 backend keeps it: `Capabilities.floor`): a one-position step gets one more position, computed and
 left uncommitted, so that a position's logits come from the same kernels, bit for bit, whether
-plain decoding, a verification step of any size, a split step or a batch computes them. With
+plain decoding, a verification step of any size, a split step or a batch computes them. An
+engine whose build found one-position steps bitwise too (the fused graphs pad their attention
+themselves, and their int8-activation and float32 products give a row the same bits alone)
+needs no floor: 1. With
 `exact="near-ties"` one-position steps run as they are: faster where a two-row product costs much
 more than a one-row one (the level-0 4-bit kernels), and exact only up to the engine's measured
 difference between the two.
@@ -64,6 +67,7 @@ class StepSession:
         self.prefill_chunk = min(prefill_chunk, self.caps.max_step or prefill_chunk)  # an engine's largest profile
         self._pool: list[KVCache] = []
         # the fewest positions per row a step computes (the module docstring)
+        self.exact = exact  # "bitwise": greedy verdicts keep to the tree's leading chain too (speculative.py)
         self.floor = self.caps.floor if exact == "bitwise" else 1
         # and the multiple every step's positions per row are rounded up to (Capabilities.step_multiple)
         self.multiple = self.caps.step_multiple if exact == "bitwise" else 1
@@ -74,16 +78,18 @@ class StepSession:
 
     def exactness(self) -> dict:
         """What speculative output is guaranteed to equal plain output up to, on this session:
-        {"exact": "bitwise"} when the floor holds and the engine's build found every step shape
-        bitwise equal (engines/ort_measure.py); else {"exact": "near-ties", "bound": the
-        measured difference of one- (with the floor: padded) and multi-position steps, relative to
-        the logits' range};
+        {"exact": "bitwise"} when the engine's build found every step shape the session runs
+        bitwise equal (engines/ort_measure.py: one-position steps too where the floor is 1);
+        else {"exact": "near-ties", "bound": the measured difference of one- (with the floor:
+        padded) and multi-position steps, relative to the logits' range};
         "unmeasured" where the backend has no such record (PyTorch, TensorRT)."""
         measured = self.caps.batch_invariance
         if not measured:
             return {"exact": "unmeasured", "floor": self.floor}
         shapes = measured.get("bitwise") or {}
-        if self.floor >= 2 and shapes and all(shapes.values()):
+        # under the floor no step has one position: what those shapes give does not matter
+        needed = [v for k, v in shapes.items() if self.floor < 2 or not k.startswith("unpadded")]
+        if shapes and all(needed) and (self.floor >= 2 or "unpadded" in shapes):
             return {"exact": "bitwise", "floor": self.floor}
         # with the floor, one-position steps are gone: what is left is the padded steps' difference
         bound = measured.get("padded_relative", measured["relative"]) if self.floor >= 2 else measured["relative"]

@@ -13,9 +13,10 @@ the batching engine runs together, runtime/batching.py, the one generation loop)
     constrain  a row with a grammar (runtime/grammar.py): the tokens it forces go in front of
              the draft, and each node gets the grammar's mask after its path
     verify   one target step over [root, draft nodes...] per row, at positions length + depth
-             with the tree's ancestor mask (rows may draft different amounts); with the floor,
-             each tree depth first, so the best guess at every depth is its leading chain
-    accept   greedy: the path matching the target's argmax (with the floor, cut where it leaves
+             with the tree's ancestor mask (rows may draft different amounts); bitwise (the
+             session's exactness), each tree depth first, so the best guess at every depth is
+             its leading chain
+    accept   greedy: the path matching the target's argmax (bitwise, cut where it leaves
              the leading chain, whose logits alone are plain decoding's bits:
              verification.on_leading_chain); sampling: recursive rejection (verification.py):
              the output follows the target exactly (a constrained row's target masked at every
@@ -152,6 +153,12 @@ class SpeculativeDecoder:
         return self.gen.session.floor > 1
 
     @property
+    def bitwise(self) -> bool:
+        """Whether greedy output must be plain decoding's bits (the session's exactness): then
+        only a tree's leading chain is (verification.on_leading_chain)."""
+        return self.gen.session.exact == "bitwise"
+
+    @property
     def eos_ids(self):
         return self.gen.eos_ids
 
@@ -212,7 +219,7 @@ class SpeculativeDecoder:
         guessed = self.guess(state, rows, trees, drafted) if self.floored else {}
         trees = {**trees, **guessed}
         masks = self.constrain(state, trees)
-        if self.floored:  # the best guess at every depth on the leading chain
+        if self.bitwise:  # the best guess at every depth on the leading chain
             trees, masks = self.depth_first(trees, masks)
         t1 = time.perf_counter()
         depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
@@ -352,7 +359,7 @@ class SpeculativeDecoder:
             masked = np.where(masks[b], out.logits[b, :n], -np.inf) if b in masks else None
             if row.sampling.greedy:
                 verdicts[b] = accept_greedy(trees[b], top[b, :n] if masked is None else masked.argmax(-1))
-                if self.floored:  # off the leading chain a node's logits are not plain decoding's bits
+                if self.bitwise:  # off the leading chain a node's logits are not plain decoding's bits
                     verdicts[b] = on_leading_chain(trees[b], verdicts[b])
             else:
                 logits = out.logits[b, :n] if masked is None else masked

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrt.engines.ort_measure import floor_of
 from specrt.export.config import ModelConfig
 from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, STEP_ROOM, StepIO, fused_inputs
 from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput, gather_rows
@@ -48,6 +49,7 @@ class OrtBackend(StepBackend):
             checkpoint_hash=checkpoint_hash,
             vocab_size=config.vocab_size,
             cache_slack=STEP_ROOM if fused else 0,
+            floor=floor_of(batch_invariance),
         )
         self._io = StepIO(config.num_hidden_layers)
         # fetching hidden_states only when asked saves its host copy on every other step

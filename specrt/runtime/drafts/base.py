@@ -57,8 +57,8 @@ What the runtime guarantees, and what it asks of a method:
   them) or are the whole tree (other methods: a step that has forced tokens verifies those
   alone), and the tree is cut again before the first node the grammar forbids (greedy rows and
   point masses); where a row has nothing to verify, the step's floor verifies a one-token
-  guess. Then, under the step floor (`StepSession.floor` >= 2: the default where the backend
-  keeps one, runtime/session.py), the tree is re-ordered depth first (`DraftTree.depth_first`:
+  guess. Then, where output must be bitwise plain output (`StepSession.exact`, the default,
+  runtime/session.py), the tree is re-ordered depth first (`DraftTree.depth_first`:
   every node's first child right after it), so its leading chain is your best guess at every
   depth. `commit` gets that verified tree, and each verdict indexes *its* nodes, not your
   proposal's: `tree.proposed()[verdict.accepted]` are the accepted nodes' indexes in your
