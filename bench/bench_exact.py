@@ -59,11 +59,17 @@ def encode(gen, row: dict, chat: bool) -> list[int]:
     return gen.tokenizer.encode(gen.tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True))
 
 
-def runners(gen):
+def runners(gen, draft_model: Path | None = None):
+    """plain, --draft auto and, given a draft model's engine, --draft draft-model (N by the
+    cost model): fresh ones each call (a draft's index keeps what it saw)."""
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
-    return {"plain": gen, "auto": SpeculativeDecoder(gen, make_proposer("auto"), make_policy("auto"))}
+    out = {"plain": gen, "auto": SpeculativeDecoder(gen, make_proposer("auto"), make_policy("auto"))}
+    if draft_model is not None:
+        proposer = make_proposer("draft-model", draft_dir=draft_model, target=gen.session.caps)
+        out["draft-model"] = SpeculativeDecoder(gen, proposer, make_policy("auto"))
+    return out
 
 
 def timed(runner, ids: list[int], n: int):
@@ -97,6 +103,9 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: a peer on the GGUF.")
     ap.add_argument("--gguf", type=Path, default=None, help="--llama-server: the GGUF (default: the checkpoint's).")
     ap.add_argument("--llama-draft", type=Path, default=None, help="--llama-modes draft-simple: the draft's GGUF.")
+    ap.add_argument(
+        "--draft-model", type=Path, default=None, help="A draft model's ORT engine: --draft draft-model too."
+    )
     ap.add_argument(
         "--llama-modes", default="plain,ngram-simple,ngram-mod", help="--llama-server: plain and n-gram spec types."
     )
@@ -148,7 +157,8 @@ def main() -> None:
     if args.genai_python:
         genai_dir = build_genai_model(args.genai_python, args.model, args.artifacts.with_name("genai-int4-cpu"))
 
-    modes = ("plain", "auto")
+    modes = ("plain", "auto") + (("draft-model",) if args.draft_model else ())
+    accepted = {n: {m: [0, 0, 0] for m in modes[1:]} for n in gens}  # drafted, accepted, steps
     decode = {n: {m: {c: [] for c in classes} for m in modes} for n in gens}
     plain_decode = {n: {c: [] for c in classes} for n in gens}  # decode steps only (as genai's figure)
     per_step = {n: [] for n in gens}  # plain decoding's tokens per step
@@ -165,10 +175,16 @@ def main() -> None:
                 per_step[name].append(len(plain.token_ids) / (1 + len(plain.step_seconds)))
                 # a fresh draft each time: the suffix index keeps earlier outputs, and a repeat of
                 # this prompt would copy its own earlier answer
-                spec, tok_s = timed(runners(gens[name])["auto"], ids, args.new_tokens)
-                decode[name]["auto"][cls].append(tok_s)
-                equal_bench[name][0] += spec.token_ids == plain.token_ids
-                equal_bench[name][1] += 1
+                fresh = runners(gens[name], args.draft_model)
+                for mode in modes[1:]:
+                    spec, tok_s = timed(fresh[mode], ids, args.new_tokens)
+                    decode[name][mode][cls].append(tok_s)
+                    equal_bench[name][0] += spec.token_ids == plain.token_ids
+                    equal_bench[name][1] += 1
+                    m = spec.metrics
+                    accepted[name][mode] = [
+                        a + b for a, b in zip(accepted[name][mode], (m.drafted_tokens, m.accepted_tokens, m.steps))
+                    ]
         for mode, server in servers.items():
             for cls, ids in encoded:
                 r = server.complete(ids, args.new_tokens)
@@ -226,6 +242,14 @@ def main() -> None:
         },
         "plain_decode_tok_s": {n: {c: round(med(v), 1) for c, v in by.items()} for n, by in plain_decode.items()},
         "plain_tokens_per_step": {n: round(med(v), 3) for n, v in per_step.items()},
+        # drafted tokens the target accepted, and tokens a verification step yields (accepted + 1)
+        "acceptance": {
+            n: {
+                m: {"rate": round(a / max(d, 1), 3), "tokens_per_step": round((a + s) / max(s, 1), 2)}
+                for m, (d, a, s) in by.items()
+            }
+            for n, by in accepted.items()
+        },
         "auto_equal_plain_bench_prompts": {n: f"{a}/{b}" for n, (a, b) in equal_bench.items()},
         "exact": exact,
         "step_ms_at_build": {n: g.backend.caps.step_ms for n, g in gens.items() if n.endswith("bitwise")},
@@ -250,12 +274,13 @@ def main() -> None:
 
 
 def print_table(result: dict, classes: list[str]) -> None:
-    print(f"\n{'engine':24s} {'mode':6s} " + " ".join(f"{c:>13s}" for c in classes))
+    print(f"\n{'engine':24s} {'mode':11s} " + " ".join(f"{c:>13s}" for c in classes))
     for n, ms in result["decode_tok_s"].items():
         for m, by in ms.items():
-            print(f"{n:24s} {m:6s} " + " ".join(f"{by.get(c, float('nan')):13.1f}" for c in classes))
+            print(f"{n:24s} {m:11s} " + " ".join(f"{by.get(c, float('nan')):13.1f}" for c in classes))
     print("\nplain tokens per step (free guesses):", result["plain_tokens_per_step"])
-    print("auto == plain on the benchmark prompts:", result["auto_equal_plain_bench_prompts"])
+    print("speculative == plain on the benchmark prompts:", result["auto_equal_plain_bench_prompts"])
+    print("acceptance:", result["acceptance"])
     for n, e in result["exact"].items():
         print(f"exact {n:22s} {e['equal']}/{e['prompts']} prompts x {e['tokens']} tokens bitwise equal")
     print("\nstep ms at build (positions: ms)")

@@ -250,8 +250,9 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
     elif kind == "ort-engine":
         lines.append(
             f"  runtime     onnxruntime {manifest.get('versions', {}).get('onnxruntime')} "
-            f"{manifest.get('provider')}, optimized on {manifest.get('host_cpu')!r}, "
+            f"{manifest.get('provider')}, measured on {manifest.get('host_cpu')!r}, "
             f"{manifest.get('graph_flavour', 'portable')} graph"
+            + (f" in {manifest['graph_dir']} (optimized as it loads)" if "graph_dir" in manifest else "")
         )
         inv = manifest.get("batch_invariance")
         if inv:
@@ -283,7 +284,7 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
                     f = next(iter(p["shapes"].values()))
                     lines.append(f"    profile {p['name']:<9} batch {f[0][0]}..{f[2][0]}")
     files = manifest.get("files")
-    if isinstance(files, dict):
+    if isinstance(files, dict) and files:
         lines.append(f"  files       {', '.join(files)} (sha256 checked in full)")
     return lines
 

@@ -104,11 +104,13 @@ def test_train_draft_writes_a_checkpoint_and_its_engines(distilled, tiny_checkpo
     assert (layout.ort_engine("cpu") / "manifest.json").is_file() and (layout.weights / "tokenizer.json").is_file()
 
 
-@pytest.mark.parametrize("which", ["the target itself", "distilled"])
+@pytest.mark.parametrize("which", ["the target itself", "distilled", "an engine directory"])
 @pytest.mark.parametrize("num_draft", [3, "auto"])
 def test_greedy_draft_model_equals_plain(which, num_draft, distilled, tiny_artifacts):
     gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
-    draft_dir = tiny_artifacts if which == "the target itself" else distilled[0]
+    # an engine directory: the draft's engine named itself (a 4-bit engine of a smaller model)
+    draft_dir = {"the target itself": tiny_artifacts, "distilled": distilled[0]}.get(which)
+    draft_dir = draft_dir or tiny_artifacts / "engines" / "ort-cpu"
     prompts = [[40, 41, 42], [5, 9, 13, 5, 9, 13, 5, 9], [77]]
     plain = gen.generate_ids(prompts, 30)
     prop = make_proposer("draft-model", draft_dir=draft_dir, target=gen.session.caps)
@@ -116,7 +118,7 @@ def test_greedy_draft_model_equals_plain(which, num_draft, distilled, tiny_artif
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     m = out[0].metrics
     assert prop.calls > 0 and m.drafted_tokens > 0
-    if which == "the target itself" and num_draft == 3:  # q = p: every draft is accepted
+    if which != "distilled" and num_draft == 3:  # q = p: every draft is accepted
         assert m.accepted_tokens == m.drafted_tokens
 
 

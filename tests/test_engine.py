@@ -24,7 +24,9 @@ def test_engine_reports_provider_and_records_versions(tiny_artifacts):
     session, manifest, provider = load_ort_session(tiny_artifacts / "engines" / "ort-cpu")
     assert provider == "CPUExecutionProvider" == session.get_providers()[0]
     assert manifest["kind"] == "ort-engine" and manifest["versions"]["onnxruntime"]
-    assert (tiny_artifacts / "engines" / "ort-cpu" / "model.opt.onnx").is_file()
+    # it runs the graph it was built from, referenced, not a copy
+    assert manifest["graph_dir"] == "../../onnx-fused" and manifest["files"] == {}
+    assert not (tiny_artifacts / "engines" / "ort-cpu" / "model.opt.onnx").exists()
 
 
 def test_build_all_reuses_up_to_date_artifacts(tiny_checkpoint, tiny_artifacts, tmp_path):
@@ -81,14 +83,14 @@ def test_engine_optimized_on_other_cpu_is_refused(tiny_artifacts, tmp_path):
 
 def test_corrupt_engine_file_is_refused(tiny_artifacts, tmp_path):
     art = copy_artifacts(tiny_artifacts, tmp_path / "art")
-    (art / "engines/ort-cpu/model.opt.onnx").write_bytes(b"\x00garbage" * 100)
+    (art / "onnx-fused/model.onnx").write_bytes(b"\x00garbage" * 100)  # the graph the engine runs
     with pytest.raises(
         ArtifactError,
-        match="model.opt.onnx does not match the sha256 in its manifest .* re-create it with: specrt build-engines",
+        match="model.onnx does not match the sha256 in its manifest .* re-create it with: specrt build-engines",
     ):
         load_ort_session(art / "engines/ort-cpu")
     # unchecked (verify="none"), ONNX Runtime's own refusal is still one clear error
-    with pytest.raises(ArtifactError, match="could not load engine .* rebuild it"):
+    with pytest.raises(ArtifactError, match="could not load .*model.onnx .* rebuild it"):
         load_ort_session(art / "engines/ort-cpu", verify="none")
 
 
@@ -117,7 +119,7 @@ def test_unavailable_gpu_provider_is_a_clear_error(tiny_artifacts, tmp_path):
 
 
 def test_engine_for_other_provider_is_refused(tiny_artifacts):
-    with pytest.raises(ManifestMismatchError, match="optimized for CPUExecutionProvider, not CUDAExecutionProvider"):
+    with pytest.raises(ManifestMismatchError, match="built for CPUExecutionProvider, not CUDAExecutionProvider"):
         load_ort_session(tiny_artifacts / "engines" / "ort-cpu", OrtOptions(provider="cuda"))
 
 

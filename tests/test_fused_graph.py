@@ -156,7 +156,7 @@ def test_inspect_names_the_flavour_and_tensorrt_refuses_the_fused_graph(tiny_art
     from specrt.errors import SpecrtError
 
     r = CliRunner().invoke(main, ["inspect", str(tiny_artifacts)])
-    assert "graph       fused (version" in r.output and "CPUExecutionProvider, optimized on" in r.output
+    assert "graph       fused (version" in r.output and "CPUExecutionProvider, measured on" in r.output
     assert "portable graph" not in r.output.split("[ort-engine]")[1].split("\n\n")[0]
     if (tiny_artifacts / "engines" / "trt-tensorrt-rtx").is_dir():  # built from the standard graph
         assert (

@@ -26,6 +26,7 @@ from specrt.runtime.generator import Generator
 from conftest import random_model, save_checkpoint, tiny_hf_config
 
 ENGINE = "engines/ort-cpu"
+GRAPH = "onnx-fused"  # the graph the engine runs (it references it: engines/ort.py)
 
 
 @pytest.fixture
@@ -74,15 +75,15 @@ def count_hashes(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("name", ["model.opt.onnx.data", "model.opt.onnx"])
+@pytest.mark.parametrize("name", ["model.onnx.data", "model.onnx"])
 @pytest.mark.parametrize("keep_mtime", [False, True])
 def test_flipped_byte_is_refused_by_generate_and_inspect(art, name, keep_mtime):
     assert generate(art).exit_code == 0  # loads, and stamps the files as verified
-    flip_byte(art / ENGINE / name, keep_mtime)
+    flip_byte(art / GRAPH / name, keep_mtime)
     r = generate(art)
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert r.output.strip().splitlines()[-1] == (
-        f"Error: {art / ENGINE / name} does not match the sha256 in its manifest (corrupt, or replaced by another "
+        f"Error: {art / GRAPH / name} does not match the sha256 in its manifest (corrupt, or replaced by another "
         "file); "
         "re-create it with: specrt build-engines --model CHECKPOINT --out DIR"
     )
@@ -91,12 +92,10 @@ def test_flipped_byte_is_refused_by_generate_and_inspect(art, name, keep_mtime):
 
 
 def test_swapped_graph_is_refused_before_onnxruntime_sees_it(art, other_art):
-    for f in ("model.opt.onnx", "model.opt.onnx.data"):
-        shutil.copy(other_art / ENGINE / f, art / ENGINE / f)
+    for f in ("model.onnx", "model.onnx.data"):
+        shutil.copy(other_art / GRAPH / f, art / GRAPH / f)
     r = generate(art)
-    assert (
-        r.exit_code == 1 and "model.opt.onnx does not match the sha256" in r.output and "input" not in r.output.lower()
-    )
+    assert r.exit_code == 1 and "model.onnx does not match the sha256" in r.output and "input" not in r.output.lower()
     r = CliRunner().invoke(main, ["inspect", str(art)])
     assert r.exit_code == 1 and "refused here" in r.output and "does not match the sha256" in r.output
     assert "usable here" in r.output  # the intact onnx/ export beside it still is
@@ -124,29 +123,29 @@ def test_a_fresh_build_is_not_hashed_again_on_load(tiny_artifacts, count_hashes)
 def test_copied_engine_is_hashed_once_then_trusted(tiny_artifacts, tmp_path, count_hashes):
     copy = shutil.copytree(tiny_artifacts, tmp_path / "copy")  # new inodes: the stamp does not vouch for them
     load_ort_session(copy / ENGINE)
-    assert sorted(count_hashes) == ["model.opt.onnx", "model.opt.onnx.data"]
+    assert sorted(count_hashes) == ["model.onnx", "model.onnx.data"]  # the graph the engine runs
     count_hashes.clear()
     load_ort_session(copy / ENGINE)
     assert count_hashes == []
-    os.utime(copy / ENGINE / "model.opt.onnx")  # touched: hashed again (and passes)
+    os.utime(copy / GRAPH / "model.onnx")  # touched: hashed again (and passes)
     load_ort_session(copy / ENGINE)
-    assert count_hashes == ["model.opt.onnx"]
+    assert count_hashes == ["model.onnx"]
     count_hashes.clear()
     load_ort_session(copy / ENGINE, verify="full")  # --verify-artifacts
-    assert sorted(count_hashes) == ["model.opt.onnx", "model.opt.onnx.data"]
+    assert sorted(count_hashes) == ["model.onnx", "model.onnx.data"]
 
 
 def test_inspect_hashes_in_full_even_when_the_stamp_vouches(tiny_artifacts, count_hashes):
     assert inspect_artifact(tiny_artifacts / ENGINE).usable
-    assert sorted(count_hashes) == ["model.opt.onnx", "model.opt.onnx.data"]
+    assert sorted(count_hashes) == ["model.onnx", "model.onnx.data"]
 
 
 def test_verify_artifacts_flag_hashes_in_full(art, count_hashes):
     load_ort_session(art / ENGINE)
     count_hashes.clear()
-    assert generate(art).exit_code == 0 and "model.opt.onnx" not in count_hashes
+    assert generate(art).exit_code == 0 and "model.onnx" not in count_hashes
     assert generate(art, "--verify-artifacts").exit_code == 0
-    assert {"model.opt.onnx", "model.opt.onnx.data"} <= set(count_hashes)
+    assert {"model.onnx", "model.onnx.data"} <= set(count_hashes)
 
 
 def test_engine_without_file_hashes_is_rebuilt(art, tiny_checkpoint):

@@ -352,9 +352,10 @@ def _build_ort(
 
     edir = ArtifactLayout(spec.out).ort_engine(spec.provider, quantize)
     current = None if spec.force or stale else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
-    # an engine built before its step costs or its bitwise check were measured is rebuilt (ORT's
-    # optimization: seconds)
-    measured = current is not None and "step_ms" in current and "bitwise" in current.get("batch_invariance", {})
+    # an engine built before its step costs, its bitwise check or its one-position steps were
+    # measured, or that holds a copy of its graph, is rebuilt (ORT's optimization: seconds)
+    shapes = (current or {}).get("batch_invariance", {}).get("bitwise", {})
+    measured = current is not None and "step_ms" in current and "unpadded" in shapes and "graph_dir" in current
     if measured and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
     else:

@@ -1,9 +1,14 @@
-"""ONNX Runtime engines: the step graph optimized once for an execution provider, cached on disk.
+"""ONNX Runtime engines: the step graph, its measurements and the provider it runs on.
 
-`build_ort_engine` runs ORT's graph optimizations (level ALL) on the exported step graph and saves
-the optimized model with a manifest (ONNX hash, checkpoint hash, provider, ORT version, the
-sha256 of its own files). `load_ort_session` checks that manifest and the files (in full when
-they changed since their last check, or when asked) and opens a session on the cached model. ORT silently
+`build_ort_engine` opens the exported step graph with ORT's graph optimizations (level ALL),
+measures it (batch invariance, step costs) and writes a manifest (ONNX hash, checkpoint hash,
+provider, ORT version, CPU). The engine references its graph rather than holding an optimized
+copy (`graph_dir`, relative to the engine): ORT optimizes it again at every load, which took 2.07
+s against 2.01 s for opening the saved copy on the 1.5B model's gguf-a8 graph, and the copy was
+another 1.58 GB on disk. `load_ort_session` checks that manifest and the graph's files (in full
+when they changed since their last check, or when asked) and opens a session on the graph.
+Engines built before (an optimized copy, `model.opt.onnx`, listed in their `files`) still load
+as they are. ORT silently
 falls back to CPU when a GPU provider cannot load, so the provider that really runs is read back
 from the session and reported, and asking for a GPU provider that did not load is an error.
 
@@ -13,6 +18,7 @@ onnxruntime is imported inside functions: `import specrt` works without it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -20,10 +26,10 @@ from specrt.artifacts import (
     atomic_dir,
     check_files,
     cpu_model,
-    file_sha256,
     package_versions,
     read_manifest,
     require_same_checkpoint,
+    verify_files,
     write_manifest,
 )
 from specrt.engines.ort_measure import batch_invariance, step_costs
@@ -126,16 +132,31 @@ def check_built_here(m: dict, what: str, how: str) -> None:
     installed = package_versions("onnxruntime")["onnxruntime"]
     if built_with != installed:
         raise ManifestMismatchError(
-            f"{what} was optimized by onnxruntime {built_with}, but {installed} is installed; "
-            f"optimized graphs are not portable across versions. Rebuild it with: {how}"
+            f"{what} was built with onnxruntime {built_with}, but {installed} is installed; its optimized graph "
+            f"and measurements (bitwise step shapes, step costs) hold for the version that made them. Rebuild it "
+            f"with: {how}"
         )
     if m["provider"] not in PROVIDERS.values():
         raise ArtifactError(f"{what} names an unknown provider {m['provider']!r}; rebuild it with: {how}")
     if m["provider"] == PROVIDERS["cpu"] and m.get("host_cpu") != cpu_model():
         raise ManifestMismatchError(
-            f"{what} was optimized on a {m.get('host_cpu')!r} CPU, this is {cpu_model()!r}; "
-            f"ORT's optimized CPU graphs may use kernels of the CPU they were built on. Rebuild it here with: {how}"
+            f"{what} was optimized on a {m.get('host_cpu')!r} CPU, this is {cpu_model()!r}; ORT's CPU kernels, "
+            f"and so which step shapes give the same bits, depend on the CPU. Rebuild it here with: {how}"
         )
+
+
+def engine_options(engine_dir: Path, m: dict, options: OrtOptions | None, how_for: str) -> OrtOptions:
+    """`options` (default: the engine's provider), refused unless for the provider the engine was
+    built for (`options` may only change threads and spinning); `how_for` (with {provider})
+    builds one for another provider."""
+    provider = next(k for k, v in PROVIDERS.items() if v == m["provider"])
+    options = options or OrtOptions(provider=provider)
+    if PROVIDERS[options.provider] != m["provider"]:
+        raise ManifestMismatchError(
+            f"engine {engine_dir} was built for {m['provider']}, not {PROVIDERS[options.provider]}; "
+            f"build one for it with: {how_for.format(provider=options.provider)}"
+        )
+    return options
 
 
 def open_optimized(
@@ -145,13 +166,7 @@ def open_optimized(
     provider it was optimized for (`options` may only change threads and spinning). `how`
     rebuilds it; `how_for` (with {provider}) builds one for another provider, where that exists."""
     ort = _ort()
-    provider = next(k for k, v in PROVIDERS.items() if v == m["provider"])
-    options = options or OrtOptions(provider=provider)
-    if PROVIDERS[options.provider] != m["provider"]:
-        raise ManifestMismatchError(
-            f"engine {engine_dir} was optimized for {m['provider']}, not {PROVIDERS[options.provider]}; "
-            f"build one for it with: {(how_for or how).format(provider=options.provider)}"
-        )
+    options = engine_options(engine_dir, m, options, how_for or how)
     so = _session_options(options, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     try:
         session = ort.InferenceSession(str(engine_dir / opt_file), so, providers=_provider_list(options.provider))
@@ -162,15 +177,27 @@ def open_optimized(
     return session, _check_provider_loaded(session, options.provider)
 
 
+def graph_session(onnx_file: Path, options: OrtOptions, fix: str):
+    """(session, active provider) on a step graph, optimized by ORT (level ALL) as it loads."""
+    ort = _ort()
+    so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    so.log_severity_level = 3  # the level-ALL warning about CPU-specific kernels: see optimizing_session
+    try:
+        session = ort.InferenceSession(str(onnx_file), so, providers=_provider_list(options.provider))
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+        raise ArtifactError(f"ONNX Runtime could not load {onnx_file} ({e}); {fix}") from None
+    return session, _check_provider_loaded(session, options.provider)
+
+
 def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOptions = OrtOptions()) -> Path:
-    """Optimize the step graph for `options.provider` and cache it in `out_dir` with a manifest."""
+    """The engine of the step graph in `onnx_dir` for `options.provider`: its manifest in
+    `out_dir`, which references the graph."""
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     onnx_manifest = read_onnx_manifest(onnx_dir)
+    graph_dir = os.path.relpath(onnx_dir.resolve(), out_dir.resolve())  # moves with the artifacts
     with atomic_dir(out_dir) as tmp:
         t0 = time.perf_counter()
-        session, active = optimizing_session(
-            onnx_dir / ONNX_FILE, tmp / OPT_FILE, OPT_DATA, options, "re-export it with `specrt export`."
-        )
+        session, active = graph_session(onnx_dir / ONNX_FILE, options, "re-export it with `specrt export`.")
         flavour = onnx_manifest.get("graph_flavour", "portable")
         invariance = batch_invariance(session, onnx_manifest["config"], flavour)
         costs = step_costs(session, onnx_manifest["config"], flavour)
@@ -180,6 +207,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
             ENGINE_KIND,
             {
                 "onnx": {"path": str(onnx_dir.resolve()), "files": onnx_manifest["files"]},
+                "graph_dir": graph_dir,  # the graph it runs, relative to the engine
                 "checkpoint": onnx_manifest["checkpoint"],
                 "config": onnx_manifest["config"],
                 "hidden_layers": onnx_manifest["hidden_layers"],
@@ -193,11 +221,32 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "batch_invariance": invariance,
                 "step_ms": costs,  # by positions, batch 1: the cost model's priors
                 "build_seconds": round(time.perf_counter() - t0, 2),
-                "files": {name: file_sha256(tmp / name) for name in (OPT_FILE, OPT_DATA)},
+                "files": {},  # its graph's are the graph's manifest's (onnx.files)
                 "versions": package_versions("onnxruntime"),
             },
         )
     return out_dir
+
+
+def engine_graph(engine_dir: Path, m: dict) -> tuple[Path, str, bool]:
+    """(directory, file, optimized) of the graph an engine runs: the step graph it references,
+    optimized as it loads, or the optimized copy an engine built before holds."""
+    if "graph_dir" in m:
+        return (engine_dir / m["graph_dir"]).resolve(), ONNX_FILE, False
+    return engine_dir, OPT_FILE, True
+
+
+def check_engine_files(engine_dir: Path, m: dict, verify: str) -> None:
+    """The engine's graph files against their hashes (verify as in read_engine_manifest)."""
+    graph_dir, _, copy = engine_graph(engine_dir, m)
+    if copy:
+        check_files(engine_dir, m, (OPT_FILE, OPT_DATA), HOW_TO_BUILD, verify)
+    elif not graph_dir.is_dir():
+        raise ArtifactError(
+            f"engine {engine_dir} runs the step graph in {graph_dir}, which is gone; rebuild it with: {HOW_TO_BUILD}"
+        )
+    elif verify != "none":
+        verify_files(graph_dir, m["onnx"]["files"], HOW_TO_BUILD, full=verify == "full")
 
 
 def precision_of(scheme: str | None) -> str:
@@ -223,7 +272,7 @@ def read_engine_manifest(
     config_from_manifest(m, engine_dir, HOW_TO_BUILD)
     require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", f"Rebuild it with: {HOW_TO_BUILD}")
     check_built_here(m, f"engine {engine_dir}", "specrt build-engines")
-    check_files(engine_dir, m, (OPT_FILE, OPT_DATA), HOW_TO_BUILD, verify)
+    check_engine_files(engine_dir, m, verify)
     return m
 
 
@@ -237,7 +286,11 @@ def load_ort_session(
     files (`verify`, as in read_engine_manifest)."""
     engine_dir = Path(engine_dir)
     m = read_engine_manifest(engine_dir, checkpoint_hash_expected, verify)
-    # the graph was optimized at build time; run it as saved
     how = "specrt build-engines"
-    session, active = open_optimized(engine_dir, OPT_FILE, m, options, how, how + " --provider {provider}")
+    graph_dir, name, copy = engine_graph(engine_dir, m)
+    if copy:  # optimized at build time: run it as saved
+        session, active = open_optimized(engine_dir, OPT_FILE, m, options, how, how + " --provider {provider}")
+    else:
+        options = engine_options(engine_dir, m, options, how + " --provider {provider}")
+        session, active = graph_session(graph_dir / name, options, f"rebuild it with: {how}")
     return session, m, active

@@ -19,13 +19,19 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.artifacts import read_json_object
+from specrt.artifacts import MANIFEST, read_json_object
 from specrt.errors import SpecrtError
 from specrt.layout import ArtifactLayout, HeadLayout
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.sampling import probs_from_logits, sample_from_probs
 from specrt.runtime.session import StepSession
 from specrt.runtime.verification import DraftTree
+
+
+def _kind(directory: Path) -> str | None:
+    """The kind of artifact `directory` is, by its manifest (None: none there)."""
+    manifest = directory / MANIFEST
+    return read_json_object(manifest, SpecrtError, f"rebuild {directory}").get("kind") if manifest.is_file() else None
 
 
 class DraftModelProposer:
@@ -35,12 +41,15 @@ class DraftModelProposer:
     lookup = False
 
     def __init__(self, draft_dir: str | Path, target: Capabilities, threads: int = 0, verify: str = "auto"):
-        """draft_dir: the draft's build-engines output (its engines/ort-cpu); target: the target
-        backend's capabilities (a distilled draft is checked against its checkpoint)."""
-        from specrt.engines.ort import OrtOptions, load_ort_session
+        """draft_dir: the draft's build-engines output (its engines/ort-cpu), or one of its ORT
+        engines itself (a 4-bit one: engines/ort-cpu-gguf-a8); target: the target backend's
+        capabilities (a distilled draft is checked against its checkpoint)."""
+        from specrt.engines.ort import ENGINE_KIND, OrtOptions, load_ort_session
         from specrt.runtime.backends import OrtBackend
 
         engine = ArtifactLayout(draft_dir).ort_engine("cpu")
+        if _kind(Path(draft_dir)) == ENGINE_KIND:
+            engine = Path(draft_dir)
         if not Path(draft_dir).is_dir():
             raise SpecrtError(
                 f"--draft-dir {draft_dir} does not exist: give a smaller model's build-engines --out directory, or "
