@@ -51,9 +51,23 @@ def rss_mib() -> float:
 
 
 def opt_nodes(engine: Path) -> int:
-    import onnx
+    """The nodes of the graph the engine runs, as ORT optimizes it (written to a scratch file)."""
+    import tempfile
 
-    return len(onnx.load(str(engine / "model.opt.onnx"), load_external_data=False).graph.node)
+    import onnx
+    import onnxruntime as ort
+
+    from specrt.engines.ort import engine_graph, read_engine_manifest
+
+    graph_dir, name, optimized = engine_graph(engine, read_engine_manifest(engine, verify="none"))
+    if optimized:
+        return len(onnx.load(str(graph_dir / name), load_external_data=False).graph.node)
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "opt.onnx.data")
+        ort.InferenceSession(str(graph_dir / name), so, providers=["CPUExecutionProvider"])
+        return len(onnx.load(str(Path(tmp) / "opt.onnx"), load_external_data=False).graph.node)
 
 
 def step_ms(gen: Generator, past: int, q: int, repeats: int = 7) -> float:
