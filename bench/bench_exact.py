@@ -21,8 +21,11 @@ repeat, so machine noise hits them alike; medians are reported.
   steps     each engine's step cost by positions, as its build measured it (ms)
   anchor    onnxruntime-genai's int4 graph (round-to-nearest int4, int8 activations), with
             --genai-python: its decode tokens/s beside the others
-  peer      llama.cpp's llama-server on the GGUF itself, with --llama-server: plain and its n-gram
-            speculative modes (--llama-modes), end to end and decode tokens/s (bench/llamacpp_peer.py)
+  peer      llama.cpp's llama-server on the GGUF itself, with --llama-server: plain, its n-gram
+            speculative modes and its draft model (--llama-modes, --llama-draft), end to end and
+            decode tokens/s (bench/llamacpp_peer.py); a speculative mode on a fresh server for each
+            generation, as ours get a fresh draft (its n-gram cache keeps earlier answers: a
+            repeat of a prompt copied its own answer, 57 against 13 tokens/s)
 
 Table on stdout, JSON in bench/results/exact-<date>.json.
 """
@@ -187,7 +190,11 @@ def main() -> None:
                     ]
         for mode, server in servers.items():
             for cls, ids in encoded:
-                r = server.complete(ids, args.new_tokens)
+                if mode == "plain":
+                    r = server.complete(ids, args.new_tokens)
+                else:  # a fresh server: its n-gram cache keeps earlier answers (a repeat would copy its own)
+                    with LlamaServer(args.llama_server, gguf, mode, draft=server.draft) as fresh:
+                        r = fresh.complete(ids, args.new_tokens)
                 llama[mode][cls].append(r["tok_s"])
                 llama_decode[mode][cls].append(r["decode_tok_s"])
                 llama_drafts[mode][0] += r["drafted"]

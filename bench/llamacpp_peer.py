@@ -48,7 +48,7 @@ class LlamaServer:
             raise ValueError(f"llama-server mode {mode!r}: choose one of {', '.join(MODES)}")
         if (mode == "draft-simple") != (draft is not None):
             raise ValueError("llama-server's draft-simple mode takes a draft model's GGUF (draft=), no other mode does")
-        self.mode, self.port = mode, _free_port()
+        self.mode, self.port, self.draft = mode, _free_port(), draft
         cmd = [str(binary), "-m", str(gguf), "--port", str(self.port), "--host", "127.0.0.1"]
         cmd += ["-t", str(threads), "-c", str(ctx), "-np", "1", "--no-webui"]
         if mode != "plain":

@@ -228,9 +228,10 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
     return out_dir
 
 
-def engine_graph(engine_dir: Path, m: dict) -> tuple[Path, str, bool]:
+def engine_graph(engine_dir: str | Path, m: dict) -> tuple[Path, str, bool]:
     """(directory, file, optimized) of the graph an engine runs: the step graph it references,
     optimized as it loads, or the optimized copy an engine built before holds."""
+    engine_dir = Path(engine_dir)
     if "graph_dir" in m:
         return (engine_dir / m["graph_dir"]).resolve(), ONNX_FILE, False
     return engine_dir, OPT_FILE, True
