@@ -5,7 +5,7 @@
 
 Llama-3.1-8B's shapes: 32 layers, hidden 4096, 32 query and 8 key/value heads of 128, feed-forward
 14336, vocabulary 128256 (a byte-level tokenizer of that many tokens: the 256 byte symbols, then
-filler tokens, no merges), context 8192 (the model's 131072 would only make the rotary tables
+filler tokens, one merge), context 8192 (the model's 131072 would only make the rotary tables
 larger). Tensors as a Q4_K_M file lays them out: every matrix Q4_K but the output head and the
 value and down projections of every other layer, Q6_K; norms F32. The blocks' codes are random
 bytes; their scales are set so that weights have the spread of a trained model's (~0.02), so the
@@ -84,13 +84,14 @@ def write(out: Path, s: dict = SHAPES, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(s["vocab"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    tokens = byte_symbols() + ["<|begin_of_text|>", "<|eot_id|>"]
+    tokens = byte_symbols() + ["<|begin_of_text|>", "<|eot_id|>", "ĠĠ"]  # one merge: llama.cpp wants some
     tokens += [f"<filler_{i}>" for i in range(s["vocab"] - len(tokens))]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types([1] * 256 + [3, 3] + [1] * (s["vocab"] - 258))
-    w.add_token_merges([])
+    w.add_token_scores([0.0] * s["vocab"])
+    w.add_token_merges(["Ġ Ġ"])
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
     plan = list(tensors(s))

@@ -27,6 +27,7 @@ def test_engine_reports_provider_and_records_versions(tiny_artifacts):
     # it runs the graph it was built from, referenced, not a copy
     assert manifest["graph_dir"] == "../../onnx-fused" and manifest["files"] == {}
     assert not (tiny_artifacts / "engines" / "ort-cpu" / "model.opt.onnx").exists()
+    assert load_ort_session(str(tiny_artifacts / "engines" / "ort-cpu"))[1] == manifest  # a str path too
 
 
 def test_build_all_reuses_up_to_date_artifacts(tiny_checkpoint, tiny_artifacts, tmp_path):
