@@ -231,7 +231,7 @@ def test_inspect_artifacts(tiny_artifacts, tmp_path):
     m["versions"]["onnxruntime"] = "1.0.0"
     (art / "engines" / "ort-cpu" / "manifest.json").write_text(json.dumps(m))
     r = CliRunner().invoke(main, ["inspect", str(art / "engines" / "ort-cpu")])
-    assert r.exit_code == 1 and "refused here: engine" in r.output and "was optimized by onnxruntime 1.0.0" in r.output
+    assert r.exit_code == 1 and "refused here: engine" in r.output and "was built with onnxruntime 1.0.0" in r.output
     r = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert r.exit_code == 1 and "holds no specrt artifacts" in r.output
 
