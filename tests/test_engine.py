@@ -136,3 +136,10 @@ def test_build_reexports_a_graph_without_the_heads_layers(tiny_checkpoint, tmp_p
     lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=tmp_path, tensorrt="off")))
     assert any("returns the features of layers [-1]" in line for line in lines)
     assert read_onnx_manifest(tmp_path / "onnx")["hidden_layers"] == list(default_target_layers(2))
+
+
+def test_an_engine_whose_graph_is_gone_says_so(tiny_artifacts, tmp_path):
+    art = copy_artifacts(tiny_artifacts, tmp_path / "art")
+    shutil.rmtree(art / "onnx-fused")  # the graph the engine references
+    with pytest.raises(ArtifactError, match=r"runs the step graph in .*onnx-fused, which is gone; rebuild it with"):
+        load_ort_session(art / "engines/ort-cpu")

@@ -105,9 +105,8 @@ class FusedOps:
         given = dict(_two_positions(g, shared))
         if cfg.is_sliding(i):
             given["attention_bias"] = window_bias(g, cfg.sliding_window, shared)
-        qkv = g.node("Pad", [qkv, shared["pad_rows"]], [f"layers.{i}.attn/qkv2"], f"layers.{i}.attn/Pad", mode="edge")[
-            0
-        ]
+        rows = [qkv, shared["pad_rows"]]  # a one-position step's copied once
+        qkv = g.node("Pad", rows, [f"layers.{i}.attn/qkv2"], f"layers.{i}.attn/Pad", mode="edge")[0]
         given |= dict(query=qkv, past_key=past_k, past_value=past_v, cos_cache=cos, sin_cache=sin)
         if norms is not None:  # the CPU kernel has no q_norm_weight: the norms run before it
             given |= _normed_heads(g, cfg, i, qkv, norms, shared)
