@@ -136,8 +136,36 @@ def test_the_attention_pad_is_what_makes_one_position_steps_exact(pad, monkeypat
     session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     measured = batch_invariance(session, model.cfg.to_dict(), "fused")
     assert measured["bitwise"]["padded"] and measured["bitwise"]["split"]
-    assert measured["bitwise"]["unpadded"] is pad and (measured["relative"] == 0) is pad
-    assert floor_of(measured) == (1 if pad else 2)
+    # the float products must keep a row's bits alone too (they did on the CPUs measured); where
+    # a CPU's do not, the engine keeps the floor, and the test says so rather than failing
+    exact = pad and one_row_products_agree(graph)
+    assert measured["bitwise"]["unpadded"] is exact and (measured["relative"] == 0) is exact
+    assert floor_of(measured) == (1 if exact else 2)
+
+
+def one_row_products_agree(graph) -> bool:
+    """Whether ORT's MatMul gives row 0 the same bits alone as beside a second row, for every
+    weight product of `graph` (its 2-D float initializers feeding a MatMul)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
+    for node in graph.graph.node:
+        w = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if w is None or w.ndim != 2:
+            continue
+        g = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "product",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, w.shape[0]])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, w.shape[1]])],
+            [numpy_helper.from_array(w, "w")],
+        )
+        s = ort.InferenceSession(helper.make_model(g).SerializeToString(), providers=["CPUExecutionProvider"])
+        x = np.random.default_rng(0).standard_normal((2, w.shape[0])).astype(np.float32)
+        if not np.array_equal(s.run(None, {"x": x[:1]})[0][0], s.run(None, {"x": x})[0][0]):
+            return False
+    return True
 
 
 def test_pytorch_is_bitwise_by_its_row_blocks_not_by_a_step_rule(built, monkeypatch):
