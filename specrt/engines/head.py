@@ -23,7 +23,7 @@ from specrt.artifacts import (
     read_manifest,
     write_manifest,
 )
-from specrt.engines.ort import OrtOptions, check_built_here, open_optimized, optimizing_session
+from specrt.engines.ort import OrtOptions, check_built_here, graph_session, open_optimized
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range, triple
 from specrt.engines.trt import TrtBuildSpec, build_serialized
 from specrt.errors import ManifestMismatchError
@@ -48,9 +48,8 @@ def build_head_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpt
     m = read_head_manifest(onnx_dir, verify="full")
     with atomic_dir(out_dir) as tmp:
         t0 = time.perf_counter()
-        session, active = optimizing_session(
-            onnx_dir / HEAD_FILE, tmp / OPT_FILE, OPT_DATA, options, f"re-export the head with: {HOW_TO_BUILD}"
-        )
+        fix = f"re-export the head with: {HOW_TO_BUILD}"
+        session, active = graph_session(onnx_dir / HEAD_FILE, options, fix, save_as=(tmp / OPT_FILE, OPT_DATA))
         del session
         shutil.copyfile(onnx_dir / D2T_FILE, tmp / D2T_FILE)
         write_manifest(

@@ -105,16 +105,19 @@ def _check_provider_loaded(session, provider: str) -> str:
 BATCH_VARIANCE_LIMIT = 1e-4  # relative; float32 engines measure ~1e-6
 
 
-def optimizing_session(onnx_file: Path, opt_file: Path, opt_data: str, options: OrtOptions, fix: str):
-    """(session, active provider) on `onnx_file` whose level-ALL optimized graph ORT saves as
-    `opt_file` (tensors over 1 KiB in `opt_data` beside it): an engine's build, for the step graph
-    and for draft heads alike. `fix` ends the error when ORT cannot load the graph."""
+def graph_session(onnx_file: Path, options: OrtOptions, fix: str, save_as: tuple[Path, str] | None = None):
+    """(session, active provider) on `onnx_file`, optimized by ORT (level ALL) as it loads: a
+    step graph an engine references; with `save_as` (opt_file, opt_data) ORT also saves the
+    optimized graph as opt_file, tensors over 1 KiB in opt_data beside it (a draft head's engine).
+    `fix` ends the error when ORT cannot load the graph."""
     ort = _ort()
     providers = _provider_list(options.provider)
     so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-    so.optimized_model_filepath = str(opt_file)
-    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", opt_data)
-    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    if save_as is not None:
+        opt_file, opt_data = save_as
+        so.optimized_model_filepath = str(opt_file)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", opt_data)
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     # ORT warns that a level-ALL graph may hold CPU-specific kernels; the manifest records the
     # host CPU and loading refuses the engine on another one, so the warning is not repeated
     so.log_severity_level = 3
@@ -174,18 +177,6 @@ def open_optimized(
         raise ArtifactError(
             f"ONNX Runtime could not load engine {engine_dir / opt_file} ({e}); rebuild it with: {how}"
         ) from None
-    return session, _check_provider_loaded(session, options.provider)
-
-
-def graph_session(onnx_file: Path, options: OrtOptions, fix: str):
-    """(session, active provider) on a step graph, optimized by ORT (level ALL) as it loads."""
-    ort = _ort()
-    so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-    so.log_severity_level = 3  # the level-ALL warning about CPU-specific kernels: see optimizing_session
-    try:
-        session = ort.InferenceSession(str(onnx_file), so, providers=_provider_list(options.provider))
-    except Exception as e:  # ORT raises its own Fail/InvalidGraph types
-        raise ArtifactError(f"ONNX Runtime could not load {onnx_file} ({e}); {fix}") from None
     return session, _check_provider_loaded(session, options.provider)
 
 
