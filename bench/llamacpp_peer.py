@@ -43,6 +43,7 @@ class LlamaServer:
         threads: int = 2,
         ctx: int = 4096,
         draft: str | Path | None = None,
+        parallel: int = 1,
     ):
         if mode not in MODES:
             raise ValueError(f"llama-server mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -50,7 +51,7 @@ class LlamaServer:
             raise ValueError("llama-server's draft-simple mode takes a draft model's GGUF (draft=), no other mode does")
         self.mode, self.port, self.draft = mode, _free_port(), draft
         cmd = [str(binary), "-m", str(gguf), "--port", str(self.port), "--host", "127.0.0.1"]
-        cmd += ["-t", str(threads), "-c", str(ctx), "-np", "1", "--no-webui"]
+        cmd += ["-t", str(threads), "-c", str(ctx), "-np", str(parallel), "--no-webui"]
         if mode != "plain":
             cmd += ["--spec-type", mode]
         if draft is not None:
@@ -105,6 +106,7 @@ class LlamaServer:
         return {
             "tokens": out.get("tokens", []),
             "n": n,
+            "prompt_ms": t["prompt_ms"],
             "tok_s": n / ((t["prompt_ms"] + t["predicted_ms"]) / 1e3),
             "decode_tok_s": t["predicted_per_second"],
             "drafted": t.get("draft_n", 0),
