@@ -103,6 +103,13 @@ def main() -> None:
         "settings: bitwise, near-ties (each engine is built when missing).",
     )
     ap.add_argument("--genai-python", default=None, help="A Python with onnxruntime-genai: the anchor.")
+    ap.add_argument(
+        "--genai-checkpoint",
+        type=Path,
+        default=None,
+        help="--genai-python: the float32 checkpoint its builder reads (default --model; a GGUF-backed model "
+        "needs `specrt convert --weights float32`).",
+    )
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: a peer on the GGUF.")
     ap.add_argument("--gguf", type=Path, default=None, help="--llama-server: the GGUF (default: the checkpoint's).")
     ap.add_argument("--llama-draft", type=Path, default=None, help="--llama-modes draft-simple: the draft's GGUF.")
@@ -158,7 +165,11 @@ def main() -> None:
     llama_drafts = {m: [0, 0] for m in servers}
     genai_dir = None
     if args.genai_python:
-        genai_dir = build_genai_model(args.genai_python, args.model, args.artifacts.with_name("genai-int4-cpu"))
+        genai_dir = build_genai_model(
+            args.genai_python,
+            args.genai_checkpoint or args.model,
+            args.artifacts.with_name(f"{args.artifacts.name}-genai-int4-cpu"),
+        )
 
     modes = ("plain", "auto") + (("draft-model",) if args.draft_model else ())
     accepted = {n: {m: [0, 0, 0] for m in modes[1:]} for n in gens}  # drafted, accepted, steps
@@ -275,7 +286,7 @@ def main() -> None:
         result["anchor_llama_server"] = {"binary": str(args.llama_server), "modes": list(servers)}
     if genai_dir:
         result["decode_tok_s"]["onnxruntime-genai int4"] = {"plain": {c: round(med(v), 1) for c, v in genai.items()}}
-        result["anchor"] = {"onnxruntime_genai": got["version"]}
+        result["anchor"] = {"onnxruntime_genai": got["version"], "peak_rss_mib": got.get("peak_rss_mib")}
     print_table(result, classes)
     print(f"wrote {write_result_json(result, args.out, 'exact')}")
 

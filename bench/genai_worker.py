@@ -3,7 +3,8 @@
 Runs in a Python that has onnxruntime-genai (its own virtualenv: it pins its onnxruntime), so it
 imports nothing of specrt. Reads one JSON object from stdin ({"model": DIR, "prompts": [[ids]],
 "new_tokens": N}) and prints one JSON object: per prompt the generated ids, the prefill seconds
-and the decode tokens/s (EOS ignored: every prompt generates N tokens, as specrt's runs do).
+and the decode tokens/s (EOS ignored: every prompt generates N tokens, as specrt's runs do), and
+the process's peak resident memory.
 """
 
 import json
@@ -32,7 +33,9 @@ def main() -> None:
         t2 = time.perf_counter()
         out.append({"tokens": tokens, "prefill_s": t1 - t0, "decode_tok_s": (len(tokens) - 1) / max(t2 - t1, 1e-9)})
         del gen
-    print(json.dumps({"version": og.__version__, "runs": out}))
+    hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+    peak = round(int(hwm[0]) / 1024, 1) if hwm else None
+    print(json.dumps({"version": og.__version__, "runs": out, "peak_rss_mib": peak}))
 
 
 if __name__ == "__main__":
