@@ -18,7 +18,7 @@ from specrt.export.gguf_model import GgufWeight, streamed_model
 from specrt.layout import ArtifactLayout
 from specrt.runtime.generator import Generator
 
-from conftest import random_model, tiny_hf_config
+from conftest import CHAT_TEMPLATE, random_model, tiny_hf_config
 from test_gguf_blocks import TYPES
 from tiny_gguf import write_gguf
 
@@ -102,3 +102,44 @@ def test_a_checkpoint_whose_file_is_gone_says_so(converted, tmp_path):
     r = CliRunner().invoke(main, ["build-engines", "--model", str(moved), "--out", str(tmp_path / "a"), "--quantize",
                                   "gguf-a8", "--tensorrt", "off"])  # fmt: skip
     assert r.exit_code == 1 and "which is gone" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_head_trains_against_the_streamed_files_engine(tmp_path, monkeypatch):
+    """train-draft --quantize gguf-a8 on a model whose weights stay in its GGUF: the file's own
+    engine makes the data, only the matrices a head copies (embedding, output head, last layer)
+    are read as float32, and the head drafts on that engine with plain's output."""
+    hf = tiny_hf_config(max_position_embeddings=4096)  # room for training prompts at a letter a token
+    path, lean = tmp_path / "chat.gguf", tmp_path / "lean"
+    write_gguf(random_model(hf, seed=22), hf, path, TYPES, tokenizer=True, chat_template=CHAT_TEMPLATE)
+    r = CliRunner().invoke(main, ["convert", str(path), "--out", str(lean), "--weights", "gguf"])
+    assert r.exit_code == 0, r.output
+    art = tmp_path / "art"
+    list(build_all(BuildSpec(checkpoint=lean, out=art, quantize="gguf-a8", gguf=path, tensorrt="off")))
+    read = []
+    original = GgufTensors.float32
+    monkeypatch.setattr(GgufTensors, "float32", lambda self, t: read.append(t.name) or original(self, t))
+    out = tmp_path / "medusa"
+    args = ["train-draft", "--method", "medusa", "--model", str(lean), "--out", str(out), "--artifacts", str(art)]
+    args += ["--quantize", "gguf-a8", "--prompts", "6", "--max-new-tokens", "8", "--epochs", "1", "--draft-vocab"]
+    args += ["64", "--tensorrt", "off", "--hold-out", str(tmp_path / "none.jsonl")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    matrices = {n for n in read if n.endswith(".weight") and "norm" not in n}
+    last = streamed_model(path).cfg.num_hidden_layers - 1
+    assert matrices and all(n.startswith(("token_embd", "output", f"blk.{last}.")) for n in matrices), matrices
+    manifest = json.loads((out / "onnx" / "manifest.json").read_text())
+    assert manifest["target"]["precision"] == "gguf-a8"
+    common = ["generate", "--artifacts", str(art), "--quantize", "gguf-a8", "--prompt", "w5 w6", "--max-new-tokens"]
+    a = CliRunner().invoke(main, [*common, "12", "--draft", "none"])
+    b = CliRunner().invoke(main, [*common, "12", "--draft", "medusa", "--draft-dir", str(out)])
+    assert a.exit_code == b.exit_code == 0, b.output
+    assert a.stdout.splitlines()[0] == b.stdout.splitlines()[0]
+    assert "[medusa draft" in b.output  # it drafted (the engine took the head trained against it)
+
+
+def test_train_draft_quantize_names_an_engine_of_artifacts(converted, tmp_path):
+    _, lean, _ = converted
+    args = ["train-draft", "--method", "medusa", "--model", str(lean), "--out", str(tmp_path / "h"), "--quantize"]
+    r = CliRunner().invoke(main, [*args, "gguf-a8", "--prompts", "4", "--tensorrt", "off"])
+    assert r.exit_code == 1 and "--quantize gguf-a8 names an engine of --artifacts" in r.output, r.output
+    assert "Traceback" not in r.output

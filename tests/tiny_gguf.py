@@ -22,27 +22,31 @@ NAMES = {
 }
 
 
-def add_tokenizer(w, vocab: int) -> None:
+def add_tokenizer(w, vocab: int, chat_template: str | None = None) -> None:
     """A byte-pair tokenizer of `vocab` tokens in the file's metadata (three special tokens, then
-    one letter each, no merges), as `specrt convert` needs one."""
+    one letter each, no merges), as `specrt convert` needs one; with `chat_template`, that too."""
     tokens = ["<unk>", "<|im_start|>", "<|im_end|>"] + [chr(ord("a") + i) for i in range(vocab - 3)]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
     w.add_token_scores([0.0] * vocab)
     w.add_token_merges([])
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
 
-def write_gguf(model, hf, path, types: dict[str, str] | None = None, tokenizer: bool = False):
+def write_gguf(
+    model, hf, path, types: dict[str, str] | None = None, tokenizer: bool = False, chat_template: str | None = None
+):
     """`model`'s weights as a GGUF file; types: GGUF role (attn_q, ffn_down, token_embd, output,
     ...) -> block type (Q4_0, Q4_1, Q8_0); other tensors are stored as F32. `tokenizer`: with
-    one in its metadata (`add_tokenizer`)."""
+    one in its metadata (`add_tokenizer`, and `chat_template`)."""
     import gguf
 
     types = types or {}
     w = gguf.GGUFWriter(str(path), "llama")
     if tokenizer:
-        add_tokenizer(w, hf["vocab_size"])
+        add_tokenizer(w, hf["vocab_size"], chat_template)
     w.add_block_count(hf["num_hidden_layers"])
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])

@@ -8,6 +8,7 @@ import click
 
 from specrt.cli.common import (
     HEAD_TENSORRT,
+    QUANT_SCHEMES,
     FiniteFloat,
     _friendly_errors,
     main,
@@ -30,6 +31,14 @@ from specrt.training.families import TRAINED_FAMILIES, TrainOptions
     type=click.Path(path_type=Path),
     default=None,
     help="The target's build-engines directory: its ORT engine makes the training data (faster than PyTorch).",
+)
+@click.option(
+    "--quantize",
+    default="none",
+    show_default=True,
+    type=click.Choice(QUANT_SCHEMES),
+    help="--artifacts: the ORT engine of this scheme makes the data, and the head is trained against its features "
+    "(it drafts for that engine; e.g. gguf-a8 for a model whose weights stay in its GGUF).",
 )
 @click.option(
     "--data",
@@ -79,6 +88,7 @@ def train_draft(
     checkpoint,
     out,
     artifacts,
+    quantize,
     data,
     prompts,
     max_new_tokens,
@@ -115,6 +125,7 @@ def train_draft(
         out=out,
         data=data,
         artifacts=artifacts,
+        quantize=quantize,
         prompts=prompts,
         seed=seed,
         max_new_tokens=max_new_tokens,
