@@ -11,7 +11,8 @@ one-position step's second one carrying a free guess) and near-ties (one-positio
 are); gguf-a8 is built when missing. Every measurement runs the engines in turn, repeat after
 repeat, so machine noise hits them alike; medians are reported.
 
-  decode    plain greedy and --draft auto, tokens/s end to end per prompt class of
+  decode    plain greedy and --draft auto (and --draft-model, --head: a trained head alone and
+            auto with it), tokens/s end to end per prompt class of
             bench/prompts.jsonl (up to EOS or --new-tokens), plain's decode steps alone (as
             onnxruntime-genai's figure, which runs --new-tokens ignoring EOS), and plain's tokens
             per step (the guesses)
@@ -62,9 +63,11 @@ def encode(gen, row: dict, chat: bool) -> list[int]:
     return gen.tokenizer.encode(gen.tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True))
 
 
-def runners(gen, draft_model: Path | None = None):
-    """plain, --draft auto and, given a draft model's engine, --draft draft-model (N by the
+def runners(gen, draft_model: Path | None = None, head: Path | None = None):
+    """plain, --draft auto and, given a draft model's engine, --draft draft-model, given a
+    trained head's directory, the head alone (--draft <its method>) and auto with it (N by the
     cost model): fresh ones each call (a draft's index keeps what it saw)."""
+    from specrt.engines.head import head_method
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 
@@ -72,6 +75,12 @@ def runners(gen, draft_model: Path | None = None):
     if draft_model is not None:
         proposer = make_proposer("draft-model", draft_dir=draft_model, target=gen.session.caps)
         out["draft-model"] = SpeculativeDecoder(gen, proposer, make_policy("auto"))
+    if head is not None:
+        caps = gen.session.caps
+        alone = make_proposer(head_method(head), draft_dir=head, target=caps)
+        out["head"] = SpeculativeDecoder(gen, alone, make_policy("auto"))
+        with_head = make_proposer("auto", draft_dir=head, target=caps)
+        out["auto+head"] = SpeculativeDecoder(gen, with_head, make_policy("auto"))
     return out
 
 
@@ -115,6 +124,9 @@ def main() -> None:
     ap.add_argument("--llama-draft", type=Path, default=None, help="--llama-modes draft-simple: the draft's GGUF.")
     ap.add_argument(
         "--draft-model", type=Path, default=None, help="A draft model's ORT engine: --draft draft-model too."
+    )
+    ap.add_argument(
+        "--head", type=Path, default=None, help="A trained head's directory: the head alone and --draft auto with it."
     )
     ap.add_argument(
         "--llama-modes", default="plain,ngram-simple,ngram-mod", help="--llama-server: plain and n-gram spec types."
@@ -171,7 +183,11 @@ def main() -> None:
             args.artifacts.with_name(f"{args.artifacts.name}-genai-int4-cpu"),
         )
 
-    modes = ("plain", "auto") + (("draft-model",) if args.draft_model else ())
+    modes = (
+        ("plain", "auto")
+        + (("draft-model",) if args.draft_model else ())
+        + (("head", "auto+head") if args.head else ())
+    )
     accepted = {n: {m: [0, 0, 0] for m in modes[1:]} for n in gens}  # drafted, accepted, steps
     decode = {n: {m: {c: [] for c in classes} for m in modes} for n in gens}
     plain_decode = {n: {c: [] for c in classes} for n in gens}  # decode steps only (as genai's figure)
@@ -189,7 +205,7 @@ def main() -> None:
                 per_step[name].append(len(plain.token_ids) / (1 + len(plain.step_seconds)))
                 # a fresh draft each time: the suffix index keeps earlier outputs, and a repeat of
                 # this prompt would copy its own earlier answer
-                fresh = runners(gens[name], args.draft_model)
+                fresh = runners(gens[name], args.draft_model, args.head)
                 for mode in modes[1:]:
                     spec, tok_s = timed(fresh[mode], ids, args.new_tokens)
                     decode[name][mode][cls].append(tok_s)
@@ -254,6 +270,8 @@ def main() -> None:
             "exact_tokens": args.exact_tokens,
             "chat": args.chat,
             "model": str(args.model),
+            "draft_model": str(args.draft_model) if args.draft_model else None,
+            "head": str(args.head) if args.head else None,
         },
         "decode_tok_s": {
             n: {m: {c: round(med(v), 1) for c, v in by.items()} for m, by in ms.items()} for n, ms in decode.items()

@@ -10,7 +10,6 @@ import click
 from specrt.cli.common import (
     CALIBRATION_PROMPTS,
     CALIBRATION_TOKENS,
-    QUANT_SCHEMES,
     RECIPES,
     SERVER,
     _flags,
@@ -18,6 +17,7 @@ from specrt.cli.common import (
     _given,
     _parse_layers,
     main,
+    quantize_option,
     tensorrt_option,
 )
 
@@ -159,12 +159,8 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
     type=click.IntRange(min=16),
     help="TensorRT builder workspace limit.",
 )
-@click.option(
-    "--quantize",
-    default="none",
-    show_default=True,
-    type=click.Choice(QUANT_SCHEMES),
-    help="Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): gguf "
+@quantize_option(
+    "Also build a quantized graph (onnx-<scheme>/) and its ORT engine (engines/ort-<provider>-<scheme>/): gguf "
     "(the GGUF file's own 4-bit blocks: the float model within float rounding), gguf-a8 (the same blocks with int8 "
     "activations: faster, and its own model), hqq (int4, offsets fitted, no data), gptq / awq (int4 fitted to "
     "calibration activations; makes the calibration set first, see `specrt calibrate`), int4 weights rounded to "

@@ -164,17 +164,16 @@ def _flags(names) -> str:
     return ", ".join(f"--{n.replace('_', '-')}" for n in names)
 
 
+def quantize_option(help: str):
+    """--quantize, one of build-engines' schemes (none: float32), with the command's own help."""
+    return click.option("--quantize", default="none", show_default=True, type=click.Choice(QUANT_SCHEMES), help=help)
+
+
 def _precision_options() -> list:
     """--quantize and --split: which of an artifact directory's ORT engines runs (the engine
     options below, and bench's)."""
     return [
-        click.option(
-            "--quantize",
-            default="none",
-            show_default=True,
-            type=click.Choice(QUANT_SCHEMES),
-            help="--artifacts: run the quantized ORT engine of this scheme (build-engines --quantize).",
-        ),
+        quantize_option("--artifacts: run the quantized ORT engine of this scheme (build-engines --quantize)."),
         click.option(
             "--split",
             is_flag=True,

@@ -8,10 +8,10 @@ import click
 
 from specrt.cli.common import (
     HEAD_TENSORRT,
-    QUANT_SCHEMES,
     FiniteFloat,
     _friendly_errors,
     main,
+    quantize_option,
     tensorrt_option,
 )
 from specrt.training.families import TRAINED_FAMILIES, TrainOptions
@@ -32,12 +32,8 @@ from specrt.training.families import TRAINED_FAMILIES, TrainOptions
     default=None,
     help="The target's build-engines directory: its ORT engine makes the training data (faster than PyTorch).",
 )
-@click.option(
-    "--quantize",
-    default="none",
-    show_default=True,
-    type=click.Choice(QUANT_SCHEMES),
-    help="--artifacts: the ORT engine of this scheme makes the data, and the head is trained against its features "
+@quantize_option(
+    "--artifacts: the ORT engine of this scheme makes the data, and the head is trained against its features "
     "(it drafts for that engine; e.g. gguf-a8 for a model whose weights stay in its GGUF).",
 )
 @click.option(
