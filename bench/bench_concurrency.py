@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 from bench_load import one_request, pct
 
 from harness import ROOT, bench_arguments, envelope, running_server
@@ -79,22 +78,25 @@ def summary(records: list[dict], wall: float) -> dict:
 
 
 def peak_rss_mib(pid: int) -> float:
-    """The process tree's largest peak resident memory (VmHWM), MiB."""
-    best = 0.0
-    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                best = max(best, int(line.split()[1]) / 1024)
-    return round(best, 1)
+    """The process's peak resident memory (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
 
 
 def server_pid(port_url: str) -> int:
-    """The process listening on the URL's port (running_server yields only its URL)."""
-    port = int(port_url.rsplit(":", 1)[1])
-    for c in psutil.net_connections("tcp"):
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
-            return c.pid
-    raise SystemExit(f"no process listens on port {port}")
+    """The `specrt serve` process on the URL's port (running_server yields only its URL)."""
+    port = port_url.rsplit(":", 1)[1]
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")  # ends with b"": --port has a successor
+        except OSError:  # gone, or not a process
+            continue
+        if proc.name.isdigit() and b"serve" in args and b"--port" in args:
+            if args[args.index(b"--port") + 1] == port.encode():
+                return int(proc.name)
+    raise SystemExit(f"no specrt serve process on port {port}")
 
 
 def main():
