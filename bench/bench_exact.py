@@ -11,8 +11,8 @@ one-position step's second one carrying a free guess) and near-ties (one-positio
 are); gguf-a8 is built when missing. Every measurement runs the engines in turn, repeat after
 repeat, so machine noise hits them alike; medians are reported.
 
-  decode    plain greedy and --draft auto (and --draft-model, --head: a trained head alone and
-            auto with it), tokens/s end to end per prompt class of
+  decode    plain greedy and --draft auto (and --draft-model: the draft model alone and auto
+            with it; --head: a trained head alone and auto with it), tokens/s end to end per prompt class of
             bench/prompts.jsonl (up to EOS or --new-tokens), plain's decode steps alone (as
             onnxruntime-genai's figure, which runs --new-tokens ignoring EOS), and plain's tokens
             per step (the guesses)
@@ -64,7 +64,8 @@ def encode(gen, row: dict, chat: bool) -> list[int]:
 
 
 def runners(gen, draft_model: Path | None = None, head: Path | None = None):
-    """plain, --draft auto and, given a draft model's engine, --draft draft-model, given a
+    """plain, --draft auto and, given a draft model's engine, --draft draft-model and auto with
+    it, given a
     trained head's directory, the head alone (--draft <its method>) and auto with it (N by the
     cost model): fresh ones each call (a draft's index keeps what it saw)."""
     from specrt.engines.head import head_method
@@ -75,6 +76,8 @@ def runners(gen, draft_model: Path | None = None, head: Path | None = None):
     if draft_model is not None:
         proposer = make_proposer("draft-model", draft_dir=draft_model, target=gen.session.caps)
         out["draft-model"] = SpeculativeDecoder(gen, proposer, make_policy("auto"))
+        with_model = make_proposer("auto", draft_dir=draft_model, target=gen.session.caps)
+        out["auto+draft-model"] = SpeculativeDecoder(gen, with_model, make_policy("auto"))
     if head is not None:
         caps = gen.session.caps
         alone = make_proposer(head_method(head), draft_dir=head, target=caps)
@@ -185,7 +188,7 @@ def main() -> None:
 
     modes = (
         ("plain", "auto")
-        + (("draft-model",) if args.draft_model else ())
+        + (("draft-model", "auto+draft-model") if args.draft_model else ())
         + (("head", "auto+head") if args.head else ())
     )
     accepted = {n: {m: [0, 0, 0] for m in modes[1:]} for n in gens}  # drafted, accepted, steps

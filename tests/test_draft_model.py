@@ -122,6 +122,22 @@ def test_greedy_draft_model_equals_plain(which, num_draft, distilled, tiny_artif
         assert m.accepted_tokens == m.drafted_tokens
 
 
+@pytest.mark.parametrize("num_draft", [3, "auto"])
+def test_auto_with_a_draft_model_equals_plain(num_draft, tiny_artifacts):
+    """A draft model as auto's member (`--draft auto --draft-dir` a smaller model's engine): it
+    drafts where no copy does, greedy output stays plain's, and the target returns no features
+    for it (a draft model reads tokens only)."""
+    gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
+    prompts = [[40, 41, 42], [5, 9, 13, 5, 9, 13, 5, 9], [77]]
+    plain = gen.generate_ids(prompts, 30)
+    prop = make_proposer("auto", draft_dir=tiny_artifacts / "engines" / "ort-cpu", target=gen.session.caps)
+    assert prop.head.name == "draft-model" and not prop.needs_features
+    out = SpeculativeDecoder(gen, prop, make_policy(num_draft)).generate_ids(prompts, 30)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    # the draft is the target itself (q = p): judged to pay, it drafts under N = auto too
+    assert prop.head.head.calls > 0 and prop.chosen["draft-model"] > 0
+
+
 @pytest.mark.parametrize("draft_seed", [4, 11], ids=["q=p", "q!=p"])
 def test_sampled_draft_model_follows_the_target(draft_seed, tmp_path):
     """The draft samples from its own distribution (its q goes to verification): the first

@@ -330,7 +330,7 @@ def test_auto_gives_each_row_the_draft_the_judge_values_most_and_keeps_the_rest_
 class _Head:
     """A stand-in for an EAGLE head in auto: chains of its token, the features it was fed."""
 
-    name, cost_per_token = "eagle3", True
+    name, cost_per_token, needs_features = "eagle3", True, True
 
     def __init__(self):
         self.fed, self.sizes = {}, []
@@ -367,7 +367,11 @@ def test_auto_head_drafts_where_no_copy_serves_when_judged_worth_its_time():
     auto = auto_module.AutoProposer({"a": copy}, head=head)
     auto.begin([0, 1], [[0], [0]], None)
     worth = {("a", 2): 0.4, ("eagle3", 0): 0.0}  # the copy (3 tokens) not worth it, the head unbacked
-    judge = lambda evidence, n: (n, worth[evidence] + 0.2 * n if n else 1.0)  # noqa: E731
+    # the cost model's judge (policy.py), the head's own time `own(n)` in the step's cost
+    judge = lambda evidence, n, own=None: (  # noqa: E731
+        n,
+        (worth[evidence] + 0.2 * n) / (1.0 + (own(n) if own else 0.0)) if n else 1.0,
+    )
     feats = [np.zeros((1, 4)), np.zeros((1, 4))]
     inp = DraftInput([0, 1], [[0], [0]], 4, [9, 9], SamplingParams(), [np.random.default_rng(0)] * 2, feats, judge)
     for step in range(1, auto_module.PROBE_EVERY + 1):

@@ -91,6 +91,28 @@ def test_the_plan_verifies_on_evidence_never_on_a_prior_alone():
     assert policy.judge(model, 4)(bad, 16)[0] == 0  # nor in a batch, where it would count for less
 
 
+def test_a_drafting_models_time_is_counted_once_in_the_steps_cost():
+    """A member that costs time per drafted token (a draft model inside auto): the judge puts its
+    time beside the verification's, speedup = tokens / (1 + verification + own), not the
+    speedup divided by 1 + own (which counted a dear draft's time twice and judged a draft
+    model accepting 80 % never to pay)."""
+    model, policy = CostModel(max_draft=4), AutoPolicy(max_draft=4)
+    for _ in range(4):
+        model.observe_step(1, 1, 0.010)
+        model.observe_step(3, 1, 0.013)
+    key = ("draft-model", 0)
+    _teach(model, key, 2, 2, 40)  # both drafted tokens read as right
+    alone = model.draft_speedups(1, [model.reach(key, 2)])
+    own = lambda n: 0.35 * n  # noqa: E731
+    dear = model.draft_speedups(1, [model.reach(key, 2)], own)
+    for n in (1, 2):
+        tokens, verification = alone[n] * (1 + model.cost(1).verification(n)), model.cost(1).verification(n)
+        assert dear[n] == pytest.approx(tokens / (1 + verification + own(n)))
+        assert dear[n] > alone[n] / (1 + own(n))
+    n, speedup = policy.judge(model, 1)(key, 2, own)
+    assert n == 2 and speedup == pytest.approx(dear[2]) and speedup > 1
+
+
 def test_a_batch_verifies_every_row_to_the_step_length_its_best_drafts_set():
     """The step is dense: once one row's draft pays, the others' ride along up to that length."""
     model, policy = CostModel(max_draft=8), AutoPolicy(max_draft=8)

@@ -19,6 +19,7 @@ FAMILIES = (
         Drafting(
             "specrt.runtime.drafts.draft_model:DraftModelProposer",
             "a smaller model's build-engines output in --draft-dir",
+            in_auto=True,
         ),
     ),
 )

@@ -230,16 +230,18 @@ class CostModel:
             out.append(total)
         return out
 
-    def draft_speedups(self, batch: int, reaches: list[list[float]]) -> list[float]:
+    def draft_speedups(self, batch: int, reaches: list[list[float]], own=None) -> list[float]:
         """speedup(N) for N = 0 .. the longest draft, when each row verifies the first min(N, its
         draft's length) nodes of its draft (`reach`: what each prefix is expected to give). The
-        step is dense, so its positions are the longest row's; the lookups are paid already."""
+        step is dense, so its positions are the longest row's; the lookups are paid already.
+        `own(N)`: the time a draft of N tokens still costs, over a target step's (a model drafting
+        inside auto), in the denominator beside the verification's."""
         cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0, free=self.free)
         scale = 1.0 / len(reaches)  # not calibrated: hindsight reads every draft, chosen or not
         out = [1.0]
         for n in range(1, max(len(r) for r in reaches)):
             gain = sum(r[n] if n < len(r) else r[-1] for r in reaches)
-            out.append((1.0 + scale * gain) / (1.0 + cost.verification(n)))
+            out.append((1.0 + scale * gain) / (1.0 + cost.verification(n) + (own(n) if own else 0.0)))
         return out
 
     def forget_row(self, row: int) -> None:
@@ -409,12 +411,12 @@ class AutoPolicy:
         a row's draft counts for less than alone (its gain is shared by the batch's step), so
         what is not worth making alone is not worth it there either. Drafts of evidence not
         backed by hindsight are worth making in full (hindsight reads them) and promise nothing
-        (they are not verified)."""
+        (they are not verified). `own`: a drafting member's time (CostModel.draft_speedups)."""
 
-        def judge(evidence: tuple, most: int) -> tuple[int, float]:
+        def judge(evidence: tuple, most: int, own=None) -> tuple[int, float]:
             if not model.backed(evidence):
                 return most, 1.0
-            speedups = model.draft_speedups(batch, [model.reach(evidence, most)])
+            speedups = model.draft_speedups(batch, [model.reach(evidence, most)], own)
             n = max(range(len(speedups)), key=speedups.__getitem__)
             return n, speedups[n]
 

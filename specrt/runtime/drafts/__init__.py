@@ -23,10 +23,14 @@ from specrt.runtime.drafts.suffix import SuffixProposer
 
 def _head(**options):
     """The proposer of the trained head in options["draft_dir"], as the registry's entry for the
-    method its manifest names makes it (an EAGLE-family head, the parallel head, Medusa heads)."""
+    method its manifest names makes it (an EAGLE-family head, the parallel head, Medusa heads),
+    or of the draft model there (a smaller model's engine)."""
     from specrt.engines.head import head_method
+    from specrt.runtime.drafts.draft_model import is_draft_model
 
     method = head_method(options["draft_dir"])
+    if method is None and is_draft_model(options["draft_dir"]):
+        method = "draft-model"
     entry = DRAFT_METHODS.get(method)
     if entry is None or not entry.needs_draft_dir:  # no readable head: EagleProposer's open says why
         return EagleProposer(**options)
@@ -38,7 +42,8 @@ def _head(**options):
 
 
 def _auto(**head) -> AutoProposer:
-    """The copy drafts, and a trained head when its directory is given (options: EagleProposer's)."""
+    """The copy drafts, and a trained head or a draft model when its directory is given (options:
+    the member's proposer's)."""
     return AutoProposer(head=_head(**head) if head.get("draft_dir") is not None else None)
 
 
@@ -66,7 +71,7 @@ _LOOKUPS: dict[str, DraftMethod] = {
     "auto": DraftMethod(
         _auto,
         "per row and step the copy draft (suffix, ngram) whose draft promises most, or none; with --draft-dir, "
-        "also the head there where no copy serves",
+        "also the head or draft model there where no copy serves",
         takes_tree=True,
         head_optional=True,
     ),

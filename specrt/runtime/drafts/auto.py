@@ -12,10 +12,11 @@ lookups mostly propose the same tokens where both match, so their union costs po
 little. Why the choice is lossless: it reads only what was emitted before the step, so each step
 verifies a tree fixed before the target is consulted, as any draft's; its trees are point masses.
 
-With a trained head (`--draft auto --draft-dir DIR`: an EAGLE-1, EAGLE-3, peagle or MTP head), the head
-is a member too: a row gets the head's draft when the head's judged speedup, after its own time
-(a line through its calls' times per drafted token, over a target step's time), beats the row's
-best lookup draft's and 1. The head's drafts have evidence of their own, (its method, 0), and
+With a trained head (`--draft auto --draft-dir DIR`: an EAGLE-1, EAGLE-3, peagle or MTP head,
+Medusa heads) or a draft model (DIR a smaller model's engine), it is a member too: a row gets the
+member's draft when its judged speedup, with its own time in the step's cost (a line through its
+calls' times per drafted token, over a target step's time), beats the row's best lookup draft's
+and 1. The head's drafts have evidence of their own, (its method, 0), and
 hindsight reads them as it reads the lookups', so the head too is verified only once drafts like
 it were read to pay; until then, and whenever its value does not pay, it drafts a short probe for
 the rows no lookup serves on every PROBE_EVERY-th step that has such rows, so its judgement stays
@@ -24,7 +25,9 @@ only when it next drafts for the row: one batched call), so rows the lookups ser
 nothing. Its sampled chains carry their q; hindsight reads a sampled row's draft by the emitted
 tokens, which for a chain drawn from q undercounts its acceptance (sum of q * p, not of
 min(q, p)): the head is judged conservatively there. The target's step returns its hidden states
-on every step while a head is given (a host copy the lookups alone do not need).
+on every step while a head that reads them is given (a host copy the lookups and a draft model
+do not need); a draft model catches up the same way, its next draft's feed being what the row
+committed since its last one.
 
 Which text suits which: n-gram (the most recent copy of the last few tokens) wins where the answer
 quotes its prompt in order (summaries), suffix (the prompt's and earlier answers' continuations
@@ -58,11 +61,12 @@ class AutoProposer:
     lookup = True  # its members are; a head drafts only where the lookups' drafts are judged
 
     def __init__(self, methods: dict | None = None, head=None):
-        """methods: the lookups (their commit ignores the trees: the chosen method's); head: an
-        EagleProposer, for the rows no lookup serves (module docstring)."""
+        """methods: the lookups (their commit ignores the trees: the chosen method's); head: a
+        trained head's proposer or a draft model's, for the rows no lookup serves (module
+        docstring)."""
         self.methods = methods or {"suffix": SuffixProposer(), "ngram": NgramProposer()}
         self.head = None if head is None else HeadMember(head)
-        self.needs_features = head is not None
+        self.needs_features = head is not None and head.needs_features
         self.chosen = collections.Counter()  # trees given per method (for the benchmark)
 
     def begin(self, rows, prompts, prefilled):
@@ -72,7 +76,7 @@ class AutoProposer:
             self.head.begin(rows, prompts, prefilled)
 
     def propose(self, inp: DraftInput) -> list[DraftTree]:
-        if self.head is not None:
+        if self.needs_features:
             self.head.stash(inp)
         per_method = [method.propose(inp) for method in self.methods.values()]
         names = list(self.methods)
@@ -146,17 +150,18 @@ class HeadMember:
 
     def judged(self, judge, most: int) -> tuple[int, float]:
         """The draft length the head is worth most at, and that worth: the judge's speedup of its
-        best prefix of an m-token draft after the head's time for it, m among 1, 2, 4, 8 and the
-        length best before the head's time (a judgement reads the estimates: ~9 us each here,
-        so not every length). Nothing when even that best does not beat plain decoding."""
+        best prefix with the head's time for it in the step's cost (`own`), m among 1, 2, 4, 8 and
+        the length best before the head's time (a judgement reads the estimates: ~9 us each here,
+        so not every length). Nothing when even that best does not beat plain decoding. (Dividing
+        the speedup by 1 + the head's share instead, as before, counted a dear draft's time
+        twice: a draft model's 0.4 of a step per token was judged never to pay.)"""
         n, speedup = judge(self.evidence, most)
         if n == 0 or speedup <= 1.0:
             return 0, 0.0
         best = (0, 0.0)
         for m in sorted({1, 2, 4, 8, n} & set(range(1, most + 1))):
-            k, speedup = judge(self.evidence, m)
-            worth = speedup / (1.0 + self.share(k)) if k else 0.0
-            if worth > best[1]:
+            k, worth = judge(self.evidence, m, self.share)
+            if k and worth > best[1]:
                 best = (k, worth)
         return best
 
@@ -186,8 +191,9 @@ class HeadMember:
             max_tokens=n,
             budgets=[inp.budgets[i] for i in rows],
             rngs=[inp.rngs[i] for i in rows],
-            features=[np.concatenate(self.unseen.pop(inp.rows[i])) for i in rows],
         )
+        if self.head.needs_features:
+            sub = dataclasses.replace(sub, features=[np.concatenate(self.unseen.pop(inp.rows[i])) for i in rows])
         drafted = self.head.draft(sub, self.head.catch_up(sub))
         self.times.observe(n, time.perf_counter() - t0)
         self._proposed_at = time.perf_counter()

@@ -99,8 +99,9 @@ class DraftInput:
     features: list[np.ndarray] | None = None
     # the cost model's judgement of a lookup's draft by its evidence (None: none, a fixed N):
     # judge(evidence, n) -> (how many of the draft's first n nodes to make, the speedup its best
-    # prefix promises alone); a lookup need not make the rest (0: no draft)
-    judge: Callable[[tuple, int], tuple[int, float]] | None = None
+    # prefix promises alone); a lookup need not make the rest (0: no draft); judge(evidence, n,
+    # own) also counts a drafting model's time, own(k) over a target step (auto's member)
+    judge: Callable[..., tuple[int, float]] | None = None
 
 
 class Proposer(Protocol):

@@ -28,6 +28,16 @@ from specrt.runtime.session import StepSession
 from specrt.runtime.verification import DraftTree
 
 
+def is_draft_model(directory: str | Path) -> bool:
+    """Whether `directory` holds a draft model: a step-graph ORT engine, or a build-engines (or
+    `train-draft --method draft-model`) output with one (what `--draft auto --draft-dir` tells from
+    a trained head's directory)."""
+    from specrt.engines.ort import ENGINE_KIND
+
+    directory = Path(directory)
+    return _kind(directory) == ENGINE_KIND or _kind(ArtifactLayout(directory).ort_engine("cpu")) == ENGINE_KIND
+
+
 def _kind(directory: Path) -> str | None:
     """The kind of artifact `directory` is, by its manifest (None: none there)."""
     manifest = directory / MANIFEST
@@ -138,6 +148,14 @@ class DraftModelProposer:
             DraftTree.chain(tokens[b][: max(0, budget - 1)], np.stack(qs[b][: max(0, budget - 1)]) if qs[b] else None)
             for b, budget in zip(inp.rows, inp.budgets)
         ]
+
+    # auto's two verbs for a member (runtime/drafts/auto.py): the catch-up is the next draft's feed
+    # (what the rows committed since their last proposal), so a row the lookups serve costs nothing
+    def catch_up(self, inp) -> None:
+        return None
+
+    def draft(self, inp, pending=None) -> list[DraftTree]:
+        return self.propose(inp)
 
     def commit(self, rows, trees, verdicts, step):
         """Keep the root and the accepted drafts in the own cache; forget the rejected ones."""
