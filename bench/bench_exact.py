@@ -47,6 +47,7 @@ from specrt.benchmark import write_result_json
 from specrt.engines.build import BuildSpec, build_all
 from specrt.layout import ArtifactLayout
 from specrt.runtime.generator import Generator
+from specrt.runtime.sampling import SamplingParams
 
 from harness import envelope
 
@@ -87,9 +88,9 @@ def runners(gen, draft_model: Path | None = None, head: Path | None = None):
     return out
 
 
-def timed(runner, ids: list[int], n: int):
+def timed(runner, ids: list[int], n: int, sampling=None):
     t0 = time.perf_counter()
-    r = runner.generate_ids([ids], n)[0]
+    r = runner.generate_ids([ids], n, **({} if sampling is None else {"sampling": sampling}))[0]
     return r, len(r.token_ids) / (time.perf_counter() - t0)
 
 
@@ -100,6 +101,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=Path(__file__).with_name("prompts.jsonl"))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Sample at this temperature (seeded per repeat and prompt, the same seed for every mode) instead of "
+        "greedy; sampled answers differ between modes, so their equality is not counted.",
+    )
+    ap.add_argument(
+        "--chi-square",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="Also sample the first two tokens of the story prompt ROUNDS x 48 times through the draft model "
+        "(else the head, else auto) at --temperature (0.7 when greedy) and test them against the target's exact "
+        "joint (bench/sampled_check.py).",
+    )
     ap.add_argument("--exact-prompts", type=int, default=40)
     ap.add_argument("--exact-tokens", type=int, default=256)
     ap.add_argument(
@@ -200,9 +217,11 @@ def main() -> None:
     run = {n: runners(g) for n, g in gens.items()}
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
-        for cls, ids in encoded:
+        for i, (cls, ids) in enumerate(encoded):
+            seed = 1000 * rep + i
+            sampling = SamplingParams(temperature=args.temperature, seed=seed) if args.temperature > 0 else None
             for name in gens:
-                plain, tok_s = timed(run[name]["plain"], ids, args.new_tokens)
+                plain, tok_s = timed(run[name]["plain"], ids, args.new_tokens, sampling)
                 decode[name]["plain"][cls].append(tok_s)
                 plain_decode[name][cls].append(plain.decode_tokens_per_second)
                 per_step[name].append(len(plain.token_ids) / (1 + len(plain.step_seconds)))
@@ -210,21 +229,23 @@ def main() -> None:
                 # this prompt would copy its own earlier answer
                 fresh = runners(gens[name], args.draft_model, args.head)
                 for mode in modes[1:]:
-                    spec, tok_s = timed(fresh[mode], ids, args.new_tokens)
+                    spec, tok_s = timed(fresh[mode], ids, args.new_tokens, sampling)
                     decode[name][mode][cls].append(tok_s)
-                    equal_bench[name][0] += spec.token_ids == plain.token_ids
-                    equal_bench[name][1] += 1
+                    if sampling is None:
+                        equal_bench[name][0] += spec.token_ids == plain.token_ids
+                        equal_bench[name][1] += 1
                     m = spec.metrics
                     accepted[name][mode] = [
                         a + b for a, b in zip(accepted[name][mode], (m.drafted_tokens, m.accepted_tokens, m.steps))
                     ]
         for mode, server in servers.items():
-            for cls, ids in encoded:
+            for i, (cls, ids) in enumerate(encoded):
+                sample = (args.temperature, 1000 * rep + i)
                 if mode == "plain":
-                    r = server.complete(ids, args.new_tokens)
+                    r = server.complete(ids, args.new_tokens, *sample)
                 else:  # a fresh server: its n-gram cache keeps earlier answers (a repeat would copy its own)
                     with LlamaServer(args.llama_server, gguf, mode, draft=server.draft) as fresh:
-                        r = fresh.complete(ids, args.new_tokens)
+                        r = fresh.complete(ids, args.new_tokens, *sample)
                 llama[mode][cls].append(r["tok_s"])
                 llama_decode[mode][cls].append(r["decode_tok_s"])
                 llama_drafts[mode][0] += r["drafted"]
@@ -262,12 +283,31 @@ def main() -> None:
             "seconds": round(time.perf_counter() - t0, 1),
         }
 
+    chi = None
+    if args.chi_square:
+        from sampled_check import two_token_check
+
+        name = next(iter(gens))
+        checked = "draft-model" if args.draft_model else "head" if args.head else "auto"
+        story = next((ids for cls, ids in encoded if cls == "story"), encoded[0][1])
+        print(f"chi-square: {checked} on {name}, {args.chi_square} rounds", file=sys.stderr)
+        chi = {"engine": name, "draft": checked, "prompt_class": "story"}
+        chi |= two_token_check(
+            gens[name],
+            runners(gens[name], args.draft_model, args.head)[checked],
+            story,
+            args.chi_square,
+            48,
+            args.temperature or 0.7,
+        )
+
     med = statistics.median
     result = {
         **envelope("onnxruntime", "onnx", threads="ORT default (one per physical core)"),
         "settings": {
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
+            "temperature": args.temperature,
             "prompts": len(encoded),
             "exact_prompts": counts,
             "exact_tokens": args.exact_tokens,
@@ -291,6 +331,7 @@ def main() -> None:
         },
         "auto_equal_plain_bench_prompts": {n: f"{a}/{b}" for n, (a, b) in equal_bench.items()},
         "exact": exact,
+        "chi_square": chi,
         "step_ms_at_build": {n: g.backend.caps.step_ms for n, g in gens.items() if n.endswith("bitwise")},
         "exactness": {n: g.session.exactness() for n, g in gens.items()},
     }
@@ -322,6 +363,12 @@ def print_table(result: dict, classes: list[str]) -> None:
     print("acceptance:", result["acceptance"])
     for n, e in result["exact"].items():
         print(f"exact {n:22s} {e['equal']}/{e['prompts']} prompts x {e['tokens']} tokens bitwise equal")
+    if result.get("chi_square"):
+        c = result["chi_square"]
+        print(
+            f"chi-square ({c['draft']}, T={c['temperature']}): p = {c['p_value']:.3f} over {c['samples']} samples in "
+            f"{c['cells']} cells, {c['accepted']}/{c['drafted']} drafted tokens accepted"
+        )
     print("\nstep ms at build (positions: ms)")
     for n, s in result["step_ms_at_build"].items():
         print(f"{n:24s} " + "  ".join(f"{q}: {ms}" for q, ms in s.items()))

@@ -83,17 +83,21 @@ class LlamaServer:
                 self.proc.kill()
         self.log.close()
 
-    def complete(self, ids: list[int], new_tokens: int) -> dict:
-        """One greedy generation: its tokens, end-to-end and decode tokens/s (server timings)
-        and, in a speculative mode, the drafted and accepted counts."""
+    def complete(self, ids: list[int], new_tokens: int, temperature: float = 0.0, seed: int = 0) -> dict:
+        """One generation, greedy or (temperature > 0) sampled from the plain softmax at that
+        temperature (its default top-k, top-p and min-p cuts off, as specrt samples): its tokens,
+        end-to-end and decode tokens/s (server timings) and, in a speculative mode, the drafted
+        and accepted counts."""
         body = {
             "prompt": ids,
             "n_predict": new_tokens,
-            "temperature": 0.0,
-            "top_k": 1,
+            "temperature": temperature,
+            "top_k": 1 if temperature == 0 else 0,
             "cache_prompt": False,
             "return_tokens": True,
         }
+        if temperature > 0:
+            body |= {"top_p": 1.0, "min_p": 0.0, "seed": seed}
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/completion",
             data=json.dumps(body).encode(),

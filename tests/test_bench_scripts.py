@@ -33,3 +33,35 @@ def test_a_bench_script_answers_help(script, monkeypatch):
         runpy.run_path(str(script), run_name="__main__")
     assert done.value.code in (0, None)
     assert "usage:" in out.getvalue()
+
+
+def test_the_sampled_check_passes_exact_speculation_and_fails_a_biased_sampler(tiny_artifacts, tmp_path, monkeypatch):
+    """bench/sampled_check.py (bench_exact --chi-square): a draft model with q != p (another
+    random model) sampled through verification passes against the target's exact joint; a
+    sampler that does not follow the target (greedy in place of T = 0.7) fails it."""
+    import dataclasses
+
+    from specrt.engines.build import BuildSpec, build_all
+    from specrt.runtime.drafts import make_proposer
+    from specrt.runtime.generator import Generator
+    from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+
+    from conftest import TINY_HF, random_model, save_checkpoint
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    from sampled_check import two_token_check
+
+    gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
+    gen.eos_ids = frozenset()
+    other = save_checkpoint(random_model(TINY_HF, seed=11), TINY_HF, tmp_path / "draft")
+    list(build_all(BuildSpec(checkpoint=other, out=tmp_path / "draft-art", tensorrt="off")))
+    draft = make_proposer("draft-model", draft_dir=tmp_path / "draft-art", target=gen.session.caps)
+    spec = SpeculativeDecoder(gen, draft, make_policy(2))
+    ok = two_token_check(gen, spec, [40, 41, 42], rounds=6, rows=48, temperature=0.7)
+    assert ok["samples"] == 288 and ok["drafted"] > ok["accepted"] > 0 and ok["p_value"] > 1e-3
+
+    class Greedy:  # samples nothing: every draw is the likeliest pair
+        def generate_ids(self, prompts, n, sampling):
+            return spec.generate_ids(prompts, n, dataclasses.replace(sampling, temperature=0.0))
+
+    assert two_token_check(gen, Greedy(), [40, 41, 42], rounds=2, rows=48, temperature=0.7)["p_value"] < 1e-6

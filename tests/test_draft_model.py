@@ -122,6 +122,30 @@ def test_greedy_draft_model_equals_plain(which, num_draft, distilled, tiny_artif
         assert m.accepted_tokens == m.drafted_tokens
 
 
+def test_the_draft_cache_grows_by_need_and_keeps_its_rows(tiny_artifacts):
+    """The draft's own cache starts at what its rows' prompts need and grows (its entries kept)
+    as they lengthen, never to the engine's whole context for every row (a 48-row batch of the
+    0.5B draft asked 24 GB for that). With the target itself as draft (q = p), every drafted token
+    is accepted only if the moved entries are right."""
+    gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
+    gen.eos_ids = frozenset()
+    prop = make_proposer("draft-model", draft_dir=tiny_artifacts, target=gen.session.caps)
+    seen = []
+    ensure = prop._ensure
+
+    def spy(batch, positions):
+        ensure(batch, positions)
+        seen.append(prop.cache.capacity)
+
+    prop._ensure = spy
+    prompts = [[40, 41, 42], [5, 9, 13, 5, 9]]
+    out = SpeculativeDecoder(gen, prop, make_policy(3)).generate_ids(prompts, 180)
+    assert [r.token_ids for r in out] == [r.token_ids for r in gen.generate_ids(prompts, 180)]
+    m = out[0].metrics
+    assert m.drafted_tokens > 0 and m.accepted_tokens == m.drafted_tokens
+    assert seen[0] < 100 < max(seen) and len(set(seen)) >= 2  # began small, grew as the rows did
+
+
 @pytest.mark.parametrize("num_draft", [3, "auto"])
 def test_auto_with_a_draft_model_equals_plain(num_draft, tiny_artifacts):
     """A draft model as auto's member (`--draft auto --draft-dir` a smaller model's engine): it

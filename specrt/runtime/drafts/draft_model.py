@@ -27,6 +27,9 @@ from specrt.runtime.sampling import probs_from_logits, sample_from_probs
 from specrt.runtime.session import StepSession
 from specrt.runtime.verification import DraftTree
 
+GROWTH = 64  # positions a new cache holds past what its rows need first
+CATCH_UP = 16  # a row fed more tokens than this before a draft is prefilled on its own first
+
 
 def is_draft_model(directory: str | Path) -> bool:
     """Whether `directory` holds a draft model: a step-graph ORT engine, or a build-engines (or
@@ -96,35 +99,33 @@ class DraftModelProposer:
         self._live: set[int] = set()  # rows begun and not yet ended
 
     def begin(self, rows, prompts, prefilled):
-        """Rows start (others may be running: continuous batching): each prompt is prefilled on
-        its own row of the draft's cache, which grows to hold the rows."""
+        """Rows start (others may be running: continuous batching): the draft's cache grows to
+        hold them. Their prompts are fed lazily, at the first draft for the row (inside `--draft
+        auto` a row the lookups serve never costs the draft model a prefill: a 0.5B draft's
+        prefill is a third of a 1.5B target's, and was paid on every request)."""
         width = prefilled.logits.shape[-1]
         if width != self.vocab_size:
             raise SpecrtError(
                 f"the draft model's vocabulary has {self.vocab_size} tokens, the target's {width}: a draft model must "
                 "share the target's tokenizer"
             )
-        B = max(rows) + 1
-        if self.cache is None or self.cache.batch < B:
-            old = self.cache
-            self.cache = self.session.new_cache(max(B, 0 if old is None else old.batch), self.session.max_context + 64)
-            if old is not None:  # the running rows' entries move over
-                self.cache.keys[:, : old.batch], self.cache.values[:, : old.batch] = old.keys, old.values
-                self.cache.lengths[: old.batch] = old.lengths
-                self.session.release(old)
-        for b, p in zip(rows, prompts):
+        self._ensure(max(rows) + 1, max(len(p) for p in prompts) + GROWTH)
+        for b in rows:  # the prompt is fed when the draft first drafts for the row (`propose`)
             self.cache.lengths[b] = 0
             self._fed.pop(b, None)
-            self.session.prefill(self.cache.rows(b, b + 1), [list(p)])
         self._live.update(rows)
 
     def propose(self, inp) -> list[DraftTree]:
         B = self.cache.batch
         feed = [[] for _ in range(B)]
+        n = min(inp.max_tokens, max(0, max(inp.budgets) - 1))
+        self._ensure(B, max(len(ctx) for ctx in inp.contexts) + n)
         for b, ctx in zip(inp.rows, inp.contexts):
             feed[b] = list(ctx[int(self.cache.lengths[b]) :])  # committed since the last proposal: the root at least
+            if len(feed[b]) > CATCH_UP:  # a prompt, or a long gap: in prefill chunks, this row alone
+                self.session.prefill(self.cache.rows(b, b + 1), [feed[b][:-1]])
+                feed[b] = feed[b][-1:]
         sampling = None if inp.sampling.greedy else inp.sampling
-        n = min(inp.max_tokens, max(0, max(inp.budgets) - 1))
         rngs = dict(zip(inp.rows, inp.rngs))  # each row draws from its own
         tokens = {b: [] for b in inp.rows}
         qs = {b: [] for b in inp.rows}
@@ -156,6 +157,23 @@ class DraftModelProposer:
 
     def draft(self, inp, pending=None) -> list[DraftTree]:
         return self.propose(inp)
+
+    def _ensure(self, batch: int, positions: int) -> None:
+        """A cache of at least `batch` rows and `positions` positions, the rows' entries kept. It
+        grows by need (at least doubling), not to the engine's whole context: that many positions
+        for every row of a 48-row batch asked 24 GB of this machine's memory for a 0.5B draft."""
+        old = self.cache
+        if old is not None and old.batch >= batch and old.capacity >= positions:
+            return
+        capacity = positions if old is None else max(positions, min(2 * old.capacity, self.session.max_context))
+        capacity = min(max(capacity, positions), self.session.max_context + GROWTH)
+        self.cache = self.session.new_cache(max(batch, 0 if old is None else old.batch), capacity)
+        if old is not None:  # the running rows' entries move over
+            held = min(old.capacity, self.cache.capacity)
+            self.cache.keys[:, : old.batch, :, :held] = old.keys[:, :, :, :held]
+            self.cache.values[:, : old.batch, :, :held] = old.values[:, :, :, :held]
+            self.cache.lengths[: old.batch] = old.lengths
+            self.session.release(old)
 
     def commit(self, rows, trees, verdicts, step):
         """Keep the root and the accepted drafts in the own cache; forget the rejected ones."""
