@@ -155,7 +155,7 @@ def test_auto_with_a_draft_model_equals_plain(num_draft, tiny_artifacts):
     prompts = [[40, 41, 42], [5, 9, 13, 5, 9, 13, 5, 9], [77]]
     plain = gen.generate_ids(prompts, 30)
     prop = make_proposer("auto", draft_dir=tiny_artifacts / "engines" / "ort-cpu", target=gen.session.caps)
-    assert prop.head.name == "draft-model" and not prop.needs_features
+    assert prop.head.name == "draft-model" and prop.head.head.lazy and not prop.needs_features
     out = SpeculativeDecoder(gen, prop, make_policy(num_draft)).generate_ids(prompts, 30)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     # the draft is the target itself (q = p): judged to pay, it drafts under N = auto too

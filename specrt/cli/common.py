@@ -268,7 +268,8 @@ def _with_engine_options(fn, draft: str):
             help=f"--draft {_methods(lambda m: m.needs_draft_dir)}: the draft's directory (specrt train-draft --out, "
             "specrt import-mtp, or make drafts; a draft model: a smaller model's build-engines --out, or one of its "
             "engines, e.g. ART/engines/ort-cpu-gguf-a8); optional for --draft "
-            f"{_methods(lambda m: m.head_optional)}: an EAGLE-1, EAGLE-3, peagle or MTP head it may draft with.",
+            f"{_methods(lambda m: m.head_optional)}: a trained head (EAGLE-1, EAGLE-3, peagle, MTP, Medusa) or a "
+            "draft model's engine it may draft with.",
         ),
         click.option(
             "--draft-tree",

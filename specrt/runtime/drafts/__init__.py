@@ -30,7 +30,8 @@ def _head(**options):
 
     method = head_method(options["draft_dir"])
     if method is None and is_draft_model(options["draft_dir"]):
-        method = "draft-model"
+        # inside auto: fed at its first draft for a row, so a row the copies serve costs no prefill
+        return DRAFT_METHODS["draft-model"].make(**options, lazy=True)
     entry = DRAFT_METHODS.get(method)
     if entry is None or not entry.needs_draft_dir:  # no readable head: EagleProposer's open says why
         return EagleProposer(**options)
