@@ -124,8 +124,8 @@ def test_greedy_draft_model_equals_plain(which, num_draft, distilled, tiny_artif
 
 def test_the_draft_cache_grows_by_need_and_keeps_its_rows(tiny_artifacts):
     """The draft's own cache starts at what its rows' prompts need and grows (its entries kept)
-    as they lengthen, never to the engine's whole context for every row (a 48-row batch of the
-    0.5B draft asked 24 GB for that). With the target itself as draft (q = p), every drafted token
+    as they lengthen, never to the engine's whole context for every row (0.8 GB a row for the
+    0.5B draft). With the target itself as draft (q = p), every drafted token
     is accepted only if the moved entries are right."""
     gen = Generator.from_engine(tiny_artifacts / "engines" / "ort-cpu")
     gen.eos_ids = frozenset()
