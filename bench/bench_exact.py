@@ -66,9 +66,8 @@ def encode(gen, row: dict, chat: bool) -> list[int]:
 
 def runners(gen, draft_model: Path | None = None, head: Path | None = None):
     """plain, --draft auto and, given a draft model's engine, --draft draft-model and auto with
-    it, given a
-    trained head's directory, the head alone (--draft <its method>) and auto with it (N by the
-    cost model): fresh ones each call (a draft's index keeps what it saw)."""
+    it, given a trained head's directory, the head alone (--draft <its method>) and auto with it
+    (N by the cost model): fresh ones each call (a draft's index keeps what it saw)."""
     from specrt.engines.head import head_method
     from specrt.runtime.drafts import make_proposer
     from specrt.runtime.speculative import SpeculativeDecoder, make_policy
@@ -88,9 +87,9 @@ def runners(gen, draft_model: Path | None = None, head: Path | None = None):
     return out
 
 
-def timed(runner, ids: list[int], n: int, sampling=None):
+def timed(runner, ids: list[int], n: int, sampling: SamplingParams):
     t0 = time.perf_counter()
-    r = runner.generate_ids([ids], n, **({} if sampling is None else {"sampling": sampling}))[0]
+    r = runner.generate_ids([ids], n, sampling)[0]
     return r, len(r.token_ids) / (time.perf_counter() - t0)
 
 
@@ -218,8 +217,7 @@ def main() -> None:
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
         for i, (cls, ids) in enumerate(encoded):
-            seed = 1000 * rep + i
-            sampling = SamplingParams(temperature=args.temperature, seed=seed) if args.temperature > 0 else None
+            sampling = SamplingParams(temperature=args.temperature, seed=1000 * rep + i)  # 0: greedy
             for name in gens:
                 plain, tok_s = timed(run[name]["plain"], ids, args.new_tokens, sampling)
                 decode[name]["plain"][cls].append(tok_s)
@@ -231,7 +229,7 @@ def main() -> None:
                 for mode in modes[1:]:
                     spec, tok_s = timed(fresh[mode], ids, args.new_tokens, sampling)
                     decode[name][mode][cls].append(tok_s)
-                    if sampling is None:
+                    if args.temperature == 0:
                         equal_bench[name][0] += spec.token_ids == plain.token_ids
                         equal_bench[name][1] += 1
                     m = spec.metrics

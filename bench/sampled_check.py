@@ -1,6 +1,6 @@
 """Sampled speculative output against the target's own distribution, at the model's real size.
 
-    result = two_token_check(gen, spec, ids, rounds=8, rows=48, temperature=0.7)
+    result = two_token_check(gen, spec, ids, rounds=24, rows=8, temperature=0.7)
 
 The first two tokens a speculative decoder samples after a prompt are drawn `rounds x rows`
 times (rows of one batch share a step; each round its own seed) and binned by the target's exact
@@ -30,10 +30,11 @@ def exact_cells(gen, ids: list[int], params: SamplingParams) -> tuple[dict, np.n
     cache = session.new_cache(1, len(ids) + 2)
     p1 = probs_from_logits(session.forward(cache, [ids]).logits[0, -1], params)
     first = np.argsort(-p1, kind="stable")[:K1]
+    prompt = cache.lengths.copy()
     index, probs = {}, []
-    for t1 in first.tolist():
-        c = session.new_cache(1, len(ids) + 2)
-        p2 = probs_from_logits(session.forward(c, [ids + [t1]]).logits[0, -1], params)
+    for t1 in first.tolist():  # each candidate on the prompt's cache, rolled back after it
+        p2 = probs_from_logits(session.forward(cache, [[t1]]).logits[0, -1], params)
+        cache.rollback(prompt)
         second = np.argsort(-p2, kind="stable")[:K2]
         for t2 in second.tolist():
             index[(t1, t2)] = len(probs)
@@ -42,6 +43,7 @@ def exact_cells(gen, ids: list[int], params: SamplingParams) -> tuple[dict, np.n
         probs.append(p1[t1] * max(0.0, 1.0 - float(p2[second].sum())))
     index[(-1, -1)] = len(probs)
     probs.append(max(0.0, 1.0 - float(p1[first].sum())))
+    session.release(cache)
     probs = np.asarray(probs, np.float64)
     return index, probs / probs.sum()
 

@@ -160,6 +160,8 @@ def test_auto_with_a_draft_model_equals_plain(num_draft, tiny_artifacts):
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     # the draft is the target itself (q = p): judged to pay, it drafts under N = auto too
     assert prop.head.head.calls > 0 and prop.chosen["draft-model"] > 0
+    with pytest.raises(SpecrtError, match="holds a draft model, which drafts chains: leave out --draft-tree"):
+        make_proposer("auto", draft_dir=tiny_artifacts, target=gen.session.caps, tree=(4, 6))
 
 
 @pytest.mark.parametrize("draft_seed", [4, 11], ids=["q=p", "q!=p"])

@@ -30,6 +30,10 @@ def _head(**options):
 
     method = head_method(options["draft_dir"])
     if method is None and is_draft_model(options["draft_dir"]):
+        if options.get("tree") is not None:
+            raise SpecrtError(
+                f"{options['draft_dir']} holds a draft model, which drafts chains: leave out --draft-tree"
+            )
         # inside auto: fed at its first draft for a row, so a row the copies serve costs no prefill
         return DRAFT_METHODS["draft-model"].make(**options, lazy=True)
     entry = DRAFT_METHODS.get(method)
