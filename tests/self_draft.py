@@ -49,6 +49,7 @@ class SelfDraftProposer:
         keep_tree: bool = False,
     ):
         self.session = StepSession(backend)
+        self.session.cuts = ()  # a draft need not be exact: its trees may span the step cuts
         self.tree_shape = tree
         self.keep_tree = keep_tree
         self._tokens: dict[int, list[int]] = {}  # row -> the tokens its own cache holds, slot by slot

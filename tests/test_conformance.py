@@ -266,37 +266,44 @@ def test_a_draft_head_of_every_family_runs(family):
     assert logits.shape[-1] == 64 and torch.isfinite(logits).all() and torch.isfinite(hidden).all(), name
 
 
-def stepped(backend, q: int) -> np.ndarray:
-    """The logits of positions 40 to 119 of a fixed random text, computed q tokens a step."""
+def stepped(backend, q: int, cut: bool = True) -> np.ndarray:
+    """The logits of positions 40 to 399 of a fixed random text, computed q tokens a step (with
+    cut=False: the session ignores the engine's step cuts)."""
     from specrt.runtime.session import StepSession
 
-    ids = np.random.default_rng(0).integers(3, 150, 120).tolist()
+    ids = np.random.default_rng(0).integers(3, 150, 400).tolist()
     session = StepSession(backend, exact="bitwise")
-    cache = session.new_cache(1, 256)
+    if not cut:
+        session.cuts = ()
+    cache = session.new_cache(1, 512)
     session.prefill(cache, [ids[:40]])
     steps = [(a, min(a + q, len(ids))) for a in range(40, len(ids), q)]
     return np.concatenate([session.forward(cache, [ids[a:b]]).logits[0, : b - a] for a, b in steps])
 
 
 @pytest.mark.parametrize("head_dim", [16, 256])
-def test_the_build_records_whether_step_shapes_agree_past_slot_64(tmp_path, head_dim):
-    """An engine's build says whether its step shapes give a position the same bits (what makes
-    speculative output bitwise plain output), and says it right where a kernel changes past 64
-    positions: ORT 1.32's attention with heads of 256 (Gemma 3's) gives other bits to a position
-    whose step crossed slot 64 than to the same position in steps that did not. The verdict is
-    checked against the runtime's own steps at positions 40 to 120."""
+def test_step_cuts_make_every_step_shape_agree_past_slot_64(tmp_path, head_dim):
+    """ORT 1.32's attention with heads of 256 (Gemma 3's) adds a position's scores in another
+    order once its step ends past slot 64 (and every 256 slots after it, on two threads): the
+    build finds those positions (its step cuts), the session splits steps there, and every step
+    shape then gives a position the same bits, as the build's own record says. Without the cuts
+    the shapes disagree (what the rule is for); heads of 16 have none."""
     import json
 
-    ref = reference("llama", head_dim=head_dim, num_key_value_heads=1)
+    ref = reference("llama", head_dim=head_dim, num_key_value_heads=1, max_position_embeddings=1024)
     ckpt = checkpoint(ref, tmp_path / "ckpt")
     list(build_all(BuildSpec(checkpoint=ckpt, out=tmp_path / "art", tensorrt="off")))
     engine = tmp_path / "art" / "engines" / "ort-cpu"
-    recorded = json.loads((engine / "manifest.json").read_text())["batch_invariance"]["bitwise"]["padded"]
+    manifest = json.loads((engine / "manifest.json").read_text())
+    recorded, cuts = manifest["batch_invariance"]["bitwise"], manifest["step_cuts"]["cuts"]
     backend = Generator.from_engine(engine).backend
-    one = stepped(backend, 1)  # padded to the floor
-    observed = all(np.array_equal(one, stepped(backend, q)) for q in (3, 8, 17))
-    assert recorded == observed, (head_dim, recorded, observed)
-    assert observed == (head_dim != 256)  # ORT 1.32; a later ORT that fixes it fails here: say so in the docs
+    one = stepped(backend, 1)
+    assert all(np.array_equal(one, stepped(backend, q)) for q in (2, 3, 8, 17)), head_dim
+    assert all(recorded.values()), recorded
+    assert bool(cuts) == (head_dim == 256), cuts  # ORT 1.32; a later ORT that fixes it fails here: say so in the docs
+    if cuts:
+        assert cuts[0] == 63 and backend.caps.step_cuts == tuple(cuts)
+        assert not all(np.array_equal(one, stepped(backend, q, cut=False)) for q in (3, 8, 17))
 
 
 def test_the_pytorch_backend_is_bitwise_for_gemma3s_heads_of_256(tmp_path):

@@ -32,7 +32,7 @@ from specrt.artifacts import (
     verify_files,
     write_manifest,
 )
-from specrt.engines.ort_measure import batch_invariance, step_costs
+from specrt.engines.ort_measure import batch_invariance, step_costs, step_cuts
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.export.graph_files import ONNX_FILE, read_onnx_manifest
 
@@ -190,7 +190,11 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
         t0 = time.perf_counter()
         session, active = graph_session(onnx_dir / ONNX_FILE, options, "re-export it with `specrt export`.")
         flavour = onnx_manifest.get("graph_flavour", "portable")
-        invariance = batch_invariance(session, onnx_manifest["config"], flavour)
+        # the fused graph's steps agree bitwise but where a kernel changes with the step's end;
+        # the traced graph's never do (its attention reduces over the whole buffer): no cuts help
+        cuts = step_cuts(session, onnx_manifest["config"], flavour) if flavour == "fused" else None
+        kept = tuple(cuts["cuts"]) if cuts else ()
+        invariance = batch_invariance(session, onnx_manifest["config"], flavour, cuts=kept)
         costs = step_costs(session, onnx_manifest["config"], flavour)
         del session
         write_manifest(
@@ -209,7 +213,8 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "provider": active,
                 "host_cpu": cpu_model(),
                 "graph_optimization_level": "ORT_ENABLE_ALL",
-                "batch_invariance": invariance,
+                "step_cuts": cuts,  # positions no step may span (export/step_cuts.py)
+                "batch_invariance": invariance,  # measured with its steps split at the cuts
                 "step_ms": costs,  # by positions, batch 1: the cost model's priors
                 "build_seconds": round(time.perf_counter() - t0, 2),
                 "files": {},  # its graph's are the graph's manifest's (onnx.files)

@@ -1,8 +1,12 @@
 """What an ORT engine's build measures on the session it optimized, written into its manifest:
 
+    step_cuts(session, config, flavour)         the positions no step may span: where the
+                                                engine's attention adds in another order once a
+                                                step ends past them (export/step_cuts.py)
     batch_invariance(session, config, flavour)  how a position's logits move with the shape of
                                                 the step that computes them (exactness of
                                                 speculation), and which step shapes agree bitwise
+                                                under the cuts
     step_costs(session, config, flavour)        milliseconds per step by positions at batch 1
                                                 (the speculative cost model's priors)
 
@@ -22,10 +26,14 @@ import time
 import numpy as np
 
 from specrt.engines.profiles import EngineShapes
+from specrt.export import step_cuts as cut_rule
 from specrt.export.step_io import LOGITS, STEP_FLOOR, STEP_INPUTS, StepIO, attention_mask
 
 COST_POSITIONS = (1, 2, 3, 5, 9, 17)  # the step sizes step_costs times
 COST_REPEATS = 5  # timed steps per size (after one untimed), the median kept
+# how far step_cuts probes: past four periods of the cuts ORT 1.32 gives heads of 256 on two
+# threads (63, 319, 575, 831), so that a period is seen three times over
+CUT_PROBE = 1100
 
 
 def _runner(session, cfg, flavour: str, capacity: int, batch: int = 1):
@@ -104,6 +112,68 @@ def _fused_runner(session, cfg, capacity: int, batch: int):
     return fresh, run
 
 
+def _keeping(run, cuts):
+    """`run` that splits each step at the cuts as the runtime's session does (export/step_cuts.py)
+    and returns the logits of the whole step."""
+    if not cuts:
+        return run
+
+    def split(rows, cache, q=None):
+        steps = cut_rule.pieces(cache[-1], [len(r) for r in rows], cuts, STEP_FLOOR)
+        out = np.zeros((len(rows), max(q or 0, *(len(r) for r in rows)), 0), np.float32)
+        for step in steps:
+            got = run([r[a:b] for r, (a, b) in zip(rows, step)], cache, q)
+            if out.shape[2] != got.shape[2]:
+                out = np.zeros((*out.shape[:2], got.shape[2]), got.dtype)
+            for b, (a, c) in enumerate(step):
+                out[b, a:c] = got[b, : c - a]
+        return out
+
+    return split
+
+
+def step_cuts(session, config: dict, flavour: str = "portable", top: int = CUT_PROBE, width: int = 17) -> dict:
+    """The positions no step may span (export/step_cuts.py), probed on the engine's own session
+    over its first `top` positions (at most its context): each window of `width` positions
+    computed as one step and again one position a step (the plain decoding shape, the
+    canonical bits); where a window disagrees, every neighbouring pair of its positions as a
+    step of two finds the cut between them (a pair that ends on the cut gives the cut's
+    position the bits of the shorter total). {"cuts": [...], "period": the spacing where the
+    cuts are three or more and evenly spaced (the runtime continues them past the probe), else
+    None, "probed_to": the positions probed}."""
+    from specrt.export.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(config)
+    top = max(0, min(top, cfg.max_position_embeddings - width - STEP_FLOOR))
+    fresh, run = _runner(session, cfg, flavour, top + 2 * width + STEP_FLOOR)
+    cache = fresh()
+    lengths = cache[-1]
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, top + width + 1).tolist()
+
+    def decode(a: int, b: int) -> list[np.ndarray]:
+        """Positions [a, b), one a step (padded to the floor), from a cache at a."""
+        lengths[:] = a
+        return [run([ids[p : p + 1]], cache, STEP_FLOOR)[0, 0].copy() for p in range(a, b)]
+
+    cuts: list[int] = []
+    a = 0
+    while a < top:
+        lengths[:] = a
+        wide = run([ids[a : a + width]], cache)[0].copy()
+        canon = decode(a, a + width)
+        if not all(np.array_equal(w, c) for w, c in zip(wide, canon)):
+            for p in range(a + 1, a + width):
+                lengths[:] = p - 1
+                pair = run([ids[p - 1 : p + 1]], cache)[0]
+                if not (np.array_equal(pair[0], canon[p - 1 - a]) and np.array_equal(pair[1], canon[p - a])):
+                    cuts.append(p)
+            decode(a, a + width)  # the pairs wrote their own bits: the window's canonical ones again
+        a += width - 1  # the next window starts on this one's last position
+    gaps = {b - a for a, b in zip(cuts, cuts[1:])}
+    period = gaps.pop() if len(cuts) >= 3 and len(gaps) == 1 else None
+    return {"cuts": cuts, "period": period, "probed_to": top}
+
+
 # the steps measured start here: they cross slot 64, where ORT 1.32's GroupQueryAttention with
 # heads of 256 (Gemma 3) gives a position other bits depending on where its step started (a
 # prefix of 12 never saw it: Gemma's engines recorded bitwise, and speculative output differed
@@ -131,6 +201,7 @@ def batch_invariance(
     flavour: str = "portable",
     prefix: int = SHAPES_PREFIX,
     steps: int = EngineShapes.max_verify,
+    cuts: tuple[int, ...] = (),
 ) -> dict:
     """How a position's logits depend on the shape of the step that computes them: the same
     `steps` tokens after a `prefix`, computed as one multi-position step (as verification does)
@@ -166,6 +237,7 @@ def batch_invariance(
 
     def started(capacity=room, batch=1):
         fresh, run = _runner(session, cfg, flavour, capacity, batch)
+        run = _keeping(run, cuts)  # every step keeps the cuts, as the runtime's do
         cache = fresh()
         run([mine[:prefix], other[:prefix]][:batch], cache)
         return run, cache

@@ -32,6 +32,7 @@ import numpy as np
 
 from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
+from specrt.export import step_cuts
 from specrt.export.config import ModelConfig
 from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput
 from specrt.runtime.kv_cache import KVCache
@@ -71,6 +72,13 @@ class StepSession:
         self.floor = self.caps.floor if exact == "bitwise" else 1
         # and the multiple every step's positions per row are rounded up to (Capabilities.step_multiple)
         self.multiple = self.caps.step_multiple if exact == "bitwise" else 1
+        # the positions no step may span (export/step_cuts.py): where the engine's build found
+        # its attention adding in another order past them; none where near-ties are enough
+        caps = self.caps
+        limit = self.max_context + 1
+        self.cuts = step_cuts.expand(caps.step_cuts, caps.cut_period, limit) if exact == "bitwise" else ()
+        if self.cuts and self.multiple > 1:
+            raise SpecrtError("an engine with step cuts and a step multiple is not supported; rebuild the engine")
 
     @property
     def caps(self) -> Capabilities:
@@ -150,6 +158,11 @@ class StepSession:
 
     # -- steps ----------------------------------------------------------------------------------
 
+    def room(self, cache: KVCache) -> list[int | None]:
+        """Per row, the most positions its next step may compute without crossing a step cut
+        (None: no cut ahead): a draft tree must fit (the session cannot split a tree)."""
+        return [step_cuts.room(self.cuts, int(n)) for n in cache.lengths]
+
     def forward(
         self,
         cache: KVCache,
@@ -169,6 +182,48 @@ class StepSession:
 
         trees: per row (depths (n,), mask (n, n)) for tokens that form a tree rather than a
         sequence: position = committed length + depth, and each token sees what its mask allows."""
+        if self.cuts:
+            counts = [len(t) for t in tokens]
+            trees = trees if trees is None else [None if t is None or _is_chain(t) else t for t in trees]
+            whole = [b for b, t in enumerate(trees or ()) if t is not None]
+            try:
+                steps = step_cuts.pieces(cache.lengths, counts, self.cuts, max(self.floor, 2), whole)
+            except ValueError as e:
+                raise SpecrtError(f"{e}: draft no further than StepSession.room allows") from None
+            if len(steps) > 1:
+                return self._pieces(cache, tokens, trees, steps, last_only, hidden, want_logits)
+        return self._step(cache, tokens, trees, last_only, hidden, want_logits)
+
+    def _pieces(self, cache, tokens, trees, steps, last_only, hidden, want_logits) -> StepOutput:
+        """One step computed as several that keep the step cuts (export/step_cuts.py), their
+        outputs put together as the one step's."""
+        B, longest = len(tokens), max(1, *(len(t) for t in tokens))
+        width = 1 if last_only else longest
+        parts: dict[str, np.ndarray | None] = {}
+        for step in steps:
+            rows = [t[a:b] for t, (a, b) in zip(tokens, step)]
+            part = None if trees is None else [t if a < b else None for t, (a, b) in zip(trees, step)]
+            out = self._step(cache, rows, part, last_only, hidden, want_logits)
+            for name in ("logits", "hidden_states", "top1"):
+                got = getattr(out, name)
+                if got is None:
+                    parts[name] = None
+                    continue
+                if name not in parts:
+                    parts[name] = np.zeros(
+                        (B, width if name != "hidden_states" else longest, *got.shape[2:]), got.dtype
+                    )
+                for b, (a, c) in enumerate(step):
+                    if a == c:
+                        continue
+                    if last_only and name != "hidden_states":
+                        if c == len(tokens[b]):  # the piece that holds the row's last token
+                            parts[name][b, 0] = got[b, 0]
+                    else:
+                        parts[name][b, a:c] = got[b, : c - a]
+        return StepOutput(parts.get("logits"), parts.get("hidden_states"), None, parts.get("top1"))
+
+    def _step(self, cache, tokens, trees, last_only, hidden, want_logits) -> StepOutput:
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
         ids, positions, mask, index, every = self.step_inputs(
             cache, tokens, trees, last_only, self.floor, self.multiple
@@ -234,6 +289,13 @@ class StepSession:
                         feats[b].append(out.hidden_states[b, : len(c)])
             start += self.prefill_chunk
         return Prefilled(last, [np.concatenate(f) for f in feats] if hidden else None)
+
+
+def _is_chain(tree: tuple[np.ndarray, np.ndarray]) -> bool:
+    """Whether a row's (depths, mask) is a plain sequence (each token after the one before)."""
+    depths, mask = tree
+    n = len(depths)
+    return bool(np.array_equal(depths, np.arange(n)) and np.array_equal(mask, np.tri(n, dtype=bool)))
 
 
 def exactness_warning(session) -> str | None:

@@ -246,6 +246,9 @@ class SpeculativeDecoder:
         sees every row's draft, then cuts it); any other draft is asked for the planned length."""
         caps = {b: state.slots[b].cap for b in rows}
         most = {b: self.policy.max_draft if caps[b] is None else min(self.policy.max_draft, caps[b]) for b in rows}
+        # a tree stops before the row's next step cut (the root is one of the step's positions)
+        room = self.gen.session.room(state.cache)
+        most = {b: most[b] if room[b] is None else max(0, min(most[b], room[b] - 1)) for b in rows}
         forced = self.forced(state, rows, most)
         if self.proposer.lookup:
             judge = self.policy.judge(state.cost, batch)
@@ -312,9 +315,12 @@ class SpeculativeDecoder:
         draft (a point mass, so sampling stays exact). None for a row whose request asked for no
         drafts, nor for one with a single token of budget left."""
         out, guessed = state.rows.out, {}
+        room = self.gen.session.room(state.cache)
         for b in rows:
             if len(trees[b]) or state.slots[b].cap == 0 or len(out[b]) + 1 >= state.rows.budget[b]:
                 continue
+            if room[b] is not None and room[b] < 2:
+                continue  # the guess would sit on a step cut
             tree = drafted.get(b)
             first = tree.truncate(1) if tree is not None and len(tree) else None
             guessed[b] = first or DraftTree.imposed([follower(state.slots[b].prompt, out[b])])

@@ -56,6 +56,10 @@ class Capabilities:
     # step is padded, so every step shape gives the same bits); 1: it takes one-position steps as
     # they are (SplitBackend exists to run them on an engine of their own)
     floor: int = STEP_FLOOR
+    # the positions no step may span (export/step_cuts.py), as the build probed them, continued
+    # every cut_period positions past the probe's last (None: not continued)
+    step_cuts: tuple[int, ...] = ()
+    cut_period: int | None = None
     # and the multiple every step's positions per row are rounded up to, where a library's
     # products are bitwise row-invariant only in whole tiles of rows (the GPU check tries them)
     step_multiple: int = 1

@@ -32,6 +32,7 @@ class OrtBackend(StepBackend):
         precision: str = "float32",
         checkpoint_hash: str | None = None,
         flavour: str = "portable",
+        step_cuts: dict | None = None,
     ):
         import onnxruntime
 
@@ -50,6 +51,8 @@ class OrtBackend(StepBackend):
             vocab_size=config.vocab_size,
             cache_slack=STEP_ROOM if fused else 0,
             floor=floor_of(batch_invariance),
+            step_cuts=tuple((step_cuts or {}).get("cuts", ())),
+            cut_period=(step_cuts or {}).get("period"),
         )
         self._io = StepIO(config.num_hidden_layers)
         # fetching hidden_states only when asked saves its host copy on every other step
@@ -73,6 +76,7 @@ class OrtBackend(StepBackend):
             precision=manifest.get("precision", "float32"),
             checkpoint_hash=manifest["checkpoint"]["hash"],
             flavour=manifest.get("graph_flavour", "portable"),
+            step_cuts=manifest.get("step_cuts"),  # probed at build (engines/ort_measure.py)
         )
 
     def step(self, input_ids, position_ids, attention_mask, logits_index, cache, hidden_index=None, want_logits=True):
