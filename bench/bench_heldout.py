@@ -3,12 +3,14 @@ saw (the trainer's own held-out split), from the cached features: where it gener
 where it only memorized.
 
     .venv/bin/python bench/bench_heldout.py --head drafts/qwen2.5-coder-1.5b/medusa \
-        --data drafts/qwen2.5-coder-1.5b/data
+        --data drafts/qwen2.5-coder-1.5b/data [--compare OTHER_HEAD --from-id 300]
 
 Per class (the prompt set's kinds) and per head k: how often the head's first candidate is the
 token k + 1 places after the feature's position (the target's own answer), over the answer
-positions, as the trainer counts them (training/medusa.py `examples`). JSON in
-bench/results/heldout-<date>.json.
+positions, as the trainer counts them (training/medusa.py `examples`). With --compare, another
+head (trained on fewer of the same prompts, say) on the same sequences; with --from-id N only the
+answers to prompts N and on count (ones a head trained on the first N prompts never saw). JSON
+in bench/results/heldout-<date>.json.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", type=Path, required=True, help="A Medusa head's directory (train-draft --out).")
     ap.add_argument("--data", type=Path, required=True, help="Its training data (train-draft --data).")
+    ap.add_argument("--compare", type=Path, default=None, help="Another Medusa head, scored on the same sequences.")
+    ap.add_argument("--from-id", type=int, default=0, help="Count only the answers to prompts of this id and on.")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
     args = ap.parse_args()
 
@@ -42,50 +46,60 @@ def main() -> None:
 
     from harness import envelope
 
-    weights = HeadLayout(args.head).weights
-    cfg = MedusaConfig.from_dict(json.loads((weights / "head.json").read_text()))
-    heads = MedusaHeads(cfg)
-    heads.load_state_dict(load_file(weights / "head.safetensors"))
     meta = json.loads((args.data / "data.json").read_text())
     kinds = {p["id"]: p["kind"] for p in map(json.loads, (args.data / "prompts.jsonl").read_text().splitlines())}
     answers = sorted(read_answers(args.data / "answers.jsonl"), key=lambda a: a.id)  # the trainer's order
-    layers, width = tuple(meta["hidden_layers"]), cfg.target.hidden_size
+    layers = tuple(meta["hidden_layers"])
     store = FeatureStore(args.data / "features")
-    data = TrainingData.load(answers, FeatureCache(store, answers), layers, width)
-    cols = feature_columns(layers, (-1,), width)
-    held = set(data.held_out_ids)
-    hits = collections.defaultdict(lambda: np.zeros((2, cfg.num_heads)))
-    counts = collections.defaultdict(lambda: np.zeros((2, cfg.num_heads)))
-    seqs = [*data.train, *data.held_out]
-    ids = [i for i in range(len(answers)) if i not in held] + sorted(held)
-    for i, seq in zip(ids, seqs):
-        x, y = examples([seq], cols, cfg.num_heads)
-        with torch.no_grad():
-            _, top = heads(torch.from_numpy(x))
-        kind, split = kinds[answers[i].id], int(i in held)
-        for k in range(cfg.num_heads):
-            scored = y[:, k] >= 0
-            hits[kind][split, k] += int((top[scored, k, 0].numpy() == y[scored, k]).sum())
-            counts[kind][split, k] += int(scored.sum())
-    table = {
-        kind: {
-            split: {
-                "positions": int(counts[kind][s, 0]),
-                "top1": [round(float(h), 3) for h in hits[kind][s] / np.maximum(counts[kind][s], 1)],
+
+    def scored(head: Path) -> dict:
+        weights = HeadLayout(head).weights
+        cfg = MedusaConfig.from_dict(json.loads((weights / "head.json").read_text()))
+        heads = MedusaHeads(cfg)
+        heads.load_state_dict(load_file(weights / "head.safetensors"))
+        width = cfg.target.hidden_size
+        data = TrainingData.load(answers, FeatureCache(store, answers), layers, width)
+        cols = feature_columns(layers, (-1,), width)
+        held = set(data.held_out_ids)
+        hits = collections.defaultdict(lambda: np.zeros((2, cfg.num_heads)))
+        counts = collections.defaultdict(lambda: np.zeros((2, cfg.num_heads)))
+        seqs = [*data.train, *data.held_out]
+        ids = [i for i in range(len(answers)) if i not in held] + sorted(held)
+        for i, seq in zip(ids, seqs):
+            if answers[i].id < args.from_id:
+                continue
+            x, y = examples([seq], cols, cfg.num_heads)
+            with torch.no_grad():
+                _, top = heads(torch.from_numpy(x))
+            kind, split = kinds[answers[i].id], int(i in held)
+            for k in range(cfg.num_heads):
+                scored = y[:, k] >= 0
+                hits[kind][split, k] += int((top[scored, k, 0].numpy() == y[scored, k]).sum())
+                counts[kind][split, k] += int(scored.sum())
+        return {
+            kind: {
+                split: {
+                    "positions": int(counts[kind][s, 0]),
+                    "top1": [round(float(h), 3) for h in hits[kind][s] / np.maximum(counts[kind][s], 1)],
+                }
+                for s, split in enumerate(("trained", "held_out"))
             }
-            for s, split in enumerate(("trained", "held_out"))
+            for kind in sorted(hits)
         }
-        for kind in sorted(hits)
-    }
-    print(f"{'class':15s} {'trained on':>32s} {'never seen':>32s}")
-    for kind, row in table.items():
-        cells = [f"{' / '.join(f'{v:.2f}' for v in row[s]['top1'])} ({row[s]['positions']})" for s in row]
-        print(f"{kind:15s} {cells[0]:>32s} {cells[1]:>32s}")
+
+    tables = {str(h): scored(h) for h in (args.head, args.compare) if h is not None}
+    for head, table in tables.items():
+        print(f"{head}\n{'class':15s} {'trained on':>32s} {'never seen':>32s}")
+        for kind, row in table.items():
+            cells = [f"{' / '.join(f'{v:.2f}' for v in row[s]['top1'])} ({row[s]['positions']})" for s in row]
+            print(f"{kind:15s} {cells[0]:>32s} {cells[1]:>32s}")
     result = {
         **envelope("torch", "safetensors"),
-        "settings": {"head": str(args.head), "data": str(args.data), "held_out_sequences": len(held)},
-        "top1_by_class": table,
-    }
+        "settings": {"head": str(args.head), "compare": str(args.compare), "data": str(args.data),
+                     "from_id": args.from_id, "answers": len(answers)},
+        "top1_by_class": tables[str(args.head)],
+        "by_head": tables,
+    }  # fmt: skip
     print(f"wrote {write_result_json(result, args.out, 'heldout')}")
 
 

@@ -254,6 +254,11 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
             f"{manifest.get('graph_flavour', 'portable')} graph"
             + (f" in {manifest['graph_dir']} (optimized as it loads)" if "graph_dir" in manifest else "")
         )
+        cuts = manifest.get("step_cuts")
+        if cuts:
+            every = f", then every {cuts['period']}" if cuts.get("period") else ""
+            found = ", ".join(map(str, cuts["cuts"])) + every if cuts["cuts"] else "none"
+            lines.append(f"  step cuts   {found} (probed over {cuts['probed_to']} positions: no step spans a cut)")
         inv = manifest.get("batch_invariance")
         if inv:
             lines.extend(exactness_lines(inv))

@@ -302,7 +302,7 @@ def test_step_cuts_make_every_step_shape_agree_past_slot_64(tmp_path, head_dim):
     assert all(recorded.values()), recorded
     assert bool(cuts) == (head_dim == 256), cuts  # ORT 1.32; a later ORT that fixes it fails here: say so in the docs
     if cuts:
-        assert cuts[0] == 63 and backend.caps.step_cuts == tuple(cuts)
+        assert backend.caps.step_cuts == tuple(cuts)  # 63, 319, 575, ... on 2 threads of a Xeon
         assert not all(np.array_equal(one, stepped(backend, q, cut=False)) for q in (3, 8, 17))
 
 

@@ -118,8 +118,14 @@ def gemma(tmp_path_factory):
 
 @pytest.mark.parametrize("scheme", [None, "int8-a8"])
 def test_gemma_requests_are_bitwise_across_the_cuts(gemma, scheme):
-    gen = Generator.from_engine(ArtifactLayout(gemma).ort_engine("cpu", *([scheme] if scheme else [])))
+    from specrt.inspection import inspect_artifact
+
+    engine = ArtifactLayout(gemma).ort_engine("cpu", *([scheme] if scheme else []))
+    gen = Generator.from_engine(engine)
     assert gen.backend.caps.step_cuts and gen.session.exactness()["exact"] == "bitwise"
+    shown = [line for line in inspect_artifact(engine).lines if "step cuts" in line]
+    listed = ", ".join(map(str, gen.backend.caps.step_cuts))  # ORT 1.32, 2 threads: 63, 319, 575, 831, 1087
+    assert shown and listed in shown[0] and "probed over" in shown[0], shown
     gen.eos_ids = frozenset()
     rng = np.random.default_rng(2)
     base = rng.integers(3, 150, 160).tolist()

@@ -22,6 +22,11 @@ needs no floor: 1. With
 `exact="near-ties"` one-position steps run as they are: faster where a two-row product costs much
 more than a one-row one (the level-0 4-bit kernels), and exact only up to the engine's measured
 difference between the two.
+
+Where the engine's build found step cuts (export/step_cuts.py: positions past which its
+attention adds in another order, ORT's with heads of 256), no step spans one: `forward` splits
+such a step into steps that do not and returns their outputs as the one step's, and `room` says
+how far a row's next step may reach (a draft tree, which cannot be split, stops there).
 """
 
 from __future__ import annotations
@@ -161,6 +166,8 @@ class StepSession:
     def room(self, cache: KVCache) -> list[int | None]:
         """Per row, the most positions its next step may compute without crossing a step cut
         (None: no cut ahead): a draft tree must fit (the session cannot split a tree)."""
+        if not self.cuts:
+            return [None] * cache.batch
         return [step_cuts.room(self.cuts, int(n)) for n in cache.lengths]
 
     def forward(
