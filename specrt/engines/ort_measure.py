@@ -34,6 +34,7 @@ COST_REPEATS = 5  # timed steps per size (after one untimed), the median kept
 # how far step_cuts probes: past four periods of the cuts ORT 1.32 gives heads of 256 on two
 # threads (63, 319, 575, 831), so that a period is seen three times over
 CUT_PROBE = 1100
+CUT_CONFIRM = 4200  # and checks the period's continuation at its last cut below this
 
 
 def _runner(session, cfg, flavour: str, capacity: int, batch: int = 1):
@@ -171,7 +172,35 @@ def step_cuts(session, config: dict, flavour: str = "portable", top: int = CUT_P
         a += width - 1  # the next window starts on this one's last position
     gaps = {b - a for a, b in zip(cuts, cuts[1:])}
     period = gaps.pop() if len(cuts) >= 3 and len(gaps) == 1 else None
-    return {"cuts": cuts, "period": period, "probed_to": top}
+    out = {"cuts": cuts, "period": period, "probed_to": top}
+    if period:  # the continuation checked far past the probe: the predicted cut is one
+        out |= _confirmed(session, cfg, flavour, cuts, period, width)
+    return out
+
+
+def _confirmed(session, cfg, flavour: str, cuts: list[int], period: int, width: int) -> dict:
+    """{"confirmed_at": the last cut the period predicts below CUT_CONFIRM (and the context),
+    "confirmed": whether a step of two positions ending on it gives the cut's position the
+    other bits and a window before it agrees}; the period is dropped where it does not."""
+    far = cut_rule.expand(cuts, period, min(CUT_CONFIRM, cfg.max_position_embeddings - width - STEP_FLOOR))[-1]
+    if far <= cuts[-1]:
+        return {}
+    start = far - width + 2  # a window of width positions ending just before the cut
+    fresh, run = _runner(session, cfg, flavour, far + 2 * width + STEP_FLOOR)
+    cache = fresh()
+    lengths = cache[-1]
+    ids = np.random.default_rng(1).integers(3, cfg.vocab_size, far + width).tolist()
+    keep = _keeping(run, cut_rule.expand(cuts, period, far))
+    for a in range(0, start, 256):
+        keep([ids[a : min(a + 256, start)]], cache)
+    wide = run([ids[start:far]], cache)[0].copy()
+    lengths[:] = start
+    canon = [run([ids[p : p + 1]], cache, STEP_FLOOR)[0, 0].copy() for p in range(start, far + 1)]
+    lengths[:] = far - 1
+    pair = run([ids[far - 1 : far + 1]], cache)[0]
+    agrees = all(np.array_equal(w, c) for w, c in zip(wide, canon))
+    confirmed = agrees and not np.array_equal(pair[1], canon[-1])
+    return {"confirmed_at": int(far), "confirmed": bool(confirmed), "period": period if confirmed else None}
 
 
 # the steps measured start here: they cross slot 64, where ORT 1.32's GroupQueryAttention with

@@ -317,8 +317,9 @@ def exactness_warning(session) -> str | None:
         fix = "keep the step floor (--exact bitwise, the default), which makes this engine bitwise exact"
     elif shapes:
         fix = (
-            "its step shapes are not bitwise equal even with the step floor (the fused graph's are, but for heads of "
-            "256, such as Gemma 3's: ORT's attention kernel); the PyTorch backend (--backend torch) is bitwise"
+            "its step shapes are not bitwise equal even with the step floor (an engine built before step cuts were "
+            "probed, or a kernel they do not cover: rebuild it to probe again); the PyTorch backend (--backend torch) "
+            "is bitwise"
         )
     else:
         fix = "rebuild the engine (its build measures whether the step floor makes it bitwise exact)"
