@@ -352,10 +352,12 @@ def _build_ort(
 
     edir = ArtifactLayout(spec.out).ort_engine(spec.provider, quantize)
     current = None if spec.force or stale else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
-    # an engine built before its step costs, its bitwise check or its one-position steps were
-    # measured, or that holds a copy of its graph, is rebuilt (ORT's optimization: seconds)
+    # an engine built before its step costs, its bitwise check, its one-position steps or its step
+    # cuts were measured, or that holds a copy of its graph, is rebuilt (ORT's optimization and
+    # the probes: seconds to minutes)
     shapes = (current or {}).get("batch_invariance", {}).get("bitwise", {})
     measured = current is not None and "step_ms" in current and "unpadded" in shapes and "graph_dir" in current
+    measured = measured and ("step_cuts" in current or current.get("graph_flavour") != "fused")
     if measured and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
     else:
