@@ -177,6 +177,11 @@ def main() -> None:
             layout.ort_engine("cpu", SCHEMES[name]), args.model, exact=setting
         )
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    # checked before the timed runs: an error at their end would lose them
+    wanted = [e.strip().partition("=") for e in args.exact_engines.split(",") if e.strip()]
+    counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
+    if set(counts) - set(gens):
+        ap.error(f"--exact-engines {sorted(set(counts) - set(gens))} are not among --engines")
     classes = sorted({r["class"] for r in rows})
     ref = next(iter(gens.values()))
     encoded = [(r["class"], encode(ref, r, args.chat)) for r in rows]
@@ -253,10 +258,6 @@ def main() -> None:
             for (cls, _), r in zip(encoded, got["runs"]):
                 genai[cls].append(r["decode_tok_s"])
 
-    wanted = [e.strip().partition("=") for e in args.exact_engines.split(",") if e.strip()]
-    counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
-    if set(counts) - set(gens):
-        ap.error(f"--exact-engines {sorted(set(counts) - set(gens))} are not among --engines")
     made = build_prompt_set(max(counts.values()), seed=7, exclude=tuple(r["prompt"] for r in rows if "prompt" in r))
     all_ids = [ref.encode_prompt(p.prompt, chat=args.chat) for p in made]
     for g in gens.values():
