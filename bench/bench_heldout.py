@@ -52,15 +52,20 @@ def main() -> None:
     layers = tuple(meta["hidden_layers"])
     store = FeatureStore(args.data / "features")
 
-    def scored(head: Path) -> dict:
+    def loaded(head: Path) -> tuple:
         weights = HeadLayout(head).weights
         cfg = MedusaConfig.from_dict(json.loads((weights / "head.json").read_text()))
         heads = MedusaHeads(cfg)
         heads.load_state_dict(load_file(weights / "head.safetensors"))
-        width = cfg.target.hidden_size
-        data = TrainingData.load(answers, FeatureCache(store, answers), layers, width)
-        cols = feature_columns(layers, (-1,), width)
-        held = set(data.held_out_ids)
+        return cfg, heads
+
+    models = {str(h): loaded(h) for h in (args.head, args.compare) if h is not None}
+    width = models[str(args.head)][0].target.hidden_size  # the heads share the data's target
+    data = TrainingData.load(answers, FeatureCache(store, answers), layers, width)  # read once
+    cols = feature_columns(layers, (-1,), width)
+    held = set(data.held_out_ids)
+
+    def scored(cfg, heads) -> dict:
         hits = collections.defaultdict(lambda: np.zeros((2, cfg.num_heads)))
         counts = collections.defaultdict(lambda: np.zeros((2, cfg.num_heads)))
         seqs = [*data.train, *data.held_out]
@@ -87,7 +92,7 @@ def main() -> None:
             for kind in sorted(hits)
         }
 
-    tables = {str(h): scored(h) for h in (args.head, args.compare) if h is not None}
+    tables = {name: scored(*model) for name, model in models.items()}
     for head, table in tables.items():
         print(f"{head}\n{'class':15s} {'trained on':>32s} {'never seen':>32s}")
         for kind, row in table.items():

@@ -121,16 +121,17 @@ def _keeping(run, cuts):
 
     def split(rows, cache, q=None):
         steps = cut_rule.pieces(cache[-1], [len(r) for r in rows], cuts, STEP_FLOOR)
-        out = np.zeros((len(rows), max(q or 0, *(len(r) for r in rows)), 0), np.float32)
-        for step in steps:
-            got = run([r[a:b] for r, (a, b) in zip(rows, step)], cache, q)
-            if out.shape[2] != got.shape[2]:
-                out = np.zeros((*out.shape[:2], got.shape[2]), got.dtype)
-            for b, (a, c) in enumerate(step):
-                out[b, a:c] = got[b, : c - a]
-        return out
+        outs = [run([r[a:b] for r, (a, b) in zip(rows, step)], cache, q) for step in steps]
+        return cut_rule.joined(steps, outs, max(q or 0, *(len(r) for r in rows)))
 
     return split
+
+
+def _one_a_step(run, cache, ids: list[int], a: int, b: int) -> list[np.ndarray]:
+    """The logits of positions [a, b) computed one a step (padded to the floor: the plain
+    decoding shape, the canonical bits), from the cache rolled back to a."""
+    cache[-1][:] = a
+    return [run([ids[p : p + 1]], cache, STEP_FLOOR)[0, 0].copy() for p in range(a, b)]
 
 
 def step_cuts(session, config: dict, flavour: str = "portable", top: int = CUT_PROBE, width: int = 17) -> dict:
@@ -151,24 +152,20 @@ def step_cuts(session, config: dict, flavour: str = "portable", top: int = CUT_P
     lengths = cache[-1]
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, top + width + 1).tolist()
 
-    def decode(a: int, b: int) -> list[np.ndarray]:
-        """Positions [a, b), one a step (padded to the floor), from a cache at a."""
-        lengths[:] = a
-        return [run([ids[p : p + 1]], cache, STEP_FLOOR)[0, 0].copy() for p in range(a, b)]
-
     cuts: list[int] = []
     a = 0
     while a < top:
         lengths[:] = a
         wide = run([ids[a : a + width]], cache)[0].copy()
-        canon = decode(a, a + width)
+        canon = _one_a_step(run, cache, ids, a, a + width)
         if not all(np.array_equal(w, c) for w, c in zip(wide, canon)):
             for p in range(a + 1, a + width):
                 lengths[:] = p - 1
                 pair = run([ids[p - 1 : p + 1]], cache)[0]
                 if not (np.array_equal(pair[0], canon[p - 1 - a]) and np.array_equal(pair[1], canon[p - a])):
                     cuts.append(p)
-            decode(a, a + width)  # the pairs wrote their own bits: the window's canonical ones again
+            # the pairs wrote their own bits: the window's canonical ones again
+            _one_a_step(run, cache, ids, a, a + width)
         a += width - 1  # the next window starts on this one's last position
     gaps = {b - a for a, b in zip(cuts, cuts[1:])}
     period = gaps.pop() if len(cuts) >= 3 and len(gaps) == 1 else None
@@ -194,8 +191,7 @@ def _confirmed(session, cfg, flavour: str, cuts: list[int], period: int, width: 
     for a in range(0, start, 256):
         keep([ids[a : min(a + 256, start)]], cache)
     wide = run([ids[start:far]], cache)[0].copy()
-    lengths[:] = start
-    canon = [run([ids[p : p + 1]], cache, STEP_FLOOR)[0, 0].copy() for p in range(start, far + 1)]
+    canon = _one_a_step(run, cache, ids, start, far + 1)
     lengths[:] = far - 1
     pair = run([ids[far - 1 : far + 1]], cache)[0]
     agrees = all(np.array_equal(w, c) for w, c in zip(wide, canon))

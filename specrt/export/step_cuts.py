@@ -32,6 +32,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def expand(cuts: Sequence[int], period: int | None, limit: int) -> tuple[int, ...]:
     """The cuts below `limit`: the probed ones, continued every `period` positions after the
@@ -96,3 +98,14 @@ def pieces(
         for b in left:
             done[b] = step[b][1]
         steps.append(step)
+
+
+def joined(steps: list[list[tuple[int, int]]], outs: list[np.ndarray], width: int) -> np.ndarray:
+    """The outputs (B, Q_k, ...) of the steps `pieces` made, put together as the one step's
+    (B, width, ...): row b's tokens [start, stop) of step k are step k's first stop - start."""
+    first = outs[0]
+    out = np.zeros((first.shape[0], width, *first.shape[2:]), first.dtype)
+    for step, got in zip(steps, outs):
+        for b, (a, c) in enumerate(step):
+            out[b, a:c] = got[b, : c - a]
+    return out

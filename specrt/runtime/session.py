@@ -204,31 +204,24 @@ class StepSession:
     def _pieces(self, cache, tokens, trees, steps, last_only, hidden, want_logits) -> StepOutput:
         """One step computed as several that keep the step cuts (export/step_cuts.py), their
         outputs put together as the one step's."""
-        B, longest = len(tokens), max(1, *(len(t) for t in tokens))
-        width = 1 if last_only else longest
-        parts: dict[str, np.ndarray | None] = {}
+        outs = []
         for step in steps:
             rows = [t[a:b] for t, (a, b) in zip(tokens, step)]
             part = None if trees is None else [t if a < b else None for t, (a, b) in zip(trees, step)]
-            out = self._step(cache, rows, part, last_only, hidden, want_logits)
-            for name in ("logits", "hidden_states", "top1"):
-                got = getattr(out, name)
-                if got is None:
-                    parts[name] = None
-                    continue
-                if name not in parts:
-                    parts[name] = np.zeros(
-                        (B, width if name != "hidden_states" else longest, *got.shape[2:]), got.dtype
-                    )
-                for b, (a, c) in enumerate(step):
-                    if a == c:
-                        continue
-                    if last_only and name != "hidden_states":
-                        if c == len(tokens[b]):  # the piece that holds the row's last token
-                            parts[name][b, 0] = got[b, 0]
-                    else:
-                        parts[name][b, a:c] = got[b, : c - a]
-        return StepOutput(parts.get("logits"), parts.get("hidden_states"), None, parts.get("top1"))
+            outs.append(self._step(cache, rows, part, last_only, hidden, want_logits))
+        longest = max(1, *(len(t) for t in tokens))
+        # with last_only, a row's last token is in the step that ends its tokens
+        ends = [next((k for k, s in enumerate(steps) if s[b][0] < s[b][1] == len(t)), 0) for b, t in enumerate(tokens)]
+
+        def whole(name: str):
+            got = [getattr(o, name) for o in outs]
+            if got[0] is None:
+                return None
+            if last_only and name != "hidden_states":
+                return np.stack([got[k][b, :1] for b, k in enumerate(ends)])
+            return step_cuts.joined(steps, got, longest)
+
+        return StepOutput(whole("logits"), whole("hidden_states"), None, whole("top1"))
 
     def _step(self, cache, tokens, trees, last_only, hidden, want_logits) -> StepOutput:
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
