@@ -15,26 +15,43 @@ run cut short keeps what it measured. The exit status is 1 if a block failed.
 Blocks, in order (the decisive ones first; the speed blocks stop at the time budget):
 
     env         INFO  GPU, SM, driver, torch and CUDA, TensorRT / TensorRT-RTX or absent, TF32
-    accuracy    PASS/FAIL  logits against the CPU float32 reference, eager and graphs (gpu_blocks.py)
+    accuracy    PASS/FAIL  logits against float64 on the CPU, float32 and bfloat16, eager and
+                graphs, within 8x the CPU's own difference in that dtype (measured: a TF32 run
+                fails it; gpu_blocks.py)
     exact       INFO  which step shapes give bitwise the same logits, float32 and bfloat16, eager
                 and graphs, under the backend's rule and other padding rules, and the row counts
                 a product of the model's shape agrees over (gpu_exact.py; on the CPU: PASS/FAIL)
+    bitwise     PASS/FAIL  what the README claims: greedy output bitwise (tokens and log
+                probabilities) batched (8 rows), speculative (suffix on repeated requests, n-gram;
+                drafted, accepted and guessed tokens recorded; none accepted is a FAIL) and
+                prefix-cached, bfloat16 eager and graphs and float32 graphs (gpu_bitwise.py)
     graphs      PASS/FAIL  capture counts exactly [0, 1, 2, 3] (a short prefill chunk not
                 captured), replays == eager, a first generation captures, a second nothing
-    syncs       PASS/FAIL  host syncs of one graph decode step == 1
+    syncs       PASS/FAIL  host syncs of a decode, a verification, a sampled and a feature step,
+                each exactly what it reads back (through graphs on a GPU; host reads counted in
+                the CPU mode)
     greedy      PASS/FAIL  3 prompts x 48 greedy tokens against the CPU at batch 1 (eager,
                 graphs) and batch 3 (graphs); a mismatch names its index and margin, and
                 passes as a near tie only under twice the measured GPU-vs-CPU logit difference
-    generation  PASS/FAIL  greedy speculative == plain, continuous batch == alone (near ties
-                under twice the backend's measured decode-vs-verification difference pass)
-    sweep       INFO  wall / GPU / host ms per step, batch 1-16 x positions 1-33, eager and graphs
-    decode      INFO  tokens/s, plain and speculative (suffix), batch 1 and 8, eager and graphs;
-                FAIL if a graph is captured while timing (the warm-up runs the timed shapes)
+    generation  PASS/FAIL  float32: greedy speculative == plain, continuous batch == alone (near
+                ties under twice the backend's measured decode-vs-verification difference pass)
+    sweep       INFO  wall / GPU / host ms per step, batch 1-16 x positions 1-33, eager and graphs,
+                each timing the step the runtime runs (the floor's padding included)
+    decode      INFO  tokens/s and speedup over plain, plain / suffix / n-gram, batch 1, 4, 16, 64,
+                eager and graphs, and where speculation stops paying; FAIL if a graph is captured
+                while timing or speculative tokens differ from plain's
+    scale       INFO  Llama-3.1-8B's shapes, random bfloat16 weights made on the device: step time
+                over batch x positions, eager and graphs, and the speedup the accepted lengths
+                measured on the CPU would give, measured and as the cost model predicts it
+                (gpu_scale.py)
     tensorrt    PASS/FAIL/SKIP  accuracy and graphs of a TensorRT engine built here, where installed
     memory      INFO  peak GPU memory
 
 Uses the default model when `models/SmolLM2-135M-Instruct` exists, else random weights with its
-exact config (the same shapes and costs; token ids instead of text); --tiny: a tiny config (CI).
+exact config (the same shapes and costs; token ids instead of text), tilted to copy: the
+embeddings large beside the layers, so a token tends to repeat and runs of one token switch
+now and then (drafts are accepted and rejected). --tiny: a tiny config (CI). The JSON records
+the commit (git, else $SPECRT_COMMIT) and the device.
 """
 
 from __future__ import annotations
@@ -57,8 +74,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import gpu_bitwise  # noqa: E402
 import gpu_blocks as blocks  # noqa: E402
 import gpu_exact  # noqa: E402
+import gpu_scale  # noqa: E402
 import gpu_sweep as speed  # noqa: E402
 
 from specrt.artifacts import package_versions  # noqa: E402
@@ -84,6 +103,10 @@ SMOLLM2 = {
 }
 TINY = {**SMOLLM2, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 TINY.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+# random weights: layers and norms as below, embeddings this much larger (measured on the SmolLM2
+# config: at 2.0 a position's argmax is its own token about 60 % of the time, greedy output runs of
+# one token with switches; at 0.05 never, and no draft is accepted; at 4.0 always)
+EMBED_STD = 2.0
 
 
 def load(tiny: bool):
@@ -96,8 +119,25 @@ def load(tiny: bool):
     model = LlamaModel(ModelConfig.from_hf_dict(TINY if tiny else SMOLLM2))
     with torch.no_grad():  # spread-out logits (margins well above rounding) from random weights
         for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.05 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-    return model.eval(), f"random weights, {'a tiny' if tiny else 'SmolLM2-135M'} config", None
+            std = EMBED_STD if "embed" in name and not tiny else 0.05
+            p.copy_(1.0 + 0.05 * torch.randn_like(p) if "norm" in name else std * torch.randn_like(p))
+    return model.eval(), f"random weights, {'a tiny' if tiny else 'SmolLM2-135M'} config (copying)", None
+
+
+def commit() -> str:
+    """The checkout's commit (with "+dirty" when files differ from it), else $SPECRT_COMMIT (a
+    copy without .git: pass it on the command line), else "unknown"."""
+    import subprocess
+
+    try:
+        run = dict(cwd=ROOT, capture_output=True, text=True, timeout=20)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], **run)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("SPECRT_COMMIT") or "unknown (no git checkout and no $SPECRT_COMMIT)"
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -119,12 +159,14 @@ BLOCKS = (
     "env",
     "accuracy",
     "exact",
+    "bitwise",
     "graphs",
     "syncs",
     "greedy",
     "generation",
     "sweep",
     "decode",
+    "scale",
     "tensorrt",
     "memory",
 )
@@ -263,7 +305,9 @@ def tensorrt_block(model, ckpt, config: dict, flavour: str, reference, ps):
     spec = TrtBuildSpec(flavour=flavour, shapes=EngineShapes(max_batch=3, max_context=1024), compute_capabilities=caps)
     engine = build_trt_engine(tmp / "onnx", tmp / "engine", spec)
     backends = {f"{flavour}{' graphs' if g else ''}": TrtBackend(engine, cuda_graphs=g) for g in (False, True)}
-    verdict, details = blocks.accuracy_block(backends, reference, ps)
+    exact = float64_reference(model)
+    runs = {name: (b, "float32") for name, b in backends.items()}
+    verdict, details = blocks.accuracy_block(runs, {"float32": reference}, exact, ps)
     g_verdict, g_details = blocks.graphs_block(
         lambda: TrtBackend(engine, cuda_graphs=True), lambda: TrtBackend(engine, cuda_graphs=False), ps
     )
@@ -296,6 +340,24 @@ def _blocks(value: str) -> set[str]:
     return names | {"env"}
 
 
+def float64_reference(model) -> TorchBackend:
+    """The model computed in float64 on the CPU (its cache, as every cache, float32): the traced
+    form, whose past is cast to the model's dtype (the in-place form writes into float32 buffers)."""
+    return TorchBackend(gpu_exact.device_model(model, torch.float64), in_place=False)
+
+
+def backend_of(device: str):
+    """make_backend(model, graphs) for the exact block: a TorchBackend on `device`."""
+
+    def make(m, graphs: bool):
+        b = TorchBackend(m, device=device, cuda_graphs=graphs)
+        if device == "cpu":
+            b.caps = dataclasses.replace(b.caps, cache_device="cpu")
+        return b
+
+    return make
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     device = args.device
@@ -309,66 +371,109 @@ def main(argv=None) -> int:
     model, what, ckpt = load(args.tiny)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
         "device": device,
         "model": what,
         "versions": package_versions("torch", "numpy"),
     }
     report = Report(out, meta, args.blocks)
-    report.say(f"gpu_check: {what} on {device}; results in {out}")
-    report.run("env", env_block, device, gpu=False)
-    reference = TorchBackend(model)  # float32 on the CPU
-    dev_model = LlamaModel(model.cfg).eval()
-    dev_model.load_state_dict(model.state_dict())
+    report.say(f"gpu_check: {what} on {device}; commit {meta['commit']}; results in {out}")
+    _, env = report.run("env", env_block, device, gpu=False)
+    report.meta["gpu"] = env.get("info", {}).get("gpu")
     ps = prompts(model.cfg.vocab_size)
+    cuda = device == "cuda"
+    modes = ("eager", "graphs") if cuda else ("eager",)
 
-    def backend(graphs: bool):
-        b = TorchBackend(dev_model, device=device, cuda_graphs=graphs)
+    def backend(graphs: bool, dtype=torch.float32):
+        b = TorchBackend(gpu_exact.device_model(model, dtype), device=device, cuda_graphs=graphs)
         if device == "cpu":  # the device-resident cache path, as on a GPU
             b.caps = dataclasses.replace(b.caps, cache_device="cpu")
         return b
 
-    cuda = device == "cuda"
-    modes = ("eager", "graphs") if cuda else ("eager",)
-    no_gpu = {"reason": "needs a CUDA GPU"}
+    reference = TorchBackend(model)  # float32 on the CPU
     checked = [f"torch {m}" for m in modes]
-    report.run(
-        "accuracy", lambda: blocks.accuracy_block({f"torch {m}": backend(m == "graphs") for m in modes}, reference, ps)
-    )
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-    def exact_backend(m, graphs: bool):
-        b = TorchBackend(m, device=device, cuda_graphs=graphs)
-        if device == "cpu":
-            b.caps = dataclasses.replace(b.caps, cache_device="cpu")
-        return b
+    def accuracy():
+        refs = {d: TorchBackend(gpu_exact.device_model(model, t)) for d, t in dtypes.items()}
+        exact = float64_reference(model)
+        runs = {f"torch {d} {m}": (backend(m == "graphs", t), d) for d, t in dtypes.items() for m in modes}
+        return blocks.accuracy_block(runs, refs, exact, ps)
 
-    report.run("exact", gpu_exact.exact_block, model, exact_backend, device, modes)
+    report.run("accuracy", accuracy)
+    report.run("exact", gpu_exact.exact_block, model, backend_of(device), device, modes)
+
+    def bitwise():
+        # on a GPU what the README claims (bfloat16, eager and graphs) and float32 graphs; on the CPU both dtypes
+        runs = [("bfloat16", m) for m in modes] + ([("float32", "graphs")] if cuda else [])
+        verdicts, details = [], {"checks": {}, "runs": {}, "lines": []}
+        for d, m in runs:
+            label = f"{d} {m}"
+            v, got = gpu_bitwise.bitwise_block(lambda: backend(m == "graphs", dtypes[d]), ps, label)
+            verdicts.append(v)
+            details["checks"].update({f"{label}: {k}": ok for k, ok in got["checks"].items()})
+            details["runs"][label] = got["runs"]
+            details["lines"] += blocks.ok_lines({f"{label}: {k}": ok for k, ok in got["checks"].items() if not ok})
+            details["lines"] += got["lines"]
+        return ("PASS" if all(v == "PASS" for v in verdicts) else "FAIL"), details
+
+    report.run("bitwise", bitwise)
     if cuda:
         report.run("graphs", blocks.graphs_block, lambda: backend(True), lambda: backend(False), ps)
-        report.run("syncs", blocks.syncs_block, lambda: backend(True), ps)
     else:
-        report.record("graphs", "SKIP", dict(no_gpu))
-        report.record("syncs", "SKIP", dict(no_gpu))
+        report.record("graphs", "SKIP", {"reason": "needs a CUDA GPU"})
+    report.run("syncs", blocks.syncs_block, lambda: backend(cuda), ps)
     runs = [("batch 1, eager", False, 1)] + (
         [("batch 1, graphs", True, 1), ("batch 3, graphs", True, 3)] if cuda else []
     )
     report.run("greedy", blocks.greedy_block, reference, backend, ps, runs)
     report.run("generation", blocks.generation_block, lambda: backend(cuda), ps)
+    # what the blocks after each speed block need of the budget
+    after = {"sweep": 150, "decode": 90, "scale": 30} if not args.tiny else {"sweep": 40, "decode": 20, "scale": 5}
 
     def sweep():
         grid = ((1, 2), (1, 3, 9)) if args.tiny else (speed.BATCHES, speed.POSITIONS)
-        deadline = start + args.budget - (30 if args.tiny else 75)  # what the blocks after it need
-        result = speed.sweep(backend, modes, *grid, deadline=deadline)
+        result = speed.sweep(backend, modes, *grid, deadline=start + args.budget - after["sweep"])
         return "INFO", {**result, "lines": speed.sweep_lines(result)}
 
     def decode():
-        rows = speed.decode_speed(backend, modes, ps[0][:16] * 8, tokens=32 if args.tiny else 128)
+        batches, tokens = ((1, 4), 24) if args.tiny else (speed.DECODE_BATCHES, 64)
+        deadline = start + args.budget - after["decode"]
+        rows = speed.decode_speed(backend, modes, ps, batches, tokens, deadline=deadline)
         # a graph captured while timing is timed capture, not decoding: the warm-up must cover every shape
         recaptured = [r for r in rows if r["captured"]]
+        differ = [r for r in rows if not r["equal"]]
         lines = speed.decode_lines(rows) + [f"captured while timing: {r}" for r in recaptured]
-        return ("FAIL" if recaptured else "INFO"), {"rows": rows, "lines": lines}
+        lines += [f"speculative tokens differ from plain: {r}" for r in differ]
+        verdict = "FAIL" if recaptured or differ else "INFO"
+        return verdict, {"rows": rows, "crossings": speed.crossings(rows), "lines": lines}
+
+    def scale():
+        if not (cuda or args.tiny):
+            why = "Llama-3.1-8B's shapes need a GPU (16 GB of bfloat16 weights); --tiny runs the code"
+            return "SKIP", {"reason": why}
+        config = gpu_scale.LLAMA_8B if cuda else TINY
+        big = gpu_scale.random_model(config, device)
+
+        def make(graphs: bool):
+            b = TorchBackend(big, device=device, cuda_graphs=graphs)
+            if device == "cpu":
+                b.caps = dataclasses.replace(b.caps, cache_device="cpu")
+            return b
+
+        grid = (gpu_scale.SCALE_BATCHES, gpu_scale.SCALE_POSITIONS) if cuda else ((1, 4), (1, 3, 5))
+        result = speed.sweep(make, modes, *grid, deadline=start + args.budget - after["scale"])
+        cells = result["cells"][modes[-1]]
+        rows = gpu_scale.oracle(cells, gpu_scale.accepted_lengths(), make(False).caps.floor)
+        lines = [f"model: {'Llama-3.1-8B' if cuda else 'tiny'} shapes, random bfloat16 weights"]
+        lines += speed.sweep_lines(result) + gpu_scale.oracle_lines(rows)
+        return "INFO", {**result, "oracle": rows, "lines": lines}
 
     report.run("sweep", sweep)
     report.run("decode", decode)
+    report.run("scale", scale)
+    if cuda:
+        torch.cuda.empty_cache()  # the 8B model's 16 GB back
     flavour, note = tensorrt_status(device)
     not_checked = {f: note for f in ("tensorrt", "tensorrt-rtx") if f != flavour}
     if flavour is None:
@@ -380,7 +485,8 @@ def main(argv=None) -> int:
 
     def memory():
         peak = torch.cuda.max_memory_allocated() / 2**20
-        return "INFO", {"peak_mib": round(peak, 1), "lines": [f"peak {peak:.0f} MiB allocated by torch"]}
+        lines = [f"peak {peak:.0f} MiB allocated by torch (the scale block's 8B model included)"]
+        return "INFO", {"peak_mib": round(peak, 1), "lines": lines}
 
     if cuda:
         report.run("memory", memory)

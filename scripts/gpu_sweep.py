@@ -34,13 +34,21 @@ PAST = 256  # committed positions before every timed step
 CAPACITY = 512  # one cache capacity for eager and graph steps (a multiple of the pool's bucket)
 
 
-def gpu_ms(backend, cache, tokens, repeats: int) -> float | None:
+def timed_inputs(session: StepSession, cache, tokens: list[list[int]]) -> tuple:
+    """The backend's inputs of the step `session.forward(cache, tokens, want_logits=False)` runs:
+    padded to the session's floor and step multiple as it pads them (a one-position step of a
+    floored session computes two positions; timing one position would time a step the runtime
+    never runs)."""
+    return StepSession.step_inputs(cache, tokens, floor=session.floor, multiple=session.multiple)[:4]
+
+
+def gpu_ms(session: StepSession, cache, tokens, repeats: int) -> float | None:
     """The device time of one step, from `repeats` enqueued back to back between two CUDA events
     (no host read between them); None without CUDA."""
+    backend = session.backend
     if not torch.cuda.is_available() or backend.caps.cache_device is None:
         return None
-    # the step StepSession.forward runs (logits at every position), its inputs on the device once
-    inputs = backend.device_inputs(*StepSession.step_inputs(cache, tokens)[:4], cache)
+    inputs = backend.device_inputs(*timed_inputs(session, cache, tokens), cache)
     with torch.inference_mode():
         backend.enqueue(inputs, cache)  # warm (a graph is captured here if not yet)
         torch.cuda.synchronize()
@@ -67,11 +75,13 @@ def time_cell(session: StepSession, cache, batch: int, q: int, repeats: int) -> 
         if i >= 3:
             walls.append((time.perf_counter() - t) * 1e3)
     wall = statistics.median(walls)
-    gpu = gpu_ms(backend, cache, tokens, repeats)
-    graphed = graphable(getattr(backend, "cuda_graphs", False), q, q, getattr(backend, "max_graph_q", 0))
+    gpu = gpu_ms(session, cache, tokens, repeats)
+    computed = timed_inputs(session, cache, tokens)[0].shape[1]  # with the floor's padding
+    graphed = graphable(getattr(backend, "cuda_graphs", False), computed, computed, getattr(backend, "max_graph_q", 0))
     return {
         "batch": batch,
         "positions": q,
+        "computed": computed,
         "ran": "graph" if graphed else "eager",
         "wall_ms": wall,
         "gpu_ms": gpu,
@@ -111,11 +121,11 @@ def sweep_lines(result: dict) -> list[str]:
         return "   -  " if v is None else f"{v:6.2f}"
 
     cells = {(c["mode"], c["batch"], c["positions"]): c for cs in result["cells"].values() for c in cs}
-    lines = [
-        f"{'B':>3}{'Q':>4}  {'eager wall / gpu / host ms':>28}  {'graphs wall / gpu / host ms':>29}  graph speedup"
-    ]
+    lines = [f"{'B':>3}{'Q':>5} {'eager wall / gpu / host ms':>28}  {'graphs wall / gpu / host ms':>29}  graph speedup"]
     for b, q in sorted({(k[1], k[2]) for k in cells}):
         e, g = cells.get(("eager", b, q)), cells.get(("graphs", b, q))
+        computed = (e or g).get("computed", q)
+        shown = f"{q}" if computed == q else f"{q}>{computed}"  # the floor's padding computed
         cols = []
         for c in (e, g):
             if c is None:
@@ -124,47 +134,77 @@ def sweep_lines(result: dict) -> list[str]:
                 tag = "" if c["mode"] == "eager" or c["ran"] == "graph" else " (eager: Q > graph limit)"
                 cols.append(f"{fmt(c['wall_ms'])} / {fmt(c['gpu_ms'])} / {fmt(c['host_ms'])}{tag}")
         speedup = f"{e['wall_ms'] / g['wall_ms']:.2f}x" if e and g else ""
-        lines.append(f"{b:>3}{q:>4}  {cols[0]:>28}  {cols[1]:>29}  {speedup}")
+        lines.append(f"{b:>3}{shown:>5} {cols[0]:>28}  {cols[1]:>29}  {speedup}")
     if result["not_run"]:
         lines.append(f"{result['not_run']} cells not run (the block's time budget ran out)")
     return lines
 
 
-def decode_speed(make_backend, modes, prompt: list[int], batches=(1, 8), tokens: int = 128) -> list[dict]:
-    """Plain and speculative (suffix draft) decoding tokens/s on a repetitive prompt, per batch and
-    mode. The warm-up runs the timed generation itself (same rows, same tokens: every shape and
-    cache capacity the timed run meets), so the timed run captures nothing: `captured` counts
-    the graphs captured while timing, and the check demands 0 (a warm-up of 8 tokens against 128
-    timed recaptured inside the timing)."""
+DECODE_BATCHES = (1, 4, 16, 64)
+METHODS = ("plain", "suffix", "ngram")
+
+
+def decode_speed(
+    make_backend, modes, prompts: list[list[int]], batches=DECODE_BATCHES, tokens: int = 128, deadline=None
+) -> list[dict]:
+    """Plain and speculative decoding tokens/s per batch and mode, the rows' prompts taken in turn
+    from `prompts`. suffix: the same requests answered once before by the same draft (their
+    answers in its tree: a repeated request, the case suffix decoding is for); ngram: prompt
+    lookup. Each method runs its generation twice untimed first (the second with the draft as
+    the timed run finds it: its shapes captured, caches pooled), so the timed run captures
+    nothing: `captured` counts graphs captured while timing, and the block demands 0. A
+    speculative run's tokens must equal plain's (`equal`)."""
     rows = []
     for mode in modes:
         gen = Generator(make_backend(mode == "graphs"))
         gen.eos_ids = frozenset()  # a fixed number of tokens per row
-        for method in ("plain", "suffix"):
-            # a fresh draft for the warm-up and for the timed run: the suffix draft learns from the
-            # answers it saw, so a warmed one would draft other trees (shapes) than it captured
-            def fresh():
-                return gen if method == "plain" else SpeculativeDecoder(gen, make_proposer("suffix"), make_policy(4))
-
-            for b in batches:
-                fresh().generate_ids([prompt] * b, tokens)  # warm: the timed run's shapes captured, caches pooled
-                runner, before = fresh(), captures(gen)
+        for b in batches:
+            if deadline is not None and time.perf_counter() > deadline:
+                break  # the block's time budget ran out: the larger batches are not run
+            batch = [prompts[i % len(prompts)][i // len(prompts) :] for i in range(b)]
+            plain_tokens = None
+            for method in METHODS:
+                runner = gen if method == "plain" else SpeculativeDecoder(gen, make_proposer(method), make_policy(4))
+                for _ in range(2):
+                    runner.generate_ids(batch, tokens)
+                before = captures(gen)
                 t = time.perf_counter()
-                results = runner.generate_ids([prompt] * b, tokens)
+                results = runner.generate_ids(batch, tokens)
                 seconds = time.perf_counter() - t
-                m = results[0].metrics
-                accepted = (m.accepted_tokens + m.steps) / m.steps if m is not None and m.steps else None
+                got = [r.token_ids for r in results]
+                plain_tokens = got if method == "plain" else plain_tokens
+                ms = [r.metrics for r in results if r.metrics is not None and r.metrics.steps]
+                accepted = sum(m.accepted_tokens for m in ms) if ms else None
+                steps = sum(m.steps for m in ms) if ms else None
                 rows.append(
                     {
                         "mode": mode,
                         "method": method,
                         "batch": b,
-                        "tokens_per_s": sum(len(r.token_ids) for r in results) / seconds,
-                        "mean_accepted_length": accepted,
+                        "tokens_per_s": sum(len(t) for t in got) / seconds,
+                        "mean_accepted_length": None if not steps else (accepted + steps) / steps,
                         "captured": None if before is None else captures(gen) - before,
+                        "equal": got == plain_tokens,
                     }
                 )
+    for r in rows:
+        plain = next(p for p in rows if (p["mode"], p["batch"], p["method"]) == (r["mode"], r["batch"], "plain"))
+        r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"]
     return rows
+
+
+def crossings(rows: list[dict]) -> dict:
+    """Per mode and draft, the smallest batch where speculation stopped paying (speedup < 1),
+    None where it paid at every batch run."""
+    out = {}
+    for r in rows:
+        if r["method"] == "plain":
+            continue
+        key = f"{r['mode']} {r['method']}"
+        if r["speedup"] < 1 and out.get(key) is None:
+            out[key] = r["batch"]
+        out.setdefault(key, None)
+    return out
 
 
 def captures(gen) -> int | None:
@@ -173,8 +213,13 @@ def captures(gen) -> int | None:
 
 
 def decode_lines(rows: list[dict]) -> list[str]:
-    lines = [f"{'mode':<8}{'method':<8}{'batch':>6}{'tokens/s':>11}{'accepted length':>17}"]
+    lines = [f"{'mode':<8}{'method':<8}{'batch':>6}{'tokens/s':>11}{'speedup':>9}{'accepted length':>17}  equal"]
     for r in rows:
         acc = "" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        lines.append(f"{r['mode']:<8}{r['method']:<8}{r['batch']:>6}{r['tokens_per_s']:>11.1f}{acc:>17}")
+        lines.append(
+            f"{r['mode']:<8}{r['method']:<8}{r['batch']:>6}{r['tokens_per_s']:>11.1f}{r['speedup']:>8.2f}x{acc:>17}"
+            f"  {'yes' if r['equal'] else 'NO'}"
+        )
+    for key, batch in crossings(rows).items():
+        lines.append(f"{key}: {'pays at every batch run' if batch is None else f'stops paying at batch {batch}'}")
     return lines

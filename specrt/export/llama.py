@@ -64,8 +64,10 @@ def rotary(position_ids, inv_freq):
 
 def mask_bias(attention_mask, dtype):
     """(B, 1, Q, P+Q) additive bias of a boolean mask (B, Q, P+Q): 0 where attention is allowed,
-    the most negative float elsewhere."""
-    return as_dtype(torch.where(attention_mask, 0.0, torch.finfo(dtype).min), dtype).unsqueeze(1)
+    the most negative float elsewhere (float32's in a float64 model, which the float32 `where`
+    could not hold: a reference computation; no export runs in float64)."""
+    low = max(torch.finfo(dtype).min, torch.finfo(torch.float32).min)
+    return as_dtype(torch.where(attention_mask, 0.0, low), dtype).unsqueeze(1)
 
 
 def window_bias(attention_mask, position_ids, slots, window: int, dtype):
