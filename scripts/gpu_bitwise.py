@@ -73,12 +73,13 @@ def spec_counts(runs: list) -> dict:
     }
 
 
-def bitwise_block(make_backend, prompts: list[list[int]], label: str, batch: int = BATCH):
-    """make_backend() -> a backend of the model in the dtype under test. (verdict, details)."""
+def bitwise_block(make_backend, prompts: list[list[int]], label: str, batch: int = BATCH, tokens: int = TOKENS):
+    """make_backend() -> a backend of the model in the dtype under test; `tokens` per request.
+    (verdict, details)."""
     gen = Generator(make_backend())
-    gen.eos_ids = frozenset()  # TOKENS per request: equal lengths, every position compared
+    gen.eos_ids = frozenset()  # `tokens` per request: equal lengths, every position compared
     rows = [prompts[i % len(prompts)][i // len(prompts) :] for i in range(batch)]  # distinct requests
-    alone = [answers(gen, [p], 1, [0])[0] for p in rows]
+    alone = [answers(gen, [p], 1, [0], budget=tokens)[0] for p in rows]
     checks, found, lines = {}, {}, []
 
     def compare(name: str, runs: list, want: list) -> None:
@@ -90,15 +91,15 @@ def bitwise_block(make_backend, prompts: list[list[int]], label: str, batch: int
         differ = f" (differ: {where})" if bad else ""
         lines.append(f"{label} {name}: {len(runs) - len(bad)}/{len(runs)} bitwise{differ}")
 
-    compare(f"batched ({batch} rows)", answers(gen, rows, batch, [i // 2 for i in range(batch)]), alone)
+    compare(f"batched ({batch} rows)", answers(gen, rows, batch, [i // 2 for i in range(batch)], budget=tokens), alone)
     # suffix: every request twice, the second after the first has finished (its answer in the tree)
     for draft in ("suffix", "ngram"):
         runner = SpeculativeDecoder(gen, make_proposer(draft), make_policy(DRAFT))
         if draft == "suffix":
-            asked, arrivals, want = rows[:4] * 2, [0, 1, 2, 3] + [TOKENS + 8 + i for i in range(4)], alone[:4] * 2
+            asked, arrivals, want = rows[:4] * 2, [0, 1, 2, 3] + [tokens + 8 + i for i in range(4)], alone[:4] * 2
         else:
             asked, arrivals, want = rows, list(range(len(rows))), alone
-        runs = answers(runner, asked, 2, arrivals)
+        runs = answers(runner, asked, 2, arrivals, budget=tokens)
         compare(draft, runs, want)
         counts = spec_counts(runs)
         found[draft]["counts"] = counts
@@ -111,8 +112,8 @@ def bitwise_block(make_backend, prompts: list[list[int]], label: str, batch: int
     pool = PrefixCache(64 << 20)
     shared = (rows[0] * 4)[: 2 * BLOCK + 5]
     longer = shared[: 2 * BLOCK + 1] + rows[1][:7]
-    runs = answers(gen, [shared, longer], 1, [0, TOKENS + 4], prefix=pool)
-    compare("prefix-cached", runs[1:], [answers(gen, [longer], 1, [0])[0]])
+    runs = answers(gen, [shared, longer], 1, [0, tokens + 4], prefix=pool, budget=tokens)
+    compare("prefix-cached", runs[1:], [answers(gen, [longer], 1, [0], budget=tokens)[0]])
     checks["prefix cache hit (else no cached prompt was tested)"] = pool.hit > 0
     found["prefix-cached"]["hit_tokens"] = int(pool.hit)
     lines.append(f"{label} prefix cache: {pool.hit} prompt tokens served from the pool")

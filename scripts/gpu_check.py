@@ -79,6 +79,7 @@ import gpu_blocks as blocks  # noqa: E402
 import gpu_exact  # noqa: E402
 import gpu_scale  # noqa: E402
 import gpu_sweep as speed  # noqa: E402
+import gpu_trt  # noqa: E402
 
 from specrt.artifacts import package_versions  # noqa: E402
 from specrt.export.config import ModelConfig  # noqa: E402
@@ -268,55 +269,6 @@ def _driver() -> str:
         return "nvidia-smi not found"
 
 
-def tensorrt_status(device: str) -> tuple[str | None, str]:
-    """(flavour to check, note): None with the reason when TensorRT cannot be checked here."""
-    from specrt.engines.trt import available_flavours
-
-    if device != "cuda":
-        return None, "needs a CUDA GPU"
-    flavours = available_flavours()
-    if not flavours:
-        return None, "neither tensorrt nor tensorrt_rtx is installed"
-    cap = torch.cuda.get_device_capability(0)
-    if flavours == ["tensorrt-rtx"] and cap in ((8, 0), (9, 0)):
-        return None, f"only TensorRT-RTX is installed, which does not run on SM{cap[0]}{cap[1]}; install tensorrt"
-    return flavours[0], ""
-
-
-def tensorrt_block(model, ckpt, config: dict, flavour: str, reference, ps):
-    from safetensors.torch import save_file
-
-    from specrt.engines.profiles import EngineShapes
-    from specrt.engines.trt import TrtBuildSpec, build_trt_engine
-    from specrt.export.step_graph import export_step_graph
-    from specrt.runtime.backends import TrtBackend
-
-    tmp = Path(tempfile.mkdtemp(prefix="specrt-gpu-check-"))
-    if ckpt is None:  # random weights: write them as a checkpoint to export from
-        ckpt = tmp / "ckpt"
-        ckpt.mkdir()
-        state = {k if k == "lm_head.weight" else "model." + k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(ckpt / "model.safetensors"))
-        (ckpt / "config.json").write_text(json.dumps(config))
-    export_step_graph(ckpt, tmp / "onnx")
-    caps = ("CURRENT",) if flavour == "tensorrt-rtx" else ()
-    spec = TrtBuildSpec(flavour=flavour, shapes=EngineShapes(max_batch=3, max_context=1024), compute_capabilities=caps)
-    engine = build_trt_engine(tmp / "onnx", tmp / "engine", spec)
-    backends = {f"{flavour}{' graphs' if g else ''}": TrtBackend(engine, cuda_graphs=g) for g in (False, True)}
-    exact = float64_reference(model)
-    runs = {name: (b, "float32") for name, b in backends.items()}
-    verdict, details = blocks.accuracy_block(runs, {"float32": reference}, exact, ps)
-    g_verdict, g_details = blocks.graphs_block(
-        lambda: TrtBackend(engine, cuda_graphs=True), lambda: TrtBackend(engine, cuda_graphs=False), ps
-    )
-    failures = [f for b in backends.values() for f in b.capture_failures]
-    lines = details["lines"] + g_details["lines"] + ([f"capture failures: {failures}"] if failures else [])
-    ok = verdict == g_verdict == "PASS"
-    return ("PASS" if ok else "FAIL"), {"accuracy": details, "graphs": g_details, "lines": lines}
-
-
 def parse(argv):
     p = argparse.ArgumentParser(description="The GPU check (see the module docstring).")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -340,10 +292,10 @@ def _blocks(value: str) -> set[str]:
     return names | {"env"}
 
 
-def float64_reference(model) -> TorchBackend:
-    """The model computed in float64 on the CPU (its cache, as every cache, float32): the traced
-    form, whose past is cast to the model's dtype (the in-place form writes into float32 buffers)."""
-    return TorchBackend(gpu_exact.device_model(model, torch.float64), in_place=False)
+def measured(result: dict) -> str:
+    """A speed block's verdict: INFO with its cells, FAIL when it measured nothing (its time
+    budget gone before its first cell: a table of nothing is not a measurement)."""
+    return "INFO" if any(result["cells"].values()) else "FAIL"
 
 
 def backend_of(device: str):
@@ -396,7 +348,7 @@ def main(argv=None) -> int:
 
     def accuracy():
         refs = {d: TorchBackend(gpu_exact.device_model(model, t)) for d, t in dtypes.items()}
-        exact = float64_reference(model)
+        exact = blocks.float64_reference(model)
         runs = {f"torch {d} {m}": (backend(m == "graphs", t), d) for d, t in dtypes.items() for m in modes}
         return blocks.accuracy_block(runs, refs, exact, ps)
 
@@ -409,7 +361,8 @@ def main(argv=None) -> int:
         verdicts, details = [], {"checks": {}, "runs": {}, "lines": []}
         for d, m in runs:
             label = f"{d} {m}"
-            v, got = gpu_bitwise.bitwise_block(lambda: backend(m == "graphs", dtypes[d]), ps, label)
+            tokens = 24 if args.tiny else gpu_bitwise.TOKENS
+            v, got = gpu_bitwise.bitwise_block(lambda: backend(m == "graphs", dtypes[d]), ps, label, tokens=tokens)
             verdicts.append(v)
             details["checks"].update({f"{label}: {k}": ok for k, ok in got["checks"].items()})
             details["runs"][label] = got["runs"]
@@ -434,7 +387,7 @@ def main(argv=None) -> int:
     def sweep():
         grid = ((1, 2), (1, 3, 9)) if args.tiny else (speed.BATCHES, speed.POSITIONS)
         result = speed.sweep(backend, modes, *grid, deadline=start + args.budget - after["sweep"])
-        return "INFO", {**result, "lines": speed.sweep_lines(result)}
+        return measured(result), {**result, "lines": speed.sweep_lines(result)}
 
     def decode():
         batches, tokens = ((1, 4), 24) if args.tiny else (speed.DECODE_BATCHES, 64)
@@ -464,22 +417,28 @@ def main(argv=None) -> int:
         grid = (gpu_scale.SCALE_BATCHES, gpu_scale.SCALE_POSITIONS) if cuda else ((1, 4), (1, 3, 5))
         result = speed.sweep(make, modes, *grid, deadline=start + args.budget - after["scale"])
         cells = result["cells"][modes[-1]]
-        rows = gpu_scale.oracle(cells, gpu_scale.accepted_lengths(), make(False).caps.floor)
+        lengths = gpu_scale.accepted_lengths()
+        rows = gpu_scale.oracle(cells, lengths, make(False).caps.floor)
         lines = [f"model: {'Llama-3.1-8B' if cuda else 'tiny'} shapes, random bfloat16 weights"]
         lines += speed.sweep_lines(result) + gpu_scale.oracle_lines(rows)
-        return "INFO", {**result, "oracle": rows, "lines": lines}
+        if not lengths:
+            lines.append(f"FAIL no accepted lengths found under {gpu_scale.RESULTS} ({gpu_scale.ACCEPTED})")
+        verdict = measured(result) if lengths else "FAIL"
+        return verdict, {**result, "oracle": rows, "lines": lines}
 
     report.run("sweep", sweep)
     report.run("decode", decode)
     report.run("scale", scale)
     if cuda:
         torch.cuda.empty_cache()  # the 8B model's 16 GB back
-    flavour, note = tensorrt_status(device)
+    flavour, note = gpu_trt.tensorrt_status(device)
     not_checked = {f: note for f in ("tensorrt", "tensorrt-rtx") if f != flavour}
     if flavour is None:
         report.record("tensorrt", "SKIP", {"reason": note})
     else:
-        report.run("tensorrt", tensorrt_block, model, ckpt, TINY if args.tiny else SMOLLM2, flavour, reference, ps)
+        report.run(
+            "tensorrt", gpu_trt.tensorrt_block, model, ckpt, TINY if args.tiny else SMOLLM2, flavour, reference, ps
+        )
         checked.append(flavour)
         not_checked = {f: f"one flavour is checked, {flavour}" for f in not_checked}
 

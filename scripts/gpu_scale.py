@@ -66,12 +66,12 @@ def random_model(config: dict, device: str, dtype=torch.bfloat16) -> LlamaModel:
     return model.to_dtype(dtype).eval()  # the rotary frequencies back to float32
 
 
-def accepted_lengths(results: Path = RESULTS) -> list[dict]:
+def accepted_lengths(results: Path | None = None) -> list[dict]:
     """Per ACCEPTED entry found: tokens a step and draft tokens verified a step (from the
     acceptance rate: (tokens a step - 1) / rate)."""
     out = []
     for name, method in ACCEPTED:
-        path = results / name
+        path = (results or RESULTS) / name
         if not path.is_file():
             continue
         for setting, methods in (json.loads(path.read_text()).get("acceptance") or {}).items():

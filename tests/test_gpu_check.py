@@ -47,18 +47,6 @@ def device_cache_backend(model):
     return backend
 
 
-@pytest.fixture
-def emulated_syncs(monkeypatch):
-    """Reading the tokens back warns as a synchronizing CUDA call does (once per step)."""
-    real = torch_model.device_logits
-
-    def reading(logits, want_logits):
-        warnings.warn(f"called a {gpu_blocks.SYNC_WARNING}")
-        return real(logits, want_logits)
-
-    monkeypatch.setattr(torch_model, "device_logits", reading)
-
-
 def graph_backend(model, recapture: bool = False):
     """Emulated CUDA graphs whose capture syncs (torch.cuda.graph synchronizes); with recapture
     every replay captures again (the planted bug the checks must catch)."""
@@ -90,18 +78,29 @@ def test_cpu_mode_runs_every_block_it_can(tmp_path):
         "env": "INFO",
         "accuracy": "PASS",
         "exact": "PASS",  # on the CPU the PyTorch backend's own rule must be bitwise in every shape
+        "bitwise": "PASS",
         "graphs": "SKIP",
-        "syncs": "SKIP",
+        "syncs": "PASS",  # host reads counted
         "greedy": "PASS",
         "generation": "PASS",
         "sweep": "INFO",
         "decode": "INFO",
+        "scale": "INFO",
         "tensorrt": "SKIP",
     }
     assert result["verdict"] == "PASS" and result["checked"] == ["torch eager"]
     assert set(result["not_checked"]) == {"tensorrt", "tensorrt-rtx"}
+    assert len(result["commit"]) >= 40 and result["device"] == "cpu"  # a git checkout here
     cells = result["blocks"]["sweep"]["cells"]["eager"]
     assert len(cells) == 6 and all(c["wall_ms"] > 0 and c["gpu_ms"] is None for c in cells)
+    # a one-position step is timed as the session runs it: padded to the floor's two positions
+    assert {(c["positions"], c["computed"]) for c in cells} == {(1, 2), (3, 3), (9, 9)}
+    counts = result["blocks"]["bitwise"]["runs"]["bfloat16 eager"]
+    assert counts["suffix"]["counts"]["accepted"] > 0 and counts["ngram"]["counts"]["drafted"] > 0
+    decode = result["blocks"]["decode"]["rows"]
+    assert {(r["method"], r["batch"]) for r in decode} == {(m, b) for m in ("plain", "suffix", "ngram") for b in (1, 4)}
+    assert all(r["equal"] for r in decode)
+    assert result["blocks"]["scale"]["oracle"], "the accepted lengths measured on the CPU were not found"
     log = (tmp_path / "gpu-check.log").read_text()
     assert "[PASS] greedy" in log and "not checked: tensorrt" in log
 
@@ -129,19 +128,31 @@ def test_capture_counts_pass_and_fail_on_a_planted_recapture(model):
     assert not details["checks"]["a second generation captures nothing"]
 
 
-def test_sync_audit_passes_and_fails_on_a_planted_recapture(model, emulated_syncs):
+def test_sync_audit_passes_and_fails_on_a_planted_recapture(model):
     ps = prompts()
     verdict, details = gpu_blocks.syncs_block(lambda: graph_backend(model), ps)
-    assert (verdict, details["syncs"]) == ("PASS", 1)
+    assert (verdict, details["syncs"]) == ("PASS", gpu_blocks.EXPECTED_SYNCS), details["lines"]
     verdict, details = gpu_blocks.syncs_block(lambda: graph_backend(model, recapture=True), ps)
-    assert (verdict, details["syncs"]) == ("FAIL", 2)
+    # every step captured again: one sync more in each kind of step
+    assert verdict == "FAIL" and details["syncs"] == {k: v + 1 for k, v in gpu_blocks.EXPECTED_SYNCS.items()}
 
 
-def test_sync_audit_fails_when_it_sees_no_sync(model):
-    """Without the emulated read-back warning the audit counts 0: that is an audit that saw
-    nothing (the debug mode off), not a better step; it passed before (`n <= 1`)."""
-    verdict, details = gpu_blocks.syncs_block(lambda: graph_backend(model), prompts())
-    assert (verdict, details["syncs"]) == ("FAIL", 0)
+def test_sync_audit_fails_on_a_planted_host_read(model, monkeypatch):
+    """A step that reads one value more to the host (an `.item()` in a sampled step) is caught,
+    and so is a step that reads nothing (an audit that saw nothing)."""
+    real = torch_model.device_logits
+
+    def reading(logits, want_logits):
+        if want_logits:
+            logits.max().item()
+        return real(logits, want_logits)
+
+    monkeypatch.setattr(torch_model, "device_logits", reading)
+    verdict, details = gpu_blocks.syncs_block(lambda: device_cache_backend(model), prompts())
+    assert verdict == "FAIL" and details["syncs"]["sampled"] == 2 and details["syncs"]["decode"] == 1
+    monkeypatch.setattr(gpu_blocks, "HOST_READS", ())
+    verdict, details = gpu_blocks.syncs_block(lambda: device_cache_backend(model), prompts())
+    assert verdict == "FAIL" and set(details["syncs"].values()) == {0}
 
 
 def test_graphs_block_fails_where_nothing_is_captured_or_a_prefill_is(model, monkeypatch):
@@ -166,13 +177,14 @@ def emulate_graphs_off(model):
 
 
 def test_decode_timing_captures_nothing_and_a_recapture_is_seen(model):
-    """The warm-up runs the timed shapes (it ran 8 tokens against 128 timed: the timed run
-    captured); a backend that recaptures on every replay shows captures while timing."""
-    prompt = prompts()[0][:16] * 2
-    rows = gpu_sweep.decode_speed(lambda graphs: graph_backend(model), ["graphs"], prompt, batches=(1, 2), tokens=24)
-    assert [r["captured"] for r in rows] == [0, 0, 0, 0], rows
+    """The warm-up runs the timed generation twice (the second with the draft as the timed run
+    finds it), so the timed run captures nothing; a backend that recaptures on every replay
+    shows captures while timing."""
+    ps = prompts()
+    rows = gpu_sweep.decode_speed(lambda graphs: graph_backend(model), ["graphs"], ps, batches=(1, 2), tokens=24)
+    assert [r["captured"] for r in rows] == [0] * 6 and all(r["equal"] for r in rows), rows
     rows = gpu_sweep.decode_speed(
-        lambda graphs: graph_backend(model, recapture=True), ["graphs"], prompt, batches=(1,), tokens=24
+        lambda graphs: graph_backend(model, recapture=True), ["graphs"], ps, batches=(1,), tokens=24
     )
     assert all(r["captured"] > 0 for r in rows), rows
 
@@ -210,6 +222,8 @@ def test_greedy_mismatch_names_its_index_and_the_reference_margin(model):
     assert gpu_blocks.mismatch(reference, prompt, expected, expected, cutoff=1.0)["verdict"] == "equal"
     # the cutoff follows the measured difference (GPU vs CPU ~1e-5), not a fixed 1e-3
     assert gpu_blocks.near_tie(1e-5) == 2e-5 and gpu_blocks.near_tie(0.0) == gpu_blocks.NEAR_TIE_FLOOR
+    # a gap of whole units is a wrong kernel, not rounding: it excuses no mismatch
+    assert np.isnan(gpu_blocks.near_tie(1.0)) and gpu_blocks.near_tie(gpu_blocks.NEAR_TIE_CAP) > 0
 
 
 def test_a_failing_block_is_saved_and_a_sticky_cuda_error_skips_the_gpu_blocks(tmp_path, monkeypatch):
