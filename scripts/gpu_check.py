@@ -274,7 +274,7 @@ def parse(argv):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and a small sweep (CI)")
     p.add_argument("--out", help="output folder (default: $OUT, else bench/results/gpu-check-DATE)")
-    p.add_argument("--budget", type=float, default=290.0, help="seconds; the speed blocks stop in time for it")
+    p.add_argument("--budget", type=float, default=320.0, help="seconds; the speed blocks stop in time for it")
     p.add_argument(
         "--blocks",
         type=_blocks,
