@@ -35,15 +35,15 @@ Blocks, in order (the decisive ones first; the speed blocks stop at the time bud
                 passes as a near tie only under twice the measured GPU-vs-CPU logit difference
     generation  PASS/FAIL  float32: greedy speculative == plain, continuous batch == alone (near
                 ties under twice the backend's measured decode-vs-verification difference pass)
-    sweep       INFO  wall / GPU / host ms per step, batch 1-16 x positions 1-33, eager and graphs,
-                each timing the step the runtime runs (the floor's padding included)
-    decode      INFO  tokens/s and speedup over plain, plain / suffix / n-gram, batch 1, 4, 16, 64,
-                eager and graphs, and where speculation stops paying; FAIL if a graph is captured
-                while timing or speculative tokens differ from plain's
     scale       INFO  Llama-3.1-8B's shapes, random bfloat16 weights made on the device: step time
                 over batch x positions, eager and graphs, and the speedup the accepted lengths
                 measured on the CPU would give, measured and as the cost model predicts it
                 (gpu_scale.py)
+    decode      INFO  tokens/s and speedup over plain, plain / suffix / n-gram, batch 1, 4, 16, 64,
+                eager and graphs, and where speculation stops paying; FAIL if a graph is captured
+                while timing or speculative tokens differ from plain's
+    sweep       INFO  wall / GPU / host ms per step, batch 1-16 x positions 1-33, eager and graphs,
+                each timing the step the runtime runs (the floor's padding included)
     tensorrt    PASS/FAIL/SKIP  accuracy and graphs of a TensorRT engine built here, where installed
     memory      INFO  peak GPU memory
 
@@ -165,9 +165,9 @@ BLOCKS = (
     "syncs",
     "greedy",
     "generation",
-    "sweep",
-    "decode",
     "scale",
+    "decode",
+    "sweep",
     "tensorrt",
     "memory",
 )
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
     report.run("greedy", blocks.greedy_block, reference, backend, ps, runs)
     report.run("generation", blocks.generation_block, lambda: backend(cuda), ps)
     # what the blocks after each speed block need of the budget
-    after = {"sweep": 150, "decode": 90, "scale": 30} if not args.tiny else {"sweep": 40, "decode": 20, "scale": 5}
+    after = {"scale": 150, "decode": 60, "sweep": 10} if not args.tiny else {"scale": 40, "decode": 20, "sweep": 5}
 
     def sweep():
         grid = ((1, 2), (1, 3, 9)) if args.tiny else (speed.BATCHES, speed.POSITIONS)
@@ -426,9 +426,10 @@ def main(argv=None) -> int:
         verdict = measured(result) if lengths else "FAIL"
         return verdict, {**result, "oracle": rows, "lines": lines}
 
-    report.run("sweep", sweep)
-    report.run("decode", decode)
+    # the real-size shapes first: what the issue of speed at scale is decided on
     report.run("scale", scale)
+    report.run("decode", decode)
+    report.run("sweep", sweep)
     if cuda:
         torch.cuda.empty_cache()  # the 8B model's 16 GB back
     flavour, note = gpu_trt.tensorrt_status(device)
