@@ -9,7 +9,7 @@ attention, which no Gemma 3 text checkpoint sets."""
 from __future__ import annotations
 
 from specrt.errors import UnsupportedArchitectureError
-from specrt.export.arch.base import Family, Gguf, field, layer_list
+from specrt.export.arch.base import Architecture, Gguf, field, layer_list
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -106,7 +106,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
-GEMMA3 = Family(
+GEMMA3 = Architecture(
     "Gemma3ForCausalLM",
     "gemma3_text",
     facts=_facts,

@@ -5,7 +5,7 @@ a window over every layer."""
 from __future__ import annotations
 
 from specrt.errors import UnsupportedArchitectureError
-from specrt.export.arch.base import Family, Gguf, field
+from specrt.export.arch.base import Architecture, Gguf, field
 
 
 def _window_everywhere(d: dict) -> dict:
@@ -32,10 +32,10 @@ def _window_keys(cfg) -> dict:
     return {"sliding_window": cfg.sliding_window}
 
 
-LLAMA = Family("LlamaForCausalLM", "llama", gguf=Gguf("llama", permuted_qk=True))
-MISTRAL = Family("MistralForCausalLM", "mistral", facts=_window_everywhere, config_keys=_window_keys)
+LLAMA = Architecture("LlamaForCausalLM", "llama", gguf=Gguf("llama", permuted_qk=True))
+MISTRAL = Architecture("MistralForCausalLM", "mistral", facts=_window_everywhere, config_keys=_window_keys)
 # an instruct model's GGUF names <|im_end|> its EOS; <|endoftext|> (the end of a document) ends generation too
-QWEN2 = Family(
+QWEN2 = Architecture(
     "Qwen2ForCausalLM",
     "qwen2",
     facts=_no_window("Qwen2"),

@@ -7,7 +7,7 @@ Phi-4-mini's long contexts), whose frequencies change with the sequence's length
 from __future__ import annotations
 
 from specrt.errors import CheckpointError
-from specrt.export.arch.base import Family, as_number, field
+from specrt.export.arch.base import Architecture, as_number, field
 from specrt.export.arch.llama import _window_everywhere
 
 
@@ -54,4 +54,4 @@ def _thirds(state: dict, name: str, w):
     return w[:q_rows], w[q_rows : q_rows + kv], w[q_rows + kv :]
 
 
-PHI3 = Family("Phi3ForCausalLM", "phi3", facts=_facts, config_keys=_keys, weights=_weights)
+PHI3 = Architecture("Phi3ForCausalLM", "phi3", facts=_facts, config_keys=_keys, weights=_weights)

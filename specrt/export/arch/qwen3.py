@@ -3,7 +3,7 @@ rotary, and no q/k/v bias."""
 
 from __future__ import annotations
 
-from specrt.export.arch.base import Family, Gguf
+from specrt.export.arch.base import Architecture, Gguf
 from specrt.export.arch.llama import _no_window
 
 
@@ -12,4 +12,4 @@ def _facts(d: dict) -> dict:
 
 
 QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-QWEN3 = Family("Qwen3ForCausalLM", "qwen3", facts=_facts, gguf=Gguf("qwen3", names=QK_NORMS))
+QWEN3 = Architecture("Qwen3ForCausalLM", "qwen3", facts=_facts, gguf=Gguf("qwen3", names=QK_NORMS))
