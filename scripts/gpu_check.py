@@ -383,16 +383,19 @@ def main(argv=None) -> int:
     report.run("generation", blocks.generation_block, lambda: backend(cuda), ps)
     # what the blocks after each speed block need of the budget
     after = {"scale": 150, "decode": 60, "sweep": 10} if not args.tiny else {"scale": 40, "decode": 20, "sweep": 5}
+    least = {"scale": 60, "decode": 30, "sweep": 10}  # seconds each gets however late it starts
+
+    def deadline(block: str) -> float:
+        return max(start + args.budget - after[block], time.perf_counter() + least[block])
 
     def sweep():
         grid = ((1, 2), (1, 3, 9)) if args.tiny else (speed.BATCHES, speed.POSITIONS)
-        result = speed.sweep(backend, modes, *grid, deadline=start + args.budget - after["sweep"])
+        result = speed.sweep(backend, modes, *grid, deadline=deadline("sweep"))
         return measured(result), {**result, "lines": speed.sweep_lines(result)}
 
     def decode():
         batches, tokens = ((1, 4), 24) if args.tiny else (speed.DECODE_BATCHES, 64)
-        deadline = start + args.budget - after["decode"]
-        rows = speed.decode_speed(backend, modes, ps, batches, tokens, deadline=deadline)
+        rows = speed.decode_speed(backend, modes, ps, batches, tokens, deadline=deadline("decode"))
         # a graph captured while timing is timed capture, not decoding: the warm-up must cover every shape
         recaptured = [r for r in rows if r["captured"]]
         differ = [r for r in rows if not r["equal"]]
@@ -415,7 +418,7 @@ def main(argv=None) -> int:
             return b
 
         grid = (gpu_scale.SCALE_BATCHES, gpu_scale.SCALE_POSITIONS) if cuda else ((1, 4), (1, 3, 5))
-        result = speed.sweep(make, modes, *grid, deadline=start + args.budget - after["scale"])
+        result = speed.sweep(make, modes, *grid, deadline=deadline("scale"))
         cells = result["cells"][modes[-1]]
         lengths = gpu_scale.accepted_lengths()
         rows = gpu_scale.oracle(cells, lengths, make(False).caps.floor)
