@@ -69,9 +69,9 @@ def main() -> None:
 
     from specrt.benchmark import write_result_json
     from specrt.export.draft_head import load_head
-    from specrt.export.head_io import feature_columns
     from specrt.layout import ArtifactLayout, HeadLayout, TrainingDataLayout
     from specrt.runtime.generator import Generator
+    from specrt.schema.head_io import feature_columns
     from specrt.training.eagle import held_out_ids
 
     gen = Generator.from_engine(ArtifactLayout(args.artifacts).ort_engine())

@@ -36,9 +36,9 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from specrt.benchmark import write_result_json
-    from specrt.export.head_io import feature_columns
     from specrt.export.medusa import MedusaConfig, MedusaHeads
     from specrt.layout import HeadLayout
+    from specrt.schema.head_io import feature_columns
     from specrt.training.data import read_answers
     from specrt.training.eagle import TrainingData
     from specrt.training.features import FeatureCache, FeatureStore

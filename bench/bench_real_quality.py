@@ -87,9 +87,9 @@ def main() -> None:
 
     import torch
 
-    from specrt.export.checkpoint_files import gguf_weights
     from specrt.layout import ArtifactLayout
     from specrt.runtime.generator import Generator
+    from specrt.schema.checkpoint_files import gguf_weights
     from specrt.training.prompts import build_prompt_set
 
     torch.set_num_threads(2)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.export.config import ModelConfig
 from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput
+from specrt.schema.config import ModelConfig
 
 
 class ReplayBackend(StepBackend):

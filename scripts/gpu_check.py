@@ -82,9 +82,9 @@ import gpu_sweep as speed  # noqa: E402
 import gpu_trt  # noqa: E402
 
 from specrt.artifacts import package_versions  # noqa: E402
-from specrt.export.config import ModelConfig  # noqa: E402
 from specrt.export.llama import LlamaModel  # noqa: E402
 from specrt.runtime.backends import TorchBackend  # noqa: E402
+from specrt.schema.config import ModelConfig  # noqa: E402
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"],

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel
 from specrt.runtime.policy import CostModel
+from specrt.schema.config import ModelConfig
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],

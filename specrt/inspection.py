@@ -38,8 +38,8 @@ def _check(manifest: dict, path: Path) -> str | None:
     from specrt.engines.head import HEAD_ENGINE_KIND, HEAD_TRT_KIND, load_head_engine, read_head_trt_manifest
     from specrt.engines.ort import ENGINE_KIND, read_engine_manifest
     from specrt.engines.trt import TRT_KIND, read_trt_manifest
-    from specrt.export.graph_files import ONNX_KIND, read_onnx_manifest, source_onnx_files
-    from specrt.export.head_io import HEAD_KIND, read_head_manifest
+    from specrt.schema.graph_files import ONNX_KIND, read_onnx_manifest, source_onnx_files
+    from specrt.schema.head_io import HEAD_KIND, read_head_manifest
 
     if manifest.get("kind") in (HEAD_KIND, HEAD_ENGINE_KIND, HEAD_TRT_KIND):
         try:

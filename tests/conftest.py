@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel
+from specrt.schema.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_MODEL_DIR = Path(os.environ.get("SPECRT_MODEL_DIR", ROOT / "models" / "SmolLM2-135M-Instruct"))

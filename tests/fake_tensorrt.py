@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specrt.engines.profiles import ProfileSpec, Range
-from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
+from specrt.schema.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
 
 
 class _DataType:

@@ -39,8 +39,8 @@ def test_layers_are_kept():
     [
         ("engines/ort.py", "from specrt.runtime.generator import Generator"),  # the cycle this check was made for
         ("runtime/backends/base.py", "from specrt.runtime.speculative import SpeculativeDecoder"),
-        ("export/config.py", "    from specrt.engines import build  # inside a function"),
-        ("export/head_io.py", "import torch"),  # the torch rule: what the runtime reads stays torch-free
+        ("schema/config.py", "    from specrt.engines import build  # inside a function"),
+        ("schema/head_io.py", "import torch"),  # the torch rule: what the runtime reads stays torch-free
     ],
 )
 def test_an_upward_import_breaks_the_check(tmp_path, module, upward):

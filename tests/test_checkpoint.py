@@ -9,7 +9,7 @@ import torch
 
 from specrt.errors import CheckpointError, UnsupportedArchitectureError
 from specrt.export.checkpoint import checkpoint_hash, load_config, load_model
-from specrt.export.config import ModelConfig
+from specrt.schema.config import ModelConfig
 
 from conftest import random_model, tiny_hf_config
 from tiny_gguf import write_gguf
@@ -131,7 +131,7 @@ def test_hash_cache_is_used_and_invalidated_by_changes(tiny_checkpoint, tmp_path
 
     d = clone(tiny_checkpoint, tmp_path / "c")
     h = checkpoint_hash(d)
-    from specrt.export.checkpoint_files import _hash_cache_path
+    from specrt.schema.checkpoint_files import _hash_cache_path
 
     cache_file = _hash_cache_path()
     cache = json.loads(cache_file.read_text())

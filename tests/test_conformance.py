@@ -26,12 +26,12 @@ import torch
 from specrt.engines.build import BuildSpec, build_all
 from specrt.engines.ort import OrtOptions, build_ort_engine
 from specrt.export.checkpoint import load_model
-from specrt.export.config import ModelConfig
 from specrt.export.standard_graph import export_standard_graph
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+from specrt.schema.config import ModelConfig
 
 from conftest import write_tiny_tokenizer
 from self_draft import SelfDraftProposer
@@ -255,7 +255,7 @@ def test_a_draft_head_of_every_family_runs(family):
     """A trained draft's head is a Llama layer of the target's shapes (ModelConfig.plain),
     whatever the target's family: it builds from the target and runs its step."""
     from specrt.export.draft_head import HeadConfig, head_from_target
-    from specrt.export.head_io import default_target_layers
+    from specrt.schema.head_io import default_target_layers
 
     name, _, ckpt, _ = family
     target = load_model(ckpt)

@@ -208,7 +208,7 @@ def test_a_head_of_nan_is_refused_by_the_export(trained, tiny_checkpoint, tmp_pa
 def test_an_export_whose_parity_is_nan_is_refused():
     """A head exported before the parity check failed on NaN records NaN figures: refused."""
     from specrt.errors import SpecrtError
-    from specrt.export.head_io import check_head_parity
+    from specrt.schema.head_io import check_head_parity
 
     check_head_parity({"ort_parity": {"logits_max_abs": 1e-6, "logits_scale": 3.0}}, "h")
     with pytest.raises(SpecrtError, match="export parity is not finite"):

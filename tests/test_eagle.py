@@ -15,7 +15,6 @@ from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
 from specrt.export.draft_head import HeadConfig, head_from_target, load_head, save_head
 from specrt.export.head_graph import export_head
-from specrt.export.head_io import eagle3_layers, read_head_manifest
 from specrt.families.eagle import HEAD_INPUTS
 from specrt.layout import HeadLayout
 from specrt.runtime.backends import TorchBackend
@@ -24,6 +23,7 @@ from specrt.runtime.drafts.base import DraftInput
 from specrt.runtime.generator import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+from specrt.schema.head_io import eagle3_layers, read_head_manifest
 from specrt.training.eagle import TrainConfig, train_head
 from specrt.training.pipeline import build_draft
 

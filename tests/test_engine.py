@@ -128,9 +128,9 @@ def test_build_reexports_a_graph_without_the_heads_layers(tiny_checkpoint, tmp_p
     """An export made before draft heads read several layers (hidden_layers [-1]) is exported
     again by build-engines, so heads find their features."""
     from specrt.engines.build import BuildSpec, build_all
-    from specrt.export.graph_files import read_onnx_manifest
-    from specrt.export.head_io import default_target_layers
     from specrt.export.step_graph import export_step_graph
+    from specrt.schema.graph_files import read_onnx_manifest
+    from specrt.schema.head_io import default_target_layers
 
     export_step_graph(tiny_checkpoint, tmp_path / "onnx", hidden_layers=(-1,), progress=False)
     lines = list(build_all(BuildSpec(checkpoint=tiny_checkpoint, out=tmp_path, tensorrt="off")))

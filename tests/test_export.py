@@ -174,7 +174,7 @@ def test_export_is_atomic_on_failure(tiny_checkpoint, tmp_path, monkeypatch):
 
 def test_onnx_from_other_checkpoint_is_refused(tiny_artifacts):
     from specrt.errors import ManifestMismatchError
-    from specrt.export.graph_files import read_onnx_manifest
+    from specrt.schema.graph_files import read_onnx_manifest
 
     with pytest.raises(ManifestMismatchError, match="ONNX export .* was made from checkpoint .* Re-export with"):
         read_onnx_manifest(tiny_artifacts / "onnx", "sha256:" + "0" * 64)
@@ -242,7 +242,7 @@ def test_export_of_older_graph_version_is_refused(tiny_artifacts, tmp_path):
     import shutil
 
     from specrt.errors import ArtifactError
-    from specrt.export.graph_files import read_onnx_manifest
+    from specrt.schema.graph_files import read_onnx_manifest
 
     d = shutil.copytree(tiny_artifacts / "onnx", tmp_path / "onnx")
     m = json.loads((d / "manifest.json").read_text())
@@ -286,8 +286,8 @@ def test_tied_embedding_is_stored_once(tmp_path, tiny_checkpoint):
     gathers along axis 1) and still matches PyTorch on prefill and decode; untied models keep both."""
     import onnxruntime as ort
 
-    from specrt.export.graph_files import read_onnx_manifest
     from specrt.export.step_graph import export_step_graph
+    from specrt.schema.graph_files import read_onnx_manifest
 
     from conftest import random_model, save_checkpoint, tiny_hf_config
 
@@ -314,6 +314,6 @@ def test_tied_embedding_is_stored_once(tmp_path, tiny_checkpoint):
 
 
 def test_untied_export_keeps_both_matrices(tiny_artifacts):
-    from specrt.export.graph_files import read_onnx_manifest
+    from specrt.schema.graph_files import read_onnx_manifest
 
     assert read_onnx_manifest(tiny_artifacts / "onnx")["tied_embedding_shared"] is False

@@ -31,7 +31,7 @@ def built(tiny_checkpoint, tmp_path_factory):
 
 
 def _feeds(tiny_checkpoint, onnx_dir):
-    from specrt.export.config import ModelConfig
+    from specrt.schema.config import ModelConfig
 
     cfg = ModelConfig.from_dict(json.loads((onnx_dir / "manifest.json").read_text())["config"])
     torch.manual_seed(3)

@@ -14,15 +14,15 @@ from specrt.engines.head import load_head_engine
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
 from specrt.export.draft_head import save_head
-from specrt.export.head_io import read_head_manifest
 from specrt.export.medusa import MedusaConfig, medusa_from_target
-from specrt.export.medusa_tree import DEFAULT_TREE, check_tree, default_tree, derive_tree
 from specrt.families.medusa import MEDUSA_INPUTS
 from specrt.layout import HeadLayout
 from specrt.runtime.drafts import DraftInput, make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+from specrt.schema.head_io import read_head_manifest
+from specrt.schema.medusa_tree import DEFAULT_TREE, check_tree, default_tree, derive_tree
 from specrt.training.medusa import MedusaTrainConfig, examples, train_medusa
 from specrt.training.pipeline import build_draft
 

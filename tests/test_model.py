@@ -6,8 +6,8 @@ Tolerance: max |ours - transformers| <= 1e-4 * max(1, max |logit|) on the logits
 import pytest
 import torch
 
-from specrt.export.config import ModelConfig, rope_inv_freq
 from specrt.export.llama import causal_mask
+from specrt.schema.config import ModelConfig, rope_inv_freq
 
 from conftest import random_model, tiny_hf_config
 

@@ -13,7 +13,6 @@ from specrt.engines.head import head_profiles, load_head_engine
 from specrt.engines.profiles import EngineShapes
 from specrt.export.checkpoint import load_model
 from specrt.export.draft_head import HeadConfig, head_from_target, load_head, save_head
-from specrt.export.head_io import eagle3_layers, read_head_manifest
 from specrt.families.parallel import PARALLEL_INPUTS
 from specrt.layout import HeadLayout
 from specrt.runtime.drafts import make_proposer
@@ -21,6 +20,7 @@ from specrt.runtime.drafts.base import DraftInput
 from specrt.runtime.generator import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+from specrt.schema.head_io import eagle3_layers, read_head_manifest
 from specrt.training.eagle import TrainConfig, train_head
 from specrt.training.pipeline import build_draft
 

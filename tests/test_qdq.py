@@ -177,7 +177,7 @@ def test_int4_weight_only_graph(built):
     from onnx import numpy_helper
 
     from specrt.calibration.blocks import weight_matmuls
-    from specrt.export.step_io import StepIO, attention_mask
+    from specrt.schema.step_io import StepIO, attention_mask
 
     ref = onnx.load(str(layout.onnx / "model.onnx"))
     inits = {i.name: i for i in ref.graph.initializer}

@@ -22,11 +22,11 @@ from specrt.engines.build import BuildSpec, build_all
 from specrt.engines.ort import build_ort_engine
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import load_model
-from specrt.export.graph_files import read_onnx_manifest
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+from specrt.schema.graph_files import read_onnx_manifest
 
 IDS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 10, 11, 40, 41, 42, 5, 6, 7]]
 VARIANTS = [("int8", 0), ("int4", 0), ("int8-a8", 4), ("int4-a8", 4)]  # (scheme, ORT accuracy level it implies)

@@ -1,4 +1,4 @@
-"""Step cuts (export/step_cuts.py): the positions no step may span, found by an engine's build
+"""Step cuts (schema/step_cuts.py): the positions no step may span, found by an engine's build
 where its attention adds a position's scores in another order once the step ends past them
 (ORT 1.32, heads of 256: Gemma 3), and kept by the session, which splits steps there, and the
 speculative decoder, which drafts no further. With them a request's tokens and log
@@ -14,12 +14,12 @@ from test_exact import answers, spec
 
 from specrt.engines.build import BuildSpec, build_all
 from specrt.errors import SpecrtError
-from specrt.export import step_cuts
 from specrt.layout import ArtifactLayout
 from specrt.runtime.generator import Generator
 from specrt.runtime.prefix_cache import PrefixCache
 from specrt.runtime.session import StepSession
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
+from specrt.schema import step_cuts
 
 from self_draft import SelfDraftProposer
 

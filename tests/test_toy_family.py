@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from specrt.engines.head import open_head
-from specrt.export.config import ModelConfig
-from specrt.export.head_io import HEAD_FAMILIES, check_head_target, feature_columns
 from specrt.families import Drafting, Family, HeadGraph, Training, register, unregister
 from specrt.runtime.drafts import DRAFT_METHODS, make_proposer
 from specrt.runtime.verification import DraftTree
+from specrt.schema.config import ModelConfig
+from specrt.schema.head_io import HEAD_FAMILIES, check_head_target, feature_columns
 from specrt.training.families import COMMON, TRAINED_FAMILIES
 from specrt.training.loop import CHECKPOINT, Trainer, run_training
 

@@ -46,10 +46,10 @@ def test_train_draft_offers_the_registry_and_refuses_an_unknown_family():
 
 
 def test_every_head_family_names_its_graph_and_its_module():
-    """export/head_io.py's HEAD_FAMILIES: the I/O the manifest is checked against and the PyTorch
+    """schema/head_io.py's HEAD_FAMILIES: the I/O the manifest is checked against and the PyTorch
     types load_head makes; a family it does not know is refused with the way to make a head."""
     from specrt.artifacts import ArtifactError
-    from specrt.export.head_io import HEAD_FAMILIES, head_family, head_io
+    from specrt.schema.head_io import HEAD_FAMILIES, head_family, head_io
 
     for method, family in HEAD_FAMILIES.items():
         config, module = family.load_types()

@@ -26,7 +26,7 @@ the blocks from the file; HQQ, GPTQ and AWQ (calibrated.py) compute them.
 MatMulNBits runs at accuracy level 0 (dequantize to float32, multiply in float32) unless a
 recipe asks for level 4 (the activations quantized to int8 per block of a row, integer dot
 products: `gguf-a8`). Either way a row's result is the same bits in every product of two or
-more rows, so with the runtime's step floor (export/step_io.py STEP_FLOOR) speculative output is
+more rows, so with the runtime's step floor (schema/step_io.py STEP_FLOOR) speculative output is
 bitwise plain output; each engine's manifest measures it.
 """
 
@@ -41,7 +41,7 @@ import numpy as np
 
 from specrt.artifacts import atomic_dir, file_sha256, package_versions, write_manifest
 from specrt.errors import SpecrtError
-from specrt.export.graph_files import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest, save_graph
+from specrt.schema.graph_files import ONNX_DATA, ONNX_FILE, ONNX_KIND, read_onnx_manifest, save_graph
 
 BLOCK = 32  # weights per block (Q4_0, Q4_1 and Q8_0 all use 32)
 LAYOUTS = ("Q4_0", "Q4_1", "Q8_0")

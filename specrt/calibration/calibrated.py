@@ -52,7 +52,7 @@ import numpy as np
 from specrt.calibration.blocks import BLOCK, Blocks, float_source, rewrite_matmuls, weight_matmuls, write_quantized
 from specrt.calibration.data import CalibrationSet, activations, step_feeds
 from specrt.errors import SpecrtError
-from specrt.export.graph_files import ONNX_FILE
+from specrt.schema.graph_files import ONNX_FILE
 
 RECIPES = ("hqq", "gptq", "awq")
 # bumped whenever a recipe computes other blocks: graphs of an older version are made again

@@ -26,7 +26,7 @@ import numpy as np
 
 from specrt.artifacts import atomic_write_text
 from specrt.errors import SpecrtError
-from specrt.export.step_io import StepIO, attention_mask
+from specrt.schema.step_io import StepIO, attention_mask
 
 SET_VERSION = 1
 TAILS = (1, 5, 17)  # the positions of the step after each prefill, in turn: decode, verification
@@ -109,7 +109,7 @@ def step_feeds(onnx_dir: str | Path, cal: CalibrationSet, max_len: int = 512) ->
     graph itself computes here."""
     import onnxruntime as ort
 
-    from specrt.export.graph_files import ONNX_FILE, read_onnx_manifest
+    from specrt.schema.graph_files import ONNX_FILE, read_onnx_manifest
 
     manifest = read_onnx_manifest(onnx_dir)
     cal.require_target(manifest["checkpoint"]["hash"], str(onnx_dir))

@@ -39,7 +39,7 @@ from specrt.calibration.blocks import (
     write_quantized,
 )
 from specrt.errors import SpecrtError
-from specrt.export.graph_files import ONNX_FILE
+from specrt.schema.graph_files import ONNX_FILE
 
 # the GGUF block types read here, each in one of blocks.py's layouts (_split_blocks)
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")

@@ -41,7 +41,7 @@ from specrt.calibration import QDQ_SCHEMES
 from specrt.calibration.blocks import float_source, replace_nodes, weight_matmuls, write_quantized
 from specrt.calibration.data import CalibrationSet, activations, step_feeds
 from specrt.errors import SpecrtError
-from specrt.export.graph_files import ONNX_FILE
+from specrt.schema.graph_files import ONNX_FILE
 
 # scheme -> (type, largest code, SmoothQuant alpha). The alphas are the best of 0.5/0.65/0.8/0.9
 # on the default model (perplexity on the benchmark prompts, ORT on the CPU): int8 at 0.8 gave

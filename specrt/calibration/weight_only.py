@@ -33,7 +33,7 @@ from pathlib import Path
 
 from specrt.calibration.blocks import float_source, write_quantized
 from specrt.errors import SpecrtError
-from specrt.export.graph_files import ONNX_FILE
+from specrt.schema.graph_files import ONNX_FILE
 
 SCHEMES = {
     "int4": (4, 0),

@@ -110,9 +110,9 @@ def _check_context(cfg, checkpoint) -> None:
 
 def _build_all(spec: BuildSpec) -> Iterator[str]:
     from specrt.export.checkpoint import checkpoint_hash, load_config
-    from specrt.export.graph_files import read_onnx_manifest
-    from specrt.export.head_io import default_target_layers
     from specrt.export.step_graph import export_step_graph
+    from specrt.schema.graph_files import read_onnx_manifest
+    from specrt.schema.head_io import default_target_layers
 
     if spec.graph not in ("fused", "portable"):
         raise SpecrtError(f"graph flavour {spec.graph!r}: choose fused or portable")
@@ -152,7 +152,7 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
     """The fused step graph of a scheme (float32: "none") and its ORT engine, each reused when
     current."""
     from specrt.export.fused_graph import FUSED_VERSION, export_fused_graph
-    from specrt.export.graph_files import read_onnx_manifest
+    from specrt.schema.graph_files import read_onnx_manifest
 
     fdir = ArtifactLayout(spec.out).fused_onnx(scheme)
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, fdir, ckpt_hash)
@@ -179,7 +179,7 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
 
 
 def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str) -> Iterator[str]:
-    from specrt.export.graph_files import read_onnx_manifest
+    from specrt.schema.graph_files import read_onnx_manifest
 
     if spec.graph == "fused" and spec.quantize in FUSED_SCHEMES:
         yield from _build_fused(
@@ -223,8 +223,8 @@ def _build_quantized(spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: s
 def _standard_graph(spec: BuildSpec, ckpt_hash: str):
     """Write the standard step graph (export/standard_graph.py) unless current; yields its
     line, returns whether it was written."""
-    from specrt.export.graph_files import read_onnx_manifest
     from specrt.export.standard_graph import STANDARD_VERSION, export_standard_graph
+    from specrt.schema.graph_files import read_onnx_manifest
 
     sdir = ArtifactLayout(spec.out).standard_onnx
     layers = read_onnx_manifest(ArtifactLayout(spec.out).onnx, verify="none")["hidden_layers"]
@@ -328,7 +328,7 @@ def _calibration(spec: BuildSpec, odir: Path):
     """The calibration set a recipe fits to: --calibration, else the one `make_calibration`
     makes (or reuses) with the float engine; refused when another model made it."""
     from specrt.calibration.data import CalibrationSet
-    from specrt.export.graph_files import read_onnx_manifest
+    from specrt.schema.graph_files import read_onnx_manifest
 
     path = spec.calibration
     if path is None and spec.make_calibration is not None:
@@ -371,7 +371,7 @@ def _build_tensorrt(
     spec: BuildSpec, odir: Path, onnx_files: dict, ckpt_hash: str, exported: bool, scheme: str = "none"
 ) -> Iterator[str]:
     from specrt.engines.trt import FLAVOURS, UnparsedGraph, available_flavours, build_trt_engine, read_trt_manifest
-    from specrt.export.graph_files import read_onnx_manifest
+    from specrt.schema.graph_files import read_onnx_manifest
 
     if spec.tensorrt == "off":
         yield "tensorrt  skipped: --tensorrt off"

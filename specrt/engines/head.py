@@ -27,7 +27,8 @@ from specrt.engines.ort import OrtOptions, check_built_here, graph_session, open
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range, triple
 from specrt.engines.trt import TrtBuildSpec, build_serialized
 from specrt.errors import ManifestMismatchError
-from specrt.export.head_io import (
+from specrt.families.eagle import HEAD_INPUTS
+from specrt.schema.head_io import (
     D2T_FILE,
     HEAD_FILE,
     check_head_parity,
@@ -35,7 +36,6 @@ from specrt.export.head_io import (
     read_draft_to_target,
     read_head_manifest,
 )
-from specrt.families.eagle import HEAD_INPUTS
 
 HEAD_ENGINE_KIND = "ort-draft-head"
 OPT_FILE, OPT_DATA = "head.opt.onnx", "head.opt.onnx.data"

@@ -32,7 +32,7 @@ def float32_bytes(checkpoint: str | Path) -> int:
     """The checkpoint's weights in float32, from its safetensors headers (nothing is loaded)."""
     from safetensors import safe_open
 
-    from specrt.export.checkpoint_files import gguf_weights, weight_files
+    from specrt.schema.checkpoint_files import gguf_weights, weight_files
 
     gguf = gguf_weights(checkpoint)
     if gguf is not None:

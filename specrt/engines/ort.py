@@ -34,7 +34,7 @@ from specrt.artifacts import (
 )
 from specrt.engines.ort_measure import batch_invariance, step_costs, step_cuts
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
-from specrt.export.graph_files import ONNX_FILE, read_onnx_manifest
+from specrt.schema.graph_files import ONNX_FILE, read_onnx_manifest
 
 ENGINE_KIND = "ort-engine"
 OPT_FILE = "model.opt.onnx"
@@ -213,7 +213,7 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "provider": active,
                 "host_cpu": cpu_model(),
                 "graph_optimization_level": "ORT_ENABLE_ALL",
-                "step_cuts": cuts,  # positions no step may span (export/step_cuts.py)
+                "step_cuts": cuts,  # positions no step may span (schema/step_cuts.py)
                 "batch_invariance": invariance,  # measured with its steps split at the cuts
                 "step_ms": costs,  # by positions, batch 1: the cost model's priors
                 "build_seconds": round(time.perf_counter() - t0, 2),
@@ -263,7 +263,7 @@ def read_engine_manifest(
     """The engine's manifest, checked against the checkpoint, the installed onnxruntime, this CPU
     and its own files (verify: "auto" reads a file in full only when it changed since its last
     check, "full" always, "none" never: for callers that only read the manifest)."""
-    from specrt.export.config import config_from_manifest
+    from specrt.schema.config import config_from_manifest
 
     m = read_manifest(engine_dir, ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
     config_from_manifest(m, engine_dir, HOW_TO_BUILD)

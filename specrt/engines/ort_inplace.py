@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.export.step_io import HIDDEN, LOGITS, StepIO
+from specrt.schema.step_io import HIDDEN, LOGITS, StepIO
 
 KEEP_CACHES = 2  # caches whose buffers stay wrapped (the running one and the one before)
 

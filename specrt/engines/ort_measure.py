@@ -2,7 +2,7 @@
 
     step_cuts(session, config, flavour)         the positions no step may span: where the
                                                 engine's attention adds in another order once a
-                                                step ends past them (export/step_cuts.py)
+                                                step ends past them (schema/step_cuts.py)
     batch_invariance(session, config, flavour)  how a position's logits move with the shape of
                                                 the step that computes them (exactness of
                                                 speculation), and which step shapes agree bitwise
@@ -26,8 +26,8 @@ import time
 import numpy as np
 
 from specrt.engines.profiles import EngineShapes
-from specrt.export import step_cuts as cut_rule
-from specrt.export.step_io import LOGITS, STEP_FLOOR, STEP_INPUTS, StepIO, attention_mask
+from specrt.schema import step_cuts as cut_rule
+from specrt.schema.step_io import LOGITS, STEP_FLOOR, STEP_INPUTS, StepIO, attention_mask
 
 COST_POSITIONS = (1, 2, 3, 5, 9, 17)  # the step sizes step_costs times
 COST_REPEATS = 5  # timed steps per size (after one untimed), the median kept
@@ -89,7 +89,7 @@ def _step_ids(rows, lengths, q):
 
 def _fused_runner(session, cfg, capacity: int, batch: int):
     from specrt.engines.ort_inplace import InPlaceRunner
-    from specrt.export.step_io import fused_inputs
+    from specrt.schema.step_io import fused_inputs
 
     runner = InPlaceRunner(session, cfg.num_hidden_layers)
     buffers = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)  # (L, B, Hkv, C, D)
@@ -114,7 +114,7 @@ def _fused_runner(session, cfg, capacity: int, batch: int):
 
 
 def _keeping(run, cuts):
-    """`run` that splits each step at the cuts as the runtime's session does (export/step_cuts.py)
+    """`run` that splits each step at the cuts as the runtime's session does (schema/step_cuts.py)
     and returns the logits of the whole step."""
     if not cuts:
         return run
@@ -135,7 +135,7 @@ def _one_a_step(run, cache, ids: list[int], a: int, b: int) -> list[np.ndarray]:
 
 
 def step_cuts(session, config: dict, flavour: str = "portable", top: int = CUT_PROBE, width: int = 17) -> dict:
-    """The positions no step may span (export/step_cuts.py), probed on the engine's own session
+    """The positions no step may span (schema/step_cuts.py), probed on the engine's own session
     over its first `top` positions (at most its context): each window of `width` positions
     computed as one step and again one position a step (the plain decoding shape, the
     canonical bits); where a window disagrees, every neighbouring pair of its positions as a
@@ -143,7 +143,7 @@ def step_cuts(session, config: dict, flavour: str = "portable", top: int = CUT_P
     position the bits of the shorter total). {"cuts": [...], "period": the spacing where the
     cuts are three or more and evenly spaced (the runtime continues them past the probe), else
     None, "probed_to": the positions probed}."""
-    from specrt.export.config import ModelConfig
+    from specrt.schema.config import ModelConfig
 
     cfg = ModelConfig.from_dict(config)
     top = max(0, min(top, cfg.max_position_embeddings - width - STEP_FLOOR))
@@ -251,7 +251,7 @@ def batch_invariance(
     floor: Capabilities.floor 1).
     `steps` must reach the largest verification step: ORT's int8 Q/DQ kernels gave identical
     logits for 6 positions and moved them by 5 % of their range at 17."""
-    from specrt.export.config import ModelConfig
+    from specrt.schema.config import ModelConfig
 
     cfg = ModelConfig.from_dict(config)
     prefix = within_context(cfg, prefix, steps)
@@ -313,7 +313,7 @@ def step_costs(session, config: dict, flavour: str = "portable", prefix: int = 1
     verification step relative to a one-position step is what decides whether drafting pays
     (on this CPU: float32 ~1.06x at 2 positions, the 4-bit gguf engine ~2.3x), and the cost
     model starts from it instead of a guess."""
-    from specrt.export.config import ModelConfig
+    from specrt.schema.config import ModelConfig
 
     cfg = ModelConfig.from_dict(config)
     top = max(COST_POSITIONS)

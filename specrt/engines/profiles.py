@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from specrt.errors import SpecrtError
-from specrt.export.step_io import STEP_INPUTS, StepIO
+from specrt.schema.step_io import STEP_INPUTS, StepIO
 
 # TensorRT requires every bound address to be 256-byte aligned. A KV cache is one buffer
 # [L, B, Hkv, C, D] whose layer and row slices are bound in place, at multiples of Hkv * C * D * 4

@@ -31,7 +31,7 @@ from specrt.artifacts import (
 )
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
-from specrt.export.graph_files import ONNX_FILE, read_onnx_manifest
+from specrt.schema.graph_files import ONNX_FILE, read_onnx_manifest
 
 TRT_KIND = "trt-engine"
 ENGINE_FILE = "model.engine"
@@ -305,7 +305,7 @@ def read_trt_manifest(
     """The engine's manifest, checked against the ONNX it should come from, the checkpoint, the
     installed TensorRT and the engine file's hash (verify: "auto" reads the engine in full only
     when it changed since its last check, "full" always)."""
-    from specrt.export.config import config_from_manifest
+    from specrt.schema.config import config_from_manifest
 
     engine_dir = Path(engine_dir)
     how = HOW_TO_BUILD

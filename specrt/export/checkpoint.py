@@ -1,7 +1,7 @@
 """Loading checkpoints: a Hugging Face directory (config.json + safetensors, never pickle) or GGUF.
 
 `load_model(path)` returns our LlamaModel in float32 with the checkpoint's weights.
-`checkpoint_hash(path)` is the fingerprint every artifact manifest records (export/checkpoint_files.py:
+`checkpoint_hash(path)` is the fingerprint every artifact manifest records (schema/checkpoint_files.py:
 torch-free, so opening an engine loads no torch).
 """
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from specrt.errors import CheckpointError
-from specrt.export.checkpoint_files import checkpoint_hash, gguf_weights, require_checkpoint_dir, weight_files
-from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel
+from specrt.schema.checkpoint_files import checkpoint_hash, gguf_weights, require_checkpoint_dir, weight_files
+from specrt.schema.config import ModelConfig
 
 __all__ = ["checkpoint_hash", "gguf_weights", "load_config", "load_model", "require_checkpoint_dir", "weight_files"]
 
@@ -49,10 +49,10 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str, h
     the features `hidden_states` carries (default: what the step graph exports, every draft
     head's layers)."""
     if hidden_layers is None:
-        from specrt.export.head_io import default_target_layers
+        from specrt.schema.head_io import default_target_layers
 
         hidden_layers = default_target_layers(cfg.num_hidden_layers)
-    from specrt.export.arch import FAMILIES
+    from specrt.schema.arch import FAMILIES
 
     state = {k.removeprefix("model."): v.to(torch.float32) for k, v in state.items()}
     state = FAMILIES[cfg.architecture].weights(state)

@@ -40,11 +40,11 @@ from torch import nn
 
 from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.errors import SpecrtError
-from specrt.export.config import ModelConfig
-from specrt.export.head_io import CONFIG_FILE, WEIGHTS_FILE, default_target_layers, eagle3_layers
 from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
 from specrt.families.eagle import FULL_VOCAB_METHODS, HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, METHODS
 from specrt.families.parallel import PARALLEL
+from specrt.schema.config import ModelConfig
+from specrt.schema.head_io import CONFIG_FILE, WEIGHTS_FILE, default_target_layers, eagle3_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +212,7 @@ def head_from_target(target: LlamaModel, hc: HeadConfig, draft_ids=None, seed: i
     head's layer. With the little data a CPU can make, starting from a layer that already
     computes the target's next-token features trains much faster than a random one; fc starts
     as "pass the feature through" (EAGLE-1: the feature half; EAGLE-3: the high layer)."""
-    from specrt.export.head_io import head_family
+    from specrt.schema.head_io import head_family
 
     torch.manual_seed(seed)
     head = head_family(hc.method).load_types()[1](hc)  # the family's module (a DraftHead)
@@ -278,7 +278,7 @@ def load_head(directory: str | Path):
     DraftHead (eagle, eagle3, mtp), MedusaHeads (medusa)."""
     from safetensors.torch import load_file
 
-    from specrt.export.head_io import HEAD_FAMILIES
+    from specrt.schema.head_io import HEAD_FAMILIES
 
     directory = Path(directory)
     if not (directory / CONFIG_FILE).is_file():

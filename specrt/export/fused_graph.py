@@ -41,10 +41,10 @@ import numpy as np
 import torch
 
 from specrt.errors import UnsupportedArchitectureError
-from specrt.export.graph_files import DEFAULT_OPSET
 from specrt.export.graph_writer import GraphBuilder, export_written_graph, f32, rotary_tables, write_graph
 from specrt.export.llama import LlamaModel
-from specrt.export.step_io import StepIO
+from specrt.schema.graph_files import DEFAULT_OPSET
+from specrt.schema.step_io import StepIO
 
 MS = "com.microsoft"
 # the fused graph's layout (2: rotary tables past the context; 3: attention of one-position steps

@@ -3,7 +3,7 @@ Hugging Face directory (config.json, model.safetensors, tokenizer files, chat te
 
 Weights are read with the `gguf` package directly. What differs between families (llama.cpp's
 q/k permutation of Llama models, Gemma's norms stored as 1 + w, tensor names, metadata that
-llama.cpp leaves to its code) is each family's `Gguf` (export/arch/).
+llama.cpp leaves to its code) is each family's `Gguf` (schema/arch/).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 
 from specrt.artifacts import atomic_dir, file_sha256
 from specrt.errors import CheckpointError, SpecrtError, UnsupportedArchitectureError
-from specrt.export.arch import FAMILIES
-from specrt.export.checkpoint_files import GGUF_SOURCE
-from specrt.export.config import ModelConfig
+from specrt.schema.arch import FAMILIES
+from specrt.schema.checkpoint_files import GGUF_SOURCE
+from specrt.schema.config import ModelConfig
 
 # GGUF tensor name (after the block prefix) -> transformers name
 _BLOCK_NAMES = {
@@ -240,7 +240,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         # build-engines --quantize gguf computes from the GGUF's own blocks: it finds the file here
         source = {"file": str(gguf_path.resolve()), "sha256": file_sha256(gguf_path)}
         if weights == "gguf":
-            source["weights_in_file"] = True  # export/checkpoint_files.py gguf_weights
+            source["weights_in_file"] = True  # schema/checkpoint_files.py gguf_weights
         (tmp / GGUF_SOURCE).write_text(json.dumps(source, indent=2) + "\n")
     return out_dir
 

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from specrt.export.arch import FAMILIES
-from specrt.export.arch.base import _same
 from specrt.export.gguf import GgufTensors, gguf_model_facts, open_gguf
 from specrt.export.llama import LlamaModel, inv_freq
+from specrt.schema.arch import FAMILIES
+from specrt.schema.arch.base import _same
 
 
 class GgufWeight:
@@ -65,7 +65,7 @@ def streamable(path: Path) -> bool:
 
 def streamed_model(path: Path, hidden_layers: tuple[int, ...] | None = None) -> LlamaModel:
     """The model of GGUF file `path` with its matrices left in the file (module docstring)."""
-    from specrt.export.head_io import default_target_layers
+    from specrt.schema.head_io import default_target_layers
 
     path = Path(path)
     reader = open_gguf(path)

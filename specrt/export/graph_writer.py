@@ -10,7 +10,7 @@ opset-23 operators for TensorRT). A products object writes x @ W^T: `FloatProduc
 over the float weights; a 4-bit recipe's (calibration/blocks.py) as MatMulNBits over their blocks.
 Each layer is: input norm, q|k|v product, attention, o product, post-attention norm, gate|up
 product, act(gate) * up, down product; the final norm, the features and the head. A family's
-facts (export/arch/base.py) add: a scaled embedding, norms after attention and after the MLP,
+facts (schema/arch/base.py) add: a scaled embedding, norms after attention and after the MLP,
 per-head q/k norms, the gelu, a sliding window and its rotary on some layers (`local` below).
 """
 
@@ -25,10 +25,10 @@ import torch
 
 from specrt.artifacts import atomic_dir, write_manifest
 from specrt.export.checkpoint import checkpoint_hash, load_model
-from specrt.export.graph_files import DEFAULT_OPSET, ONNX_DATA, ONNX_FILE, ONNX_KIND, graph_manifest, save_graph
 from specrt.export.llama import LlamaModel, rotary
 from specrt.export.step_graph import check_opset
-from specrt.export.step_io import HIDDEN, LOGITS, STEP_ROOM, StepIO
+from specrt.schema.graph_files import DEFAULT_OPSET, ONNX_DATA, ONNX_FILE, ONNX_KIND, graph_manifest, save_graph
+from specrt.schema.step_io import HIDDEN, LOGITS, STEP_ROOM, StepIO
 
 
 class GraphBuilder:
@@ -299,7 +299,7 @@ def export_written_graph(
     ckpt_hash = checkpoint_hash(checkpoint)
     if hidden_layers is None:
         from specrt.export.checkpoint import load_config
-        from specrt.export.head_io import default_target_layers
+        from specrt.schema.head_io import default_target_layers
 
         hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
     model = load_model(checkpoint, hidden_layers=hidden_layers, streamed=True)

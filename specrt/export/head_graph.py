@@ -31,8 +31,8 @@ from specrt.artifacts import (
 )
 from specrt.export.checkpoint import checkpoint_hash
 from specrt.export.draft_head import load_head
-from specrt.export.graph_files import save_graph
-from specrt.export.head_io import (
+from specrt.schema.graph_files import save_graph
+from specrt.schema.head_io import (
     D2T_FILE,
     HEAD_DATA,
     HEAD_FILE,

@@ -1,6 +1,6 @@
 """A compact decoder written as one *step*: the function the step graph exports.
 
-One block serves every supported family (export/arch/): the Llama block, and the facts a
+One block serves every supported family (schema/arch/): the Llama block, and the facts a
 family's config sets (qk_norm, norm_offset, sandwich_norms, hidden_act, embed_scale,
 attn_scalar, a sliding window on some layers with their own rotary base, a partial rotary).
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrt.errors import SpecrtError
-from specrt.export.config import ModelConfig, rope_inv_freq
+from specrt.schema.config import ModelConfig, rope_inv_freq
 
 
 def as_dtype(x, dtype):
@@ -186,7 +186,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Parameter names follow transformers' LlamaForCausalLM (and Gemma3ForCausalLM's, Qwen3's
     for their extra norms), so their state dicts load as they are (Phi-3's fused weights split
-    first: export/arch/phi3.py)."""
+    first: schema/arch/phi3.py)."""
 
     def __init__(self, cfg: ModelConfig, hidden_layers: tuple[int, ...] = (-1,)):
         super().__init__()

@@ -14,7 +14,7 @@ token guess and learns to shift. Training needs only the frozen target's feature
 The graph returns each head's top-k candidates (ids already in the target's vocabulary, with
 their log-probabilities), not K x Vd logits: a proposal needs only those. Candidates combine
 into a tree of *choices*: a path (r_1, ..., r_d) is the r_1-th candidate of head 1, then the
-r_2-th of head 2 under it, and so on (export/medusa_tree.py). `DEFAULT_TREE` is the tree for K = 4 (from assumed
+r_2-th of head 2 under it, and so on (schema/medusa_tree.py). `DEFAULT_TREE` is the tree for K = 4 (from assumed
 accuracies; `default_tree` for other K); `derive_tree` makes one from measured per-head rank
 accuracies (the best-first expansion of Medusa's paper: a path's value is the product of its
 ranks' accuracies, and each path comes after its parent).
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from specrt.errors import SpecrtError
-from specrt.export.config import ModelConfig
 from specrt.export.llama import LlamaModel
 from specrt.families.medusa import MEDUSA, MEDUSA_DYNAMIC_AXES, MEDUSA_INPUTS, MEDUSA_OUTPUTS
+from specrt.schema.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

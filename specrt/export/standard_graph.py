@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.export.graph_writer import GraphBuilder, export_written_graph, rotary_tables
-from specrt.export.step_io import StepIO
+from specrt.schema.step_io import StepIO
 
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention are opset 23's
 STANDARD_VERSION = 2  # the standard graph's layout (2: rotary tables past the context); another is written again

@@ -25,16 +25,16 @@ from specrt.artifacts import (
 )
 from specrt.errors import SpecrtError
 from specrt.export.checkpoint import checkpoint_hash, load_model
-from specrt.export.config import ModelConfig
-from specrt.export.graph_files import (
+from specrt.export.llama import LlamaModel, causal_mask
+from specrt.schema.config import ModelConfig
+from specrt.schema.graph_files import (
     DEFAULT_OPSET,
     ONNX_FILE,
     ONNX_KIND,
     graph_manifest,
     save_graph,
 )
-from specrt.export.llama import LlamaModel, causal_mask
-from specrt.export.step_io import StepIO
+from specrt.schema.step_io import StepIO
 
 MIN_OPSET = 9  # the graph's Where needs 9 (the exporter fails below); the newest is torch's own limit
 
@@ -137,7 +137,7 @@ def export_step_graph(
     steps.set_postfix_str("load weights")
     if hidden_layers is None:
         from specrt.export.checkpoint import load_config
-        from specrt.export.head_io import default_target_layers
+        from specrt.schema.head_io import default_target_layers
 
         hidden_layers = default_target_layers(load_config(checkpoint).num_hidden_layers)
     model = load_model(checkpoint, hidden_layers=hidden_layers)

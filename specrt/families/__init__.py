@@ -2,7 +2,7 @@
 and MTP; parallel.py: the parallel EAGLE-3 head; medusa.py; draft_model.py) declares in one
 `Family` everything the three layers need of it, and the three registries read from here:
 
-    export/head_io.py HEAD_FAMILIES     the head's graph: I/O, own KV cache or not, its module
+    schema/head_io.py HEAD_FAMILIES     the head's graph: I/O, own KV cache or not, its module
     training/families.py TRAINED_FAMILIES   its trainer: config, training function, options it reads
     runtime/drafts DRAFT_METHODS        its proposer: how it is made, whether it takes trees
 

@@ -1,5 +1,5 @@
 """Medusa heads: K residual blocks over the target's final feature and one shared projection,
-one call for a whole tree of choices (export/medusa.py, export/medusa_tree.py; trained by
+one call for a whole tree of choices (export/medusa.py, schema/medusa_tree.py; trained by
 training/medusa.py; drafting with runtime/drafts/medusa.py)."""
 
 from __future__ import annotations

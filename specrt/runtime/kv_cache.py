@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.export.step_io import attention_mask
 from specrt.runtime.transfer import to_device
+from specrt.schema.step_io import attention_mask
 
 
 class KVCache:

@@ -12,7 +12,7 @@ the cache and the attention mask hides everything else, so rows never need paddi
 Hidden states (the features learned drafts read) are computed by every step but copied to the
 host only for the positions asked for.
 
-Every step computes at least `floor` positions per row (export/step_io.py STEP_FLOOR, where the
+Every step computes at least `floor` positions per row (schema/step_io.py STEP_FLOOR, where the
 backend keeps it: `Capabilities.floor`): a one-position step gets one more position, computed and
 left uncommitted, so that a position's logits come from the same kernels, bit for bit, whether
 plain decoding, a verification step of any size, a split step or a batch computes them. An
@@ -23,7 +23,7 @@ needs no floor: 1. With
 more than a one-row one (the level-0 4-bit kernels), and exact only up to the engine's measured
 difference between the two.
 
-Where the engine's build found step cuts (export/step_cuts.py: positions past which its
+Where the engine's build found step cuts (schema/step_cuts.py: positions past which its
 attention adds in another order, ORT's with heads of 256), no step spans one: `forward` splits
 such a step into steps that do not and returns their outputs as the one step's, and `room` says
 how far a row's next step may reach (a draft tree, which cannot be split, stops there).
@@ -37,10 +37,10 @@ import numpy as np
 
 from specrt.engines.ort import BATCH_VARIANCE_LIMIT
 from specrt.errors import SpecrtError
-from specrt.export import step_cuts
-from specrt.export.config import ModelConfig
 from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput
 from specrt.runtime.kv_cache import KVCache
+from specrt.schema import step_cuts
+from specrt.schema.config import ModelConfig
 
 CACHE_BUCKET = 256  # pooled caches (CUDA-graph backends) have capacities in multiples of this
 CACHE_POOL_SIZE = 4
@@ -77,7 +77,7 @@ class StepSession:
         self.floor = self.caps.floor if exact == "bitwise" else 1
         # and the multiple every step's positions per row are rounded up to (Capabilities.step_multiple)
         self.multiple = self.caps.step_multiple if exact == "bitwise" else 1
-        # the positions no step may span (export/step_cuts.py): where the engine's build found
+        # the positions no step may span (schema/step_cuts.py): where the engine's build found
         # its attention adding in another order past them; none where near-ties are enough
         caps = self.caps
         limit = self.max_context + 1
@@ -202,7 +202,7 @@ class StepSession:
         return self._step(cache, tokens, trees, last_only, hidden, want_logits)
 
     def _pieces(self, cache, tokens, trees, steps, last_only, hidden, want_logits) -> StepOutput:
-        """One step computed as several that keep the step cuts (export/step_cuts.py), their
+        """One step computed as several that keep the step cuts (schema/step_cuts.py), their
         outputs put together as the one step's."""
         outs = []
         for step in steps:

@@ -208,8 +208,8 @@ class Target:
         always (see specrt.artifacts). multi_engine: another engine of the same model for steps of
         more than one position (backends.SplitBackend: e.g. gguf decodes, float32 verifies)."""
         from specrt.engines.ort import load_ort_session, read_engine_manifest
-        from specrt.export.checkpoint_files import checkpoint_hash
         from specrt.runtime.backends import OrtBackend, SplitBackend
+        from specrt.schema.checkpoint_files import checkpoint_hash
 
         manifest = read_engine_manifest(
             engine_dir, verify="none"
@@ -243,12 +243,12 @@ class Target:
         so must the ONNX export it was built from, where that is still on disk."""
         from specrt.artifacts import read_manifest
         from specrt.engines.trt import TRT_KIND
-        from specrt.export.checkpoint_files import checkpoint_hash
         from specrt.runtime.backends import TrtBackend
+        from specrt.schema.checkpoint_files import checkpoint_hash
 
         manifest = read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")
         checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
-        from specrt.export.graph_files import source_onnx_files
+        from specrt.schema.graph_files import source_onnx_files
 
         backend = TrtBackend(
             engine_dir,
@@ -275,9 +275,9 @@ class Target:
         hidden_layers: the features its hidden states carry (default: what an export returns).
         dtype: the weights' and compute's (float32, float16, bfloat16; what a 16-bit export runs)."""
         from specrt.export.checkpoint import load_model
-        from specrt.export.checkpoint_files import checkpoint_hash
         from specrt.export.step_graph import DTYPES
         from specrt.runtime.backends import TorchBackend
+        from specrt.schema.checkpoint_files import checkpoint_hash
 
         model = load_model(checkpoint, hidden_layers=hidden_layers)
         if dtype != "float32":

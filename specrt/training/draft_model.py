@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from specrt.errors import SpecrtError
-from specrt.export.head_io import feature_columns
 from specrt.export.llama import LlamaModel, causal_mask
+from specrt.schema.head_io import feature_columns
 from specrt.training.eagle import Sequence, TrainingData, choose_draft_vocab, length_batches
 from specrt.training.families import COMMON, TrainOptions
 from specrt.training.loop import CHECKPOINT, Trainer, run_training

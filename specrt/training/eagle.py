@@ -39,9 +39,9 @@ import torch.nn.functional as F
 
 from specrt.errors import SpecrtError
 from specrt.export.draft_head import DraftHead, HeadConfig, head_from_target
-from specrt.export.head_io import feature_columns
 from specrt.export.llama import LlamaModel
 from specrt.families.parallel import PARALLEL
+from specrt.schema.head_io import feature_columns
 from specrt.training.data import Answer
 from specrt.training.families import COMMON, TrainOptions
 from specrt.training.features import FeatureCache
@@ -306,7 +306,7 @@ def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftH
     if cfg.method in ("eagle", "mtp"):
         hc = HeadConfig(cfg.method, target.cfg, (-1,), V)
         return head_from_target(target, hc, None, cfg.seed)
-    from specrt.export.head_io import eagle3_layers
+    from specrt.schema.head_io import eagle3_layers
 
     size = min(cfg.draft_vocab or 8192, V)
     ids = choose_draft_vocab(data.answer_token_counts(V), size, tuple(target.cfg.eos_token_id))

@@ -11,7 +11,7 @@ draft vocabulary are not scored.
 
 The held-out sequences (eagle.held_out_ids) give, per head, how often the right token is the
 rank-r candidate (`rank_accuracy`): the progress bar shows head 1's top-1, and the final
-figures derive the tree of choices the proposer uses (export/medusa_tree.py derive_tree).
+figures derive the tree of choices the proposer uses (schema/medusa_tree.py derive_tree).
 
 Deterministic (seeded init and order), resumable (checkpoint every `checkpoint_every` steps and
 when `max_minutes` runs out; running again continues from it).
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from specrt.errors import SpecrtError
-from specrt.export.head_io import feature_columns
 from specrt.export.llama import LlamaModel
 from specrt.export.medusa import MedusaConfig, MedusaHeads, medusa_from_target
-from specrt.export.medusa_tree import DEFAULT_TREE_SIZE, derive_tree
+from specrt.schema.head_io import feature_columns
+from specrt.schema.medusa_tree import DEFAULT_TREE_SIZE, derive_tree
 from specrt.training.eagle import STEP_WEIGHT, Sequence, TrainingData, choose_draft_vocab
 from specrt.training.families import COMMON, TrainOptions
 from specrt.training.loop import CHECKPOINT, Trainer, run_training

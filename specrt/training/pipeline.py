@@ -251,7 +251,7 @@ def _require_trained_for(layout: HeadLayout, report: dict, checkpoint: str | Pat
     hash training.json records, and by the widths head.json records): its features are that
     target's, and the new manifests would name the wrong one."""
     from specrt.export.checkpoint import checkpoint_hash, load_config
-    from specrt.export.head_io import CONFIG_FILE
+    from specrt.schema.head_io import CONFIG_FILE
 
     fix = f"train the head again: specrt train-draft --out {layout.root}"
     target = report.get("target")

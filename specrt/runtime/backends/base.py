@@ -7,9 +7,9 @@ import dataclasses
 
 import numpy as np
 
-from specrt.export.config import ModelConfig
-from specrt.export.step_io import STEP_FLOOR
 from specrt.runtime.kv_cache import KVCache
+from specrt.schema.config import ModelConfig
+from specrt.schema.step_io import STEP_FLOOR
 
 MAX_GRAPHS = 128  # captured step graphs kept per backend before they are dropped and captured again
 
@@ -52,11 +52,11 @@ class Capabilities:
     # None), all Q of every row from its length on: caches get this many slots beyond their capacity
     cache_slack: int = 0
     batch_invariance: dict | None = None  # measured at build: how logits move between 1- and multi-position steps
-    # the fewest positions per row its steps compute (export/step_io.py STEP_FLOOR: a one-position
+    # the fewest positions per row its steps compute (schema/step_io.py STEP_FLOOR: a one-position
     # step is padded, so every step shape gives the same bits); 1: it takes one-position steps as
     # they are (SplitBackend exists to run them on an engine of their own)
     floor: int = STEP_FLOOR
-    # the positions no step may span (export/step_cuts.py), as the build probed them, continued
+    # the positions no step may span (schema/step_cuts.py), as the build probed them, continued
     # every cut_period positions past the probe's last (None: not continued)
     step_cuts: tuple[int, ...] = ()
     cut_period: int | None = None

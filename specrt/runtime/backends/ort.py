@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.engines.ort_measure import floor_of
-from specrt.export.config import ModelConfig
-from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, STEP_ROOM, StepIO, fused_inputs
 from specrt.runtime.backends.base import Capabilities, StepBackend, StepOutput, gather_rows
+from specrt.schema.config import ModelConfig
+from specrt.schema.step_io import HIDDEN, LOGITS, STEP_INPUTS, STEP_ROOM, StepIO, fused_inputs
 
 # most positions a verification step of the fused graph has: its attention op writes all Q of
 # every row (padding included) from the row's length on, so a cache holds this many slots past

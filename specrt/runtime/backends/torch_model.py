@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.export.step_io import STEP_ROOM, in_place
 from specrt.runtime.backends.base import (
     MAX_GRAPHS,
     Capabilities,
@@ -18,6 +17,7 @@ from specrt.runtime.backends.base import (
 )
 from specrt.runtime.backends.row_blocks import row_block_mode
 from specrt.runtime.transfer import to_device
+from specrt.schema.step_io import STEP_ROOM, in_place
 
 
 class TorchBackend(StepBackend):

@@ -48,8 +48,6 @@ from specrt.engines.trt import (
     select_profile,
 )
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
-from specrt.export.config import ModelConfig
-from specrt.export.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
 from specrt.runtime.backends.base import (
     MAX_GRAPHS,
     Capabilities,
@@ -61,6 +59,8 @@ from specrt.runtime.backends.base import (
     graphable,
 )
 from specrt.runtime.transfer import copy_into, to_device
+from specrt.schema.config import ModelConfig
+from specrt.schema.step_io import HIDDEN, LOGITS, STEP_INPUTS, StepIO
 
 # TensorRT DataType member name -> torch dtype name
 _TORCH_DTYPES = {

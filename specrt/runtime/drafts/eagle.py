@@ -28,12 +28,12 @@ import numpy as np
 
 from specrt.engines.head import open_head
 from specrt.errors import SpecrtError
-from specrt.export.head_io import check_head_target, feature_columns
 from specrt.families.eagle import HEAD_INPUTS
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.drafts.dynamic_tree import TreeBuilder
 from specrt.runtime.sampling import SamplingParams, probs_from_logits, sample_from_probs
 from specrt.runtime.verification import DraftTree
+from specrt.schema.head_io import check_head_target, feature_columns
 
 CONFIDENCE = SamplingParams(temperature=1.0)  # greedy requests: trees follow the head's softmax
 

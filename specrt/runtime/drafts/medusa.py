@@ -22,11 +22,11 @@ import numpy as np
 
 from specrt.engines.head import open_head
 from specrt.errors import SpecrtError
-from specrt.export.head_io import check_head_target, feature_columns
-from specrt.export.medusa_tree import check_tree, default_tree
 from specrt.families.medusa import MEDUSA, MEDUSA_INPUTS
 from specrt.runtime.backends.base import Capabilities
 from specrt.runtime.verification import DraftTree
+from specrt.schema.head_io import check_head_target, feature_columns
+from specrt.schema.medusa_tree import check_tree, default_tree
 
 
 class MedusaProposer:

@@ -9,7 +9,7 @@ attention, which no Gemma 3 text checkpoint sets."""
 from __future__ import annotations
 
 from specrt.errors import UnsupportedArchitectureError
-from specrt.export.arch.base import Architecture, Gguf, field, layer_list
+from specrt.schema.arch.base import Architecture, Gguf, field, layer_list
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 

@@ -3,8 +3,8 @@ rotary, and no q/k/v bias."""
 
 from __future__ import annotations
 
-from specrt.export.arch.base import Architecture, Gguf
-from specrt.export.arch.llama import _no_window
+from specrt.schema.arch.base import Architecture, Gguf
+from specrt.schema.arch.llama import _no_window
 
 
 def _facts(d: dict) -> dict:

@@ -1,7 +1,7 @@
 """What a model family is to specrt: the facts of its block, read from its config.json, and the
 names of its weights.
 
-A family is one `Architecture` (export/arch/<family>.py) registered in export/arch/__init__.py. The
+A family is one `Architecture` (schema/arch/<family>.py) registered in schema/arch/__init__.py. The
 block every family shares (export/llama.py, the graph writers) reads only ModelConfig's facts:
 
     qk_norm          an RMSNorm over each head's query and key before the rotary (Qwen3, Gemma 3)

@@ -1,8 +1,8 @@
 """Model configuration: the few numbers a decoder needs, read from config.json.
 
 Every supported family shares one block (RMSNorm, rotary embeddings, grouped-query attention,
-a gated MLP); what differs between families is a handful of facts (export/arch/base.py lists
-them), each family's in its own file under export/arch/: Llama and SmolLM, Mistral, Qwen2,
+a gated MLP); what differs between families is a handful of facts (schema/arch/base.py lists
+them), each family's in its own file under schema/arch/: Llama and SmolLM, Mistral, Qwen2,
 Qwen3, Phi-3 / Phi-4-mini and Gemma 3 (text).
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 from specrt.artifacts import read_json_object
 from specrt.errors import ArtifactError, CheckpointError, SpecrtError, UnsupportedArchitectureError
-from specrt.export.arch import FAMILIES
-from specrt.export.arch.base import as_number as _as
-from specrt.export.arch.base import field as _field
+from specrt.schema.arch import FAMILIES
+from specrt.schema.arch.base import as_number as _as
+from specrt.schema.arch.base import field as _field
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)  # config.json's architecture names
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -46,7 +46,7 @@ class ModelConfig:
     # a draft model's reduced output vocabulary (train-draft --method draft-model): the output head
     # has this many rows, for the token ids in its `output_ids` buffer; None: the whole vocabulary
     output_vocab: int | None = None
-    # the block's facts (export/arch/base.py explains each; the defaults are the Llama block)
+    # the block's facts (schema/arch/base.py explains each; the defaults are the Llama block)
     qk_norm: bool = False
     norm_offset: float = 0.0
     sandwich_norms: bool = False
@@ -119,7 +119,7 @@ class ModelConfig:
             raise UnsupportedArchitectureError(
                 f"rope_scaling type {rope_type!r} is not supported (supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}). Use a checkpoint without it or add it to "
-                "specrt/export/config.py:rope_inv_freq."
+                "specrt/schema/config.py:rope_inv_freq."
             )
 
     def _check_facts(self):

@@ -7,8 +7,8 @@ Phi-4-mini's long contexts), whose frequencies change with the sequence's length
 from __future__ import annotations
 
 from specrt.errors import CheckpointError
-from specrt.export.arch.base import Architecture, as_number, field
-from specrt.export.arch.llama import _window_everywhere
+from specrt.schema.arch.base import Architecture, as_number, field
+from specrt.schema.arch.llama import _window_everywhere
 
 
 def _facts(d: dict) -> dict:

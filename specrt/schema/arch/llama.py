@@ -5,7 +5,7 @@ a window over every layer."""
 from __future__ import annotations
 
 from specrt.errors import UnsupportedArchitectureError
-from specrt.export.arch.base import Architecture, Gguf, field
+from specrt.schema.arch.base import Architecture, Gguf, field
 
 
 def _window_everywhere(d: dict) -> dict:

@@ -13,8 +13,8 @@ import numpy as np
 
 from specrt.artifacts import ArtifactError, ManifestMismatchError, check_files, read_manifest
 from specrt.errors import SpecrtError
-from specrt.export.config import config_from_manifest
 from specrt.families import HeadGraph, View
+from specrt.schema.config import config_from_manifest
 
 WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
 

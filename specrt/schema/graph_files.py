@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specrt.artifacts import check_files, file_sha256, package_versions, read_manifest, require_same_checkpoint
 from specrt.errors import ArtifactError
-from specrt.export.step_io import INPUT_DTYPES, StepIO
+from specrt.schema.step_io import INPUT_DTYPES, StepIO
 
 ONNX_KIND = "onnx-step-graph"
 # the I/O contract of the step graph; exports of another version are refused and rebuilt
@@ -64,7 +64,7 @@ def read_onnx_manifest(onnx_dir: str | Path, checkpoint_hash_expected: str | Non
     """The step graph's manifest; with a checkpoint hash, refuse an export of another checkpoint.
     verify: "auto" hashes model.onnx and its data when they changed since their last check,
     "full" always, "none" never (callers that only compare the recorded hashes)."""
-    from specrt.export.config import config_from_manifest
+    from specrt.schema.config import config_from_manifest
 
     m = read_manifest(onnx_dir, ONNX_KIND, HOW_TO_EXPORT, MANIFEST_FIELDS)
     if m.get("graph_version", 1) != GRAPH_VERSION:
