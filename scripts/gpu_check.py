@@ -24,7 +24,7 @@ Blocks, in order (the decisive ones first; the speed blocks stop at the time bud
     bitwise     PASS/FAIL  what the README claims: greedy output bitwise (tokens and log
                 probabilities) batched (8 rows), speculative (suffix on repeated requests, n-gram;
                 drafted, accepted and guessed tokens recorded; none accepted is a FAIL) and
-                prefix-cached, bfloat16 eager and graphs and float32 graphs (gpu_bitwise.py)
+                prefix-cached, bfloat16 eager and graphs (gpu_bitwise.py)
     graphs      PASS/FAIL  capture counts exactly [0, 1, 2, 3] (a short prefill chunk not
                 captured), replays == eager, a first generation captures, a second nothing
     syncs       PASS/FAIL  host syncs of a decode, a verification, a sampled and a feature step,
@@ -356,8 +356,9 @@ def main(argv=None) -> int:
     report.run("exact", gpu_exact.exact_block, model, backend_of(device), device, modes)
 
     def bitwise():
-        # on a GPU what the README claims (bfloat16, eager and graphs) and float32 graphs; on the CPU both dtypes
-        runs = [("bfloat16", m) for m in modes] + ([("float32", "graphs")] if cuda else [])
+        # what the README claims: bfloat16, eager and graphs (float32 on a GPU it calls near-ties:
+        # cuBLAS's float32 products change with the row count; the exact block measures them)
+        runs = [("bfloat16", m) for m in modes]
         verdicts, details = [], {"checks": {}, "runs": {}, "lines": []}
         for d, m in runs:
             label = f"{d} {m}"
