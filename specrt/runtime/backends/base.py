@@ -110,7 +110,7 @@ def gather_rows(x, index: np.ndarray):
 
     # staged through pinned memory: a plain copy from pageable memory would make the host wait
     # (one more host sync in every step that reads features; the GPU check's sync audit counts them)
-    rows = np.broadcast_to(rows, index.shape)
+    rows = np.broadcast_to(rows, index.shape).copy()  # a writable array (torch warns on a read-only view)
     return x[to_device(rows, x.device), to_device(index, x.device)]
 
 
