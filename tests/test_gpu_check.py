@@ -1,9 +1,10 @@
 """The GPU check script on the CPU: its CPU mode end to end, and its checks made to fail.
 
 CUDA graphs and host syncs are emulated here (test_torch_device.emulate_graphs: a 'graph'
-re-runs the step on its captured buffers; a capture and a read of the tokens raise the warning
-torch's sync debug mode raises on a GPU), so the capture-count and sync checks are shown to fail
-on a planted recapture; what they measure on a real GPU only a GPU run tells.
+re-runs the step on its captured buffers; a capture raises the warning torch's sync debug mode
+raises on a GPU, and the sync audit counts the host reads a GPU step would sync on), so the
+capture-count and sync checks are shown to fail on a planted recapture or host read; what they
+measure on a real GPU only a GPU run tells. tests/test_gpu_check_plants.py plants the others.
 """
 
 import dataclasses
