@@ -368,13 +368,18 @@ def plot_sweep(result: dict, path: Path) -> Path | None:
 
 
 def write_result_json(result: dict, out_dir: str | Path, name: str) -> Path:
-    """Write a benchmark's result as `<out_dir>/<name>-<date>.json` (the bench scripts share this);
-    a later run of the same day gets `-2`, `-3`, ...: an earlier result is never overwritten."""
+    """Write a benchmark's result as `<out_dir>/<name>-<date>.json` (the bench scripts share this),
+    or, where `out_dir` names a .json file, as that file (a folder of that name was made before);
+    a later run of the same day (of the same file) gets `-2`, `-3`, ...: an earlier result is
+    never overwritten."""
     from specrt.artifacts import atomic_write_text
 
     out_dir = Path(out_dir)
+    if out_dir.suffix == ".json" and not out_dir.is_dir():
+        out_dir, stem = out_dir.parent, out_dir.stem
+    else:
+        stem = f"{name}-{datetime.date.today().isoformat()}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{name}-{datetime.date.today().isoformat()}"
     path, n = out_dir / f"{stem}.json", 1
     while path.exists():
         n += 1

@@ -163,3 +163,6 @@ def test_a_second_result_of_the_same_day_does_not_overwrite_the_first(tmp_path):
     third = write_result_json({"run": 3}, tmp_path, "exact")
     assert first != second != third and second.name.endswith("-2.json") and third.name.endswith("-3.json")
     assert [json.loads(p.read_text())["run"] for p in (first, second, third)] == [1, 2, 3]
+    # --out given as a file: that file (it made a folder of that name), then -2 beside it
+    named = [write_result_json({"run": r}, tmp_path / "sub" / "exact-gemma.json", "exact") for r in (4, 5)]
+    assert [p.name for p in named] == ["exact-gemma.json", "exact-gemma-2.json"] and named[0].is_file()
