@@ -21,6 +21,8 @@ with switches between them, so drafts are both accepted and rejected).
 
 from __future__ import annotations
 
+from gpu_blocks import distinct_requests
+
 from specrt.runtime.batching import BatchEngine, Request
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
@@ -33,7 +35,7 @@ DRAFT = 4
 
 
 def answers(runner, requests: list[list[int]], max_batch: int, arrivals: list[int], prefix=None, budget=TOKENS):
-    """Per request (tokens, log probabilities, metrics) through the batching engine, each
+    """Per request (its tokens' log probabilities, metrics) through the batching engine, each
     submitted at its arrival step."""
     engine = BatchEngine(runner, max_batch=max_batch, prefill_budget=16, prefix_cache=prefix)
     got: dict[int, list] = {}
@@ -51,7 +53,7 @@ def answers(runner, requests: list[list[int]], max_batch: int, arrivals: list[in
             step += 1
     finally:
         engine.close()
-    return [([t.token for t in got.get(i, [])], got.get(i, []), metrics.get(i)) for i in range(len(requests))]
+    return [(got.get(i, []), metrics.get(i)) for i in range(len(requests))]
 
 
 def first_difference(got: list, want: list) -> int | None:
@@ -63,7 +65,7 @@ def first_difference(got: list, want: list) -> int | None:
 
 
 def spec_counts(runs: list) -> dict:
-    ms = [m for _, _, m in runs if m is not None]
+    ms = [m for _, m in runs if m is not None]
     return {
         "drafted": sum(m.drafted_tokens for m in ms),
         "accepted": sum(m.accepted_tokens for m in ms),
@@ -78,12 +80,12 @@ def bitwise_block(make_backend, prompts: list[list[int]], label: str, batch: int
     (verdict, details)."""
     gen = Generator(make_backend())
     gen.eos_ids = frozenset()  # `tokens` per request: equal lengths, every position compared
-    rows = [prompts[i % len(prompts)][i // len(prompts) :] for i in range(batch)]  # distinct requests
+    rows = distinct_requests(prompts, batch)
     alone = [answers(gen, [p], 1, [0], budget=tokens)[0] for p in rows]
     checks, found, lines = {}, {}, []
 
     def compare(name: str, runs: list, want: list) -> None:
-        diffs = [first_difference(r[1], w[1]) for r, w in zip(runs, want)]
+        diffs = [first_difference(r[0], w[0]) for r, w in zip(runs, want)]
         bad = [(i, d) for i, d in enumerate(diffs) if d is not None]
         checks[f"{name} == plain alone, logits included"] = not bad
         found[name] = {"requests": len(runs), "differ": [{"request": i, "first_index": d} for i, d in bad]}

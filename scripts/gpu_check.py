@@ -299,7 +299,8 @@ def measured(result: dict) -> str:
 
 
 def backend_of(device: str):
-    """make_backend(model, graphs) for the exact block: a TorchBackend on `device`."""
+    """make_backend(model, graphs): a TorchBackend on `device` (on the CPU its device-resident
+    cache path, as on a GPU)."""
 
     def make(m, graphs: bool):
         b = TorchBackend(m, device=device, cuda_graphs=graphs)
@@ -336,24 +337,26 @@ def main(argv=None) -> int:
     cuda = device == "cuda"
     modes = ("eager", "graphs") if cuda else ("eager",)
 
+    on_device = backend_of(device)
+    models = {}  # one copy of the model per dtype, shared by every backend of it (as one was before)
+
     def backend(graphs: bool, dtype=torch.float32):
-        b = TorchBackend(gpu_exact.device_model(model, dtype), device=device, cuda_graphs=graphs)
-        if device == "cpu":  # the device-resident cache path, as on a GPU
-            b.caps = dataclasses.replace(b.caps, cache_device="cpu")
-        return b
+        if dtype not in models:
+            models[dtype] = gpu_exact.device_model(model, dtype)
+        return on_device(models[dtype], graphs)
 
     reference = TorchBackend(model)  # float32 on the CPU
     checked = [f"torch {m}" for m in modes]
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
     def accuracy():
-        refs = {d: TorchBackend(gpu_exact.device_model(model, t)) for d, t in dtypes.items()}
+        refs = {"float32": reference, "bfloat16": TorchBackend(gpu_exact.device_model(model, torch.bfloat16))}
         exact = blocks.float64_reference(model)
         runs = {f"torch {d} {m}": (backend(m == "graphs", t), d) for d, t in dtypes.items() for m in modes}
         return blocks.accuracy_block(runs, refs, exact, ps)
 
     report.run("accuracy", accuracy)
-    report.run("exact", gpu_exact.exact_block, model, backend_of(device), device, modes)
+    report.run("exact", gpu_exact.exact_block, model, on_device, device, modes)
 
     def bitwise():
         # what the README claims: bfloat16, eager and graphs (float32 on a GPU it calls near-ties:
@@ -413,10 +416,7 @@ def main(argv=None) -> int:
         big = gpu_scale.random_model(config, device)
 
         def make(graphs: bool):
-            b = TorchBackend(big, device=device, cuda_graphs=graphs)
-            if device == "cpu":
-                b.caps = dataclasses.replace(b.caps, cache_device="cpu")
-            return b
+            return on_device(big, graphs)
 
         grid = (gpu_scale.SCALE_BATCHES, gpu_scale.SCALE_POSITIONS) if cuda else ((1, 4), (1, 3, 5))
         result = speed.sweep(make, modes, *grid, deadline=deadline("scale"))

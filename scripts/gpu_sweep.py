@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from gpu_blocks import distinct_requests
 
 from specrt.runtime.backends.base import graphable
 from specrt.runtime.drafts import make_proposer
@@ -42,13 +43,13 @@ def timed_inputs(session: StepSession, cache, tokens: list[list[int]]) -> tuple:
     return StepSession.step_inputs(cache, tokens, floor=session.floor, multiple=session.multiple)[:4]
 
 
-def gpu_ms(session: StepSession, cache, tokens, repeats: int) -> float | None:
-    """The device time of one step, from `repeats` enqueued back to back between two CUDA events
-    (no host read between them); None without CUDA."""
+def gpu_ms(session: StepSession, cache, host_inputs: tuple, repeats: int) -> float | None:
+    """The device time of one step of `host_inputs` (timed_inputs), from `repeats` enqueued back
+    to back between two CUDA events (no host read between them); None without CUDA."""
     backend = session.backend
     if not torch.cuda.is_available() or backend.caps.cache_device is None:
         return None
-    inputs = backend.device_inputs(*timed_inputs(session, cache, tokens), cache)
+    inputs = backend.device_inputs(*host_inputs, cache)
     with torch.inference_mode():
         backend.enqueue(inputs, cache)  # warm (a graph is captured here if not yet)
         torch.cuda.synchronize()
@@ -75,8 +76,9 @@ def time_cell(session: StepSession, cache, batch: int, q: int, repeats: int) -> 
         if i >= 3:
             walls.append((time.perf_counter() - t) * 1e3)
     wall = statistics.median(walls)
-    gpu = gpu_ms(session, cache, tokens, repeats)
-    computed = timed_inputs(session, cache, tokens)[0].shape[1]  # with the floor's padding
+    host_inputs = timed_inputs(session, cache, tokens)
+    gpu = gpu_ms(session, cache, host_inputs, repeats)
+    computed = host_inputs[0].shape[1]  # with the floor's padding
     graphed = graphable(getattr(backend, "cuda_graphs", False), computed, computed, getattr(backend, "max_graph_q", 0))
     return {
         "batch": batch,
@@ -161,8 +163,8 @@ def decode_speed(
         for b in batches:
             if deadline is not None and time.perf_counter() > deadline:
                 break  # the block's time budget ran out: the larger batches are not run
-            batch = [prompts[i % len(prompts)][i // len(prompts) :] for i in range(b)]
-            plain_tokens = None
+            batch = distinct_requests(prompts, b)
+            plain_tokens, plain_speed = None, None
             for method in METHODS:
                 runner = gen if method == "plain" else SpeculativeDecoder(gen, make_proposer(method), make_policy(4))
                 for _ in range(2):
@@ -172,7 +174,9 @@ def decode_speed(
                 results = runner.generate_ids(batch, tokens)
                 seconds = time.perf_counter() - t
                 got = [r.token_ids for r in results]
-                plain_tokens = got if method == "plain" else plain_tokens
+                speed = sum(len(t) for t in got) / seconds
+                if method == "plain":  # METHODS' first
+                    plain_tokens, plain_speed = got, speed
                 ms = [r.metrics for r in results if r.metrics is not None and r.metrics.steps]
                 accepted = sum(m.accepted_tokens for m in ms) if ms else None
                 steps = sum(m.steps for m in ms) if ms else None
@@ -181,15 +185,13 @@ def decode_speed(
                         "mode": mode,
                         "method": method,
                         "batch": b,
-                        "tokens_per_s": sum(len(t) for t in got) / seconds,
+                        "tokens_per_s": speed,
+                        "speedup": speed / plain_speed,
                         "mean_accepted_length": None if not steps else (accepted + steps) / steps,
                         "captured": None if before is None else captures(gen) - before,
                         "equal": got == plain_tokens,
                     }
                 )
-    for r in rows:
-        plain = next(p for p in rows if (p["mode"], p["batch"], p["method"]) == (r["mode"], r["batch"], "plain"))
-        r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"]
     return rows
 
 
