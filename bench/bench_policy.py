@@ -182,10 +182,10 @@ def run_virtual(target, method: str, ids: list[int], tokens: int, clock: Virtual
         r.draft_seconds = clock.work_s
         clock.total += r.verify_seconds + r.draft_seconds
         if "hindsight" in ablate:  # only what was verified is read (no rivals)
-            r.drafted = {
-                b: DraftTree.empty() if b in r.guessed else DraftTree(t.tokens, t.parents, t.q, t.scores, t.evidence)
-                for b, t in r.trees.items()
-            }  # the floor's guesses are no lookup's drafts
+            for s in r.rows:  # the floor's guesses are no lookup's drafts
+                t = s.tree  # what was verified, without its rivals
+                kept = DraftTree(t.tokens, t.parents, t.q, t.scores, t.evidence)
+                s.drafted = DraftTree.empty() if s.guessed else kept
         real_observe(state, r)
 
     decoder.observe = observe

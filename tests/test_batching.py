@@ -53,7 +53,7 @@ def test_plain_requests_joining_and_leaving_get_their_output_alone(ort_gen, max_
     solo = [ort_gen.generate_ids([p], n)[0] for p, n in zip(PROMPTS, BUDGETS)]
     assert [r.token_ids for r in out] == [r.token_ids for r in solo]
     assert [r.finish_reason for r in out] == [r.finish_reason for r in solo]
-    assert engine.idle and engine.running == 0 and not engine.rows.active.any()
+    assert engine.idle and engine.running == 0 and not engine.decoding()
     assert (engine.cache.lengths == 0).all()  # every slot was freed
 
 
@@ -253,11 +253,11 @@ def test_a_step_weighs_the_rows_it_computes_idle_slots_included():
     records = []
     decoder = SpeculativeDecoder(gen, make_proposer("suffix"), make_policy("auto"))
     observe = decoder.observe
-    decoder.observe = lambda state, r: records.append((r.batch, r.positions, len(r.rows), r.trees)) or observe(state, r)
+    decoder.observe = lambda state, r: records.append((r.batch, r.positions, len(r.rows), r.rows)) or observe(state, r)
     prompts = [[5, 6, 7, 8] * 3, [9, 10], [5, 6, 7, 8] * 3]
     BatchEngine(decoder, max_batch=3).run([Request(p, n) for p, n in zip(prompts, (30, 2, 30))])
     idle = [r for r in records if r[2] == 2 and r[0] == 3]  # rows 0 and 2 running, row 1 ended
-    assert idle and all(positions == 3 * (1 + max(len(t) for t in trees.values())) for _, positions, _, trees in idle)
+    assert idle and all(positions == 3 * (1 + max(len(s.tree) for s in steps)) for _, positions, _, steps in idle)
 
 
 def test_predictions_that_run_high_are_scaled_by_what_the_steps_gave():
@@ -269,7 +269,7 @@ def test_predictions_that_run_high_are_scaled_by_what_the_steps_gave():
         model.observe_acceptance(4, 4, row=0)  # the estimates say: everything is accepted
     before = model.speedups(1).max()
     for _ in range(30):
-        model.observe_gain([0], {0: 4}, {0: 1})  # ... while the steps gave one extra token of four
+        model.observe_gain([0], [4], [1])  # ... while the steps gave one extra token of four
     assert model.calibration() < 0.4
     assert model.speedups(1).max() < before
 

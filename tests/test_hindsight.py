@@ -78,15 +78,15 @@ def test_the_plan_verifies_on_evidence_never_on_a_prior_alone():
     key = match_evidence("suffix", 32)
     tree = DraftTree.chain(list(range(16)), evidence=key)
     assert model.draft_speedups(1, [model.reach(tree)])[16] > 1  # the prior alone would verify it
-    assert policy.plan(model, [0], {0: tree}) == {0: 0}
+    assert policy.plan(model, [0], [tree]) == [0]
     assert policy.judge(model, 1)(key, 16) == (16, 1.0)  # unread: made in full, for hindsight
     _teach(model, key, 16, 16, 20)
-    assert policy.plan(model, [0], {0: tree}) == {0: 16}
+    assert policy.plan(model, [0], [tree]) == [16]
     n, speedup = policy.judge(model, 1)(key, 16)
     assert n == 16 and speedup > 3
     bad = match_evidence("ngram", 32)
     _teach(model, bad, 0, 16, 20)
-    assert policy.plan(model, [0], {0: DraftTree.chain(list(range(16)), evidence=bad)}) == {0: 0}
+    assert policy.plan(model, [0], [DraftTree.chain(list(range(16)), evidence=bad)]) == [0]
     assert policy.judge(model, 1)(bad, 16)[0] == 0  # not worth making
     assert policy.judge(model, 4)(bad, 16)[0] == 0  # nor in a batch, where it would count for less
 
@@ -119,8 +119,8 @@ def test_a_batch_verifies_every_row_to_the_step_length_its_best_drafts_set():
     good, poor = match_evidence("suffix", 16), match_evidence("suffix", 1)
     _teach(model, good, 8, 8, 20)
     _teach(model, poor, 0, 8, 20)
-    trees = {0: DraftTree.chain(list(range(8)), evidence=good), 1: DraftTree.chain([1, 2, 3], evidence=poor)}
-    assert policy.plan(model, [0, 1], trees) == {0: 8, 1: 3}
+    trees = [DraftTree.chain(list(range(8)), evidence=good), DraftTree.chain([1, 2, 3], evidence=poor)]
+    assert policy.plan(model, [0, 1], trees) == [8, 3]
 
 
 def test_a_first_bet_is_backed_twice():
@@ -135,11 +135,11 @@ def test_a_first_bet_is_backed_twice():
     key = match_evidence("ngram", 4)
     tree = DraftTree.chain(list(range(1, 11)), evidence=key)
     _teach(model, key, 2, 2, 1)  # one draft of two nodes read: both right
-    assert policy.plan(model, [0], {0: tree}) == {0: 0}  # backed by one reading: not yet
+    assert policy.plan(model, [0], [tree]) == [0]  # backed by one reading: not yet
     _teach(model, key, 2, 2, 1)
-    assert policy.plan(model, [0], {0: tree})[0] > 0
+    assert policy.plan(model, [0], [tree])[0] > 0
     _teach(model, key, 8, 8, 3)  # read deeper
-    assert policy.plan(model, [0], {0: tree})[0] == 10
+    assert policy.plan(model, [0], [tree])[0] == 10
 
 
 @pytest.fixture(scope="module")

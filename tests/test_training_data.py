@@ -10,7 +10,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.generator import Generator
 from specrt.runtime.row import Request, Row
-from specrt.runtime.speculative import StepRecord
+from specrt.runtime.row_step import RowStep, StepRecord
 from specrt.runtime.verification import DraftTree, Verdict
 from specrt.training.data import generate_answers, read_answers
 from specrt.training.features import FeatureCache, FeatureRecorder, FeatureStore, cache_features
@@ -154,8 +154,8 @@ def test_the_recorder_keeps_the_root_and_the_accepted_nodes():
     recorder.joined(0, Row(0, Request([1, 2]), 3, None), np.zeros((2, 3)))
     hidden = np.arange(12, dtype=np.float32).reshape(1, 4, 3)  # root, three nodes
     step = StepOutput(None, hidden, None)
-    trees = {0: DraftTree.chain([5, 6, 7])}
-    recorder.stepped(StepRecord([0], {0: 3}, trees, {}, {0: Verdict([0, 1], 9)}, trees, 1, 4, 0, 0, {}, step))
+    row = RowStep(0, None, tree=DraftTree.chain([5, 6, 7]), verdict=Verdict([0, 1], 9))
+    recorder.stepped(StepRecord(rows=[row], batch=1, positions=4, out=step))
     recorder.left(0, None, [5, 6, 9])
     kept = recorder.take([1, 2], [5, 6, 9])
     assert np.array_equal(kept[2:], hidden[0, :3]) and len(kept) == 5

@@ -73,7 +73,8 @@ CAPACITY_STEP = 64  # cache capacities are multiples of this (fewer reallocation
 class Decoder(Protocol):
     """What the engine steps with (runtime/speculative.py's SpeculativeDecoder): the target, the
     draft's demands, and the verbs of a row's life: join (which makes its first token), step,
-    leave. Each returns or takes rows by slot; the rows themselves are the engine's `slots`."""
+    leave. The rows and the cache are the engine's: it hands each verb the rows (with their slots)
+    and the cache view they run on; the decoder's state is its own, kept between the verbs."""
 
     gen: Target
     policy: object  # its max_draft: the most draft nodes one step verifies; its setting: N or "auto"
@@ -81,13 +82,13 @@ class Decoder(Protocol):
     @property
     def needs_features(self) -> bool: ...
 
-    def new_state(self, slots: list, features: bool = False): ...
+    def new_state(self, batch: int, features: bool = False): ...
 
-    def join(self, state, row: int, out, features=None): ...
+    def join(self, state, slot: int, row: Row, out, features=None): ...
 
-    def step(self, state): ...
+    def step(self, state, cache: KVCache, rows: list[tuple[int, Row]]): ...
 
-    def leave(self, state, row: int) -> None: ...
+    def leave(self, state, slot: int, row: Row) -> None: ...
 
     def finish(self, state): ...
 
@@ -167,9 +168,8 @@ class BatchEngine:
         # guess at the floor's position where nothing was drafted: SpeculativeDecoder.guess)
         self.headroom = max(self.decoder.policy.max_draft, self.session.floor - 1)
         self.waiting: collections.deque[Row] = collections.deque()
-        self.slots: list[Row | None] = [None] * max_batch  # the decoder's state holds this list
-        self.state = self.decoder.new_state(self.slots, self.features)
-        self.rows = self.state.rows  # generating (prefill done) rows are active; a taken slot may not be
+        self.slots: list[Row | None] = [None] * max_batch
+        self.state = self.decoder.new_state(max_batch, self.features)  # the decoder's, between its verbs
         self.cache: KVCache | None = None
         self._next_rid = 0
         self.steps = 0  # decode steps taken
@@ -184,6 +184,10 @@ class BatchEngine:
     def running(self) -> int:
         """Requests in slots (prefilling or generating)."""
         return sum(s is not None for s in self.slots)
+
+    def decoding(self) -> list[tuple[int, Row]]:
+        """The rows (with their slots) that take part in the decode steps: prompt in, not finished."""
+        return [(b, s) for b, s in enumerate(self.slots) if s is not None and s.running]
 
     def submit(self, request: Request) -> int:
         """Queue a request; returns its id. The prompt is checked and its grammar compiled here
@@ -227,8 +231,9 @@ class BatchEngine:
         events: list[Event] = []
         self.admit()
         self._prefill(events)
-        if self.rows.active.any():
-            self._decode(events)
+        rows = self.decoding()
+        if rows:
+            self._decode(rows, events)
         return events
 
     def admit(self) -> None:
@@ -236,7 +241,6 @@ class BatchEngine:
         while self.waiting and None in self.slots:
             b = self.slots.index(None)
             self.slots[b] = self.waiting.popleft()
-            self.rows.active[b] = False
         self._fit_cache()
 
     def _need(self, s: Row) -> int:
@@ -268,7 +272,7 @@ class BatchEngine:
         """Newcomers one row at a time: while rows decode at most prefill_budget prompt tokens,
         else every newcomer's whole prompt (a batched prefill of ragged prompts pads each row to
         the longest: measured slower, see the module docstring)."""
-        budget = self.prefill_budget if self.rows.active.any() else None
+        budget = self.prefill_budget if self.decoding() else None
         for b, s in enumerate(self.slots):
             if s is None or s.generating:
                 continue
@@ -303,33 +307,32 @@ class BatchEngine:
             self.prefix.insert(s.prompt, self.cache, b)
         for o in self.observers:
             o.joined(b, s, features)
-        record = self.decoder.join(self.state, b, out, features)
-        self._events([b], record, events)
+        record = self.decoder.join(self.state, b, s, out, features)
+        self._events(record, events)
 
-    def _decode(self, events: list[Event]) -> None:
-        rows = [int(b) for b in np.flatnonzero(self.rows.active)]
-        self.state.cache = self.cache.rows(0, rows[-1] + 1)  # the rows in use: free slots past them cost nothing
+    def _decode(self, rows: list[tuple[int, Row]], events: list[Event]) -> None:
+        view = self.cache.rows(0, rows[-1][0] + 1)  # the rows in use: free slots past them cost nothing
         t0 = time.perf_counter()
-        record = self.decoder.step(self.state)
+        record = self.decoder.step(self.state, view, rows)
         seconds = time.perf_counter() - t0
         self.steps += 1
         for o in self.observers:
             o.stepped(record)
-        for b in rows:
-            self.slots[b].steps.append(seconds)
-        self._events(rows, record, events)
+        for _, s in rows:
+            s.steps.append(seconds)
+        self._events(record, events)
 
-    def _events(self, rows: list[int], record, events: list[Event]) -> None:
+    def _events(self, record, events: list[Event]) -> None:
         """Each row's event of a step (its first token's included): its tokens, its result once it
         finished, or the error its grammar met."""
-        for b in rows:
-            s = self.slots[b]
+        for r in record.rows:
+            s = r.row
             if s.matcher is not None and s.matcher.error is not None:
-                events.append(self._fail(b))
+                events.append(self._fail(r.slot))
                 continue
-            events.append(Event(s.rid, record.new_tokens[b], logprobs=record.logprobs.get(b)))
-            if not self.rows.active[b]:
-                events[-1].result = self._finish(b)
+            events.append(Event(s.rid, r.new_tokens, logprobs=r.logprobs))
+            if s.done:
+                events[-1].result = self._finish(r.slot)
 
     def _fail(self, b: int) -> Event:
         """Row b's grammar failed mid-answer: the request ends with the error, its slot is free."""
@@ -343,25 +346,24 @@ class BatchEngine:
         s = self.slots[b]
         result = GenerationResult(
             len(s.prompt),
-            self.rows.out[b],
-            self.rows.reason[b],
+            s.out,
+            s.reason,
             s.prefill_seconds,
             float(sum(s.steps)),
             s.steps,
             metrics=s.metrics,
         )
         if self.prefix is not None:  # the prompt and the answer: what the chat's next turn starts with
-            self.prefix.insert(s.prompt + self.rows.out[b], self.cache, b)
+            self.prefix.insert(s.prompt + s.out, self.cache, b)
         self._free(b)
         return result
 
     def _free(self, b: int) -> None:
         s, self.slots[b] = self.slots[b], None
         if s.generating:  # it joined the decoder
-            self.decoder.leave(self.state, b)
+            self.decoder.leave(self.state, b, s)
             for o in self.observers:
-                o.left(b, s, self.rows.out[b])
-        self.rows.active[b] = False
+                o.left(b, s, s.out)
         if self.cache is not None:
             self.cache.lengths[b] = 0
 

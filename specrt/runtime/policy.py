@@ -284,14 +284,14 @@ class CostModel:
             self._fits[batch] = fit, self.accept.steps
         return fit
 
-    def observe_gain(self, rows: list[int], asked: dict[int, int], accepted: dict[int, int]) -> None:
+    def observe_gain(self, rows: list[int], asked: list[int], accepted: list[int]) -> None:
         """One drafting step's extra tokens per row (beyond the one every step brings): what the
         acceptance estimates predicted for the lengths asked, and what the rows got. Call before
-        the step's verdicts go into the estimates."""
+        the step's verdicts go into the estimates (`asked`, `accepted`: in `rows`' order)."""
         rates = np.stack([self.accept.row_rates(b) for b in rows])
         reach = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # E[accepted | asked n] at column n - 1
-        predicted = np.mean([reach[i, asked[b] - 1] if asked[b] > 0 else 0.0 for i, b in enumerate(rows)])
-        self.calibrated.observe(float(predicted), float(np.mean([accepted[b] for b in rows])))
+        predicted = np.mean([reach[i, n - 1] if n > 0 else 0.0 for i, n in enumerate(asked)])
+        self.calibrated.observe(float(predicted), float(np.mean(accepted)))
 
     def calibration(self) -> float:
         return self.calibrated.ratio()
@@ -351,9 +351,9 @@ class FixedPolicy:
         self.max_draft = num_draft
         self.setting = num_draft  # what --num-draft said
 
-    def plan(self, model: CostModel, rows: list[int], trees=None, batch: int | None = None) -> dict[int, int]:
+    def plan(self, model: CostModel, rows: list[int], trees=None, batch: int | None = None) -> list[int]:
         """Draft tokens per row: N for every row."""
-        return dict.fromkeys(rows, self.max_draft)
+        return [self.max_draft] * len(rows)
 
     def judge(self, model: CostModel, batch: int):
         return None  # every draft is verified to N
@@ -391,18 +391,18 @@ class AutoPolicy:
             self._off_steps = 0
         return n
 
-    def plan(self, model: CostModel, rows: list[int], trees=None, batch: int | None = None) -> dict[int, int]:
-        """Draft tokens per row: the batch's N (`num_draft`), except for rows whose drafts keep
+    def plan(self, model: CostModel, rows: list[int], trees=None, batch: int | None = None) -> list[int]:
+        """Draft tokens per row (in `rows`' order): the batch's N (`num_draft`), except for rows whose drafts keep
         failing (`CostModel.failing`), which draft nothing; a probe drafts a little on every row.
-        `trees`: a lookup's drafts, already made: how much of each to verify (`plan_drafts`).
+        `trees`: a lookup's drafts, one per row, already made: how much of each to verify (`plan_drafts`).
         `batch`: the rows the step computes (default: `rows`), whose costs the plan weighs."""
         batch = batch or len(rows)
         if trees is not None:
             return self.plan_drafts(model, rows, trees, batch)
         n = self.num_draft(model, batch, rows)
         if n == 0 or self._off_steps > 0:  # off, or probing while off
-            return dict.fromkeys(rows, n)
-        return {b: 0 if model.failing(b) else n for b in rows}
+            return [n] * len(rows)
+        return [0 if model.failing(b) else n for b in rows]
 
     def judge(self, model: CostModel, batch: int):
         """DraftInput.judge: a draft of this evidence and length, alone at this batch size's
@@ -422,17 +422,17 @@ class AutoPolicy:
 
         return judge
 
-    def plan_drafts(self, model: CostModel, rows: list[int], trees, batch: int | None = None) -> dict[int, int]:
+    def plan_drafts(self, model: CostModel, rows: list[int], trees, batch: int | None = None) -> list[int]:
         """The N that maximizes the step's speedup when each row verifies the first min(N, its
         length) nodes of its draft, each draft judged by its evidence (CostModel.draft_speedups)."""
         # a draft is verified on evidence only: its acceptance read in hindsight, never its prior alone
-        backed = [trees[b] if len(trees[b]) and model.backed(trees[b].evidence) else EMPTY for b in rows]
+        backed = [t if len(t) and model.backed(t.evidence) else EMPTY for t in trees]
         # every backed draft rides along up to the step's length (the step is dense: they cost nothing
         # more). A bet no deeper than twice the depths hindsight had read (a horizon) went on
         # 2026-12-05: under the step floor it bought -1.0 to +1.6 % on a steady clock and cost 3 % of
         # the geometric mean under load, with the worst prompt unchanged (bench_policy.py)
         n = self._best(model, batch or len(rows), backed)
-        return {b: min(n, len(t)) for b, t in zip(rows, backed)}
+        return [min(n, len(t)) for t in backed]
 
     @staticmethod
     def _best(model: CostModel, batch: int, trees: list) -> int:

@@ -5,12 +5,13 @@ a slot of the batch.
     row = engine.slots[b]           # a Row: its request, random generator, grammar state, prefill
     row.sampling, row.cap, row.top_logprobs, row.metrics
 
-A new per-request feature is a field of `Request` (and, where it keeps state while the row runs, a
-field of `Row`) and the lines that use it: the batching engine (runtime/batching.py) and the
-decoder (runtime/speculative.py) hand rows over whole, so neither copies a request's settings into
-containers of their own. Two views of the rows stay with the batch: `Rows` (runtime/target.py),
-the tokens each row produced and whether it still runs, as arrays the step reads at once; and the
-cache's rows.
+A row owns its progress: the tokens it produced (`out`, appended by `emit` alone, up to EOS or its
+budget), why it ended and whether it has. A new per-request feature is a field of `Request` (and,
+where it keeps state while the row runs, a field of `Row`) and the lines that use it: the batching
+engine (runtime/batching.py) and the decoder (runtime/speculative.py) hand rows over whole, so
+neither copies a request's settings or progress into containers of their own. What one row does
+in one step is its `RowStep` (runtime/row_step.py); the one view of the rows the batch keeps is
+the cache's.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Row:
     # root and accepted nodes (kept only when something reads features)
     features: list[np.ndarray] = dataclasses.field(default_factory=list)
     metrics: SpecMetrics | None = None  # its drafts' acceptance while it generates (None: plain decoding)
+    out: list[int] = dataclasses.field(default_factory=list)  # the tokens it produced
+    reason: str = "length"  # why it ended: "length" (its budget) until EOS makes it "stop"
+    done: bool = False  # it hit EOS or its budget
 
     @property
     def prompt(self) -> list[int]:
@@ -69,6 +73,16 @@ class Row:
         return self.prefilled == len(self.prompt)
 
     @property
+    def running(self) -> bool:
+        """It takes part in the decode steps: its prompt is in and it has not finished."""
+        return self.generating and not self.done
+
+    @property
+    def left(self) -> int:
+        """Tokens it may still produce."""
+        return self.budget - len(self.out)
+
+    @property
     def cap(self) -> int | None:
         """The most draft tokens a step verifies for it (its request's max_draft), None: the decoder's."""
         return None if self.request.max_draft is None else max(0, self.request.max_draft)
@@ -77,6 +91,22 @@ class Row:
     def top_logprobs(self) -> int | None:
         """Alternatives per token when it asked for log probabilities, else None."""
         return self.request.logprobs
+
+    def emit(self, tokens, eos_ids: frozenset) -> list[int]:
+        """Append tokens up to EOS or the budget (the one place a row's tokens grow); returns what
+        was appended."""
+        taken = []
+        for t in tokens:
+            t = int(t)
+            self.out.append(t)
+            taken.append(t)
+            if t in eos_ids:
+                self.done, self.reason = True, "stop"
+                break
+            if len(self.out) >= self.budget:
+                self.done = True
+                break
+        return taken
 
     def take_features(self) -> np.ndarray:
         """The features the draft has not seen yet, handed over once."""

@@ -4,8 +4,9 @@
     result = spec.generate("Rewrite this code ...", max_new_tokens=256)
     print(result.text, result.metrics.summary())
 
-One step of `SpeculativeDecoder.step`, for the active rows of a batch (its `SpecState`: the rows
-the batching engine runs together, runtime/batching.py, the one generation loop):
+One step of `SpeculativeDecoder.step`, for the running rows the batching engine hands it with
+their cache (runtime/batching.py, the one generation loop); each row's part of the step is a
+`RowStep` (runtime/row_step.py) that every verb reads and fills:
     propose  the policy picks each row's N from the cost model; the proposer drafts a tree per
              row (greedy rows in one call, a seeded sampled row with its own generator)
     guess    with the step floor (runtime/session.py: every step computes two positions per
@@ -27,7 +28,9 @@ and `observe` feeds what the step cost and accepted to the metrics and the cost 
 life around its steps is `join` (its prompt is in: its first token is a step whose tree is empty,
 the prefill having computed the root's logits: accept, emit and logprobs make it as they make
 every other) and `leave` (it finished or was cancelled). What belongs to one request is its Row
-(runtime/row.py); the state holds only what belongs to the batch.
+(runtime/row.py: its tokens among it), what it does in one step its RowStep; the decoder's
+`SpecState` holds only what it learns across the batch's steps (the cost model, hindsight,
+metrics), and nothing of it is written by the engine.
 
 The static conveniences (`generate_ids`, `iter_generate`, `stream`, `generate`: the batching
 engine with every request arriving at step 0) are functions over a decoder (runtime/generates.py),
@@ -52,10 +55,11 @@ from specrt.runtime.logprobs import token_logprobs
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.policy import AutoPolicy, CostModel, FixedPolicy
 from specrt.runtime.row import Row
+from specrt.runtime.row_step import RowStep, StepRecord
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.session import Prefilled, exactness_warning
-from specrt.runtime.target import Rows, Target
-from specrt.runtime.verification import DraftTree, Verdict, accept_greedy, accept_sampling, on_leading_chain
+from specrt.runtime.target import Target
+from specrt.runtime.verification import DraftTree, accept_greedy, accept_sampling, on_leading_chain
 
 
 def make_policy(num_draft: int | str, max_draft: int = 16):
@@ -73,45 +77,17 @@ def make_policy(num_draft: int | str, max_draft: int = 16):
 
 @dataclasses.dataclass
 class SpecState:
-    """The bookkeeping of a batch (`SpeculativeDecoder.new_state`): its slots (each a Row while a
-    request holds it, runtime/row.py: whatever belongs to one request is there), the rows' tokens
-    (`Rows`), its cache, the cost model, the lookups' drafts under hindsight, and the batch's
-    metrics and step times."""
+    """What the decoder keeps for a batch (`SpeculativeDecoder.new_state`) between its steps: the
+    cost model, the lookups' drafts under hindsight, the batch's metrics and step times. The rows
+    and their cache are the batching engine's; each step gets them as arguments."""
 
-    slots: list[Row | None]  # the batching engine's slots (the same list)
-    rows: Rows
+    batch: int  # its slots: the rows a step may compute
     cost: CostModel
     features: bool = False  # its steps return the target's features (the draft's or an observer's need)
-    cache: KVCache | None = None  # the rows' cache (the batching engine's view of the rows in use)
     metrics: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)  # every row's steps
     step_times: list[float] = dataclasses.field(default_factory=list)
     drafted_per_step: list[float] = dataclasses.field(default_factory=list)
     hindsight: Hindsight = dataclasses.field(default_factory=Hindsight)  # a lookup's drafts, read as rows emit
-
-    def constrained(self, rows) -> dict[int, Row]:
-        """The rows among `rows` with a grammar."""
-        return {b: self.slots[b] for b in rows if self.slots[b].matcher is not None}
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """What one speculative step did, for `observe`."""
-
-    rows: list[int]
-    asked: dict[int, int]  # per row, the draft length the policy asked for
-    trees: dict[int, DraftTree]
-    depths: dict[int, np.ndarray]  # per row, each node's depth
-    verdicts: dict[int, Verdict]
-    drafted: dict[int, DraftTree]  # per row, what a lookup drafted before the plan cut it (else: the trees)
-    batch: int  # rows the target step computed (the cache's: idle slots among the rows included)
-    positions: int  # computed by the target step: batch x the longest row's positions
-    draft_seconds: float
-    verify_seconds: float
-    new_tokens: dict[int, list[int]]  # per row, the tokens it emitted
-    out: StepOutput | None = None  # the target step's output (its features, for step observers)
-    logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per row asking: a TokenLogprob per token
-    forced: dict[int, int] = dataclasses.field(default_factory=dict)  # per row: its grammar's tokens ahead of the draft
-    guessed: set[int] = dataclasses.field(default_factory=set)  # rows whose tree is the floor's guess alone
 
 
 class SpeculativeDecoder:
@@ -176,125 +152,117 @@ class SpeculativeDecoder:
             max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token, free=self.gen.session.floor - 1
         )
 
-    def new_state(self, slots: list[Row | None], features: bool = False) -> SpecState:
-        """The bookkeeping of a batch whose slots are `slots` (none of them generating yet);
-        `features`: its steps return the target's features even where the draft reads none (a
-        step observer's need, runtime/batching.py)."""
-        rows = Rows(np.zeros(len(slots), np.int64), np.zeros(len(slots), np.int64), self.gen.eos_ids)
-        rows.active[:] = False
-        return SpecState(slots, rows, self.new_cost_model(), features=features or self.needs_features)
+    def new_state(self, batch: int, features: bool = False) -> SpecState:
+        """The bookkeeping of a batch of `batch` slots; `features`: its steps return the target's
+        features even where the draft reads none (a step observer's need, runtime/batching.py)."""
+        return SpecState(batch, self.new_cost_model(), features=features or self.needs_features)
 
-    def join(self, state: SpecState, b: int, out: StepOutput, features: np.ndarray | None = None) -> StepRecord:
-        """Row b's prompt is in the cache (`out`: the prefill's last step, that one row; `features`:
-        every prompt position's, when the state keeps them): it starts generating, and its first
-        token is made as every other is, a step whose tree is empty (the prefill computed the
-        root's logits). Returns that step's record."""
-        row = state.slots[b]
-        state.rows.join(b, len(row.prompt), row.budget)
+    def join(self, state: SpecState, b: int, row: Row, out: StepOutput, features: np.ndarray | None = None):
+        """`row`'s prompt is in the cache's row b (`out`: the prefill's last step, that one row;
+        `features`: every prompt position's, when the state keeps them): it starts generating, and
+        its first token is made as every other is, a step whose tree is empty (the prefill
+        computed the root's logits). Returns that step's record."""
         row.metrics = SpecMetrics() if self.policy.max_draft else None
         row.features = [features] if self.needs_features else []
         hidden = None if features is None else [features]
         self.proposer.begin([b], [row.prompt], Prefilled(out.logits[:, 0], hidden))
-        out, trees = out.at_row(b), {b: DraftTree.empty()}
-        masks = self.constrain(state, trees)
-        verdicts = self.accept(state, [b], trees, out, masks)
-        new_tokens = self.emit(state, [b], trees, verdicts)
-        logprobs = self.logprobs(state, [b], verdicts, out, new_tokens)
-        return StepRecord([b], {b: 0}, trees, {}, verdicts, trees, 1, 1, 0.0, 0.0, new_tokens, logprobs=logprobs)
+        out, steps = out.at_row(b), [RowStep(b, row)]
+        self.constrain(steps)
+        self.accept(steps, out)
+        self.emit(steps)
+        self.logprobs(steps, out)
+        return StepRecord(rows=steps, batch=1, positions=1)
 
-    def leave(self, state: SpecState, b: int) -> None:
-        """Row b finished or was cancelled: the proposer and the cost model forget it."""
-        self.proposer.end([b], [state.rows.out[b]])
+    def leave(self, state: SpecState, b: int, row: Row) -> None:
+        """`row` (in slot b) finished or was cancelled: the proposer and the cost model forget it."""
+        self.proposer.end([b], [row.out])
         state.cost.forget_row(b)
         state.hindsight.forget(b)
 
-    def step(self, state: SpecState) -> StepRecord:
-        """One speculative step over the active rows: propose → verify → accept → commit."""
-        rows = [int(b) for b in np.flatnonzero(state.rows.active)]
-        # the rows the step computes: the cache's, idle slots among them included (a dense step
-        # pads them to the longest row): what a step costs, and so what the plan weighs
-        batch = state.cache.batch
+    def step(self, state: SpecState, cache: KVCache, rows: list[tuple[int, Row]]) -> StepRecord:
+        """One speculative step over the running rows (slot, row) on their cache (`cache`: the
+        rows in use, idle slots among them included): propose → verify → accept → commit."""
+        steps = [RowStep(b, row) for b, row in rows]
         t0 = time.perf_counter()
-        plan, drafted, trees, forced = self.draft(state, rows, batch)
-        guessed = self.guess(state, rows, trees, drafted) if self.floored else {}
-        trees = {**trees, **guessed}
-        masks = self.constrain(state, trees)
+        self.draft(state, steps, cache)
+        if self.floored:
+            self.guess(steps)
+        self.constrain(steps)
         if self.bitwise:  # the best guess at every depth on the leading chain
-            trees, masks = self.depth_first(trees, masks)
+            self.depth_first(steps)
         t1 = time.perf_counter()
-        depths = {b: trees[b].depths() for b in rows}  # once per step: verify and observe read them
-        out = self.verify(state, rows, trees, depths)
-        verdicts = self.accept(state, rows, trees, out, masks)
-        new_tokens = self.emit(state, rows, trees, verdicts)
-        self.commit(state, rows, trees, verdicts, out)
-        logprobs = self.logprobs(state, rows, verdicts, out, new_tokens)
+        for s in steps:  # once per step: verify and observe read them
+            s.depths = s.tree.depths()
+        out = self.verify(state, steps, cache)
+        self.accept(steps, out)
+        self.emit(steps)
+        self.commit(steps, cache, out)
+        self.logprobs(steps, out)
         # the step is dense: every row is computed at the longest row's length, the floor at least
-        positions = batch * max(self.gen.session.floor, *(len(trees[b]) + 1 for b in rows))
+        longest = max(self.gen.session.floor, *(len(s.tree) + 1 for s in steps))
         record = StepRecord(
-            rows, plan, trees, depths, verdicts, drafted, batch, positions, t1 - t0, time.perf_counter() - t1,
-            new_tokens, out, logprobs, {b: len(f) for b, f in forced.items() if f}, set(guessed),
-        )  # fmt: skip
+            rows=steps,
+            batch=cache.batch,
+            positions=cache.batch * longest,
+            draft_seconds=t1 - t0,
+            verify_seconds=time.perf_counter() - t1,
+            out=out,
+        )
         self.observe(state, record)
         return record
 
     # -- the verbs -------------------------------------------------------------------------------
 
-    def draft(self, state: SpecState, rows: list[int], batch: int):
-        """Each row's draft tree and how much of it to verify: (the plan: per row the draft length
-        the policy asked for, what was drafted, the trees to verify, the tokens each constrained
-        row's grammar forces ahead of its draft). A lookup drafts first (it is cheap: the plan
-        sees every row's draft, then cuts it); any other draft is asked for the planned length."""
-        caps = {b: state.slots[b].cap for b in rows}
-        most = {b: self.policy.max_draft if caps[b] is None else min(self.policy.max_draft, caps[b]) for b in rows}
-        # a tree stops before the row's next step cut (the root is one of the step's positions)
-        room = self.gen.session.room(state.cache)
-        most = {b: most[b] if room[b] is None else max(0, min(most[b], room[b] - 1)) for b in rows}
-        forced = self.forced(state, rows, most)
+    def draft(self, state: SpecState, steps: list[RowStep], cache: KVCache) -> None:
+        """Each row's draft tree and how much of it to verify (fills room, most, forced, asked,
+        drafted, tree). A lookup drafts first (it is cheap: the plan sees every row's draft, then
+        cuts it); any other draft is asked for the planned length."""
+        room = self.gen.session.room(cache)
+        for s in steps:
+            cap = s.row.cap
+            s.most = self.policy.max_draft if cap is None else min(self.policy.max_draft, cap)
+            s.room = room[s.slot]
+            if s.room is not None:  # a tree stops before the row's next step cut (the root is one of its positions)
+                s.most = max(0, min(s.most, s.room - 1))
+        self.forced(steps)
+        slots = [s.slot for s in steps]
         if self.proposer.lookup:
-            judge = self.policy.judge(state.cost, batch)
             # a copy draft continues after the tokens the row's grammar forces
-            most = {b: most[b] - len(forced.get(b, ())) for b in rows}
-            drafted = self.propose(state, rows, most, judge, forced)
-            plan = self.policy.plan(state.cost, rows, drafted, batch)
-            trees = {b: tree.truncate(plan[b]).behind(forced.get(b, ())) for b, tree in drafted.items()}
-            return plan, drafted, trees, forced
-        plan = self.policy.plan(state.cost, rows, batch=batch)
-        # a request's own limit (Request.max_draft); where the grammar forces tokens, they are the draft
-        plan = {b: 0 if forced.get(b) else min(n, most[b]) for b, n in plan.items()}
-        drafted = self.propose(state, rows, plan)
-        trees = {b: DraftTree.imposed(forced[b]) if forced.get(b) else tree for b, tree in drafted.items()}
-        return plan, drafted, trees, forced
+            self.propose(steps, [s.most - len(s.forced) for s in steps], self.policy.judge(state.cost, cache.batch))
+            plan = self.policy.plan(state.cost, slots, [s.drafted for s in steps], cache.batch)
+            for s, n in zip(steps, plan):
+                s.asked, s.tree = n, s.drafted.truncate(n).behind(s.forced)
+            return
+        plan = self.policy.plan(state.cost, slots, batch=cache.batch)
+        for s, n in zip(steps, plan):  # a request's own limit; where the grammar forces tokens, they are the draft
+            s.asked = 0 if s.forced else min(n, s.most)
+        self.propose(steps, [s.asked for s in steps])
+        for s in steps:
+            s.tree = DraftTree.imposed(s.forced) if s.forced else s.drafted
 
-    def propose(
-        self, state: SpecState, rows: list[int], plan: dict[int, int], judge=None, ahead=None
-    ) -> dict[int, DraftTree]:
-        """A draft tree per row, of at most as many nodes as the plan gives the row (0: none). Rows
-        that draft are proposed for together, one call per sampling setting; each row draws from
-        its own random generator, so its draws are the same as when it runs by itself. `judge`:
-        the cost model's, for a lookup (DraftInput.judge); `ahead`: per row, tokens the draft
-        comes after (a grammar's forced tokens: the lookup reads them as context)."""
-        ahead = ahead or {}
-        trees = {b: DraftTree.empty() for b in rows}
-        groups: dict[SamplingParams, list[int]] = {}
-        for b in rows:
-            if plan[b] > 0:  # one call per setting; each row draws from its own generator
-                sampling = state.slots[b].sampling
+    def propose(self, steps: list[RowStep], sizes: list[int], judge=None) -> None:
+        """Each row's draft tree (`drafted`) of at most its size's nodes (0: none). Rows that draft
+        are proposed for together, one call per sampling setting; each row draws from its own
+        random generator, so its draws are the same as when it runs by itself. `judge`: the cost
+        model's, for a lookup (DraftInput.judge). A grammar's forced tokens are the draft's
+        context (a lookup continues after them)."""
+        groups: dict[SamplingParams, list[tuple[RowStep, int]]] = {}
+        for s, size in zip(steps, sizes):
+            if size > 0:  # one call per setting; each row draws from its own generator
+                sampling = s.row.sampling
                 key = SamplingParams() if sampling.greedy else dataclasses.replace(sampling, seed=None)
-                groups.setdefault(key, []).append(b)
-        out, budget = state.rows.out, state.rows.budget
+                groups.setdefault(key, []).append((s, size))
         for group in groups.values():
-            slots = [state.slots[b] for b in group]
-            n = max(plan[b] for b in group)
-            # handed over once: the proposer keeps what it needs
-            features = [s.take_features() for s in slots] if self.needs_features else None
+            rows = [s.row for s, _ in group]
             inp = DraftInput(
-                group,
-                [s.prompt + out[b] + list(ahead.get(b, ())) for b, s in zip(group, slots)],
-                n,
-                [int(budget[b]) - len(out[b]) - len(ahead.get(b, ())) for b in group],
-                slots[0].sampling,
-                [s.rng for s in slots],
-                features,
+                [s.slot for s, _ in group],
+                [r.prompt + r.out + s.forced for (s, _), r in zip(group, rows)],
+                max(size for _, size in group),
+                [r.left - len(s.forced) for (s, _), r in zip(group, rows)],
+                rows[0].sampling,
+                [r.rng for r in rows],
+                # handed over once: the proposer keeps what it needs
+                [r.take_features() for r in rows] if self.needs_features else None,
                 judge,
             )
             drafted = self.proposer.propose(inp)
@@ -302,176 +270,146 @@ class SpeculativeDecoder:
                 raise SpecrtError(
                     f"draft method {self.proposer.name!r} returned {len(drafted)} trees for {len(group)} rows"
                 )
-            trees.update({b: tree.truncate(plan[b]) for b, tree in zip(group, drafted)})
-        return trees
+            for (s, size), tree in zip(group, drafted):
+                s.drafted = tree.truncate(size)
 
-    def guess(
-        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], drafted: dict[int, DraftTree]
-    ) -> dict[int, DraftTree]:
+    def guess(self, steps: list[RowStep]) -> None:
         """A one-token guess for each row with nothing to verify: the step's floor computes a
         second position anyway (runtime/session.py), so the guess costs nothing and a right one
         is a token more. The first node of what a lookup drafted and the plan cut, else a
         one-token copy from the row's context (drafts/base.py `follower`); verified like any
         draft (a point mass, so sampling stays exact). None for a row whose request asked for no
-        drafts, nor for one with a single token of budget left."""
-        out, guessed = state.rows.out, {}
-        room = self.gen.session.room(state.cache)
-        for b in rows:
-            if len(trees[b]) or state.slots[b].cap == 0 or len(out[b]) + 1 >= state.rows.budget[b]:
+        drafts, nor for one with a single token of budget left, nor on a step cut."""
+        for s in steps:
+            if len(s.tree) or s.row.cap == 0 or s.row.left <= 1 or (s.room is not None and s.room < 2):
                 continue
-            if room[b] is not None and room[b] < 2:
-                continue  # the guess would sit on a step cut
-            tree = drafted.get(b)
-            first = tree.truncate(1) if tree is not None and len(tree) else None
-            guessed[b] = first or DraftTree.imposed([follower(state.slots[b].prompt, out[b])])
-        return guessed
+            first = s.drafted.truncate(1) if len(s.drafted) else None
+            s.tree, s.guessed = first or DraftTree.imposed([follower(s.row.prompt, s.row.out)]), True
 
     @staticmethod
-    def depth_first(trees: dict[int, DraftTree], masks: dict[int, np.ndarray]):
-        """Each tree depth first (verification.DraftTree.depth_first), a grammar's masks with it:
+    def depth_first(steps: list[RowStep]) -> None:
+        """Each tree depth first (verification.DraftTree.depth_first), a grammar's mask with it:
         only the leading chain's logits are plain decoding's bits (verification.on_leading_chain)."""
-        orders = {b: t.preorder() for b, t in trees.items()}
-        trees = {b: t if orders[b] is None else t.reordered(orders[b]) for b, t in trees.items()}
-        for b, m in masks.items():
-            if orders[b] is not None:
-                masks[b] = m[np.concatenate([[0], 1 + orders[b]])]
-        return trees, masks
+        for s in steps:
+            order = s.tree.preorder()
+            if order is not None:
+                s.tree = s.tree.reordered(order)
+                if s.mask is not None:
+                    s.mask = s.mask[np.concatenate([[0], 1 + order])]
 
-    def verify(
-        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], depths: dict[int, np.ndarray]
-    ) -> StepOutput:
-        """One target step over [root, draft nodes...] of every active row (root at depth 0)."""
-        B = state.cache.batch
-        feed: list[list[int]] = [[] for _ in range(B)]
-        shapes: list = [None] * B
-        for b in rows:
-            feed[b] = [state.rows.out[b][-1], *trees[b].tokens.tolist()]
-            shapes[b] = (np.concatenate([[0], depths[b]]), trees[b].ancestor_mask())
+    def verify(self, state: SpecState, steps: list[RowStep], cache: KVCache) -> StepOutput:
+        """One target step over [root, draft nodes...] of every running row (root at depth 0)."""
+        feed: list[list[int]] = [[] for _ in range(cache.batch)]
+        shapes: list = [None] * cache.batch
+        for s in steps:
+            feed[s.slot] = [s.row.out[-1], *s.tree.tokens.tolist()]
+            shapes[s.slot] = (np.concatenate([[0], s.depths]), s.tree.ancestor_mask())
         # greedy: the argmax is all accept reads, unless a row asks for its tokens' logprobs
-        slots = [state.slots[b] for b in rows]
-        sampled = any(not s.sampling.greedy or s.top_logprobs is not None or s.matcher is not None for s in slots)
-        return self.gen.session.forward(state.cache, feed, shapes, hidden=state.features, want_logits=sampled)
+        sampled = any(
+            not s.row.sampling.greedy or s.row.top_logprobs is not None or s.row.matcher is not None for s in steps
+        )
+        return self.gen.session.forward(cache, feed, shapes, hidden=state.features, want_logits=sampled)
 
-    def accept(
-        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], out: StepOutput, masks=None
-    ) -> dict[int, Verdict]:
-        """Each row's verdict; a constrained row's against the target masked at every node (`masks`)."""
-        verdicts, masks = {}, masks or {}
-        free = [b for b in rows if b not in masks]
-        top = out.argmax() if any(state.slots[b].sampling.greedy for b in free) else None  # once, not per row
-        for b in rows:
-            n, row = len(trees[b]) + 1, state.slots[b]
+    def accept(self, steps: list[RowStep], out: StepOutput) -> None:
+        """Each row's verdict; a constrained row's against the target masked at every node."""
+        free = [s for s in steps if s.mask is None]
+        top = out.argmax() if any(s.row.sampling.greedy for s in free) else None  # once, not per row
+        for s in steps:
+            n, row = len(s.tree) + 1, s.row
             # a greedy row's logits exist only when something asked for them (its grammar does)
-            masked = np.where(masks[b], out.logits[b, :n], -np.inf) if b in masks else None
+            masked = None if s.mask is None else np.where(s.mask, out.logits[s.slot, :n], -np.inf)
             if row.sampling.greedy:
-                verdicts[b] = accept_greedy(trees[b], top[b, :n] if masked is None else masked.argmax(-1))
+                s.verdict = accept_greedy(s.tree, top[s.slot, :n] if masked is None else masked.argmax(-1))
                 if self.bitwise:  # off the leading chain a node's logits are not plain decoding's bits
-                    verdicts[b] = on_leading_chain(trees[b], verdicts[b])
+                    s.verdict = on_leading_chain(s.tree, s.verdict)
             else:
-                logits = out.logits[b, :n] if masked is None else masked
-                verdicts[b] = accept_sampling(trees[b], probs_from_logits(logits, row.sampling), row.rng)
-        return verdicts
+                logits = out.logits[s.slot, :n] if masked is None else masked
+                s.verdict = accept_sampling(s.tree, probs_from_logits(logits, row.sampling), row.rng)
 
-    def forced(self, state: SpecState, rows: list[int], most: dict[int, int]) -> dict[int, list[int]]:
+    @staticmethod
+    def forced(steps: list[RowStep]) -> None:
         """Per constrained row, the tokens its grammar forces next, as many as its draft may hold
         and its budget can use (grammar drafts: runtime/grammar.py)."""
-        out, budget = state.rows.out, state.rows.budget
-        return {
-            b: r.matcher.forced(min(most[b], int(budget[b]) - len(out[b]) - 1))
-            for b, r in state.constrained(rows).items()
-        }
+        for s in steps:
+            if s.row.matcher is not None:
+                s.forced = s.row.matcher.forced(min(s.most, s.row.left - 1))
 
-    def constrain(self, state: SpecState, trees: dict[int, DraftTree]) -> dict[int, np.ndarray]:
+    @staticmethod
+    def constrain(steps: list[RowStep]) -> None:
         """Per constrained row, the grammar's mask at the root and at every node (cutting the
         tree before a node it forbids where that is exact: runtime/grammar.py)."""
-        masks = {}
-        for b, row in state.constrained(trees).items():
-            cut = row.sampling.greedy or trees[b].q is None
-            trees[b], masks[b] = row.matcher.tree_masks(trees[b], cut)
-        return masks
+        for s in steps:
+            if s.row.matcher is not None:
+                cut = s.row.sampling.greedy or s.tree.q is None
+                s.tree, s.mask = s.row.matcher.tree_masks(s.tree, cut)
 
-    def emit(
-        self, state: SpecState, rows: list[int], trees: dict[int, DraftTree], verdicts: dict[int, Verdict]
-    ) -> dict[int, list[int]]:
+    def emit(self, steps: list[RowStep]) -> None:
         """Each row's new tokens (the accepted path and the bonus, up to EOS or its budget), its
         grammar advanced over them."""
-        new_tokens = {}
-        for b in rows:
-            new_tokens[b] = state.rows.emit(b, verdicts[b].tokens(trees[b]))
-            if state.slots[b].matcher is not None:
-                state.slots[b].matcher.advance(new_tokens[b])
-        return new_tokens
+        for s in steps:
+            s.new_tokens = s.row.emit(s.verdict.tokens(s.tree), self.eos_ids)
+            if s.row.matcher is not None:
+                s.row.matcher.advance(s.new_tokens)
 
-    def commit(
-        self,
-        state: SpecState,
-        rows: list[int],
-        trees: dict[int, DraftTree],
-        verdicts: dict[int, Verdict],
-        out: StepOutput,
-    ) -> None:
+    def commit(self, steps: list[RowStep], cache: KVCache, out: StepOutput) -> None:
         """Keep the root and the accepted path in the cache, the draft's features of them, and
         tell the proposer."""
-        for b in rows:
-            root = int(state.cache.lengths[b]) - len(trees[b]) - 1  # the step appended [root, nodes...]
-            state.cache.keep_path(b, root, verdicts[b].accepted)
+        for s in steps:
+            root = int(cache.lengths[s.slot]) - len(s.tree) - 1  # the step appended [root, nodes...]
+            cache.keep_path(s.slot, root, s.verdict.accepted)
             if self.needs_features:  # the root's and the accepted nodes' features
-                state.slots[b].features.append(out.hidden_states[b, [0, *(1 + i for i in verdicts[b].accepted)]])
-        self.proposer.commit(rows, [trees[b] for b in rows], [verdicts[b] for b in rows], out)
+                s.row.features.append(out.hidden_states[s.slot, [0, *(1 + i for i in s.verdict.accepted)]])
+        self.proposer.commit([s.slot for s in steps], [s.tree for s in steps], [s.verdict for s in steps], out)
 
-    def logprobs(self, state: SpecState, rows, verdicts, out: StepOutput, new_tokens) -> dict[int, list]:
+    @staticmethod
+    def logprobs(steps: list[RowStep], out: StepOutput) -> None:
         """The rows that ask: each new token's log probability under the target at the position
         it came from (the root's, then one per accepted node; runtime/logprobs.py)."""
-        got = {}
-        for b in rows:
-            top = state.slots[b].top_logprobs
-            if top is not None and new_tokens[b]:
-                at = [0, *(1 + i for i in verdicts[b].accepted)]
-                got[b] = token_logprobs(out.logits[b, at], new_tokens[b], top)
-        return got
+        for s in steps:
+            top = s.row.top_logprobs
+            if top is not None and s.new_tokens:
+                at = [0, *(1 + i for i in s.verdict.accepted)]
+                s.logprobs = token_logprobs(out.logits[s.slot, at], s.new_tokens, top)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def observe(self, state: SpecState, r: StepRecord) -> None:
         """The step's cost and acceptance, into the metrics and the cost model."""
-        metrics = state.metrics
-        for b in r.rows:
-            tree, verdict = r.trees[b], r.verdicts[b]
-            depth = int(r.depths[b].max()) if len(tree) else 0
-            for m in (metrics, state.slots[b].metrics):
-                if m is not None and b in r.guessed:
-                    m.observe_guess(len(verdict.accepted))
+        for s in r.rows:
+            accepted = len(s.verdict.accepted)
+            for m in (state.metrics, s.row.metrics):
+                if m is not None and s.guessed:
+                    m.observe_guess(accepted)
                 elif m is not None:
-                    m.observe_draft(len(tree), len(verdict.accepted), depth)
-                    if b in r.forced:
-                        m.observe_forced(r.forced[b], len(verdict.accepted))
-        drafted = sum(len(r.trees[b]) for b in r.rows if b not in r.guessed) / len(r.rows)
+                    m.observe_draft(len(s.tree), accepted, s.depth)
+                    if s.forced:
+                        m.observe_forced(len(s.forced), accepted)
+        drafted = sum(len(s.tree) for s in r.rows if not s.guessed) / len(r.rows)
         if self.policy.max_draft:  # a decoder that never drafts (plain) has no use for the cost model
             self._teach(state, r, drafted)
         state.drafted_per_step.append(drafted)
-        metrics.step_seconds += r.verify_seconds
-        metrics.draft_seconds += r.draft_seconds
+        state.metrics.step_seconds += r.verify_seconds
+        state.metrics.draft_seconds += r.draft_seconds
         state.step_times.append(r.verify_seconds + r.draft_seconds)
 
     def _teach(self, state: SpecState, r: StepRecord, drafted: float) -> None:
-        cost, lookup = state.cost, self.proposer.lookup
-        if not lookup and any(r.asked[b] > 0 for b in r.rows):  # how far the estimates were off, before they move
-            cost.observe_gain(r.rows, r.asked, {b: len(r.verdicts[b].accepted) for b in r.rows})
-        if lookup:  # every draft, verified or not, read against what its row emitted (hindsight.py)
-            for b in r.rows:
-                out = state.rows.out[b]
-                start = len(out) - len(r.new_tokens[b]) + r.forced.get(b, 0)  # drafted after the forced tokens
-                for tree in (r.drafted[b], *r.drafted[b].rivals):
-                    state.hindsight.draft(b, tree, start)
-                for reading in state.hindsight.read(b, out):
+        cost = state.cost
+        if self.proposer.lookup:  # every draft, verified or not, read against what its row emitted (hindsight.py)
+            for s in r.rows:
+                out = s.row.out
+                start = len(out) - len(s.new_tokens) + len(s.forced)  # drafted after the forced tokens
+                for tree in (s.drafted, *s.drafted.rivals):
+                    state.hindsight.draft(s.slot, tree, start)
+                for reading in state.hindsight.read(s.slot, out):
                     cost.observe_reading(reading)
+        # asked and not drafted counts too: the cost model plans by what it asks
+        asked = [] if self.proposer.lookup else [s for s in r.rows if s.asked > 0]
+        if asked:  # how far the estimates were off, before they move
+            accepted = [len(s.verdict.accepted) for s in r.rows]
+            cost.observe_gain([s.slot for s in r.rows], [s.asked for s in r.rows], accepted)
         with cost.batched_step():  # the rows' verdicts age the estimates by one step, not one per row
-            for b in r.rows:
-                tree, verdict = r.trees[b], r.verdicts[b]
-                # asked and not drafted counts too: the cost model plans by what it asks
-                if not lookup and r.asked[b] > 0:
-                    depth = int(r.depths[b].max()) if len(tree) else 0
-                    cost.observe_acceptance(depth, len(verdict.accepted), b, asked=r.asked[b], positions=len(tree))
+            for s in asked:
+                cost.observe_acceptance(s.depth, len(s.verdict.accepted), s.slot, asked=s.asked, positions=len(s.tree))
         cost.observe_step(r.positions, r.batch, r.verify_seconds)
         cost.observe_draft(drafted, r.draft_seconds)
 
@@ -481,7 +419,7 @@ class SpeculativeDecoder:
         if not self.policy.max_draft:
             return None
         metrics = state.metrics
-        fitted = state.cost.cost(len(state.slots))
+        fitted = state.cost.cost(state.batch)
         if fitted is not None and metrics.steps:
             drafted = np.array(state.drafted_per_step)
             metrics.alpha, metrics.beta = fitted.alpha, fitted.beta

@@ -4,9 +4,8 @@
     ids = target.encode_prompt("What is speculative decoding?")
     budgets = target.budgets([ids], max_new_tokens=64)   # checked: PromptError names the problem
 
-and what every generation produces from it: `Rows` (each row's tokens up to EOS or its budget,
-the one place tokens are appended), `GenerationResult` per row, and `Stream` (per-step new
-tokens as an iterator, the results as a value once it is exhausted). Generation itself is one
+and what every generation produces from it: `GenerationResult` per row, and `Stream` (per-step
+new tokens as an iterator, the results as a value once it is exhausted). Generation itself is one
 loop, runtime/batching.py's engine; runtime/generator.py and runtime/speculative.py are the
 facades that run it.
 """
@@ -113,45 +112,6 @@ def text_stream(target: "Target", steps: Stream) -> Stream[str, GenerationResult
         return result
 
     return Stream(pieces(), steps.close)
-
-
-@dataclasses.dataclass
-class Rows:
-    """The rows of one generation: what each has produced, whether it is still running and why it
-    stopped. `emit` is the one place tokens are appended (up to EOS or the row's budget)."""
-
-    prompt_lens: np.ndarray
-    budget: np.ndarray  # tokens each row may produce
-    eos_ids: frozenset
-    out: list[list[int]] = dataclasses.field(init=False)  # tokens per row
-    reason: list[str] = dataclasses.field(init=False)  # "length" until EOS makes it "stop"
-    active: np.ndarray = dataclasses.field(init=False)
-
-    def __post_init__(self):
-        B = len(self.prompt_lens)
-        self.out = [[] for _ in range(B)]
-        self.reason = ["length"] * B
-        self.active = np.ones(B, dtype=bool)
-
-    def emit(self, b: int, tokens) -> list[int]:
-        """Append tokens to row b up to EOS or its budget; returns what was appended."""
-        taken = []
-        for t in tokens:
-            t = int(t)
-            self.out[b].append(t)
-            taken.append(t)
-            if t in self.eos_ids:
-                self.active[b], self.reason[b] = False, "stop"
-                break
-            if len(self.out[b]) >= self.budget[b]:
-                self.active[b] = False
-                break
-        return taken
-
-    def join(self, b: int, prompt_len: int, budget: int) -> None:
-        """Row b starts a new request (continuous batching reuses the rows of finished ones)."""
-        self.prompt_lens[b], self.budget[b] = prompt_len, budget
-        self.out[b], self.reason[b], self.active[b] = [], "length", True
 
 
 class Target:

@@ -379,7 +379,7 @@ class CompletionService:
             finally:
                 self._publish()
                 self.metrics.busy_seconds.inc(time.perf_counter() - t0)
-            self.metrics.batch_size.set(int(self.engine.rows.active.sum()))
+            self.metrics.batch_size.set(len(self.engine.decoding()))
             for ev in events:
                 reply = self._live.get(ev.rid)
                 if reply is None:

@@ -230,9 +230,9 @@ class FeatureRecorder:
         self._rows[b] = (tuple(row.prompt), [np.asarray(features, np.float16)])
 
     def stepped(self, record) -> None:
-        for b in record.rows:  # the root's and the accepted nodes' (a guess, forced tokens)
-            kept = [0, *(1 + i for i in record.verdicts[b].accepted)]
-            self._rows[b][1].append(record.out.hidden_states[b, kept].astype(np.float16))
+        for r in record.rows:  # the root's and the accepted nodes' (a guess, forced tokens)
+            kept = [0, *(1 + i for i in r.verdict.accepted)]
+            self._rows[r.slot][1].append(record.out.hidden_states[r.slot, kept].astype(np.float16))
 
     def left(self, b: int, row, tokens) -> None:
         prompt, parts = self._rows.pop(b)
