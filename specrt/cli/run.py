@@ -22,7 +22,7 @@ from specrt.cli.common import (
     precision_options,
 )
 from specrt.errors import SpecrtError
-from specrt.server.limits import ServerLimits
+from specrt.server.limits import SPEC_DECODE_METRICS, ServerLimits
 
 if TYPE_CHECKING:
     from specrt.runtime.runner import RunnerSpec
@@ -169,6 +169,15 @@ def _grammar(json_schema: str | None, regex: str | None):
     type=FiniteFloat(0.0, lo_open=True),
     help="Seconds a request may take from arrival; past it the request ends with 504.",
 )
+@click.option(
+    "--per-request-spec-decode-metrics",
+    "spec_decode_metrics",
+    default=SERVER.spec_decode_metrics,
+    show_default=True,
+    type=click.Choice(SPEC_DECODE_METRICS),
+    help="Each response's draft acceptance under metrics.speculative_decoding, with vLLM's fields (detailed: "
+    "also per step); n = 1 answers only.",
+)
 @click.option("--ray", "use_ray", is_flag=True, help="Serve --replicas engines behind Ray Serve (the ray extra).")
 @click.option("--replicas", default=2, show_default=True, type=click.IntRange(min=1), help="With --ray: engines.")
 @click.option("--ray-address", default=None, help="With --ray: a running Ray cluster to join (default: start one).")
@@ -185,6 +194,7 @@ def serve(
     prefill_budget,
     prefix_cache_mb,
     request_timeout,
+    spec_decode_metrics,
     use_ray,
     replicas,
     ray_address,
@@ -210,6 +220,7 @@ def serve(
         prefill_budget=prefill_budget,
         prefix_cache_mb=prefix_cache_mb,
         request_timeout=request_timeout,
+        spec_decode_metrics=spec_decode_metrics,
     )
     sock = bind_socket(host, port)  # before the engine loads: a taken port is said at once
     if use_ray:

@@ -352,6 +352,7 @@ class BatchEngine:
             float(sum(s.steps)),
             s.steps,
             metrics=s.metrics,
+            acceptance=None if s.acceptance is None else s.acceptance.to_dict(),
         )
         if self.prefix is not None:  # the prompt and the answer: what the chat's next turn starts with
             self.prefix.insert(s.prompt + s.out, self.cache, b)

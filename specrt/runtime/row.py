@@ -20,6 +20,7 @@ import dataclasses
 
 import numpy as np
 
+from specrt.runtime.acceptance_report import RequestAcceptance
 from specrt.runtime.grammar import Grammar, Matcher
 from specrt.runtime.metrics import SpecMetrics
 from specrt.runtime.sampling import SamplingParams
@@ -36,6 +37,8 @@ class Request:
     # log probabilities of its tokens (runtime/logprobs.py), with this many alternatives each; None: none
     logprobs: int | None = None
     grammar: Grammar | None = None  # structured output: its output follows this grammar (runtime/grammar.py)
+    # its drafts' acceptance reported with its result, "summary" or "detailed" (runtime/acceptance_report.py)
+    acceptance: str | None = None
 
 
 @dataclasses.dataclass
@@ -55,6 +58,7 @@ class Row:
     # root and accepted nodes (kept only when something reads features)
     features: list[np.ndarray] = dataclasses.field(default_factory=list)
     metrics: SpecMetrics | None = None  # its drafts' acceptance while it generates (None: plain decoding)
+    acceptance: RequestAcceptance | None = None  # the same, as its request asked it reported (None: not asked)
     out: list[int] = dataclasses.field(default_factory=list)  # the tokens it produced
     reason: str = "length"  # why it ended: "length" (its budget) until EOS makes it "stop"
     done: bool = False  # it hit EOS or its budget

@@ -47,6 +47,7 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.runtime import generates
+from specrt.runtime.acceptance_report import RequestAcceptance
 from specrt.runtime.backends.base import StepOutput
 from specrt.runtime.drafts.base import DraftInput, Proposer, follower
 from specrt.runtime.hindsight import Hindsight
@@ -163,6 +164,9 @@ class SpeculativeDecoder:
         its first token is made as every other is, a step whose tree is empty (the prefill
         computed the root's logits). Returns that step's record."""
         row.metrics = SpecMetrics() if self.policy.max_draft else None
+        if row.request.acceptance and self.policy.max_draft:
+            most = self.policy.max_draft if row.cap is None else min(row.cap, self.policy.max_draft)
+            row.acceptance = RequestAcceptance(most, detailed=row.request.acceptance == "detailed")
         row.features = [features] if self.needs_features else []
         hidden = None if features is None else [features]
         self.proposer.begin([b], [row.prompt], Prefilled(out.logits[:, 0], hidden))
@@ -198,6 +202,7 @@ class SpeculativeDecoder:
         self.emit(steps)
         self.commit(steps, cache, out)
         self.logprobs(steps, out)
+        self.tally(steps)
         # the step is dense: every row is computed at the longest row's length, the floor at least
         longest = max(self.gen.session.floor, *(len(s.tree) + 1 for s in steps))
         record = StepRecord(
@@ -370,6 +375,14 @@ class SpeculativeDecoder:
             if top is not None and s.new_tokens:
                 at = [0, *(1 + i for i in s.verdict.accepted)]
                 s.logprobs = token_logprobs(out.logits[s.slot, at], s.new_tokens, top)
+
+    @staticmethod
+    def tally(steps: list[RowStep]) -> None:
+        """The rows whose request asked for its acceptance report: what the step verified and
+        accepted of its draft (runtime/acceptance_report.py)."""
+        for s in steps:
+            if s.row.acceptance is not None:
+                s.row.acceptance.observe(len(s.tree), len(s.verdict.accepted))
 
     # -- bookkeeping -----------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ class GenerationResult:
     step_seconds: list[float]  # latency of each decode step (speculative: each draft + verify step)
     text: str | None = None
     metrics: object | None = None  # SpecMetrics for speculative decoding
+    acceptance: dict | None = None  # its acceptance report, when its request asked (Request.acceptance)
 
     @property
     def generated_tokens(self) -> int:

@@ -6,6 +6,8 @@ import math
 
 from specrt.errors import SpecrtError
 
+SPEC_DECODE_METRICS = ("none", "summary", "detailed")
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
@@ -17,9 +19,17 @@ class ServerLimits:
     prefill_budget: int = 64  # prompt tokens per step while other requests decode
     request_timeout: float = 600.0  # seconds from arrival; a request still running then gets a 504
     prefix_cache_mb: int = 256  # KV of earlier prompts' blocks kept for reuse (runtime/prefix_cache.py); 0: off
+    # each answer's acceptance in its response, as vLLM's --per-request-spec-decode-metrics: none, summary, detailed
+    spec_decode_metrics: str = "none"
 
     def __post_init__(self):
+        if self.spec_decode_metrics not in SPEC_DECODE_METRICS:
+            raise SpecrtError(
+                f"spec_decode_metrics must be one of {', '.join(SPEC_DECODE_METRICS)}, got {self.spec_decode_metrics!r}"
+            )
         for f in dataclasses.fields(self):
+            if f.type is str:
+                continue
             v, least = getattr(self, f.name), 0 if f.name in ("max_queue", "prefix_cache_mb") else 1
             if f.type is float:  # NaN passes every range check; infinity would mean never
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

@@ -82,6 +82,8 @@ class Job:
     echo: str = ""  # completions' echo: the prompt, sent before the completion
     n: int = 1  # answers (choices), each a row of the batch with its own random stream
     grammar: Grammar | None = None  # structured output (response_format): every answer follows it
+    # the server's per-request acceptance report ("summary", "detailed"; ServerLimits.spec_decode_metrics)
+    acceptance: str | None = None
 
 
 @dataclasses.dataclass
@@ -225,6 +227,7 @@ def parse_request(raw: bytes, chat: bool, served: Served) -> Job:
         echo=prompt_text,
         n=n,
         grammar=grammar,
+        acceptance=None if limits.spec_decode_metrics == "none" else limits.spec_decode_metrics,
     )
 
 
@@ -338,6 +341,16 @@ def usage(lasts: list[Piece]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def metrics_body(job: Job, lasts: list[Piece]) -> dict:
+    """vLLM's response-level `metrics` with the answer's acceptance (`speculative_decoding`, as
+    runtime/acceptance_report.py counts it) when the server reports it: null for n > 1 (one
+    generation stream's figures, as vLLM's) and with no drafting; nothing when it is off."""
+    if job.acceptance is None:
+        return {}
+    result = lasts[0].result if job.n == 1 else None
+    return {"metrics": {"speculative_decoding": None if result is None else result.acceptance}}
+
+
 def completion_response(job: Job, pieces: Iterator[Piece], model_id: str, extras=None) -> dict:
     """The non-streamed answer, a choice per index; `extras(result)`: specrt's own fields
     (backend, speeds; the first choice's)."""
@@ -358,7 +371,7 @@ def completion_response(job: Job, pieces: Iterator[Piece], model_id: str, extras
         "model": model_id,
         "choices": choices,
         "usage": usage(lasts),
-    }
+    } | metrics_body(job, lasts)
     if lasts[0].result is not None and extras is not None:
         out["specrt"] = extras(lasts[0].result) | {"speculation": job.speculation}
     return out
@@ -451,7 +464,7 @@ class SseWriter:
     def tail(self) -> list[str]:
         out = [self._chunk(None if self.job.chat else "", p.finish_reason, index=i) for i, p in enumerate(self.lasts)]
         if self.job.include_usage:
-            out.append(self._event([], usage=usage(self.lasts)))
+            out.append(self._event([], usage=usage(self.lasts), **metrics_body(self.job, self.lasts)))
         return out + ["data: [DONE]\n\n"]
 
     def error(self, exc: Exception) -> list[str]:

@@ -213,6 +213,7 @@ def choices(job: Job) -> list[Request]:
                 max_draft=job.max_draft,
                 logprobs=job.logprobs,
                 grammar=job.grammar,
+                acceptance=job.acceptance if job.n == 1 else None,
             )
         )
     return out
