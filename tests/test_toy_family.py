@@ -168,7 +168,7 @@ def toy_family():
         "a toy head",
         Training(lambda method, o: ToyTrainConfig(**o.given(*COMMON)), train_toy),
         Drafting(ToyProposer, "a toy head in --draft-dir"),
-        HeadGraph(*TOY_IO[:2], False, ToyConfig, ToyHead),
+        HeadGraph(*TOY_IO[:2], False, ToyConfig, ToyHead, (("batch", "hidden"),)),
     )
     register(family)
     yield family
@@ -206,3 +206,37 @@ def test_a_new_family_trains_exports_builds_and_drafts(toy_family, tiny_checkpoi
     spec_out = SpeculativeDecoder(gen, proposer, make_policy(1)).generate_ids(prompts, 24)
     assert [r.token_ids for r in spec_out] == [r.token_ids for r in plain]
     assert proposer.calls > 0 and spec_out[0].metrics.drafted_tokens > 0
+
+
+def test_a_cached_head_gets_its_profiles_from_its_declared_graph(tiny_checkpoint):
+    """The toy family once cached, with inputs unlike EAGLE's (names, order, count): the engine
+    builder's TensorRT profiles (draft and catch-up) shape each input from the dimensions its
+    graph declares, with no edit to the builder; a graph naming an unknown dimension is refused."""
+    from specrt.engines.head import head_profiles
+    from specrt.engines.profiles import EngineShapes
+    from specrt.schema.config import ModelConfig
+
+    cached = HeadGraph(
+        ("past_state", "tokens", "features"),
+        ("logits", "present_state"),
+        True,
+        ToyConfig,
+        ToyHead,
+        (("batch", "kv_heads", "past", "head_dim"), ("batch", "q"), ("batch", "q", "features")),
+    )
+    register(Family(TOY, "a toy head", Training(ToyTrainConfig, train_toy), Drafting(ToyProposer, "a toy"), cached))
+    try:
+        cfg = ModelConfig.from_json_file(tiny_checkpoint / "config.json").to_dict()
+        manifest = {"config": cfg, "head": {"method": TOY, "feature_width": 3 * cfg["hidden_size"]}}
+        shapes = EngineShapes(max_batch=4, max_context=256, max_prefill=64, max_verify=9)
+        profiles = dict(head_profiles(manifest, shapes))
+    finally:
+        unregister(TOY)
+    assert set(profiles) == {"draft", "catch-up"}
+    draft, catch_up = profiles["draft"], profiles["catch-up"]
+    assert list(draft) == ["past_state", "tokens", "features"]
+    assert draft["tokens"] == ((1, 1), (1, 4), (4, 9)) and catch_up["tokens"][2] == (4, 64)
+    assert draft["features"][2] == (4, 9, 3 * cfg["hidden_size"])
+    assert draft["past_state"][2] == (4, cfg["num_key_value_heads"], 256 + 9, cfg["head_dim"])
+    with pytest.raises(ValueError, match="dimensions"):
+        HeadGraph(("x",), ("y",), True, ToyConfig, ToyHead, (("batch", "width"),))

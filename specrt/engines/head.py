@@ -27,7 +27,6 @@ from specrt.engines.ort import OrtOptions, check_built_here, graph_session, open
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range, triple
 from specrt.engines.trt import TrtBuildSpec, build_serialized
 from specrt.errors import ManifestMismatchError
-from specrt.families.eagle import HEAD_INPUTS
 from specrt.schema.head_io import (
     D2T_FILE,
     HEAD_FILE,
@@ -126,40 +125,33 @@ def head_profiles(manifest: dict, shapes: EngineShapes) -> list[tuple[str, dict]
     """The head's TensorRT profiles: "draft" (Q 1..max_verify: a chain token, a tree depth's
     frontier, or the positions one verification committed) and "catch-up" (Q up to max_prefill:
     the prompt, fed in chunks); the past holds the context plus one tree's draft entries.
-    Medusa heads read one feature per row: one "draft" profile over the batch."""
+    A head without a cache (Medusa: one feature per row) has one "draft" profile over the
+    batch. Every input's shape comes from the dimensions its family's graph declares
+    (families/base.py HeadGraph.dims)."""
     shapes.profiles()  # validates the numbers
-    cfg, F = manifest["config"], manifest["head"]["feature_width"]
-    C, Hkv, D = cfg["hidden_size"], cfg["num_key_value_heads"], cfg["head_dim"]
-    batch = Range(1, 1, shapes.max_batch)
-    family = head_family(manifest["head"]["method"])
-    if not family.cached:  # one feature per row, no cache: one profile by batch
-        return [("draft", {family.inputs[0]: triple(batch, C)})]
+    cfg, graph = manifest["config"], head_family(manifest["head"]["method"])
+    fixed = {
+        "batch": Range(1, 1, shapes.max_batch),
+        "hidden": cfg["hidden_size"],
+        "features": manifest["head"]["feature_width"],
+        "kv_heads": cfg["num_key_value_heads"],
+        "head_dim": cfg["head_dim"],
+    }
+
+    def profile(**dims) -> dict:
+        dims |= fixed
+        return {n: triple(*(dims[d] for d in names)) for n, names in zip(graph.inputs, graph.dims)}
+
+    if not graph.cached:
+        return [("draft", profile())]
     past = Range(0, shapes.max_context // 2, shapes.max_context + shapes.max_verify)
     out = []
     for name, q in (
         ("draft", Range(1, min(4, shapes.max_verify), shapes.max_verify)),
         ("catch-up", Range(1, shapes.max_prefill // 2 or 1, shapes.max_prefill)),
     ):
-        ProfileSpec(name, batch, q, past).validate()
-        kv = q + past
-        ids, feats, own, from_draft, pos, mask, pk, pv = HEAD_INPUTS
-        extra = {n: triple(batch, q) for n in family.inputs[len(HEAD_INPUTS) :]}  # a parallel head's mask_depth
-        out.append(
-            (
-                name,
-                extra
-                | {
-                    ids: triple(batch, q),
-                    feats: triple(batch, q, F),
-                    own: triple(batch, q, C),
-                    from_draft: triple(batch, q),
-                    pos: triple(batch, q),
-                    mask: triple(batch, q, kv),
-                    pk: triple(batch, Hkv, past, D),
-                    pv: triple(batch, Hkv, past, D),
-                },
-            )
-        )
+        ProfileSpec(name, fixed["batch"], q, past).validate()
+        out.append((name, profile(q=q, past=past, kv=q + past)))
     return out
 
 

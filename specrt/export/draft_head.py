@@ -41,8 +41,7 @@ from torch import nn
 from specrt.artifacts import atomic_write_text, read_json_object
 from specrt.errors import SpecrtError
 from specrt.export.llama import DecoderLayer, LlamaModel, RMSNorm, inv_freq, mask_bias, rotary
-from specrt.families.eagle import FULL_VOCAB_METHODS, HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, METHODS
-from specrt.families.parallel import PARALLEL
+from specrt.families.eagle import HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, Variant, variant
 from specrt.schema.config import ModelConfig
 from specrt.schema.head_io import CONFIG_FILE, WEIGHTS_FILE, default_target_layers, eagle3_layers
 
@@ -56,16 +55,20 @@ class HeadConfig:
     parallel: int = 0  # peagle: mask depths, the draft tokens after the first one call makes
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise SpecrtError(f"unknown head method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if self.method in FULL_VOCAB_METHODS and tuple(self.layers) != (-1,):
+        v = self.variant
+        if v.full_vocab and tuple(self.layers) != (-1,):
             raise SpecrtError(f"an {self.method} head reads the target's final normed state (layers -1)")
-        if self.method in FULL_VOCAB_METHODS and self.draft_vocab != self.target.vocab_size:
+        if v.full_vocab and self.draft_vocab != self.target.vocab_size:
             raise SpecrtError(f"an {self.method} head projects through the target's full vocabulary")
-        if (self.method == PARALLEL) != (self.parallel >= 1):
+        if v.parallel != (self.parallel >= 1):
             raise SpecrtError(f"a {self.method} head with {self.parallel} mask depths (peagle needs >= 1, others 0)")
         if not 1 <= self.draft_vocab <= self.target.vocab_size:
             raise SpecrtError(f"draft vocabulary {self.draft_vocab} must be in 1..{self.target.vocab_size}")
+
+    @property
+    def variant(self) -> Variant:
+        """Its method's flags (families/eagle.py): what the layer reads and how it projects."""
+        return variant(self.method)
 
     @property
     def feature_width(self) -> int:
@@ -119,23 +122,19 @@ class DraftHead(nn.Module):
         cfg, C = hc.target.plain, hc.target.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, C)  # the target's, frozen
         self.embed_tokens.weight.requires_grad_(False)
-        self.enorm = self.hnorm = None
-        if hc.method == "eagle":
-            self.fc = nn.Linear(2 * C, C, bias=True)  # over embed(t) ++ feature
-            self.layer = DecoderLayer(cfg)
-            self.norm = None
-        elif hc.method == "mtp":  # DeepSeek-V3's names: enorm, hnorm, eh_proj (fc), shared_head.norm (norm)
+        v, self.enorm, self.hnorm = hc.variant, None, None
+        if v.full_vocab and v.normed_inputs:  # MTP, DeepSeek-V3's names: enorm, hnorm, eh_proj (fc), shared_head.norm
             self.enorm = RMSNorm(C, cfg.rms_norm_eps)
             self.hnorm = RMSNorm(C, cfg.rms_norm_eps)
-            self.fc = nn.Linear(2 * C, C, bias=False)  # over enorm(embed(t)) ++ hnorm(feature)
+        if v.full_vocab:  # over embed(t) ++ feature, each normed first where normed_inputs (then no bias)
+            self.fc = nn.Linear(2 * C, C, bias=not v.normed_inputs)
             self.layer = DecoderLayer(cfg)
-            self.norm = RMSNorm(C, cfg.rms_norm_eps)
         else:
             self.fc = nn.Linear(hc.feature_width, C, bias=False)  # fuses the low/middle/high features
             self.layer = Eagle3Layer(cfg)
-            self.norm = RMSNorm(C, cfg.rms_norm_eps)
+        self.norm = RMSNorm(C, cfg.rms_norm_eps) if v.final_norm else None
         self.lm_head = nn.Linear(C, hc.draft_vocab, bias=False)
-        if hc.method in FULL_VOCAB_METHODS:
+        if v.full_vocab:
             self.lm_head.weight.requires_grad_(False)  # the target's head, shared and frozen
         self.register_buffer("draft_to_target", torch.arange(hc.draft_vocab, dtype=torch.int64))
         self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)  # the target's rotary embedding
@@ -153,18 +152,17 @@ class DraftHead(nn.Module):
 
     def body(self, input_ids, features, draft_hidden, from_draft, position_ids, attention_mask, past_k, past_v):
         """(hidden, key, value): the forward up to the output projection."""
-        emb = self.embed_tokens(input_ids)
-        if self.hc.method == "eagle":
+        emb, full = self.embed_tokens(input_ids), self.hc.variant.full_vocab
+        if full:
             feat = torch.where(from_draft.unsqueeze(-1), draft_hidden, features)
+            if self.enorm is not None:
+                emb, feat = self.enorm(emb), self.hnorm(feat)
             x = self.fc(torch.cat([emb, feat], dim=-1))
-        elif self.hc.method == "mtp":
-            feat = torch.where(from_draft.unsqueeze(-1), draft_hidden, features)
-            x = self.fc(torch.cat([self.enorm(emb), self.hnorm(feat)], dim=-1))
         else:
             x = torch.where(from_draft.unsqueeze(-1), draft_hidden, self.fc(features))
         cos, sin = rotary(position_ids, self.inv_freq)
         bias = mask_bias(attention_mask, x.dtype)
-        if self.hc.method in FULL_VOCAB_METHODS:  # EAGLE-1's state has no final norm; MTP's is in project()
+        if full:  # the final norm, where there is one, is in project()
             return self.layer(x, cos, sin, bias, past_k, past_v)
         return self.layer(emb, x, cos, sin, bias, past_k, past_v)
 
@@ -233,17 +231,13 @@ def head_from_target(target: LlamaModel, hc: HeadConfig, draft_ids=None, seed: i
             else:  # EAGLE-3's 2C-wide q/k/v: the feature half from the target, the embedding half small
                 own[name].normal_(0.0, 0.02 * float(w.std()))
                 own[name][:, C:].copy_(w)
-        eye = torch.eye(C)
+        # the feature passes through: the second half of embed ++ feature, or the high layer's
+        # block, the last C columns of the fused features; the output norm is the target's
         head.fc.weight.zero_()
-        if hc.method == "eagle":
+        head.fc.weight[:, -C:].copy_(torch.eye(C))
+        if head.fc.bias is not None:
             head.fc.bias.zero_()
-            head.fc.weight[:, C:].copy_(eye)
-        elif hc.method == "mtp":  # the normed feature passes through; the output norm is the target's
-            head.fc.weight[:, C:].copy_(eye)
-            head.norm.weight.copy_(target.norm.scale())
-        else:
-            # the high layer's block is the last C columns of the fused features
-            head.fc.weight[:, -C:].copy_(eye)
+        if head.norm is not None:
             head.norm.weight.copy_(target.norm.scale())
     return head
 

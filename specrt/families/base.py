@@ -15,6 +15,9 @@ def load(ref):
     return getattr(importlib.import_module(module), name)
 
 
+DIMS = frozenset(("batch", "q", "past", "kv", "hidden", "features", "kv_heads", "head_dim"))
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadGraph:
     """A head's graph, for the exporters, the engine builders and the proposers: its I/O,
@@ -26,13 +29,24 @@ class HeadGraph:
     `parity_inputs(generator)`, a `draft_to_target` buffer and `hc`, the configuration, with
     `method`, `target` (the ModelConfig), `layers` (the target features it reads),
     `feature_width`, `to_dict()` (holding method, target, layers) and `from_dict`; its forward
-    returns a tuple whose first output is floating (the parity check reads it)."""
+    returns a tuple whose first output is floating (the parity check reads it).
+
+    `dims`: each input's dimensions by name, for the engine builder's profiles (engines/head.py):
+    "batch", "q" (new positions), "past" (cached positions), "kv" (q + past), "hidden" (the
+    target's hidden size), "features" (the head's feature width), "kv_heads", "head_dim"."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     cached: bool
     config: Any  # reference to the configuration class (with from_dict)
     module: Any  # reference to the module class, made from its configuration
+    dims: tuple[tuple[str, ...], ...]  # per input, in order: its dimensions' names (above)
+
+    def __post_init__(self):
+        if len(self.dims) != len(self.inputs) or not all(set(d) <= DIMS for d in self.dims):
+            raise ValueError(f"a head graph names each input's dimensions among {sorted(DIMS)}: {self.dims}")
+        if not self.cached and any({"q", "past", "kv"} & set(d) for d in self.dims):
+            raise ValueError("a head graph without a cache has no new or past positions in its inputs")
 
     def load_types(self) -> tuple[type, type]:
         return load(self.config), load(self.module)

@@ -4,10 +4,42 @@ drafting with runtime/drafts/eagle.py (chains and EAGLE-2 dynamic trees)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from specrt.errors import SpecrtError
 from specrt.families.base import Drafting, Family, HeadGraph, Training
 
-METHODS = ("eagle", "eagle3", "mtp", "peagle")  # what the shared HeadConfig takes (peagle: families/parallel.py)
-FULL_VOCAB_METHODS = ("eagle", "mtp")  # read the final normed state, project through the target's head
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What sets one head method apart, declared here once: the exporter and the trainer read
+    these flags, never the method's name."""
+
+    # reads the target's final normed state (layers -1) and projects through the target's own
+    # output head (frozen, full vocabulary); else fc fuses a low, a middle and a high layer, the
+    # layer's attention reads norm(embed) ++ norm(feature), over a reduced draft vocabulary
+    full_vocab: bool
+    normed_inputs: bool = False  # fc reads enorm(embed) ++ hnorm(feature), no bias (MTP); else embed ++ feature
+    final_norm: bool = True  # a norm before the output head (EAGLE-1's state has none)
+    regress_feature: bool = False  # trained to regress the next feature beside cross-entropy (EAGLE-1)
+    parallel: bool = False  # mask entries: one call drafts K tokens (peagle, families/parallel.py)
+    ttt_steps: int = 3  # draft steps unrolled in training by default (training-time test)
+
+
+VARIANTS = {
+    "eagle": Variant(full_vocab=True, final_norm=False, regress_feature=True, ttt_steps=1),
+    "eagle3": Variant(full_vocab=False),
+    "mtp": Variant(full_vocab=True, normed_inputs=True, ttt_steps=2),
+    "peagle": Variant(full_vocab=False, parallel=True, ttt_steps=5),
+}
+METHODS = tuple(VARIANTS)  # what the shared HeadConfig takes
+
+
+def variant(method: str) -> Variant:
+    if method not in VARIANTS:
+        raise SpecrtError(f"unknown head method {method!r}; choose one of {', '.join(METHODS)}")
+    return VARIANTS[method]
+
 
 # the head's step graph I/O, in order (the one definition; the proposer and the exporter read it)
 HEAD_INPUTS = (
@@ -36,8 +68,24 @@ HEAD_DYNAMIC_AXES = {
     "present_value": {0: "batch", 2: "q"},
 }
 
+KV = ("batch", "kv_heads", "past", "head_dim")
+HEAD_DIMS = (
+    ("batch", "q"),
+    ("batch", "q", "features"),
+    ("batch", "q", "hidden"),
+    ("batch", "q"),
+    ("batch", "q"),
+    ("batch", "q", "kv"),
+    KV,
+    KV,
+)  # HEAD_INPUTS' dimensions (HeadGraph.dims)
 GRAPH = HeadGraph(
-    HEAD_INPUTS, HEAD_OUTPUTS, True, "specrt.export.draft_head:HeadConfig", "specrt.export.draft_head:DraftHead"
+    HEAD_INPUTS,
+    HEAD_OUTPUTS,
+    True,
+    "specrt.export.draft_head:HeadConfig",
+    "specrt.export.draft_head:DraftHead",
+    HEAD_DIMS,
 )
 TRAINING = "specrt.training.eagle:train_config", "specrt.training.eagle:train_head"
 _EAGLE = ("batch_tokens", "ttt_steps")  # eagle and mtp predict the target's whole vocabulary: no draft_vocab

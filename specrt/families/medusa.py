@@ -30,6 +30,7 @@ FAMILIES = (
             False,
             "specrt.export.medusa:MedusaConfig",
             "specrt.export.medusa:MedusaHeads",
+            (("batch", "hidden"),),
         ),
     ),
 )

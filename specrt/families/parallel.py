@@ -5,7 +5,7 @@ runtime/drafts/parallel.py)."""
 from __future__ import annotations
 
 from specrt.families.base import Drafting, Family, HeadGraph, Training
-from specrt.families.eagle import HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, TRAINING
+from specrt.families.eagle import HEAD_DIMS, HEAD_DYNAMIC_AXES, HEAD_INPUTS, HEAD_OUTPUTS, TRAINING
 
 PARALLEL = "peagle"  # EAGLE-3 with mask entries: the first draft and K - 1 more in the same call
 # a parallel head's graph: the EAGLE head's, and which entries are mask entries (0: none; d: draft depth d + 1)
@@ -29,6 +29,7 @@ FAMILIES = (
             True,
             "specrt.export.draft_head:HeadConfig",
             "specrt.export.parallel_head:ParallelHead",
+            (*HEAD_DIMS, ("batch", "q")),
         ),
     ),
 )

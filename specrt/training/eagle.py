@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from specrt.errors import SpecrtError
 from specrt.export.draft_head import DraftHead, HeadConfig, head_from_target
 from specrt.export.llama import LlamaModel
-from specrt.families.parallel import PARALLEL
+from specrt.families.eagle import variant
 from specrt.schema.head_io import feature_columns
 from specrt.training.data import Answer
 from specrt.training.families import COMMON, TrainOptions
@@ -68,7 +68,7 @@ class TrainConfig:
     max_minutes: float | None = None  # stop (with a checkpoint) after this many minutes of training
 
     def __post_init__(self):
-        if self.method == PARALLEL and self.ttt_steps is not None and self.ttt_steps < 2:
+        if variant(self.method).parallel and self.ttt_steps is not None and self.ttt_steps < 2:
             raise SpecrtError(
                 f"--ttt-steps {self.ttt_steps}: a parallel head (peagle) drafts at least 2 tokens a call; give "
                 "--ttt-steps 2 or more (default 5), or train --method eagle3 for one token a call"
@@ -76,7 +76,7 @@ class TrainConfig:
 
     @property
     def steps(self) -> int:
-        return self.ttt_steps or {"eagle": 1, "mtp": 2, PARALLEL: 5}.get(self.method, 3)
+        return self.ttt_steps or variant(self.method).ttt_steps
 
 
 @dataclasses.dataclass
@@ -225,7 +225,8 @@ class HeadTrainer(Trainer):
         self.head = head
         C = data.hidden_size
         self.cols = feature_columns(data.target_layers, head.hc.layers, C)
-        self.final_cols = feature_columns(data.target_layers, (-1,), C) if head.hc.method == "eagle" else None
+        regress = head.hc.variant.regress_feature  # the next feature: the final normed state's columns
+        self.final_cols = feature_columns(data.target_layers, (-1,), C) if regress else None
         V = head.hc.target.vocab_size
         self.t2d = torch.full((V,), -1, dtype=torch.int64)  # target id -> draft row (-1: outside)
         self.t2d[head.draft_to_target] = torch.arange(head.hc.draft_vocab)
@@ -245,7 +246,7 @@ class HeadTrainer(Trainer):
                 continue
             logits = self.head.project(h[scored])
             ce = F.cross_entropy(logits, labels[scored])
-            if self.head.hc.method == "eagle":
+            if self.head.hc.variant.regress_feature:
                 reg = F.smooth_l1_loss(h[scored], batch.next_feats[scored])
                 step_loss = reg + 0.1 * ce
             else:
@@ -303,7 +304,8 @@ class HeadTrainer(Trainer):
 
 def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftHead:
     V = target.cfg.vocab_size
-    if cfg.method in ("eagle", "mtp"):
+    v = variant(cfg.method)
+    if v.full_vocab:
         hc = HeadConfig(cfg.method, target.cfg, (-1,), V)
         return head_from_target(target, hc, None, cfg.seed)
     from specrt.schema.head_io import eagle3_layers
@@ -311,7 +313,7 @@ def new_head(target: LlamaModel, data: TrainingData, cfg: TrainConfig) -> DraftH
     size = min(cfg.draft_vocab or 8192, V)
     ids = choose_draft_vocab(data.answer_token_counts(V), size, tuple(target.cfg.eos_token_id))
     layers = eagle3_layers(target.cfg.num_hidden_layers)
-    parallel = cfg.steps - 1 if cfg.method == PARALLEL else 0
+    parallel = cfg.steps - 1 if v.parallel else 0
     head = head_from_target(target, HeadConfig(cfg.method, target.cfg, layers, size, parallel), ids, cfg.seed)
     if parallel:
         from specrt.export.parallel_head import init_masks
@@ -337,7 +339,7 @@ def train_head(
     trainer = HeadTrainer(head, data, cfg)
     run = run_training(trainer, head, cfg, out_dir / CHECKPOINT, f"train {cfg.method}", progress)
     report = run.report(trainer, data, cfg) | {"train_tokens": int(sum(len(s.tokens) for s in data.train))}
-    if cfg.method in ("eagle3", PARALLEL):
+    if not head.hc.variant.full_vocab:
         counts = data.answer_token_counts(head.hc.target.vocab_size)
         report["draft_vocab_coverage"] = round(float(counts[head.draft_to_target].sum() / max(1, counts.sum())), 4)
     return head, report
@@ -346,6 +348,6 @@ def train_head(
 def train_config(method: str, o: TrainOptions) -> TrainConfig:
     """The training config of `method` (eagle, eagle3, mtp, peagle) from train-draft's options."""
     kw = o.given(*COMMON, "batch_tokens", "ttt_steps")
-    if method in ("eagle3", "peagle"):  # the other methods predict the target's whole vocabulary
+    if not variant(method).full_vocab:  # the others predict the target's whole vocabulary
         kw |= o.given("draft_vocab")
     return TrainConfig(method, **kw)
