@@ -115,7 +115,7 @@ def main():
     tmp = Path(tempfile.mkdtemp())
     script = tmp / "workload.py"
     script.write_text(WORKLOAD)
-    engine = ArtifactLayout(args.artifacts).ort_engine()
+    engine = ArtifactLayout(args.artifacts).ort_engine().resolve()  # the workloads run in a temporary folder
     chosen = args.workloads.split(",")
     if unknown := set(chosen) - {"default", "serve", "tiny"}:
         raise SystemExit(f"unknown workload(s) {sorted(unknown)}: choose among default, serve, tiny")
