@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai", reason="openai is not installed (the test
 from specrt.runtime.drafts import make_proposer  # noqa: E402
 from specrt.runtime.generator import Generator  # noqa: E402
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy  # noqa: E402
-from specrt.server import CompletionService  # noqa: E402
+from specrt.server import CompletionService, ServerLimits  # noqa: E402
 
 from test_server import serving  # noqa: E402
 
@@ -140,8 +140,6 @@ def test_a_shared_500_token_prefix_comes_from_the_cache(real_gen):
     ones a server without the cache gives."""
     from pathlib import Path
 
-    from specrt.server import ServerLimits
-
     doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()[:2400]
     system = {"role": "system", "content": "Answer from this document.\n\n" + doc}
     questions = ["What does the step graph serve?", "Which engines are built?"]
@@ -170,7 +168,8 @@ def test_a_shared_500_token_prefix_comes_from_the_cache(real_gen):
 @pytest.mark.real_model
 def test_the_server_page_runs(real_gen, capsys):
     """docs/server.md's `openai` client blocks, in order, against the default model served with
-    `auto` drafts (its speculation field, logprobs, a JSON schema and a regex)."""
+    `auto` drafts and per-request acceptance (its speculation field, the acceptance object,
+    logprobs, a JSON schema and a regex)."""
     from pathlib import Path
 
     from test_docs import code_blocks
@@ -178,10 +177,12 @@ def test_the_server_page_runs(real_gen, capsys):
     text = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
     code = "\n".join(code_blocks(text, "python"))
     spec = SpeculativeDecoder(real_gen, make_proposer("auto"), make_policy("auto"))
-    with serving(CompletionService(spec, "SmolLM2-135M-Instruct")) as port:
+    limits = ServerLimits(spec_decode_metrics="summary")  # as the page starts it for its second block
+    with serving(CompletionService(spec, "SmolLM2-135M-Instruct", limits)) as port:
         code = code.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/v1")
         exec(compile(code, "server.md", "exec"), {})
     out = capsys.readouterr().out.splitlines()
     assert "'speculation': {'draft': 'auto', 'num_draft': 2}" in out[0], out[0]
+    assert float(out[1]) >= 1.0, out[1]  # the answer's mean acceptance length
     assert json.loads(out[-2].replace("'", '"')) == {"name": "Maria Lopez", "age": 34, "city": "Madrid"}, out[-2]
     assert re.fullmatch(r"' \d{4}-\d{2}-\d{2}'", out[-1]), out[-1]
