@@ -165,8 +165,7 @@ class SpeculativeDecoder:
         computed the root's logits). Returns that step's record."""
         row.metrics = SpecMetrics() if self.policy.max_draft else None
         if row.request.acceptance and self.policy.max_draft:
-            most = self.policy.max_draft if row.cap is None else min(row.cap, self.policy.max_draft)
-            row.acceptance = RequestAcceptance(most, detailed=row.request.acceptance == "detailed")
+            row.acceptance = RequestAcceptance(self.most(row), detailed=row.request.acceptance == "detailed")
         row.features = [features] if self.needs_features else []
         hidden = None if features is None else [features]
         self.proposer.begin([b], [row.prompt], Prefilled(out.logits[:, 0], hidden))
@@ -216,6 +215,10 @@ class SpeculativeDecoder:
         self.observe(state, record)
         return record
 
+    def most(self, row: Row) -> int:
+        """The most draft tokens a step verifies for `row`: the decoder's, or its request's own cap."""
+        return self.policy.max_draft if row.cap is None else min(self.policy.max_draft, row.cap)
+
     # -- the verbs -------------------------------------------------------------------------------
 
     def draft(self, state: SpecState, steps: list[RowStep], cache: KVCache) -> None:
@@ -224,9 +227,7 @@ class SpeculativeDecoder:
         cuts it); any other draft is asked for the planned length."""
         room = self.gen.session.room(cache)
         for s in steps:
-            cap = s.row.cap
-            s.most = self.policy.max_draft if cap is None else min(self.policy.max_draft, cap)
-            s.room = room[s.slot]
+            s.most, s.room = self.most(s.row), room[s.slot]
             if s.room is not None:  # a tree stops before the row's next step cut (the root is one of its positions)
                 s.most = max(0, min(s.most, s.room - 1))
         self.forced(steps)
