@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from specrt.errors import SpecrtError
 from specrt.runtime.acceptance_report import RequestAcceptance
 from specrt.runtime.batching import BatchEngine
 from specrt.runtime.drafts import make_proposer
@@ -97,3 +98,5 @@ def test_the_server_reports_it_as_vllm_does(gen):
     last = events[-1]["metrics"]["speculative_decoding"]
     assert events[-1]["usage"] and set(last) == set(got) and last["num_accepted_draft_tokens"] > 0
     assert "metrics" not in client("none").post("/v1/completions", json=body).json()
+    with pytest.raises(SpecrtError, match="none, summary, detailed"):
+        ServerLimits(spec_decode_metrics="full")
