@@ -343,11 +343,12 @@ def usage(lasts: list[Piece]) -> dict:
 
 def metrics_body(job: Job, lasts: list[Piece]) -> dict:
     """vLLM's response-level `metrics` with the answer's acceptance (`speculative_decoding`, as
-    runtime/acceptance_report.py counts it) when the server reports it: null for n > 1 (one
-    generation stream's figures, as vLLM's) and with no drafting; nothing when it is off."""
+    runtime/acceptance_report.py counts it) when the server reports it; null where the answer
+    carries none: for n > 1 (one generation stream's figures, as vLLM's: only an n = 1 request
+    asks, service.choices) and with no drafting; nothing when it is off."""
     if job.acceptance is None:
         return {}
-    result = lasts[0].result if job.n == 1 else None
+    result = lasts[0].result
     return {"metrics": {"speculative_decoding": None if result is None else result.acceptance}}
 
 
