@@ -4,12 +4,14 @@
     .venv/bin/python bench/bench_exact.py --artifacts artifacts/SmolLM2-135M-Instruct \
         --model models/SmolLM2-135M-Instruct [--genai-python /path/to/venv/bin/python] \
         [--exact-prompts 200 --exact-tokens 256 --exact-engines "gguf-a8 bitwise,gguf-a8 near-ties"]
+        [--exact-from 60]
 
-Engines: float32, gguf (the GGUF's own blocks, float32 activations) and gguf-a8 (the same blocks,
-int8 activations), each run bitwise (every step computes at least two positions per row, a
-one-position step's second one carrying a free guess) and near-ties (one-position steps as they
-are); gguf-a8 is built when missing. Every measurement runs the engines in turn, repeat after
-repeat, so machine noise hits them alike; medians are reported.
+Engines: float32, gguf (the GGUF's own blocks, float32 activations), gguf-a8 (the same blocks,
+int8 activations), int8-a8, int4 and int4-a8 (ORT's integer kernels), each run bitwise (every
+step computes at least two positions per row, a one-position step's second one carrying a free
+guess) and near-ties (one-position steps as they are); an engine is built when missing. Every
+measurement runs the engines in turn, repeat after repeat, so machine noise hits them alike;
+medians are reported.
 
   decode    plain greedy and --draft auto (and --draft-model: the draft model alone and auto
             with it; --head: a trained head alone and auto with it), tokens/s end to end per prompt class of
@@ -18,7 +20,8 @@ repeat, so machine noise hits them alike; medians are reported.
             per step (the guesses)
   exact     greedy --draft auto against plain on the same engine and setting, over
             --exact-prompts made here (training/prompts.py, seed 7, none of the benchmark's) x
-            --exact-tokens: the prompts whose tokens are bitwise equal
+            --exact-tokens: the prompts whose tokens are bitwise equal (--exact-from K starts at
+            prompt K, extending an earlier run; Ctrl-C ends this part and keeps what it checked)
   steps     each engine's step cost by positions, as its build measured it (ms)
   anchor    onnxruntime-genai's int4 graph (round-to-nearest int4, int8 activations), with
             --genai-python: its decode tokens/s beside the others
@@ -51,7 +54,14 @@ from specrt.runtime.sampling import SamplingParams
 
 from harness import envelope
 
-SCHEMES = {"float32": "none", "gguf": "gguf", "gguf-a8": "gguf-a8", "int8-a8": "int8-a8", "int4-a8": "int4-a8"}
+SCHEMES = {
+    "float32": "none",
+    "gguf": "gguf",
+    "gguf-a8": "gguf-a8",
+    "int4": "int4",
+    "int8-a8": "int8-a8",
+    "int4-a8": "int4-a8",
+}
 SETTINGS = ("bitwise", "near-ties")
 DEFAULT_ENGINES = ",".join(f"{n} {s}" for n in ("float32", "gguf", "gguf-a8") for s in SETTINGS)
 
@@ -119,6 +129,13 @@ def main() -> None:
     ap.add_argument("--exact-prompts", type=int, default=40)
     ap.add_argument("--exact-tokens", type=int, default=256)
     ap.add_argument(
+        "--exact-from",
+        type=int,
+        default=0,
+        help="Start the exactness prompts at this index of the same seed-7 set (the set is the same "
+        "whatever its length, so a run can extend an earlier one: --exact-from 60 with =200 runs 60-199).",
+    )
+    ap.add_argument(
         "--exact-engines",
         default="float32 bitwise,gguf bitwise,gguf-a8 bitwise,gguf-a8 near-ties",
         help="Comma-separated engine settings (ENGINE SETTING[=PROMPTS], default --exact-prompts) whose exactness "
@@ -182,6 +199,8 @@ def main() -> None:
     counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
     if set(counts) - set(gens):
         ap.error(f"--exact-engines {sorted(set(counts) - set(gens))} are not among --engines")
+    if not 0 <= args.exact_from < min(counts.values(), default=1):
+        ap.error(f"--exact-from {args.exact_from} must lie in 0 to the smallest prompt count minus 1")
     classes = sorted({r["class"] for r in rows})
     ref = next(iter(gens.values()))
     encoded = [(r["class"], encode(ref, r, args.chat)) for r in rows]
@@ -263,24 +282,31 @@ def main() -> None:
     for g in gens.values():
         g.eos_ids = frozenset()  # every exactness run generates its --exact-tokens
     exact = {}
+    stopped = False  # Ctrl-C (SIGINT) ends the exactness runs; what they checked is still written
     for name, count in counts.items():
-        exact_ids = all_ids[:count]
-        t0, same, first = time.perf_counter(), 0, []
-        for i, ids in enumerate(exact_ids):
-            plain = run[name]["plain"].generate_ids([ids], args.exact_tokens)[0].token_ids
-            spec = run[name]["auto"].generate_ids([ids], args.exact_tokens)[0].token_ids
-            same += plain == spec
-            if plain != spec:
-                first.append(next(k for k, (a, b) in enumerate(zip(plain, spec)) if a != b))
-            print(f"exact {name}: {i + 1}/{len(exact_ids)} prompts, {same} equal", file=sys.stderr, end="\r")
+        t0, same, done, first = time.perf_counter(), 0, 0, []
+        try:
+            for i, ids in enumerate(all_ids[args.exact_from : count], start=args.exact_from):
+                plain = run[name]["plain"].generate_ids([ids], args.exact_tokens)[0].token_ids
+                spec = run[name]["auto"].generate_ids([ids], args.exact_tokens)[0].token_ids
+                same, done = same + (plain == spec), done + 1
+                if plain != spec:
+                    first.append([i, next(k for k, (a, b) in enumerate(zip(plain, spec)) if a != b)])
+                print(f"exact {name}: prompt {i + 1}/{count}, {same}/{done} equal", file=sys.stderr, end="\r")
+        except KeyboardInterrupt:
+            stopped = True
         print(file=sys.stderr)
         exact[name] = {
             "equal": same,
-            "prompts": len(exact_ids),
+            "prompts": done,
+            "prompt_ids": [args.exact_from, args.exact_from + done],  # [first, end) of the seed-7 set
             "tokens": args.exact_tokens,
-            "first_difference_at": first,
+            "first_difference_at": first,  # [prompt id, token index]
             "seconds": round(time.perf_counter() - t0, 1),
         }
+        if stopped:
+            exact[name]["stopped_early"] = True
+            break
 
     chi = None
     if args.chi_square:
@@ -310,6 +336,7 @@ def main() -> None:
             "prompts": len(encoded),
             "exact_prompts": counts,
             "exact_tokens": args.exact_tokens,
+            "exact_from": args.exact_from,
             "chat": args.chat,
             "model": str(args.model),
             "draft_model": str(args.draft_model) if args.draft_model else None,
@@ -361,7 +388,11 @@ def print_table(result: dict, classes: list[str]) -> None:
     print("speculative == plain on the benchmark prompts:", result["auto_equal_plain_bench_prompts"])
     print("acceptance:", result["acceptance"])
     for n, e in result["exact"].items():
-        print(f"exact {n:22s} {e['equal']}/{e['prompts']} prompts x {e['tokens']} tokens bitwise equal")
+        lo, hi = e.get("prompt_ids", (0, e["prompts"]))
+        print(
+            f"exact {n:22s} {e['equal']}/{e['prompts']} prompts (ids {lo}-{hi - 1}) x {e['tokens']} tokens"
+            " bitwise equal" + (" (stopped early)" if e.get("stopped_early") else "")
+        )
     if result.get("chi_square"):
         c = result["chi_square"]
         print(
