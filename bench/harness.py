@@ -1,13 +1,13 @@
 """What the bench scripts share: their usual arguments, the result envelope, a server to measure.
 
     ap = bench_arguments(__doc__, artifacts=True, prompts=True)      # --artifacts --prompts --out
-    result = {**envelope("onnxruntime", "numpy"), "rows": ...}      # date, machine, versions
+    result = {**envelope("onnxruntime", "numpy"), "rows": ...}      # date, commit, machine, versions
     print(f"wrote {write_result_json(result, args.out, 'name')}")
     with running_server(args.artifacts, ["--draft", "suffix"]) as base_url: ...
 
 Every script writes its JSON through specrt.benchmark.write_result_json (atomically, under
-bench/results/ by default) with this envelope first, so every result says when, where and with
-which versions it was measured.
+bench/results/ by default) with this envelope first, so every result says when, where, on which
+commit and with which versions it was measured.
 """
 
 from __future__ import annotations
@@ -45,12 +45,14 @@ def bench_arguments(doc: str | None, artifacts: bool = True, model: bool = False
 
 
 def envelope(*packages: str, **machine) -> dict:
-    """The fields every result starts with: date (UTC), machine (CPU model, CPU count, and what
-    the script adds) and the versions of Python, specrt and `packages`."""
-    from specrt.artifacts import cpu_model, package_versions
+    """The fields every result starts with: date (UTC), the commit of the code measured, machine
+    (CPU model, CPU count, and what the script adds) and the versions of Python, specrt and
+    `packages`."""
+    from specrt.artifacts import cpu_model, package_versions, source_commit
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": source_commit(),
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), **machine},
         "versions": package_versions(*packages),
     }

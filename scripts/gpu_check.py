@@ -81,7 +81,7 @@ import gpu_scale  # noqa: E402
 import gpu_sweep as speed  # noqa: E402
 import gpu_trt  # noqa: E402
 
-from specrt.artifacts import package_versions  # noqa: E402
+from specrt.artifacts import package_versions, source_commit  # noqa: E402
 from specrt.export.llama import LlamaModel  # noqa: E402
 from specrt.runtime.backends import TorchBackend  # noqa: E402
 from specrt.schema.config import ModelConfig  # noqa: E402
@@ -123,22 +123,6 @@ def load(tiny: bool):
             std = EMBED_STD if "embed" in name and not tiny else 0.05
             p.copy_(1.0 + 0.05 * torch.randn_like(p) if "norm" in name else std * torch.randn_like(p))
     return model.eval(), f"random weights, {'a tiny' if tiny else 'SmolLM2-135M'} config (copying)", None
-
-
-def commit() -> str:
-    """The checkout's commit (with "+dirty" when files differ from it), else $SPECRT_COMMIT (a
-    copy without .git: pass it on the command line), else "unknown"."""
-    import subprocess
-
-    try:
-        run = dict(cwd=ROOT, capture_output=True, text=True, timeout=20)
-        head = subprocess.run(["git", "rev-parse", "HEAD"], **run)
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
-            return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("SPECRT_COMMIT") or "unknown (no git checkout and no $SPECRT_COMMIT)"
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -324,7 +308,7 @@ def main(argv=None) -> int:
     model, what, ckpt = load(args.tiny)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
+        "commit": source_commit(),
         "device": device,
         "model": what,
         "versions": package_versions("torch", "numpy"),

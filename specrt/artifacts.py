@@ -39,6 +39,23 @@ SCHEMA_VERSION = 1
 TMP_SUFFIX = ".tmp"  # atomic_dir's temporaries: .<name>.<random>.tmp and .<name>.old
 
 
+def source_commit() -> str:
+    """The commit of the checkout this specrt was imported from (with "+dirty" when tracked
+    files differ from it), else $SPECRT_COMMIT (a copy without .git: set it by hand), else
+    "unknown": what a benchmark's JSON records, so its figures can be traced to the code."""
+    import subprocess
+
+    run = dict(cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=20)
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], **run)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("SPECRT_COMMIT") or "unknown (no git checkout and no $SPECRT_COMMIT)"
+
+
 def package_versions(*names: str) -> dict[str, str]:
     out = {"python": platform.python_version()}
     for n in ("specrt", *names):

@@ -71,7 +71,8 @@ def test_the_bench_harness_serves_and_stops(tiny_artifacts, tmp_path):
     from harness import envelope, running_server
 
     env = envelope("numpy", threads=2)
-    assert set(env) == {"date", "machine", "versions"} and env["machine"]["threads"] == 2
+    assert set(env) == {"date", "commit", "machine", "versions"} and env["machine"]["threads"] == 2
+    assert len(env["commit"].partition("+")[0]) == 40  # this checkout's HEAD (a git checkout here)
     assert "numpy" in env["versions"]
     with running_server(tiny_artifacts, ["--max-batch", "2"], log=tmp_path / "server.log") as base:
         with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
