@@ -21,7 +21,7 @@ medians are reported.
   exact     greedy --draft auto against plain on the same engine and setting, over
             --exact-prompts made here (training/prompts.py, seed 7, none of the benchmark's) x
             --exact-tokens: the prompts whose tokens are bitwise equal (--exact-from K starts at
-            prompt K, extending an earlier run; Ctrl-C ends this part and keeps what it checked)
+            prompt K, extending an earlier run; Ctrl-C or kill ends this part and keeps what it checked)
   steps     each engine's step cost by positions, as its build measured it (ms)
   anchor    onnxruntime-genai's int4 graph (round-to-nearest int4, int8 activations), with
             --genai-python: its decode tokens/s beside the others
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import statistics
 import sys
 import time
@@ -282,7 +283,10 @@ def main() -> None:
     for g in gens.values():
         g.eos_ids = frozenset()  # every exactness run generates its --exact-tokens
     exact = {}
-    stopped = False  # Ctrl-C (SIGINT) ends the exactness runs; what they checked is still written
+    stopped = False  # Ctrl-C or `kill` ends the exactness runs; what they checked is still written
+    # a job started in the background inherits SIGINT ignored: set both signals to raise here
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     for name, count in counts.items():
         t0, same, done, first = time.perf_counter(), 0, 0, []
         try:
