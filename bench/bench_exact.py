@@ -185,6 +185,14 @@ def main() -> None:
         ap.error(
             f"--engines: {bad} are not ENGINE SETTING pairs (engines {', '.join(SCHEMES)}; settings bitwise, near-ties)"
         )
+    # checked before the builds and the timed runs: an error at their end would lose them
+    wanted = [e.strip().partition("=") for e in args.exact_engines.split(",") if e.strip()]
+    counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
+    unknown = sorted(set(counts) - {f"{n} {s}" for n, s in engines})
+    if unknown:
+        ap.error(f"--exact-engines {unknown} are not among --engines")
+    if not 0 <= args.exact_from < min(counts.values(), default=1):
+        ap.error(f"--exact-from {args.exact_from} must lie in 0 to the smallest prompt count minus 1")
     for scheme in sorted({SCHEMES[n] for n, _ in engines}):
         for line in build_all(BuildSpec(checkpoint=args.model, out=args.artifacts, quantize=scheme, tensorrt="off")):
             print(line, file=sys.stderr)
@@ -195,13 +203,6 @@ def main() -> None:
             layout.ort_engine("cpu", SCHEMES[name]), args.model, exact=setting
         )
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    # checked before the timed runs: an error at their end would lose them
-    wanted = [e.strip().partition("=") for e in args.exact_engines.split(",") if e.strip()]
-    counts = {name.strip(): int(n) if n else args.exact_prompts for name, _, n in wanted}
-    if set(counts) - set(gens):
-        ap.error(f"--exact-engines {sorted(set(counts) - set(gens))} are not among --engines")
-    if not 0 <= args.exact_from < min(counts.values(), default=1):
-        ap.error(f"--exact-from {args.exact_from} must lie in 0 to the smallest prompt count minus 1")
     classes = sorted({r["class"] for r in rows})
     ref = next(iter(gens.values()))
     encoded = [(r["class"], encode(ref, r, args.chat)) for r in rows]

@@ -65,3 +65,22 @@ def test_the_sampled_check_passes_exact_speculation_and_fails_a_biased_sampler(t
             return spec.generate_ids(prompts, n, dataclasses.replace(sampling, temperature=0.0))
 
     assert two_token_check(gen, Greedy(), [40, 41, 42], rounds=2, rows=48, temperature=0.7)["p_value"] < 1e-6
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--exact-engines", "int4 bitwise"], "are not among --engines"),
+        (["--exact-from", "40"], "--exact-from 40 must lie in 0"),
+    ],
+)
+def test_bench_exact_refuses_bad_exactness_arguments_before_building(extra, says, tmp_path):
+    """Checked before any engine is built: the artifacts folder is never made."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_exact.py"
+    args = ["--artifacts", str(tmp_path / "art"), "--model", str(tmp_path / "none"), "--engines", "float32 bitwise"]
+    args += ["--exact-engines", "float32 bitwise"] if "--exact-engines" not in extra else []
+    run = subprocess.run([sys.executable, str(script), *args, *extra], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "art").exists()
