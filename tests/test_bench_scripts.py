@@ -84,3 +84,32 @@ def test_bench_exact_refuses_bad_exactness_arguments_before_building(extra, says
     run = subprocess.run([sys.executable, str(script), *args, *extra], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "art").exists()
+
+
+def test_bench_step_rules_collects_what_the_build_probed(tiny_artifacts, tmp_path, monkeypatch, capsys):
+    """bench/bench_step_rules.py reads each ORT engine's probe from its manifest: the floor the
+    runtime follows (engines/ort_measure.floor_of), the cuts and the CPU, in the table and JSON."""
+    import json
+
+    from specrt.artifacts import cpu_model
+    from specrt.engines.ort_measure import floor_of
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    out = tmp_path / "rules.json"
+    monkeypatch.setattr(sys, "argv", ["bench_step_rules.py", str(tiny_artifacts), "--out", str(out)])
+    runpy.run_path(str(BENCH / "bench_step_rules.py"), run_name="__main__")
+    rows = json.loads(out.read_text())["rows"]
+    manifest = json.loads((tiny_artifacts / "engines" / "ort-cpu" / "manifest.json").read_text())
+    assert [r["engine"] for r in rows] == ["ort-cpu"]
+    row = rows[0]
+    assert row["floor"] == floor_of(manifest["batch_invariance"]) and row["host_cpu"] == cpu_model()
+    assert row["cuts"] == manifest["step_cuts"]["cuts"] and row["scheme"] == "float32"
+    assert f"{row['floor']:>5}" in capsys.readouterr().out
+
+
+def test_bench_step_rules_refuses_a_folder_without_engines(tmp_path):
+    import subprocess
+
+    script = BENCH / "bench_step_rules.py"
+    run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "build them first" in run.stderr, run.stderr[-2000:]
