@@ -100,10 +100,10 @@ def test_the_engine_from_the_blocks_is_the_float_model(gemma_gguf):
 @pytest.mark.parametrize("scheme", ["gguf", "gguf-a8"])
 def test_speculative_output_is_plain_output_on_the_block_engines(gemma_gguf, scheme):
     """Past slot 64 too: ORT's attention with heads of 256 (this model's) adds in another order
-    once a step ends past it, and the engine's step cuts keep every step from spanning it
+    once a step ends past it on an Intel Xeon, and the engine's step cuts keep every step from spanning it
     (tests/test_step_cuts.py), so speculation is bitwise and nothing warns."""
     gen = Generator.from_engine(ArtifactLayout(gemma_gguf[2]).ort_engine("cpu", scheme))
-    assert gen.backend.caps.step_cuts and gen.session.exactness()["exact"] == "bitwise"
+    assert gen.session.exactness()["exact"] == "bitwise"  # with the cuts its CPU has (none on an AMD EPYC)
     gen.eos_ids = frozenset()
     prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], [40, 41, 42, 43, 40, 41, 42, 43, 40]]
     plain = [r.token_ids for r in gen.generate_ids(prompts, 64)]
