@@ -88,6 +88,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     ap = bench_arguments(__doc__, artifacts=False)
     ap.add_argument("artifacts", type=Path, nargs="+", help="build-engines outputs (each with engines/).")
+    ap.add_argument("--note", default="", help="What else ran while the engines were built (their step times).")
     args = ap.parse_args()
     missing = [str(a) for a in args.artifacts if not (a / "engines").is_dir()]
     if missing:
@@ -98,7 +99,11 @@ def main() -> None:
     print_table(rows)
     from specrt.benchmark import write_result_json
 
-    result = {**envelope("onnxruntime"), "artifacts": [str(a) for a in args.artifacts], "rows": rows}
+    result = {
+        **envelope("onnxruntime", **({"note": args.note} if args.note else {})),
+        "artifacts": [str(a) for a in args.artifacts],
+        "rows": rows,
+    }
     print(f"wrote {write_result_json(result, args.out, 'step-rules')}")
 
 
