@@ -285,10 +285,10 @@ def stepped(backend, q: int, cut: bool = True) -> np.ndarray:
 def test_step_cuts_make_every_step_shape_agree_past_slot_64(tmp_path, head_dim):
     """ORT 1.32's attention with heads of 256 (Gemma 3's) adds a position's scores in another
     order once its step ends past slot 64 (and every 256 slots after it, on two threads of an
-    Intel Xeon; on an AMD EPYC it does not): the
-    build finds those positions (its step cuts), the session splits steps there, and every step
-    shape then gives a position the same bits, as the build's own record says. Without the cuts
-    the shapes disagree (what the rule is for); heads of 16 have none."""
+    Intel Xeon; on an AMD EPYC it does not): the build finds those positions (its step cuts),
+    the session splits steps there, and every step shape then gives a position the same bits,
+    as the build's own record says. Without the cuts the shapes disagree (what the rule is
+    for); heads of 16 have none."""
     import json
 
     ref = reference("llama", head_dim=head_dim, num_key_value_heads=1, max_position_embeddings=1024)

@@ -299,11 +299,11 @@ def test_plain_decoding_guesses_for_free_and_equals_itself(built, tiny_portable_
 
 
 def test_the_manifest_records_the_bitwise_check_and_inspect_shows_it(built):
+    import onnx
+
     from specrt.inspection import inspect_artifact
 
     _, art = built
-    import onnx
-
     layout = ArtifactLayout(art)
     for scheme in ("none", "gguf", "gguf-a8", "int8-a8", "int4-a8"):
         engine = layout.ort_engine("cpu", scheme)
