@@ -62,14 +62,12 @@ def collect(artifacts: Path) -> list[dict]:
 
 
 def cuts_text(row: dict) -> str:
+    from specrt.inspection import step_cuts_text
+
     if row["cuts"] is None:
         return "not probed"
-    text = ", ".join(map(str, row["cuts"])) or "none"
-    if row["period"]:
-        text += f", then every {row['period']}"
-    if row["confirmed_at"]:
-        text += f" (confirmed at {row['confirmed_at']})"
-    return text
+    text = step_cuts_text(row)
+    return text + (f" (confirmed at {row['confirmed_at']})" if row["confirmed_at"] else "")
 
 
 def print_table(rows: list[dict]) -> None:

@@ -256,8 +256,7 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
         )
         cuts = manifest.get("step_cuts")
         if cuts:
-            every = f", then every {cuts['period']}" if cuts.get("period") else ""
-            found = ", ".join(map(str, cuts["cuts"])) + every if cuts["cuts"] else "none"
+            found = step_cuts_text(cuts)
             lines.append(f"  step cuts   {found} (probed over {cuts['probed_to']} positions: no step spans a cut)")
         inv = manifest.get("batch_invariance")
         if inv:
@@ -340,6 +339,12 @@ def find_artifacts(path: str | Path) -> list[Path]:
             f"specrt build-engines --out {path}"
         )
     return found
+
+
+def step_cuts_text(cuts: dict) -> str:
+    """A manifest's `step_cuts` as people read it: "none", or "63, 319, then every 256"."""
+    every = f", then every {cuts['period']}" if cuts.get("period") else ""
+    return ", ".join(map(str, cuts["cuts"])) + every if cuts["cuts"] else "none"
 
 
 def exactness_lines(inv: dict) -> list[str]:
