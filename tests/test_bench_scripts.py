@@ -9,6 +9,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -113,3 +114,55 @@ def test_bench_step_rules_refuses_a_folder_without_engines(tmp_path):
     script = BENCH / "bench_step_rules.py"
     run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "build them first" in run.stderr, run.stderr[-2000:]
+
+
+def _four_bit_graph(folder: Path, level: int, K: int = 64, N: int = 24) -> np.ndarray:
+    """A one-node graph of a 4-bit MatMulNBits (blocks of 32, zero point 8) at `level`, written
+    as folder/model.onnx; returns its weights (K x N) dequantized by hand."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 16, (N, K // 32, 32), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (N, K // 32)).astype(np.float32)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    node = helper.make_node(
+        "MatMulNBits", ["x", "B", "scales"], ["y"], domain="com.microsoft",
+        K=K, N=N, bits=4, block_size=32, accuracy_level=level,
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, N])],
+        [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales.reshape(-1), "scales")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    folder.mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(folder / "model.onnx"))
+    return ((codes.astype(np.float64) - 8) * scales[..., None]).reshape(N, K).T
+
+
+def test_bench_row_kernels_measures_against_the_weights_as_dequantized_by_hand(tmp_path, monkeypatch):
+    """bench/bench_row_kernels.py reads a product's weights through ORT's level-0 kernel; here
+    they are known, so its reference is checked: at level 0 both kernels are within float
+    rounding of it, at level 4 (int8 activations) both are off by the activations' rounding."""
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    _four_bit_graph(tmp_path / "a8", level=4)
+    dense = _four_bit_graph(tmp_path / "f32", level=0)
+    import onnx
+    from bench_row_kernels import one_node_session
+
+    node = onnx.load(str(tmp_path / "f32" / "model.onnx")).graph
+    read = one_node_session(node.node[0], list(node.initializer), 64, 24, 0)
+    assert np.array_equal(read.run(None, {"x": np.eye(64, dtype=np.float32)})[0], dense.astype(np.float32))
+    out = tmp_path / "rk.json"
+    argv = ["bench_row_kernels.py", str(tmp_path / "a8"), str(tmp_path / "f32"), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(BENCH / "bench_row_kernels.py"), run_name="__main__")
+    a8, f32 = json.loads(out.read_text())["graphs"]
+    assert (a8["accuracy_level"], f32["accuracy_level"], a8["products"]) == (4, 0, 1)
+    assert all(1e-4 < a8["median"][k] < 0.1 for k in ("lone", "together"))
+    assert all(f32["median"][k] < 1e-5 for k in ("lone", "together"))
