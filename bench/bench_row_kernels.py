@@ -28,26 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def one_node_session(node, weights, K: int, N: int, level: int):
-    """`node` alone, its input `x` of K columns, at the given accuracy level."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    one = helper.make_node(node.op_type, ["x", *node.input[1:]], ["y"], domain=node.domain)
-    one.attribute.extend(a for a in node.attribute if a.name != "accuracy_level")
-    one.attribute.append(helper.make_attribute("accuracy_level", level))
-    graph = helper.make_graph(
-        [one],
-        "product",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, K])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, N])],
-        weights,
-    )
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-
-
 def relative_rms(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.sqrt(((a - ref) ** 2).mean() / (ref**2).mean()))
 
@@ -56,16 +36,13 @@ def measure_graph(path: Path, rows: int, limit: int | None) -> dict:
     """Each 4-bit product's errors, lone row and rows together, against the float64 product."""
     import onnx
 
+    from specrt.engines.ort_products import one_node_session, weight_products
+
     model = onnx.load(str(path))
-    inits = {i.name: i for i in model.graph.initializer}
     rng = np.random.default_rng(0)
     products, level = [], None
-    for node in model.graph.node:
-        weights = [inits.get(name) for name in node.input[1:] if name]
-        if node.op_type != "MatMulNBits" or None in weights:
-            continue
-        attrs = {a.name: a.i for a in node.attribute}
-        K, N, level = attrs["K"], attrs["N"], attrs.get("accuracy_level", 0)
+    for node, weights, K, N in weight_products(model, ("MatMulNBits",)):
+        level = next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
         engine = one_node_session(node, weights, K, N, level)
         # the dequantized weights, exactly: level 0 dequantizes to float32 and each output of
         # the identity's product is one weight times 1 plus zeros

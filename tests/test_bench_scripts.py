@@ -149,12 +149,13 @@ def test_bench_row_kernels_measures_against_the_weights_as_dequantized_by_hand(t
     rounding of it, at level 4 (int8 activations) both are off by the activations' rounding."""
     import json
 
+    import onnx
+
+    from specrt.engines.ort_products import one_node_session
+
     monkeypatch.syspath_prepend(str(BENCH))
     _four_bit_graph(tmp_path / "a8", level=4)
     dense = _four_bit_graph(tmp_path / "f32", level=0)
-    import onnx
-    from bench_row_kernels import one_node_session
-
     node = onnx.load(str(tmp_path / "f32" / "model.onnx")).graph
     read = one_node_session(node.node[0], list(node.initializer), 64, 24, 0)
     assert np.array_equal(read.run(None, {"x": np.eye(64, dtype=np.float32)})[0], dense.astype(np.float32))

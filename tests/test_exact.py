@@ -149,33 +149,10 @@ def one_row_products_agree(graph) -> bool:
     each product run on its own, as a graph of that one node. On an Intel Xeon every product of
     the fused graphs but the level-0 4-bit ones did; on an AMD EPYC the 4-bit products with int8
     activations do not either."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
+    from specrt.engines.ort_products import one_node_session, weight_products
 
-    inits = {i.name: i for i in graph.graph.initializer}
-    for node in graph.graph.node:
-        weights = [inits.get(name) for name in node.input[1:] if name]
-        if node.op_type not in ("MatMul", "MatMulNBits") or not weights or None in weights:
-            continue
-        if node.op_type == "MatMul":
-            if len(weights[0].dims) != 2:
-                continue
-            K, N = weights[0].dims
-        else:
-            attrs = {a.name: a.i for a in node.attribute}
-            K, N = attrs["K"], attrs["N"]
-        one = helper.make_node(node.op_type, ["x", *node.input[1:]], ["y"], domain=node.domain)
-        one.attribute.extend(node.attribute)
-        g = helper.make_graph(
-            [one],
-            "product",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, K])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, N])],
-            weights,
-        )
-        opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-        model = helper.make_model(g, opset_imports=opsets)
-        s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for node, weights, K, N in weight_products(graph):
+        s = one_node_session(node, weights, K, N)
         x = np.random.default_rng(0).standard_normal((2, K)).astype(np.float32)
         if not np.array_equal(s.run(None, {"x": x[:1]})[0][0], s.run(None, {"x": x})[0][0]):
             return False
