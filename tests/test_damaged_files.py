@@ -213,3 +213,30 @@ def test_an_export_whose_parity_is_nan_is_refused():
     check_head_parity({"ort_parity": {"logits_max_abs": 1e-6, "logits_scale": 3.0}}, "h")
     with pytest.raises(SpecrtError, match="export parity is not finite"):
         check_head_parity({"ort_parity": {"logits_max_abs": float("nan"), "logits_scale": 3.0}}, "h")
+
+
+class _Planted:
+    """A pickle that writes a file when it is loaded: what a planted checkpoint.pt would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def test_a_planted_pickle_at_the_resume_path_runs_nothing(trained, tiny_checkpoint, tiny_artifacts, tmp_path):
+    """torch.load(weights_only=False) unpickled whatever lay at the resume path: a planted file ran
+    its code when training resumed. Now only tensors, dicts, lists and numbers load; the rest is
+    refused by name, and the code never runs."""
+    import torch
+
+    out = shutil.copytree(trained, tmp_path / "eagle3")
+    marker = tmp_path / "ran.txt"
+    torch.save({"identity": _Planted(marker), "step": 0}, out / "checkpoint.pt")
+    before = snapshot(out)
+    r = run(*train_args(tiny_checkpoint, tiny_artifacts, out))
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "refused and nothing in it ran" in line and str(out / "checkpoint.pt") in line, r.output
+    assert not marker.exists(), "the planted pickle's code ran"
+    assert snapshot(out) == before

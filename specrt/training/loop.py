@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -48,13 +49,21 @@ def save_checkpoint(state: dict, path: Path) -> None:
 def load_checkpoint(path: Path, identity: dict) -> dict:
     """A training checkpoint's state, refused when it belongs to another run (its recorded
     identity: config, data, held-out split, ... differs from `identity`)."""
-    try:
-        st = torch.load(path, weights_only=False)
-    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
+    import pickle
+
+    try:  # weights_only: tensors, dicts, lists and numbers only; a pickle of anything else runs nothing
+        st = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found is None:  # not a pickle, or cut short
+            raise _damaged(path, e) from None
         raise SpecrtError(
-            f"{path} is damaged ({type(e).__name__}: {str(e)[:120]}), so training cannot resume from it; delete it "
-            f"to start training over (rm {path}), or restore it from a copy"
+            f"{path} names {found.group(1)}, which a specrt training checkpoint never holds (a pickle that would run "
+            "code or build objects when loaded), so it was refused and nothing in it ran; delete it to start training "
+            f"over (rm {path}), and find out who put it there"
         ) from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, ... for a damaged file
+        raise _damaged(path, e) from None
     if not isinstance(st, dict) or "identity" not in st:
         raise SpecrtError(f"{path} is not a specrt training checkpoint; delete it to start training over (rm {path})")
     if st["identity"] != identity:
@@ -63,6 +72,13 @@ def load_checkpoint(path: Path, identity: dict) -> dict:
             "to start again, or give the same settings to resume"
         )
     return st
+
+
+def _damaged(path: Path, e: Exception) -> SpecrtError:
+    return SpecrtError(
+        f"{path} is damaged ({type(e).__name__}: {str(e)[:120]}), so training cannot resume from it; delete it "
+        f"to start training over (rm {path}), or restore it from a copy"
+    )
 
 
 class Trainer:
