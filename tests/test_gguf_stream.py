@@ -143,3 +143,42 @@ def test_train_draft_quantize_names_an_engine_of_artifacts(converted, tmp_path):
     r = CliRunner().invoke(main, [*args, "gguf-a8", "--prompts", "4", "--tensorrt", "off"])
     assert r.exit_code == 1 and "--quantize gguf-a8 names an engine of --artifacts" in r.output, r.output
     assert "Traceback" not in r.output
+
+
+def test_a_gguf_changed_in_place_under_its_checkpoint_is_refused(converted, tmp_path):
+    """4 KiB of tensor data zeroed in place (same size): build-engines made a gguf-a8 engine of the
+    changed file without a word. convert records the file's sha256; the build and a run that reads
+    the weights from the file check it (a stat when nothing changed) and refuse by name."""
+    path, _, _ = converted
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(path.read_bytes())
+    lean = tmp_path / "lean"
+    assert CliRunner().invoke(main, ["convert", str(gguf), "--out", str(lean), "--weights", "gguf"]).exit_code == 0
+    data = bytearray(gguf.read_bytes())
+    data[-8192:-4096] = bytes(4096)
+    gguf.write_bytes(bytes(data))
+    build = ["build-engines", "--model", str(lean), "--out", str(tmp_path / "a"), "--quantize", "gguf-a8"]
+    r = CliRunner().invoke(main, [*build, "--tensorrt", "off"])
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and f"{gguf.resolve()} changed since {lean} was converted from it" in line, r.output
+    assert f"specrt convert {gguf.resolve()} --out {lean} --weights gguf" in line and "Traceback" not in r.output
+    assert not (tmp_path / "a" / "engines").exists()
+    run = ["generate", "--backend", "torch", "--model", str(lean), "--no-chat", "--prompt", "a b", "--max-new-tokens", "2"]
+    r = CliRunner().invoke(main, run)
+    assert r.exit_code == 1 and "changed since" in r.output and "Traceback" not in r.output, r.output
+    gguf.write_bytes(path.read_bytes())  # the original bytes back: both run again
+    assert CliRunner().invoke(main, run).exit_code == 0
+
+
+def test_a_project_folder_moved_with_its_models_still_finds_the_file(converted, tmp_path):
+    """gguf_source.json names the file by its path and by its place relative to the checkpoint."""
+    path, _, _ = converted
+    before = tmp_path / "before"
+    (before / "models").mkdir(parents=True)
+    (before / "models" / "tiny.gguf").write_bytes(path.read_bytes())
+    r = CliRunner().invoke(
+        main, ["convert", str(before / "models/tiny.gguf"), "--out", str(before / "models/lean"), "--weights", "gguf"]
+    )
+    assert r.exit_code == 0, r.output
+    after = before.rename(tmp_path / "after")
+    assert gguf_weights(after / "models" / "lean").resolve() == (after / "models" / "tiny.gguf").resolve()

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.artifacts import file_sha256
 from specrt.calibration import GGUF_SCHEMES
 from specrt.calibration.blocks import (
     BLOCK,
@@ -39,6 +38,7 @@ from specrt.calibration.blocks import (
     write_quantized,
 )
 from specrt.errors import SpecrtError
+from specrt.schema.checkpoint_files import file_digest
 from specrt.schema.graph_files import ONNX_FILE
 
 # the GGUF block types read here, each in one of blocks.py's layouts (_split_blocks)
@@ -188,7 +188,7 @@ def _recipe(gguf_path: Path, scheme: str) -> dict:
         "block_size": BLOCK,
         "accuracy_level": GGUF_SCHEMES[scheme],
         "recipe_version": RECIPE_VERSION,
-        "gguf": {"file": gguf_path.name, "sha256": file_sha256(gguf_path)},
+        "gguf": {"file": gguf_path.name, "sha256": file_digest(gguf_path)},
     }
 
 
@@ -287,7 +287,7 @@ def fused_from_gguf(
     recipe = _recipe(gguf_path, scheme)
     source = gguf_weights(checkpoint)  # the file itself is not hashed again: _recipe just did
     same = source is not None and source.resolve() == gguf_path.resolve()
-    if source is not None and not same and file_sha256(source) != recipe["gguf"]["sha256"]:
+    if source is not None and not same and file_digest(source) != recipe["gguf"]["sha256"]:
         raise SpecrtError(
             f"{checkpoint} reads its weights from {source}, not from --gguf {gguf_path}; give --gguf {source} "
             "(or leave --gguf out)"

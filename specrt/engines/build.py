@@ -313,14 +313,14 @@ def _gguf_file(spec: BuildSpec) -> Path:
 
 def _gguf_source(spec: BuildSpec) -> tuple[dict, Path]:
     """(the quantization fields a current gguf graph records, the GGUF file) of --quantize gguf."""
-    from specrt.artifacts import file_sha256
     from specrt.calibration.gguf_blocks import RECIPE_VERSION
+    from specrt.schema.checkpoint_files import file_digest
 
     gguf = _gguf_file(spec)
     return {
         "scheme": spec.quantize,
         "recipe_version": RECIPE_VERSION,
-        "gguf": {"file": Path(gguf).name, "sha256": file_sha256(gguf)},
+        "gguf": {"file": Path(gguf).name, "sha256": file_digest(gguf)},
     }, Path(gguf)
 
 

@@ -9,15 +9,16 @@ llama.cpp leaves to its code) is each family's `Gguf` (schema/arch/).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specrt.artifacts import atomic_dir, file_sha256
+from specrt.artifacts import atomic_dir
 from specrt.errors import CheckpointError, SpecrtError, UnsupportedArchitectureError
 from specrt.schema.arch import FAMILIES
-from specrt.schema.checkpoint_files import GGUF_SOURCE
+from specrt.schema.checkpoint_files import GGUF_SOURCE, file_digest, recorded_file
 from specrt.schema.config import ModelConfig
 
 # GGUF tensor name (after the block prefix) -> transformers name
@@ -238,7 +239,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
         _write_tokenizer(gguf_path, reader, tmp)
         # build-engines --quantize gguf computes from the GGUF's own blocks: it finds the file here
-        source = {"file": str(gguf_path.resolve()), "sha256": file_sha256(gguf_path)}
+        source = {
+            "file": str(gguf_path.resolve()),
+            "relative": os.path.relpath(gguf_path.resolve(), out_dir.resolve()),  # moves with a project folder
+            "sha256": file_digest(gguf_path),  # remembered: the build checks it for the cost of a stat
+        }
         if weights == "gguf":
             source["weights_in_file"] = True  # schema/checkpoint_files.py gguf_weights
         (tmp / GGUF_SOURCE).write_text(json.dumps(source, indent=2) + "\n")
@@ -257,10 +262,10 @@ def gguf_origin(checkpoint: str | Path) -> Path | None:
     record = Path(checkpoint) / GGUF_SOURCE
     try:
         source = json.loads(record.read_text())
-        path = Path(source["file"])
-    except (OSError, ValueError, KeyError, TypeError):
+        path = recorded_file(checkpoint, source)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return path if path.is_file() and file_sha256(path) == source.get("sha256") else None
+    return path if path.is_file() and file_digest(path) == source.get("sha256") else None
 
 
 def _require_tokenizer(reader, path: Path) -> None:

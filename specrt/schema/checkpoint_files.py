@@ -41,13 +41,64 @@ def gguf_weights(ckpt_dir: str | Path) -> Path | None:
         raise CheckpointError(f"{record} is not valid JSON ({e}); convert the GGUF file again.") from None
     if not isinstance(source, dict) or not source.get("weights_in_file"):
         return None
-    path = Path(source.get("file", ""))
+    path = recorded_file(ckpt_dir, source)
     if not path.is_file():
         raise CheckpointError(
             f"{ckpt_dir} reads its weights from the GGUF file {path}, which is gone; put it back or convert the "
-            "file again (specrt convert FILE --out DIR)."
+            "file again (specrt convert FILE --out DIR --weights gguf)."
+        )
+    if isinstance(source.get("sha256"), str) and file_digest(path) != source["sha256"]:
+        raise CheckpointError(
+            f"{path} changed since {ckpt_dir} was converted from it (its sha256 is not the one {record.name} "
+            f"records), and {ckpt_dir} reads its weights from it: put the original file back, or convert the file as "
+            f"it is now: specrt convert {path} --out {ckpt_dir} --weights gguf (then rebuild its engines)."
         )
     return path
+
+
+def recorded_file(ckpt_dir: str | Path, source: dict) -> Path:
+    """The GGUF file a gguf_source.json names: where it was at convert, else the same place
+    relative to the checkpoint (a project folder moved with its models)."""
+    path = Path(source.get("file", ""))
+    relative = source.get("relative")
+    if not path.is_file() and isinstance(relative, str) and (Path(ckpt_dir) / relative).is_file():
+        return Path(ckpt_dir) / relative
+    return path
+
+
+def file_digest(path: str | Path) -> str:
+    """The sha256 of a file ("sha256:..."), read in full only when the file is not the one last
+    read: its path, size, modification time, change time or inode differ (any write changes the
+    change time, which no user-level tool sets back). Remembered in ~/.cache/specrt, as
+    checkpoint_hash's are: a 1 GB GGUF is checked at every start for the cost of a stat."""
+    path = Path(path).resolve()
+    st = os.stat(path)
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+    cache_path = _hash_cache_path().with_name("file-hashes.json")
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cache, dict) and isinstance(cache.get(key), str):
+        return cache[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+    digest = "sha256:" + h.hexdigest()
+    cache = {k: v for k, v in (cache if isinstance(cache, dict) else {}).items() if not k.startswith(f"{path}:")}
+    _write_cache(cache_path, {**cache, key: digest})
+    return digest
+
+
+def _write_cache(cache_path: Path, cache: dict) -> None:
+    try:  # the cache is an optimisation: a read-only home directory only costs time
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_path)
+    except OSError:
+        pass
 
 
 def weight_files(ckpt_dir: Path) -> list[Path]:
@@ -120,13 +171,6 @@ def checkpoint_hash(path: str | Path) -> str:
             while chunk := fh.read(_HASH_CHUNK):
                 h.update(chunk)
     digest = "sha256:" + h.hexdigest()
-    try:  # the cache is an optimisation: a read-only home directory only costs time
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache = {k: v for k, v in cache.items() if not k.startswith(str(files[0].resolve().parent))}
-        cache[key] = digest
-        tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_path)
-    except OSError:
-        pass
+    cache = {k: v for k, v in cache.items() if not k.startswith(str(files[0].resolve().parent))}
+    _write_cache(cache_path, {**cache, key: digest})
     return digest
