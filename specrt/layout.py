@@ -7,6 +7,8 @@
     <root>/engines/ort-<provider>-<scheme>/  ... of onnx-fused-<scheme>/ or onnx-<scheme>/
     <root>/engines/trt-<flavour>/         a TensorRT / TensorRT-RTX engine
     <root>/engines/timing.cache           TensorRT's timing cache, reused across builds
+    <root>/model/                         the tokenizer, chat template and config a run reads (schema/model_files.py):
+                                          a copied folder runs without the checkpoint
 
 build-engines writes here; generate, serve, bench, inspect and the benchmark scripts read from
 here through `ArtifactLayout`, so a new artifact kind (a draft head, say) is added in one place.
@@ -75,6 +77,11 @@ class ArtifactLayout(_Layout):
     def built_trt_engine(self, scheme: str = "none") -> Path | None:
         """The TensorRT engine of a scheme present here (full TensorRT preferred), or None."""
         return next((d for d in (self.trt_engine(f, scheme) for f in TRT_FLAVOURS) if d.is_dir()), None)
+
+    @property
+    def model_files(self) -> Path:
+        """The checkpoint's run-time files (tokenizer, chat template, config) the engines read."""
+        return self.root / "model"
 
     @property
     def calibration(self) -> Path:

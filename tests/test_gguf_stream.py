@@ -163,7 +163,8 @@ def test_a_gguf_changed_in_place_under_its_checkpoint_is_refused(converted, tmp_
     assert r.exit_code == 1 and f"{gguf.resolve()} changed since {lean} was converted from it" in line, r.output
     assert f"specrt convert {gguf.resolve()} --out {lean} --weights gguf" in line and "Traceback" not in r.output
     assert not (tmp_path / "a" / "engines").exists()
-    run = ["generate", "--backend", "torch", "--model", str(lean), "--no-chat", "--prompt", "a b", "--max-new-tokens", "2"]
+    run = ["generate", "--backend", "torch", "--model", str(lean), "--no-chat", "--prompt", "a b"]
+    run += ["--max-new-tokens", "2"]
     r = CliRunner().invoke(main, run)
     assert r.exit_code == 1 and "changed since" in r.output and "Traceback" not in r.output, r.output
     gguf.write_bytes(path.read_bytes())  # the original bytes back: both run again

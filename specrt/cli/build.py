@@ -90,7 +90,12 @@ def export(checkpoint: Path, out: Path, opset: int, hidden_layers: str):
 
 @main.command("build-engines")
 @click.option(
-    "--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="Checkpoint directory or .gguf file."
+    "--model",
+    "checkpoint",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Checkpoint directory or .gguf file. Without it, the ORT engine of --quantize is built for this machine "
+    "from the graph the --out folder holds (a folder copied from another machine).",
 )
 @click.option(
     "--out",
@@ -219,7 +224,8 @@ def build_engines(
     from specrt.engines.trt import TrtBuildSpec
     from specrt.layout import ArtifactLayout
 
-    _check_max_context(checkpoint, max_context)
+    if checkpoint is not None:
+        _check_max_context(checkpoint, max_context)
     shapes = EngineShapes(max_batch=max_batch, max_context=max_context, max_prefill=max_prefill, max_verify=max_verify)
     trt_spec = TrtBuildSpec(
         shapes=shapes,

@@ -20,7 +20,7 @@ from specrt.layout import ArtifactLayout
 
 @dataclasses.dataclass(frozen=True)
 class BuildSpec:
-    checkpoint: Path
+    checkpoint: Path | None  # None: only engines, from the graphs --out holds (_engines_from_graphs)
     out: Path
     provider: str = "cpu"
     force: bool = False
@@ -67,6 +67,11 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
     from specrt.artifacts import clean_stale_temporaries, exclusive_lock
     from specrt.export.checkpoint import load_config
 
+    if spec.checkpoint is None:  # a copied folder: its engines made again here from its graphs
+        with exclusive_lock(spec.out, "specrt build-engines"):
+            clean_stale_temporaries(spec.out)
+            yield from _engines_from_graphs(spec)
+        return
     _check_context(load_config(spec.checkpoint), spec.checkpoint)  # before anything is written
     if spec.quantize in GGUF_SCHEMES:  # the file's block types, before the float export's minutes
         from specrt.calibration.gguf_blocks import require_block_types
@@ -118,6 +123,7 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
         raise SpecrtError(f"graph flavour {spec.graph!r}: choose fused or portable")
     ckpt_hash = checkpoint_hash(spec.checkpoint)
     layers = list(default_target_layers(load_config(spec.checkpoint).num_hidden_layers))
+    yield from _model_files(spec, ckpt_hash)
     if _weights_in_gguf(spec.checkpoint) and spec.quantize in GGUF_SCHEMES and spec.graph == "fused":
         # the weights stay in the file: build what the engine of its blocks needs, streamed from it
         yield "onnx      skipped: the weights stay in the GGUF file (its float32 graphs: --quantize none)"
@@ -146,6 +152,39 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
     yield from _build_tensorrt(spec, odir, onnx_files, ckpt_hash, exported)
     if spec.quantize != "none":
         yield from _build_quantized(spec, odir, onnx_files, ckpt_hash)
+
+
+def _engines_from_graphs(spec: BuildSpec) -> Iterator[str]:
+    """Without a checkpoint: the ORT engine of --quantize's graph in an artifacts folder (copied
+    from another machine, or with another onnxruntime), built for this CPU from the graph and the
+    run-time files the folder carries. The graphs themselves are CPU-independent."""
+    from specrt.artifacts import MANIFEST
+    from specrt.schema.graph_files import read_onnx_manifest
+
+    layout = ArtifactLayout(spec.out)
+    flavour = "fused" if spec.graph == "fused" and spec.quantize in (*FUSED_SCHEMES, *FUSED_WEIGHT_ONLY) else "portable"
+    odir = layout.source_onnx(spec.quantize, flavour)
+    if not (odir / MANIFEST).is_file():
+        raise SpecrtError(
+            f"{odir} holds no step graph, and without --model an engine is built only from the graph an artifacts "
+            f"folder carries; give the checkpoint: specrt build-engines --model CHECKPOINT --out {spec.out} "
+            f"--quantize {spec.quantize}"
+        )
+    m = read_onnx_manifest(odir)
+    yield from _build_ort(spec, odir, m["files"], m["checkpoint"]["hash"], stale=False, quantize=spec.quantize)
+    yield "tensorrt  skipped: without --model only ONNX Runtime engines are built"
+
+
+def _model_files(spec: BuildSpec, ckpt_hash: str) -> Iterator[str]:
+    """The tokenizer, chat template and config a run reads, copied beside the engines
+    (schema/model_files.py): the artifacts folder then runs without the checkpoint."""
+    from specrt.schema.model_files import write_model_files
+
+    folder, written = write_model_files(spec.checkpoint, spec.out, ckpt_hash)
+    if folder is None:
+        yield f"model     skipped: {spec.checkpoint} has no tokenizer.json (runs read the checkpoint)"
+    elif written:
+        yield f"model     {folder}: the tokenizer, chat template and config a run reads, copied"
 
 
 def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str = "none") -> Iterator[str]:
@@ -358,6 +397,9 @@ def _build_ort(
     shapes = (current or {}).get("batch_invariance", {}).get("bitwise", {})
     measured = current is not None and "step_ms" in current and "unpadded" in shapes and "graph_dir" in current
     measured = measured and ("step_cuts" in current or current.get("graph_flavour") != "fused")
+    # an engine that reads its tokenizer from the checkpoint while the artifacts carry it
+    model_files = ArtifactLayout(spec.out).model_files
+    measured = measured and (current.get("model_dir") is not None or not model_files.is_dir())
     if measured and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
     else:

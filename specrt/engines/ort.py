@@ -35,6 +35,7 @@ from specrt.artifacts import (
 from specrt.engines.ort_measure import batch_invariance, step_costs, step_cuts
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.schema.graph_files import ONNX_FILE, read_onnx_manifest
+from specrt.schema.model_files import model_dir_for
 
 ENGINE_KIND = "ort-engine"
 OPT_FILE = "model.opt.onnx"
@@ -203,6 +204,8 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
             {
                 "onnx": {"path": str(onnx_dir.resolve()), "files": onnx_manifest["files"]},
                 "graph_dir": graph_dir,  # the graph it runs, relative to the engine
+                # its tokenizer and chat template, relative to the engine (None: the checkpoint's)
+                "model_dir": model_dir_for(out_dir, onnx_dir.parent, onnx_manifest["checkpoint"]["hash"]),
                 "checkpoint": onnx_manifest["checkpoint"],
                 "config": onnx_manifest["config"],
                 "hidden_layers": onnx_manifest["hidden_layers"],
@@ -268,9 +271,24 @@ def read_engine_manifest(
     m = read_manifest(engine_dir, ENGINE_KIND, HOW_TO_BUILD, MANIFEST_FIELDS)
     config_from_manifest(m, engine_dir, HOW_TO_BUILD)
     require_same_checkpoint(m, checkpoint_hash_expected, f"engine {engine_dir}", f"Rebuild it with: {HOW_TO_BUILD}")
-    check_built_here(m, f"engine {engine_dir}", "specrt build-engines")
+    check_built_here(m, f"engine {engine_dir}", rebuild_command(engine_dir, m))
     check_engine_files(engine_dir, m, verify)
     return m
+
+
+def rebuild_command(engine_dir: str | Path, m: dict) -> str:
+    """The one command that builds an engine again on this machine from the graph beside it (no
+    checkpoint needed: build-engines without --model), for an engine that names its graph."""
+    graph = m.get("graph_dir")
+    if not isinstance(graph, str):
+        return HOW_TO_BUILD
+    root = (Path(engine_dir) / graph).resolve().parent
+    scheme = (m.get("quantization") or {}).get("scheme") or "none"
+    provider = next((k for k, v in PROVIDERS.items() if v == m.get("provider")), "cpu")
+    command = f"specrt build-engines --out {root}"
+    command += f" --quantize {scheme}" if scheme != "none" else ""
+    command += " --graph portable" if m.get("graph_flavour") != "fused" else ""
+    return command + (f" --provider {provider}" if provider != "cpu" else "")
 
 
 def load_ort_session(

@@ -32,6 +32,7 @@ from specrt.artifacts import (
 from specrt.engines.profiles import EngineShapes, ProfileSpec, Range
 from specrt.errors import ArtifactError, ManifestMismatchError, SpecrtError
 from specrt.schema.graph_files import ONNX_FILE, read_onnx_manifest
+from specrt.schema.model_files import model_dir_for
 
 TRT_KIND = "trt-engine"
 ENGINE_FILE = "model.engine"
@@ -167,6 +168,8 @@ def build_trt_engine(
                 **built.facts,
                 "onnx": {"path": str(onnx_dir.resolve()), "files": onnx_manifest["files"]},
                 "checkpoint": onnx_manifest["checkpoint"],
+                # its tokenizer and chat template, relative to the engine (None: the checkpoint's)
+                "model_dir": model_dir_for(out_dir, onnx_dir.parent, onnx_manifest["checkpoint"]["hash"]),
                 "config": cfg,
                 "hidden_layers": onnx_manifest["hidden_layers"],
                 "graph_flavour": graph_flavour,

@@ -163,20 +163,18 @@ class Target:
         multi_engine: str | Path | None = None,
         **kw,
     ) -> "Target":
-        """The target on a built ORT engine. The checkpoint (for the tokenizer) defaults to the one
-        the engine was built from; a checkpoint given explicitly must be the one in the manifest.
-        verify: "auto" hashes the engine's files when they changed since their last check, "full"
-        always (see specrt.artifacts). multi_engine: another engine of the same model for steps of
-        more than one position (backends.SplitBackend: e.g. gguf decodes, float32 verifies)."""
+        """The target on a built ORT engine. The tokenizer and chat template come from the files
+        the artifacts carry (schema/model_files.py: no checkpoint needed), or from the checkpoint
+        the engine was built from for an engine without them; a checkpoint given explicitly wins
+        and must be the one in the manifest. verify: "auto" hashes the engine's files when they
+        changed since their last check, "full" always (see specrt.artifacts). multi_engine: another
+        engine of the same model for steps of more than one position (backends.SplitBackend: e.g.
+        gguf decodes, float32 verifies)."""
         from specrt.engines.ort import load_ort_session, read_engine_manifest
         from specrt.runtime.backends import OrtBackend, SplitBackend
-        from specrt.schema.checkpoint_files import checkpoint_hash
 
-        manifest = read_engine_manifest(
-            engine_dir, verify="none"
-        )  # for the checkpoint's path; the files are checked below
-        checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
-        expected = checkpoint_hash(checkpoint)
+        manifest = read_engine_manifest(engine_dir, verify="none")  # the files are checked below
+        checkpoint, tokenizer_dir, expected = _tokenizer_source(engine_dir, manifest, checkpoint, verify)
 
         def load(directory):
             session, manifest, provider = load_ort_session(
@@ -187,7 +185,7 @@ class Target:
         backend = load(engine_dir)
         if multi_engine is not None:
             backend = SplitBackend(single=backend, multi=load(multi_engine))
-        return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
+        return cls(backend, Tokenizer(tokenizer_dir), checkpoint=checkpoint, **kw)
 
     @classmethod
     def from_trt_engine(
@@ -205,21 +203,19 @@ class Target:
         from specrt.artifacts import read_manifest
         from specrt.engines.trt import TRT_KIND
         from specrt.runtime.backends import TrtBackend
-        from specrt.schema.checkpoint_files import checkpoint_hash
-
-        manifest = read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")
-        checkpoint = Path(checkpoint or manifest["checkpoint"]["path"])
         from specrt.schema.graph_files import source_onnx_files
 
+        manifest = read_manifest(engine_dir, TRT_KIND, "specrt build-engines --tensorrt auto")
+        checkpoint, tokenizer_dir, expected = _tokenizer_source(engine_dir, manifest, checkpoint, verify)
         backend = TrtBackend(
             engine_dir,
             device=device,
             cuda_graphs=cuda_graphs,
-            checkpoint_hash_expected=checkpoint_hash(checkpoint),
+            checkpoint_hash_expected=expected,
             onnx_files=source_onnx_files(manifest),
             verify=verify,
         )
-        return cls(backend, Tokenizer(checkpoint), checkpoint=checkpoint, **kw)
+        return cls(backend, Tokenizer(tokenizer_dir), checkpoint=checkpoint, **kw)
 
     @classmethod
     def from_checkpoint(
@@ -288,3 +284,23 @@ class Target:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in token_ids if t not in self.eos_ids])
+
+
+def _tokenizer_source(engine_dir, manifest: dict, checkpoint, verify: str) -> tuple[Path, Path, str | None]:
+    """(the checkpoint, the folder the tokenizer is read from, the checkpoint hash the engine must
+    have: None where the engine's own manifest is the only record) of an engine: a checkpoint
+    given explicitly is hashed and read; else the run-time files the artifacts carry; else (an
+    engine built before they did) the checkpoint its manifest names, which must still be there."""
+    from specrt.errors import CheckpointError
+    from specrt.schema.checkpoint_files import checkpoint_hash
+    from specrt.schema.model_files import engine_model_files, missing_checkpoint_advice
+
+    if checkpoint is not None:
+        return Path(checkpoint), Path(checkpoint), checkpoint_hash(checkpoint)
+    recorded = Path(manifest["checkpoint"]["path"])  # its name names the served model
+    folder = engine_model_files(engine_dir, manifest, verify)
+    if folder is not None:
+        return recorded, folder, None
+    if not recorded.exists():
+        raise CheckpointError(missing_checkpoint_advice(engine_dir, manifest))
+    return recorded, recorded, checkpoint_hash(recorded)
