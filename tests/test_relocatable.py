@@ -112,3 +112,24 @@ def test_an_engine_of_a_checkpoint_given_explicitly_must_be_that_checkpoints(bui
     tree, art, answer = built
     r = generate(art, "--model", tree / "ckpt")
     assert r.exit_code == 0 and r.stdout.splitlines()[0] == answer, r.output
+
+
+def test_a_missing_gguf_backed_checkpoint_names_what_it_held_and_the_command_that_makes_it(built, copied):
+    """It said "Pass a directory with config.json and *.safetensors" of a checkpoint that holds no
+    safetensors (its weights stay in the GGUF file)."""
+    tree, _, _ = built
+    copy, _ = copied
+    r = generate(copy, "--model", tree / "ckpt")
+    line = r.output.strip().splitlines()[-1]
+    remake = f"specrt convert {(tree / 'tiny.gguf').resolve()} --out {(tree / 'ckpt').resolve()} --weights gguf"
+    assert r.exit_code == 1 and f"checkpoint directory {tree / 'ckpt'} does not exist" in line, r.output
+    assert "converted from a GGUF file; make it again with: " + remake in line
+
+
+def test_a_converted_checkpoint_without_its_record_says_what_it_lacks(built, tmp_path):
+    tree, _, _ = built
+    lean = shutil.copytree(tree / "ckpt", tmp_path / "lean")
+    (lean / "gguf_source.json").unlink()
+    r = cli("generate", "--backend", "torch", "--model", lean, *PROMPT)
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "holds config.json but no weights, and no gguf_source.json" in line, r.output

@@ -292,10 +292,11 @@ def _tokenizer_source(engine_dir, manifest: dict, checkpoint, verify: str) -> tu
     given explicitly is hashed and read; else the run-time files the artifacts carry; else (an
     engine built before they did) the checkpoint its manifest names, which must still be there."""
     from specrt.errors import CheckpointError
-    from specrt.schema.checkpoint_files import checkpoint_hash
-    from specrt.schema.model_files import engine_model_files, missing_checkpoint_advice
+    from specrt.schema.checkpoint_files import checkpoint_hash, require_checkpoint
+    from specrt.schema.model_files import engine_model_files, missing_checkpoint_advice, model_files_remake
 
     if checkpoint is not None:
+        require_checkpoint(checkpoint, model_files_remake(engine_dir, manifest, checkpoint))
         return Path(checkpoint), Path(checkpoint), checkpoint_hash(checkpoint)
     recorded = Path(manifest["checkpoint"]["path"])  # its name names the served model
     folder = engine_model_files(engine_dir, manifest, verify)

@@ -15,12 +15,29 @@ from specrt.errors import CheckpointError
 _HASH_CHUNK = 8 << 20
 
 
-def require_checkpoint_dir(ckpt_dir: Path) -> None:
+KINDS = (
+    "specrt reads a directory with config.json and *.safetensors, a directory `specrt convert FILE.gguf --out DIR "
+    "--weights gguf` wrote (config.json and the tokenizer: no safetensors, the weights stay in the GGUF file), or a "
+    ".gguf file"
+)
+
+
+def require_checkpoint_dir(ckpt_dir: Path, remake: str | None = None) -> None:
+    """Refuse a checkpoint directory that is not there, naming the command that makes it again
+    where a record says (`remake`), else what a checkpoint is and how the registry's are made."""
     if not Path(ckpt_dir).is_dir():
-        raise CheckpointError(
-            f"checkpoint directory {ckpt_dir} does not exist. Pass a directory with config.json and "
-            "*.safetensors, or a .gguf file (for the default model run `make model`)."
+        how = (
+            f"It was converted from a GGUF file; make it again with: {remake}"
+            if remake
+            else f"{KINDS} (for the registry's models run `make model`, with MODEL=NAME for one but the default)"
         )
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist. {how}.")
+
+
+def require_checkpoint(path: str | Path, remake: str | None = None) -> None:
+    """A checkpoint (a .gguf file or a directory) that is there (require_checkpoint_dir)."""
+    if not Path(path).is_file():
+        require_checkpoint_dir(Path(path), remake)
 
 
 GGUF_SOURCE = "gguf_source.json"  # in a converted checkpoint: the GGUF file it came from (path, sha256)
@@ -113,6 +130,11 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
             if pickles
             else ""
         )
+        if not hint and (ckpt_dir / "config.json").is_file():
+            hint = (
+                f" It holds config.json but no weights, and no {GGUF_SOURCE} naming a GGUF file it reads them from "
+                "(what `specrt convert FILE.gguf --out DIR --weights gguf` writes); convert the file again."
+            )
         raise CheckpointError(f"no *.safetensors files in {ckpt_dir}.{hint}")
     index = ckpt_dir / "model.safetensors.index.json"
     if index.exists():

@@ -126,6 +126,20 @@ def missing_checkpoint_advice(engine_dir: str | Path, manifest: dict) -> str:
     )
 
 
+def model_files_remake(engine_dir: str | Path, manifest: dict, checkpoint: str | Path) -> str | None:
+    """The command that makes `checkpoint` again, where the engine's run-time files record one
+    for that checkpoint (a conversion of a GGUF file); None otherwise."""
+    relative = manifest.get("model_dir")
+    if not isinstance(relative, str):
+        return None
+    try:
+        m = json.loads(((Path(engine_dir) / relative) / MANIFEST).read_text())
+        same = Path(m["checkpoint"]["path"]).resolve() == Path(checkpoint).resolve()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return m.get("remake") if same and isinstance(m.get("remake"), str) else None
+
+
 def _current(out: Path, ckpt_hash: str) -> bool:
     try:
         m = read_manifest(out, MODEL_FILES_KIND, HOW)
