@@ -78,9 +78,17 @@ DRAFT_PROMPTS ?= 2000
 DRAFT_ENGINE  ?= none
 DRAFT_TOKENS  ?= 192
 
-.PHONY: setup model build-engines drafts generate serve test test-fast bench bench-quant gpu-check clean
+KERNELS_REQUIRED ?= 1
 
-setup: $(VENV)/.installed
+.PHONY: kernels setup model build-engines drafts generate serve test test-fast bench bench-quant gpu-check clean
+
+setup: $(VENV)/.installed kernels
+
+# the kernel library for a GGUF's blocks (specrt/engines/kernels): g++ and ONNX Runtime's C headers (Debian's
+# libonnxruntime-dev, fetched without installing it); quick when current, one line and no failure when it
+# cannot be built (the engines then run ONNX Runtime's MatMulNBits)
+kernels: $(VENV)/.installed
+	$(PY) -m specrt.engines.kernels
 
 # torch is installed first and pinned: it is the CPU build on this machine's disk; letting pip
 # resolve torch itself pulls a multi-GB CUDA build.
@@ -139,7 +147,7 @@ serve: build-engines
 
 # the whole suite; real-model tests must run (not skip), so the model is fetched first
 test: setup model
-	SPECRT_REQUIRE_REAL_MODEL=1 $(PY) -m pytest -q -rs
+	SPECRT_REQUIRE_REAL_MODEL=1 SPECRT_REQUIRE_KERNELS=$(KERNELS_REQUIRED) $(PY) -m pytest -q -rs
 
 # tiny random models only (no download): the suite without its default-model tests
 test-fast: setup

@@ -247,7 +247,7 @@ def test_inspect_says_what_every_engine_computes(tiny_artifacts, tmp_path):
 
     r = CliRunner().invoke(main, ["inspect", str(tiny_artifacts)])
     floats = [line for line in r.output.splitlines() if line.startswith("  precision")]
-    assert len(floats) == len(list(tiny_artifacts.glob("*/manifest.json"))) + len(
+    assert len(floats) == len(list(tiny_artifacts.glob("onnx*/manifest.json"))) + len(
         list(tiny_artifacts.glob("engines/*/manifest.json"))
     )
     assert set(floats) == {"  precision   float32: 32-bit float weights, float32 activations"}

@@ -60,11 +60,12 @@ def test_the_streamed_engine_is_the_float_checkpoints_bit_for_bit(converted, tmp
         built[name] = list(build_all(spec))
     assert not [n for n in seen if n.endswith(".weight") and "norm" not in n], seen
     layout = ArtifactLayout(tmp_path / "lean")
-    assert built["lean"][0].startswith("onnx      skipped: the weights stay in the GGUF file")
+    assert built["lean"][0].startswith("model") and built["lean"][1].startswith("onnx      skipped: the weights stay")
     assert sorted(p.name for p in (tmp_path / "lean").iterdir() if not p.name.startswith(".")) == [
         "engines",
+        "model",
         "onnx-fused-gguf-a8",
-    ]  # nothing float32: only what the engine needs
+    ]  # nothing float32: only what the engine needs and the tokenizer a run reads
     assert [p.name for p in layout.engines.iterdir()] == ["ort-cpu-gguf-a8"]
     q = json.loads((layout.fused_onnx("gguf-a8") / "manifest.json").read_text())["quantization"]
     assert q["block_tensors_unused"] == [] and q["rewritten_matmuls"] == {"Q4_0": 4, "Q4_1": 8, "Q8_0": 3}

@@ -1,0 +1,581 @@
+// y = x W^T with W a GGUF tensor's bytes as stored (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), x float32
+// quantized to int8 in blocks: the layer products of a GGUF model, computed in place.
+//
+//   x  [M, K] float32 (row-major)       W  [N, row_bytes(type, K)] uint8: the file's rows, as stored
+//   y  [M, N] float32                    M: any (a step's rows: 1..17 verify, hundreds prefill)
+//
+// Why written here: ONNX Runtime's MatMulNBits rewrites these blocks (1.39 GB read a token where the
+// file holds 1.0) and unpacks each weight again for every pair of rows; ggml's kernels are not
+// batch-invariant (gemm for groups of rows, gemv for the rest). This one reads each weight block
+// once per group of rows (up to ROWS) and computes every output row in one fixed order, whatever the
+// number of rows and threads: threads split the output columns, rows never share arithmetic.
+//
+// Numbers (one definition, the scalar reference below; every SIMD path gives the same bits):
+//   x is quantized per block: 32 values for Q4_0/Q4_1/Q5_0/Q8_0 (QX32: d = max|x|/127, codes
+//   nearbyint(x/d), their sum), 256 for the k-quants (QXK: one d, sums per 16), as llama.cpp does.
+//   Weight codes are unsigned (a type's bias subtracted through the x sums), so one u8 x s8 dot
+//   serves every type. Integer dots are exact; a block's integer lanes (lane i: the products at
+//   k with (k >> 2) & 7 == i) are converted and accumulated into 8 float lanes with one fma each,
+//   offsets (Q4_1's m, Q4_K's mins) into one float, and the lanes are summed in one tree order.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// -- block formats (ggml's; shapes per block) ---------------------------------------------------
+
+enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+constexpr int QK = 32, QKK = 256, ROWS = 16;
+
+struct BQ4_0 { uint16_t d; uint8_t qs[16]; };                    // 32 weights: d (q - 8)
+struct BQ4_1 { uint16_t d, m; uint8_t qs[16]; };                 // 32: d q + m
+struct BQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };     // 32: d (q - 16), q 5 bits
+struct BQ8_0 { uint16_t d; int8_t qs[32]; };                     // 32: d q
+struct BQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };  // 256: d sc q - dmin m
+struct BQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };  // 256: d sc (q - 32)
+static_assert(sizeof(BQ4_0) == 18 && sizeof(BQ4_1) == 20 && sizeof(BQ5_0) == 22, "block sizes");
+static_assert(sizeof(BQ8_0) == 34 && sizeof(BQ4_K) == 144 && sizeof(BQ6_K) == 210, "block sizes");
+
+// x quantized: QX32 per 32 values (legacy types), QXK per 256 (k-quants)
+struct QX32 { float d; int32_t sum; int8_t q[QK]; };
+struct QXK { float d; int16_t bsums[16]; int8_t q[QKK]; };
+
+int block_values(int type) { return type == Q4_K || type == Q6_K ? QKK : QK; }
+
+size_t block_bytes(int type) {
+  switch (type) {
+    case Q4_0: return sizeof(BQ4_0);
+    case Q4_1: return sizeof(BQ4_1);
+    case Q5_0: return sizeof(BQ5_0);
+    case Q8_0: return sizeof(BQ8_0);
+    case Q4_K: return sizeof(BQ4_K);
+    case Q6_K: return sizeof(BQ6_K);
+  }
+  return 0;
+}
+
+float fp16(uint16_t h) {  // exact half -> float, no F16C needed
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
+void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// -- activations ---------------------------------------------------------------------------------
+
+int8_t code(float v, float id) {
+  float r = std::nearbyint(v * id);
+  return (int8_t)std::max(-127.0f, std::min(127.0f, r));
+}
+
+void quantize_x32(const float* x, int64_t K, QX32* out) {  // x [K] -> K/32 blocks
+  for (int64_t b = 0; b < K / QK; ++b, x += QK) {
+    float amax = 0;
+    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
+    float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) sum += out[b].q[i] = code(x[i], id);
+    out[b].d = d;
+    out[b].sum = sum;
+  }
+}
+
+void quantize_xk(const float* x, int64_t K, QXK* out) {  // x [K] -> K/256 blocks
+  for (int64_t b = 0; b < K / QKK; ++b, x += QKK) {
+    float amax = 0;
+    for (int i = 0; i < QKK; ++i) amax = std::max(amax, std::fabs(x[i]));
+    float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+    for (int j = 0; j < 16; ++j) {
+      int s = 0;
+      for (int i = 0; i < 16; ++i) s += out[b].q[16 * j + i] = code(x[16 * j + i], id);
+      out[b].bsums[j] = (int16_t)s;
+    }
+    out[b].d = d;
+  }
+}
+
+// -- the float part, shared by every path --------------------------------------------------------
+
+struct Acc {  // one output (row, column): 8 float lanes and the offsets' float
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float off = 0;
+  void add(float scale, const int32_t* ilane) {
+    for (int i = 0; i < 8; ++i) lane[i] = std::fma(scale, (float)ilane[i], lane[i]);
+  }
+  float total() const {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the offsets
+    float s4[4], s2[2];
+    for (int i = 0; i < 4; ++i) s4[i] = lane[i] + lane[i + 4];
+    for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
+    return (s2[0] + s2[1]) + off;
+  }
+};
+
+// -- scalar reference: unpack a block's codes (unsigned, natural order) and its numbers ---------
+
+// A 32-weight block (legacy types): codes u[32], float scale d, integer bias, float offset m.
+struct Unpacked32 { uint8_t u[QK]; float d, m; int bias; };
+
+void unpack32(int type, const uint8_t* p, Unpacked32* o) {
+  o->m = 0;
+  switch (type) {
+    case Q4_0: {
+      auto b = (const BQ4_0*)p;
+      for (int j = 0; j < 16; ++j) { o->u[j] = b->qs[j] & 0xF; o->u[j + 16] = b->qs[j] >> 4; }
+      o->d = fp16(b->d); o->bias = 8;
+      break;
+    }
+    case Q4_1: {
+      auto b = (const BQ4_1*)p;
+      for (int j = 0; j < 16; ++j) { o->u[j] = b->qs[j] & 0xF; o->u[j + 16] = b->qs[j] >> 4; }
+      o->d = fp16(b->d); o->m = fp16(b->m); o->bias = 0;
+      break;
+    }
+    case Q5_0: {
+      auto b = (const BQ5_0*)p;
+      uint32_t qh;
+      std::memcpy(&qh, b->qh, 4);
+      for (int j = 0; j < 16; ++j) {
+        o->u[j] = (b->qs[j] & 0xF) | (((qh >> j) << 4) & 0x10);
+        o->u[j + 16] = (b->qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+      }
+      o->d = fp16(b->d); o->bias = 16;
+      break;
+    }
+    case Q8_0: {
+      auto b = (const BQ8_0*)p;
+      for (int j = 0; j < QK; ++j) o->u[j] = (uint8_t)(b->qs[j] + 128);
+      o->d = fp16(b->d); o->bias = 128;
+      break;
+    }
+  }
+}
+
+// A 256-weight block (k-quants): codes u[256], the integer scale of each k's sub-block, the bias
+// per code, d, and (Q4_K) dmin with the 8 mins.
+struct UnpackedK { uint8_t u[QKK]; int32_t sc[16]; int32_t mins[8]; float d, dmin; int bias, sub; };
+
+void unpack_k(int type, const uint8_t* p, UnpackedK* o) {
+  if (type == Q4_K) {
+    auto b = (const BQ4_K*)p;
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        o->u[64 * c + l] = b->qs[32 * c + l] & 0xF;
+        o->u[64 * c + 32 + l] = b->qs[32 * c + l] >> 4;
+      }
+    for (int j = 0; j < 8; ++j) {
+      uint8_t sc, m;
+      scale_min_k4(j, b->scales, &sc, &m);
+      o->sc[j] = sc;
+      o->mins[j] = m;
+    }
+    o->d = fp16(b->d); o->dmin = fp16(b->dmin); o->bias = 0; o->sub = 32;
+  } else {  // Q6_K
+    auto b = (const BQ6_K*)p;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
+      uint8_t* u = o->u + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        u[l] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
+        u[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+        u[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        u[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+    for (int j = 0; j < 16; ++j) o->sc[j] = b->scales[j];
+    o->d = fp16(b->d); o->dmin = 0; o->bias = 32; o->sub = 16;
+  }
+}
+
+// The integer lanes of one block: lane i = sum over k with (k >> 2) & 7 == i of code * x (times
+// the k's sub-block scale), the bias folded into lane 0.
+void lanes32(const Unpacked32& w, const QX32& x, int32_t* il) {
+  for (int i = 0; i < 8; ++i) il[i] = 0;
+  for (int k = 0; k < QK; ++k) il[(k >> 2) & 7] += (int32_t)w.u[k] * x.q[k];
+  il[0] -= w.bias * x.sum;
+}
+
+void lanes_k(const UnpackedK& w, const QXK& x, int32_t* il) {
+  for (int i = 0; i < 8; ++i) il[i] = 0;
+  for (int k = 0; k < QKK; ++k) il[(k >> 2) & 7] += w.sc[k / w.sub] * ((int32_t)w.u[k] * x.q[k]);
+  if (w.bias) {
+    int32_t b = 0;
+    for (int j = 0; j < 16; ++j) b += w.sc[j] * x.bsums[j];
+    il[0] -= w.bias * b;
+  }
+}
+
+int32_t mins_k(const UnpackedK& w, const QXK& x) {  // Q4_K: sum over sub-blocks of min * x sum
+  int32_t s = 0;
+  for (int j = 0; j < 8; ++j) s += w.mins[j] * (x.bsums[2 * j] + x.bsums[2 * j + 1]);
+  return s;
+}
+
+// y[r] (r < R) of one column over all K: the reference every path must equal.
+void column_ref(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R, Acc* acc) {
+  int32_t il[8];
+  if (block_values(type) == QK) {
+    Unpacked32 w;
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack32(type, wrow + b * block_bytes(type), &w);
+      for (int r = 0; r < R; ++r) {
+        const QX32& x = ((const QX32*)((const char*)xq + r * xstride))[b];
+        lanes32(w, x, il);
+        acc[r].add(w.d * x.d, il);
+        if (type == Q4_1) acc[r].off = std::fma(w.m * x.d, (float)x.sum, acc[r].off);
+      }
+    }
+  } else {
+    UnpackedK w;
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack_k(type, wrow + b * block_bytes(type), &w);
+      for (int r = 0; r < R; ++r) {
+        const QXK& x = ((const QXK*)((const char*)xq + r * xstride))[b];
+        lanes_k(w, x, il);
+        acc[r].add(w.d * x.d, il);
+        if (type == Q4_K) acc[r].off = std::fma(-(w.dmin * x.d), (float)mins_k(w, x), acc[r].off);
+      }
+    }
+  }
+}
+
+// -- AVX-512 VNNI: one column's block unpacked once into registers, a dot per row ---------------
+
+#if defined(__x86_64__)
+#define SPECRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// 16 int32 lanes of a zmm (k = 4l..4l+3 within 64 codes) folded to the 8 lanes of the reference
+SPECRT_AVX512 inline __m256i fold(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+// Acc::add and std::fma with the instructions themselves (the same bits: one rounding each)
+SPECRT_AVX512 inline void add_lanes(Acc& a, float scale, __m256i il) {
+  __m256 l = _mm256_loadu_ps(a.lane);
+  _mm256_storeu_ps(a.lane, _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(il), l));
+}
+
+SPECRT_AVX512 inline float fma1(float a, float b, float c) {
+  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+}
+
+SPECRT_AVX512 void column_q4k_avx512(const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R,
+                                     Acc* acc) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    auto blk = (const BQ4_K*)(wrow + b * sizeof(BQ4_K));
+    __m512i a = _mm512_loadu_si512(blk->qs), c = _mm512_loadu_si512(blk->qs + 64);
+    __m512i alo = _mm512_and_si512(a, low), ahi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low);
+    __m512i clo = _mm512_and_si512(c, low), chi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+    __m512i w[4] = {  // codes of k 0..63, 64..127, 128..191, 192..255 (natural order)
+        _mm512_shuffle_i64x2(alo, ahi, 0x44), _mm512_shuffle_i64x2(alo, ahi, 0xEE),
+        _mm512_shuffle_i64x2(clo, chi, 0x44), _mm512_shuffle_i64x2(clo, chi, 0xEE)};
+    uint8_t sc8[8], mn8[8];
+    int32_t mins[8];
+    for (int j = 0; j < 8; ++j) { scale_min_k4(j, blk->scales, &sc8[j], &mn8[j]); mins[j] = mn8[j]; }
+    __m512i scales = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)sc8));
+    __m512i s[4];  // lanes 0-7: sub-block 2z, 8-15: 2z + 1
+    for (int z = 0; z < 4; ++z) {
+      __m512i idx = _mm512_set_epi32(2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1,
+                                     2 * z + 1, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z);
+      s[z] = _mm512_permutexvar_epi32(idx, scales);
+    }
+    float d = fp16(blk->d), dmin = fp16(blk->dmin);
+    for (int r = 0; r < R; ++r) {
+      const QXK& x = ((const QXK*)((const char*)xq + r * xstride))[b];
+      __m512i t = _mm512_setzero_si512();
+      for (int z = 0; z < 4; ++z) {
+        __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[z], _mm512_loadu_si512(x.q + 64 * z));
+        t = _mm512_add_epi32(t, _mm512_mullo_epi32(dp, s[z]));
+      }
+      add_lanes(acc[r], d * x.d, fold(t));
+      int32_t m = 0;
+      for (int j = 0; j < 8; ++j) m += mins[j] * (x.bsums[2 * j] + x.bsums[2 * j + 1]);
+      acc[r].off = fma1(-(dmin * x.d), (float)m, acc[r].off);
+    }
+  }
+}
+
+template <int S>
+SPECRT_AVX512 inline __m256i q6_high(__m256i qh, __m256i two) {  // Q6_K's 2 high bits at S, moved to bits 4-5
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, S), two), 4);
+}
+
+SPECRT_AVX512 void column_q6k_avx512(const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R,
+                                     Acc* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    auto blk = (const BQ6_K*)(wrow + b * sizeof(BQ6_K));
+    __m512i w[4];  // codes of k 0..63, ..., 192..255
+    for (int h = 0; h < 2; ++h) {
+      __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h));
+      __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h + 32));
+      __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
+      __m256i q1 = _mm256_or_si256(_mm256_and_si256(l0, low), q6_high<0>(qh, two));
+      __m256i q2 = _mm256_or_si256(_mm256_and_si256(l1, low), q6_high<2>(qh, two));
+      __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), q6_high<4>(qh, two));
+      __m256i q4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), q6_high<6>(qh, two));
+      w[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q1), q2, 1);
+      w[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q3), q4, 1);
+    }
+    __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)blk->scales));
+    __m512i s[4];  // lanes 4i..4i+3 of zmm z: sub-block 4z + i
+    for (int z = 0; z < 4; ++z) {
+      int a = 4 * z;
+      __m512i idx = _mm512_set_epi32(a + 3, a + 3, a + 3, a + 3, a + 2, a + 2, a + 2, a + 2, a + 1, a + 1, a + 1,
+                                     a + 1, a, a, a, a);
+      s[z] = _mm512_permutexvar_epi32(idx, scales);
+    }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk->scales));
+    float d = fp16(blk->d);
+    for (int r = 0; r < R; ++r) {
+      const QXK& x = ((const QXK*)((const char*)xq + r * xstride))[b];
+      __m512i t = _mm512_setzero_si512();
+      for (int z = 0; z < 4; ++z) {
+        __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[z], _mm512_loadu_si512(x.q + 64 * z));
+        t = _mm512_add_epi32(t, _mm512_mullo_epi32(dp, s[z]));
+      }
+      __m256i bs = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)x.bsums));
+      __m128i b4 = _mm_add_epi32(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+      b4 = _mm_add_epi32(b4, _mm_shuffle_epi32(b4, 0x4E));
+      b4 = _mm_add_epi32(b4, _mm_shuffle_epi32(b4, 0xB1));
+      __m256i bias = _mm256_setr_epi32(32 * _mm_cvtsi128_si32(b4), 0, 0, 0, 0, 0, 0, 0);
+      add_lanes(acc[r], d * x.d, _mm256_sub_epi32(fold(t), bias));
+    }
+  }
+}
+
+// legacy 32-weight types: the reference's unpacking (cheap at 32 weights), the dot in SIMD
+SPECRT_AVX512 void column_32_avx512(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride,
+                                    int R, Acc* acc) {
+  Unpacked32 w;
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack32(type, wrow + b * block_bytes(type), &w);
+    __m256i u = _mm256_loadu_si256((const __m256i*)w.u);
+    for (int r = 0; r < R; ++r) {
+      const QX32& x = ((const QX32*)((const char*)xq + r * xstride))[b];
+      __m256i dp = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i*)x.q));
+      add_lanes(acc[r], w.d * x.d, _mm256_sub_epi32(dp, _mm256_setr_epi32(w.bias * x.sum, 0, 0, 0, 0, 0, 0, 0)));
+      if (type == Q4_1) acc[r].off = fma1(w.m * x.d, (float)x.sum, acc[r].off);
+    }
+  }
+}
+#endif
+
+// -- dispatch ------------------------------------------------------------------------------------
+
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
+
+int detect_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+    return AVX512VNNI;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+#endif
+  return SCALAR;
+}
+
+std::atomic<int> g_isa{-1};
+
+int isa() {
+  int v = g_isa.load();
+  if (v < 0) g_isa.store(v = detect_isa());
+  return v;
+}
+
+void column(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R, Acc* acc) {
+#if defined(__x86_64__)
+  if (isa() == AVX512VNNI) {
+    if (type == Q4_K) return column_q4k_avx512(wrow, nb, xq, xstride, R, acc);
+    if (type == Q6_K) return column_q6k_avx512(wrow, nb, xq, xstride, R, acc);
+    return column_32_avx512(type, wrow, nb, xq, xstride, R, acc);
+  }
+#endif
+  column_ref(type, wrow, nb, xq, xstride, R, acc);
+}
+
+// -- threads: a small pool that splits output columns --------------------------------------------
+
+class Pool {
+ public:
+  template <class F>
+  void run(int n, const F& fn) {  // fn(i) for i < n, i on thread i (0: the caller)
+    if (n <= 1) return fn(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    while ((int)workers_.size() < n - 1) {
+      int id = (int)workers_.size() + 1;
+      workers_.emplace_back([this, id] { loop(id); });
+    }
+    job_ = [&fn](int i) { fn(i); };
+    wanted_ = n;
+    pending_ = n - 1;
+    ++generation_;
+    lock.unlock();
+    cv_.notify_all();
+    fn(0);
+    lock.lock();
+    done_.wait(lock, [this] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+ private:
+  void loop(int id) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (id >= wanted_) continue;
+      auto job = job_;
+      lock.unlock();
+      job(id);
+      lock.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_, done_;
+  std::vector<std::thread> workers_;
+  std::function<void(int)> job_;
+  uint64_t generation_ = 0;
+  int wanted_ = 0, pending_ = 0;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+}  // namespace
+
+// -- the C API (ctypes and the ONNX Runtime operator call these) ---------------------------------
+
+extern "C" {
+
+// the threads the ONNX Runtime operators split columns over (0: one per core); set by the loader
+static std::atomic<int> g_threads{0};
+int specrt_threads() { return g_threads.load(); }
+void specrt_set_threads(int n) { g_threads.store(n < 0 ? 0 : n); }
+
+// 0: scalar reference, 1: AVX2, 2: AVX-512 VNNI (what this CPU runs)
+int specrt_isa() { return isa(); }
+
+// run the reference (0) or the CPU's best path (-1); returns the path now in use
+int specrt_force_isa(int v) {
+  g_isa.store(v < 0 ? detect_isa() : std::min(v, detect_isa()));
+  return g_isa.load();
+}
+
+// bytes of one row of K weights of a type; 0 for a type or K this library does not take
+int64_t specrt_row_bytes(int type, int64_t K) {
+  size_t bb = block_bytes(type);
+  if (bb == 0 || K <= 0 || K % block_values(type) != 0) return 0;
+  return (int64_t)bb * (K / block_values(type));
+}
+
+// y [M, N] = x [M, K] W^T, W [N, row_bytes] as stored; threads split the columns (0: one per core).
+// Returns 0, or -1 for a type or K it does not take.
+int specrt_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y,
+                  int threads) {
+  int64_t rb = specrt_row_bytes(type, K);
+  if (rb == 0 || N <= 0 || M <= 0) return rb == 0 ? -1 : 0;
+  int64_t nb = K / block_values(type);
+  bool k = block_values(type) == QKK;
+  int64_t xstride = k ? nb * (int64_t)sizeof(QXK) : nb * (int64_t)sizeof(QX32);
+  std::vector<char> xq((size_t)(xstride * M));
+  for (int64_t r = 0; r < M; ++r) {
+    if (k) quantize_xk(x + r * K, K, (QXK*)(xq.data() + r * xstride));
+    else quantize_x32(x + r * K, K, (QX32*)(xq.data() + r * xstride));
+  }
+  if (threads <= 0) threads = (int)std::max(1u, std::thread::hardware_concurrency());
+  int T = (int)std::min<int64_t>(threads, std::max<int64_t>(1, N / 64));
+  pool().run(T, [&](int t) {
+    int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
+    Acc acc[ROWS];
+    for (int64_t r0 = 0; r0 < M; r0 += ROWS) {  // rows in groups: the weights stay in cache between
+      int R = (int)std::min<int64_t>(ROWS, M - r0);
+      for (int64_t n = n0; n < n1; ++n) {
+        for (int r = 0; r < R; ++r) acc[r] = Acc();
+        column(type, w + n * rb, nb, xq.data() + r0 * xstride, xstride, R, acc);
+        for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = acc[r].total();
+      }
+    }
+  });
+  return 0;
+}
+
+// out [n, K] = the rows ids of W dequantized (an embedding read by row from its blocks)
+int specrt_get_rows(int type, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t n, float* out) {
+  int64_t rb = specrt_row_bytes(type, K);
+  if (rb == 0) return -1;
+  int64_t nb = K / block_values(type);
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= N) return -2;
+    const uint8_t* row = w + ids[i] * rb;
+    float* o = out + i * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (block_values(type) == QK) {
+        Unpacked32 u;
+        unpack32(type, row + b * block_bytes(type), &u);
+        for (int j = 0; j < QK; ++j) o[b * QK + j] = u.d * (float)((int)u.u[j] - u.bias) + u.m;
+      } else {
+        UnpackedK u;
+        unpack_k(type, row + b * block_bytes(type), &u);
+        for (int j = 0; j < QKK; ++j) {
+          float scale = u.d * (float)u.sc[j / u.sub];
+          float v = scale * (float)((int)u.u[j] - u.bias);
+          o[b * QKK + j] = type == Q4_K ? v - u.dmin * (float)u.mins[j / 32] : v;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

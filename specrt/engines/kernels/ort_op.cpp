@@ -1,0 +1,164 @@
+// The ONNX Runtime operators of the kernel library (domain "specrt"), built against ONNX Runtime's
+// C API headers (build.py) and loaded with SessionOptions.register_custom_ops_library:
+//
+//   GgufMatMul(X float [..., K]) -> Y float [..., N]     Y = X W^T (gguf_matmul.cpp)
+//   GgufGather(ids int64 [...])  -> Y float [..., K]     the rows ids of W, dequantized (an embedding)
+//
+// W is not a graph tensor: each node names a GGUF file and the offset of its tensor's bytes
+// (attributes file, offset, ggml_type, n, k), and the file is mapped once per process, read-only:
+// its pages are the page cache's, shared by every session and process that maps it, and nothing is
+// copied or repacked. The engine's loader checks the file (path, size, hash) before ONNX Runtime
+// sees the graph; a file this operator cannot map or that is shorter than the node expects is an
+// error of the first run that names it.
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+extern "C" {
+int64_t specrt_row_bytes(int type, int64_t K);
+int specrt_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y, int threads);
+int specrt_get_rows(int type, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t n, float* out);
+int specrt_threads();
+}
+
+namespace {
+
+struct Mapped {
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+};
+
+// file -> its read-only mapping, made once and kept for the process (the engines' weights)
+Mapped map_file(const std::string& path, std::string* error) {
+  static std::mutex mu;
+  static std::map<std::string, Mapped> files;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = files.find(path);
+  if (it != files.end()) return it->second;
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    *error = "cannot open the GGUF file " + path;
+    return {};
+  }
+  struct stat st {};
+  fstat(fd, &st);
+  void* p = st.st_size > 0 ? mmap(nullptr, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  if (p == MAP_FAILED) {
+    *error = "cannot map the GGUF file " + path;
+    return {};
+  }
+  Mapped m{(const uint8_t*)p, (size_t)st.st_size};
+  files[path] = m;
+  return m;
+}
+
+// the tensor a node names: its bytes in the mapped file, or an error naming the node and the file
+struct GgufTensor {
+  int type = 0;
+  int64_t n = 0, k = 0, row_bytes = 0;
+  const uint8_t* w = nullptr;
+  std::string error;
+
+  GgufTensor(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    std::string node = ki.GetNodeName(), file;
+    int64_t offset = 0;
+    try {
+      type = (int)ki.GetAttribute<int64_t>("ggml_type");
+      n = ki.GetAttribute<int64_t>("n");
+      k = ki.GetAttribute<int64_t>("k");
+      offset = ki.GetAttribute<int64_t>("offset");
+      file = ki.GetAttribute<std::string>("file");
+    } catch (const std::exception& e) {
+      error = node + ": " + e.what();
+      return;
+    }
+    row_bytes = specrt_row_bytes(type, k);
+    if (row_bytes == 0 || n <= 0) {
+      error = node + ": ggml type " + std::to_string(type) + " with k " + std::to_string(k) + " is not one it takes";
+      return;
+    }
+    Mapped m = map_file(file, &error);
+    if (!m.data) {
+      error = node + ": " + error;
+      return;
+    }
+    if (offset < 0 || (uint64_t)offset + (uint64_t)(n * row_bytes) > m.size) {
+      error = node + ": the GGUF file " + file + " is shorter than its tensor needs (changed or cut short); rebuild the engine";
+      return;
+    }
+    w = m.data + offset;
+  }
+};
+
+struct GgufMatMul {
+  GgufTensor t;
+  GgufMatMul(const OrtApi*, const OrtKernelInfo* info) : t(info) {}
+
+  Ort::Status Compute(const Ort::Custom::Tensor<float>& x, Ort::Custom::Tensor<float>& y) {
+    if (!t.error.empty()) return Ort::Status(t.error.c_str(), ORT_FAIL);
+    std::vector<int64_t> shape = x.Shape();
+    if (shape.empty() || shape.back() != t.k) return Ort::Status("GgufMatMul: X's last axis is not k", ORT_INVALID_ARGUMENT);
+    int64_t m = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
+    shape.back() = t.n;
+    float* out = y.Allocate(shape);
+    if (m == 0) return Ort::Status(nullptr);
+    specrt_matmul(t.type, t.w, t.n, t.k, x.Data(), m, out, specrt_threads());
+    return Ort::Status(nullptr);
+  }
+};
+
+struct GgufGather {
+  GgufTensor t;
+  GgufGather(const OrtApi*, const OrtKernelInfo* info) : t(info) {}
+
+  Ort::Status Compute(const Ort::Custom::Tensor<int64_t>& ids, Ort::Custom::Tensor<float>& y) {
+    if (!t.error.empty()) return Ort::Status(t.error.c_str(), ORT_FAIL);
+    std::vector<int64_t> shape = ids.Shape();
+    int64_t count = 1;
+    for (int64_t s : shape) count *= s;
+    shape.push_back(t.k);
+    float* out = y.Allocate(shape);
+    if (count == 0) return Ort::Status(nullptr);
+    if (specrt_get_rows(t.type, t.w, t.n, t.k, ids.Data(), count, out) != 0)
+      return Ort::Status("GgufGather: a token id is outside the embedding's rows", ORT_INVALID_ARGUMENT);
+    return Ort::Status(nullptr);
+  }
+};
+
+}  // namespace
+
+extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  static Ort::CustomOpDomain domain{"specrt"};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> matmul{
+      Ort::Custom::CreateLiteCustomOp<GgufMatMul>("GgufMatMul", "CPUExecutionProvider")};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> gather{
+      Ort::Custom::CreateLiteCustomOp<GgufGather>("GgufGather", "CPUExecutionProvider")};
+  static std::once_flag added;
+  std::call_once(added, [] {
+    domain.Add(matmul.get());
+    domain.Add(gather.get());
+  });
+  try {
+    Ort::UnownedSessionOptions(options).Add(domain);
+  } catch (const std::exception& e) {
+    return Ort::Status(e.what(), ORT_FAIL).release();
+  }
+  return nullptr;
+}
