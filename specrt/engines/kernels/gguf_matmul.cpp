@@ -51,7 +51,7 @@ static_assert(sizeof(BQ8_0) == 34 && sizeof(BQ4_K) == 144 && sizeof(BQ6_K) == 21
 
 // x quantized: QX32 per 32 values (legacy types), QXK per 256 (k-quants)
 struct QX32 { float d; int32_t sum; int8_t q[QK]; };
-struct QXK { float d; int16_t bsums[16]; int8_t q[QKK]; };
+struct QXK { float d; int16_t bsums[16]; int16_t bsums32[8]; int8_t q[QKK]; };  // sums per 16 and per 32
 
 int block_values(int type) { return type == Q4_K || type == Q6_K ? QKK : QK; }
 
@@ -96,6 +96,19 @@ void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   }
 }
 
+// the same 8 scales and 8 mins with 32-bit operations (what the SIMD paths use; tests: equal)
+void q4k_scales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  uint32_t s0 = u[0] & 0x3f3f3f3f, m0 = u[1] & 0x3f3f3f3f;
+  uint32_t s1 = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+  uint32_t m1 = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+  std::memcpy(sc, &s0, 4);
+  std::memcpy(sc + 4, &s1, 4);
+  std::memcpy(mn, &m0, 4);
+  std::memcpy(mn + 4, &m1, 4);
+}
+
 // -- activations ---------------------------------------------------------------------------------
 
 int8_t code(float v, float id) {
@@ -125,21 +138,23 @@ void quantize_xk(const float* x, int64_t K, QXK* out) {  // x [K] -> K/256 block
       for (int i = 0; i < 16; ++i) s += out[b].q[16 * j + i] = code(x[16 * j + i], id);
       out[b].bsums[j] = (int16_t)s;
     }
+    for (int j = 0; j < 8; ++j) out[b].bsums32[j] = (int16_t)(out[b].bsums[2 * j] + out[b].bsums[2 * j + 1]);
     out[b].d = d;
   }
 }
 
 // -- the float part, shared by every path --------------------------------------------------------
 
-struct Acc {  // one output (row, column): 8 float lanes and the offsets' float
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+struct Acc {  // one output (row, column): 16 float lanes and the offsets' float
+  float lane[16] = {};
   float off = 0;
-  void add(float scale, const int32_t* ilane) {
-    for (int i = 0; i < 8; ++i) lane[i] = std::fma(scale, (float)ilane[i], lane[i]);
+  void add(float scale, const int32_t* ilane, int first, int count) {
+    for (int i = 0; i < count; ++i) lane[first + i] = std::fma(scale, (float)ilane[i], lane[first + i]);
   }
-  float total() const {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the offsets
-    float s4[4], s2[2];
-    for (int i = 0; i < 4; ++i) s4[i] = lane[i] + lane[i + 4];
+  float total() const {  // lanes i and i + 8, then i and i + 4, i and i + 2, the two, then the offsets
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; ++i) s8[i] = lane[i] + lane[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
     for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
     return (s2[0] + s2[1]) + off;
   }
@@ -221,8 +236,9 @@ void unpack_k(int type, const uint8_t* p, UnpackedK* o) {
   }
 }
 
-// The integer lanes of one block: lane i = sum over k with (k >> 2) & 7 == i of code * x (times
-// the k's sub-block scale), the bias folded into lane 0.
+// The integer lanes of one block: lane i = sum over k with (k >> 2) & 7 == i (a 32-weight block:
+// 8 lanes, into float lanes 8 (b & 1) + i) or (k >> 2) & 15 == i (a 256-weight block: 16 lanes) of
+// code * x (times the k's sub-block scale), the bias folded into lane 0.
 void lanes32(const Unpacked32& w, const QX32& x, int32_t* il) {
   for (int i = 0; i < 8; ++i) il[i] = 0;
   for (int k = 0; k < QK; ++k) il[(k >> 2) & 7] += (int32_t)w.u[k] * x.q[k];
@@ -230,8 +246,8 @@ void lanes32(const Unpacked32& w, const QX32& x, int32_t* il) {
 }
 
 void lanes_k(const UnpackedK& w, const QXK& x, int32_t* il) {
-  for (int i = 0; i < 8; ++i) il[i] = 0;
-  for (int k = 0; k < QKK; ++k) il[(k >> 2) & 7] += w.sc[k / w.sub] * ((int32_t)w.u[k] * x.q[k]);
+  for (int i = 0; i < 16; ++i) il[i] = 0;
+  for (int k = 0; k < QKK; ++k) il[(k >> 2) & 15] += w.sc[k / w.sub] * ((int32_t)w.u[k] * x.q[k]);
   if (w.bias) {
     int32_t b = 0;
     for (int j = 0; j < 16; ++j) b += w.sc[j] * x.bsums[j];
@@ -247,7 +263,7 @@ int32_t mins_k(const UnpackedK& w, const QXK& x) {  // Q4_K: sum over sub-blocks
 
 // y[r] (r < R) of one column over all K: the reference every path must equal.
 void column_ref(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R, Acc* acc) {
-  int32_t il[8];
+  int32_t il[16];
   if (block_values(type) == QK) {
     Unpacked32 w;
     for (int64_t b = 0; b < nb; ++b) {
@@ -255,7 +271,7 @@ void column_ref(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64
       for (int r = 0; r < R; ++r) {
         const QX32& x = ((const QX32*)((const char*)xq + r * xstride))[b];
         lanes32(w, x, il);
-        acc[r].add(w.d * x.d, il);
+        acc[r].add(w.d * x.d, il, 8 * (int)(b & 1), 8);
         if (type == Q4_1) acc[r].off = std::fma(w.m * x.d, (float)x.sum, acc[r].off);
       }
     }
@@ -266,78 +282,96 @@ void column_ref(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64
       for (int r = 0; r < R; ++r) {
         const QXK& x = ((const QXK*)((const char*)xq + r * xstride))[b];
         lanes_k(w, x, il);
-        acc[r].add(w.d * x.d, il);
+        acc[r].add(w.d * x.d, il, 0, 16);
         if (type == Q4_K) acc[r].off = std::fma(-(w.dmin * x.d), (float)mins_k(w, x), acc[r].off);
       }
     }
   }
 }
 
-// -- AVX-512 VNNI: one column's block unpacked once into registers, a dot per row ---------------
+// -- AVX-512 VNNI: a column's block unpacked once into registers, a dot per row -----------------
 
 #if defined(__x86_64__)
-#define SPECRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define SPECRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")))
 
-// 16 int32 lanes of a zmm (k = 4l..4l+3 within 64 codes) folded to the 8 lanes of the reference
-SPECRT_AVX512 inline __m256i fold(__m512i v) {
-  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-}
+SPECRT_AVX512 inline float half_avx(uint16_t h) { return _cvtsh_ss(h); }  // = fp16(h), in one instruction
 
-// Acc::add and std::fma with the instructions themselves (the same bits: one rounding each)
-SPECRT_AVX512 inline void add_lanes(Acc& a, float scale, __m256i il) {
-  __m256 l = _mm256_loadu_ps(a.lane);
-  _mm256_storeu_ps(a.lane, _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(il), l));
-}
-
-SPECRT_AVX512 inline float fma1(float a, float b, float c) {
+SPECRT_AVX512 inline float fma1(float a, float b, float c) {  // std::fma, as the instruction
   return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
 }
 
-SPECRT_AVX512 void column_q4k_avx512(const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R,
-                                     Acc* acc) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    auto blk = (const BQ4_K*)(wrow + b * sizeof(BQ4_K));
-    __m512i a = _mm512_loadu_si512(blk->qs), c = _mm512_loadu_si512(blk->qs + 64);
-    __m512i alo = _mm512_and_si512(a, low), ahi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low);
-    __m512i clo = _mm512_and_si512(c, low), chi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
-    __m512i w[4] = {  // codes of k 0..63, 64..127, 128..191, 192..255 (natural order)
-        _mm512_shuffle_i64x2(alo, ahi, 0x44), _mm512_shuffle_i64x2(alo, ahi, 0xEE),
-        _mm512_shuffle_i64x2(clo, chi, 0x44), _mm512_shuffle_i64x2(clo, chi, 0xEE)};
-    uint8_t sc8[8], mn8[8];
-    int32_t mins[8];
-    for (int j = 0; j < 8; ++j) { scale_min_k4(j, blk->scales, &sc8[j], &mn8[j]); mins[j] = mn8[j]; }
-    __m512i scales = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)sc8));
-    __m512i s[4];  // lanes 0-7: sub-block 2z, 8-15: 2z + 1
+SPECRT_AVX512 inline int32_t sum4(__m128i p) {  // the 4 int32 lanes' sum (exact: integers)
+  p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(p, _mm_shuffle_epi32(p, 0xB1)));
+}
+
+// the int16 scale of each 16-bit lane of codes z (k = 64 z + 2 j, + 1): sub-block 2z + j / 16 of
+// 32 weights (Q4_K, halves) or 4z + j / 8 of 16 (Q6_K); `scales` holds the int16 scales in order
+struct LaneScales {  // vpermw indices of codes z's 16-bit lanes into a block's int16 scales
+  __m512i idx[4];
+  SPECRT_AVX512 explicit LaneScales(bool halves) {
+    alignas(64) int16_t v[32];
     for (int z = 0; z < 4; ++z) {
-      __m512i idx = _mm512_set_epi32(2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1,
-                                     2 * z + 1, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z);
-      s[z] = _mm512_permutexvar_epi32(idx, scales);
-    }
-    float d = fp16(blk->d), dmin = fp16(blk->dmin);
-    for (int r = 0; r < R; ++r) {
-      const QXK& x = ((const QXK*)((const char*)xq + r * xstride))[b];
-      __m512i t = _mm512_setzero_si512();
-      for (int z = 0; z < 4; ++z) {
-        __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[z], _mm512_loadu_si512(x.q + 64 * z));
-        t = _mm512_add_epi32(t, _mm512_mullo_epi32(dp, s[z]));
-      }
-      add_lanes(acc[r], d * x.d, fold(t));
-      int32_t m = 0;
-      for (int j = 0; j < 8; ++j) m += mins[j] * (x.bsums[2 * j] + x.bsums[2 * j + 1]);
-      acc[r].off = fma1(-(dmin * x.d), (float)m, acc[r].off);
+      for (int j = 0; j < 32; ++j) v[j] = (int16_t)(halves ? 2 * z + j / 16 : 4 * z + j / 8);
+      idx[z] = _mm512_load_si512(v);
     }
   }
+  SPECRT_AVX512 __m512i operator()(__m512i scales, int z) const { return _mm512_permutexvar_epi16(idx[z], scales); }
+};
+
+// Q4_K, R rows (R <= 8: the accumulators stay in registers). Per row and block: the codes' pairs
+// times x (maddubs: <= 2 * 15 * 127, no saturation), times the sub-block's scale and summed in
+// 4s (dpwssd): the reference's integer lanes, exactly; then y lanes += d dx * lanes.
+template <int R>
+SPECRT_AVX512 void q4k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const LaneScales lane_scales16(true);
+  __m512 a[R];
+  float off[R];
+  for (int r = 0; r < R; ++r) { a[r] = _mm512_setzero_ps(); off[r] = 0; }
+  for (int64_t b = 0; b < nb; ++b) {
+    auto blk = (const BQ4_K*)(wrow + b * sizeof(BQ4_K));
+    __m512i c0 = _mm512_loadu_si512(blk->qs), c1 = _mm512_loadu_si512(blk->qs + 64);
+    __m512i lo0 = _mm512_and_si512(c0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(c0, 4), low);
+    __m512i lo1 = _mm512_and_si512(c1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(c1, 4), low);
+    __m512i w[4] = {  // codes of k 0..63, 64..127, 128..191, 192..255 (natural order)
+        _mm512_shuffle_i64x2(lo0, hi0, 0x44), _mm512_shuffle_i64x2(lo0, hi0, 0xEE),
+        _mm512_shuffle_i64x2(lo1, hi1, 0x44), _mm512_shuffle_i64x2(lo1, hi1, 0xEE)};
+    uint32_t u[3];  // q4k_scales in registers
+    std::memcpy(u, blk->scales, 12);
+    uint32_t s0 = u[0] & 0x3f3f3f3f, m0 = u[1] & 0x3f3f3f3f;
+    uint32_t s1 = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    uint32_t m1 = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s1, (int)s0)));
+    __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m1, (int)m0));
+    __m512i s[4];
+    for (int z = 0; z < 4; ++z) s[z] = lane_scales16(scales, z);
+    float d = half_avx(blk->d), dmin = half_avx(blk->dmin);
+    for (int r = 0; r < R; ++r) {
+      const QXK& x = *(const QXK*)(xq + r * xstride + b * (int64_t)sizeof(QXK));
+      __m512i t = _mm512_setzero_si512();
+      for (int z = 0; z < 4; ++z)
+        t = _mm512_dpwssd_epi32(t, _mm512_maddubs_epi16(w[z], _mm512_loadu_si512(x.q + 64 * z)), s[z]);
+      a[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.d), _mm512_cvtepi32_ps(t), a[r]);
+      __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)x.bsums32));
+      off[r] = fma1(-(dmin * x.d), (float)sum4(m), off[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc[r].lane, a[r]); acc[r].off = off[r]; }
 }
 
 template <int S>
-SPECRT_AVX512 inline __m256i q6_high(__m256i qh, __m256i two) {  // Q6_K's 2 high bits at S, moved to bits 4-5
-  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, S), two), 4);
+SPECRT_AVX512 inline __m256i q6_high(__m256i qh, __m256i three) {  // Q6_K's 2 high bits at S, moved to bits 4-5
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, S), three), 4);
 }
 
-SPECRT_AVX512 void column_q6k_avx512(const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R,
-                                     Acc* acc) {
-  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+// Q6_K, R rows: y lanes += d dx * (sum_z sc * (codes . x) - 32 sum_j sc_j xsum_j)
+template <int R>
+SPECRT_AVX512 void q6k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const LaneScales lane_scales16(false);
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     auto blk = (const BQ6_K*)(wrow + b * sizeof(BQ6_K));
     __m512i w[4];  // codes of k 0..63, ..., 192..255
@@ -345,51 +379,64 @@ SPECRT_AVX512 void column_q6k_avx512(const uint8_t* wrow, int64_t nb, const void
       __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h));
       __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h + 32));
       __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
-      __m256i q1 = _mm256_or_si256(_mm256_and_si256(l0, low), q6_high<0>(qh, two));
-      __m256i q2 = _mm256_or_si256(_mm256_and_si256(l1, low), q6_high<2>(qh, two));
-      __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), q6_high<4>(qh, two));
-      __m256i q4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), q6_high<6>(qh, two));
+      __m256i q1 = _mm256_or_si256(_mm256_and_si256(l0, low), q6_high<0>(qh, three));
+      __m256i q2 = _mm256_or_si256(_mm256_and_si256(l1, low), q6_high<2>(qh, three));
+      __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), q6_high<4>(qh, three));
+      __m256i q4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), q6_high<6>(qh, three));
       w[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q1), q2, 1);
       w[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q3), q4, 1);
     }
-    __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)blk->scales));
-    __m512i s[4];  // lanes 4i..4i+3 of zmm z: sub-block 4z + i
-    for (int z = 0; z < 4; ++z) {
-      int a = 4 * z;
-      __m512i idx = _mm512_set_epi32(a + 3, a + 3, a + 3, a + 3, a + 2, a + 2, a + 2, a + 2, a + 1, a + 1, a + 1,
-                                     a + 1, a, a, a, a);
-      s[z] = _mm512_permutexvar_epi32(idx, scales);
-    }
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk->scales));
-    float d = fp16(blk->d);
+    __m512i s[4];
+    for (int z = 0; z < 4; ++z) s[z] = lane_scales16(_mm512_castsi256_si512(sc16), z);
+    float d = half_avx(blk->d);
     for (int r = 0; r < R; ++r) {
-      const QXK& x = ((const QXK*)((const char*)xq + r * xstride))[b];
+      const QXK& x = *(const QXK*)(xq + r * xstride + b * (int64_t)sizeof(QXK));
       __m512i t = _mm512_setzero_si512();
-      for (int z = 0; z < 4; ++z) {
-        __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[z], _mm512_loadu_si512(x.q + 64 * z));
-        t = _mm512_add_epi32(t, _mm512_mullo_epi32(dp, s[z]));
-      }
+      for (int z = 0; z < 4; ++z)  // maddubs: <= 2 * 63 * 127, no saturation
+        t = _mm512_dpwssd_epi32(t, _mm512_maddubs_epi16(w[z], _mm512_loadu_si512(x.q + 64 * z)), s[z]);
       __m256i bs = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)x.bsums));
-      __m128i b4 = _mm_add_epi32(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-      b4 = _mm_add_epi32(b4, _mm_shuffle_epi32(b4, 0x4E));
-      b4 = _mm_add_epi32(b4, _mm_shuffle_epi32(b4, 0xB1));
-      __m256i bias = _mm256_setr_epi32(32 * _mm_cvtsi128_si32(b4), 0, 0, 0, 0, 0, 0, 0);
-      add_lanes(acc[r], d * x.d, _mm256_sub_epi32(fold(t), bias));
+      int32_t bias = 32 * sum4(_mm_add_epi32(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
+      t = _mm512_sub_epi32(t, _mm512_maskz_set1_epi32(1, bias));
+      a[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.d), _mm512_cvtepi32_ps(t), a[r]);
     }
   }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[r].lane, a[r]);
 }
 
+#define SPECRT_BY_ROWS(fn)                                                                                    \
+  SPECRT_AVX512 void fn##_any(const uint8_t* wrow, int64_t nb, const char* xq, int64_t xs, int R, Acc* acc) { \
+    for (int r0 = 0; r0 < R; r0 += 8) {                                                                       \
+      const char* x = xq + r0 * xs;                                                                           \
+      switch (std::min(8, R - r0)) {                                                                          \
+        case 1: fn<1>(wrow, nb, x, xs, acc + r0); break;                                                       \
+        case 2: fn<2>(wrow, nb, x, xs, acc + r0); break;                                                       \
+        case 3: fn<3>(wrow, nb, x, xs, acc + r0); break;                                                       \
+        case 4: fn<4>(wrow, nb, x, xs, acc + r0); break;                                                       \
+        case 5: fn<5>(wrow, nb, x, xs, acc + r0); break;                                                       \
+        case 6: fn<6>(wrow, nb, x, xs, acc + r0); break;                                                       \
+        case 7: fn<7>(wrow, nb, x, xs, acc + r0); break;                                                       \
+        default: fn<8>(wrow, nb, x, xs, acc + r0); break;                                                      \
+      }                                                                                                       \
+    }                                                                                                         \
+  }
+SPECRT_BY_ROWS(q4k_rows)
+SPECRT_BY_ROWS(q6k_rows)
+
 // legacy 32-weight types: the reference's unpacking (cheap at 32 weights), the dot in SIMD
-SPECRT_AVX512 void column_32_avx512(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride,
+SPECRT_AVX512 void column_32_avx512(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride,
                                     int R, Acc* acc) {
   Unpacked32 w;
   for (int64_t b = 0; b < nb; ++b) {
     unpack32(type, wrow + b * block_bytes(type), &w);
     __m256i u = _mm256_loadu_si256((const __m256i*)w.u);
+    int half = 8 * (int)(b & 1);
     for (int r = 0; r < R; ++r) {
-      const QX32& x = ((const QX32*)((const char*)xq + r * xstride))[b];
+      const QX32& x = ((const QX32*)(xq + r * xstride))[b];
       __m256i dp = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i*)x.q));
-      add_lanes(acc[r], w.d * x.d, _mm256_sub_epi32(dp, _mm256_setr_epi32(w.bias * x.sum, 0, 0, 0, 0, 0, 0, 0)));
+      dp = _mm256_sub_epi32(dp, _mm256_maskz_set1_epi32(1, w.bias * x.sum));
+      __m256 l = _mm256_loadu_ps(acc[r].lane + half);
+      _mm256_storeu_ps(acc[r].lane + half, _mm256_fmadd_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(dp), l));
       if (type == Q4_1) acc[r].off = fma1(w.m * x.d, (float)x.sum, acc[r].off);
     }
   }
@@ -422,9 +469,10 @@ int isa() {
 void column(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R, Acc* acc) {
 #if defined(__x86_64__)
   if (isa() == AVX512VNNI) {
-    if (type == Q4_K) return column_q4k_avx512(wrow, nb, xq, xstride, R, acc);
-    if (type == Q6_K) return column_q6k_avx512(wrow, nb, xq, xstride, R, acc);
-    return column_32_avx512(type, wrow, nb, xq, xstride, R, acc);
+    const char* x = (const char*)xq;
+    if (type == Q4_K) return q4k_rows_any(wrow, nb, x, xstride, R, acc);
+    if (type == Q6_K) return q6k_rows_any(wrow, nb, x, xstride, R, acc);
+    return column_32_avx512(type, wrow, nb, x, xstride, R, acc);
   }
 #endif
   column_ref(type, wrow, nb, xq, xstride, R, acc);
