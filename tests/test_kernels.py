@@ -67,7 +67,7 @@ def test_each_block_type_against_float64(t):
 
 @pytest.mark.parametrize("t", ALL, ids=[t.name for t in ALL])
 def test_the_simd_path_is_the_scalar_reference_bit_for_bit(t):
-    n, k = 40, 768
+    n, k = 40, 768 if t in (T.Q4_K, T.Q6_K) else 736  # 23 blocks of 32: a lone last block
     w, x = random_blocks(t, n, k, seed=2), np.random.default_rng(3).standard_normal((17, k)).astype(np.float32)
     simd = kernels.matmul(int(t), w, n, k, x)
     try:

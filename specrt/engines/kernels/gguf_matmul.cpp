@@ -423,21 +423,85 @@ SPECRT_AVX512 void q6k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int
 SPECRT_BY_ROWS(q4k_rows)
 SPECRT_BY_ROWS(q6k_rows)
 
-// legacy 32-weight types: the reference's unpacking (cheap at 32 weights), the dot in SIMD
-SPECRT_AVX512 void column_32_avx512(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride,
-                                    int R, Acc* acc) {
-  Unpacked32 w;
-  for (int64_t b = 0; b < nb; ++b) {
-    unpack32(type, wrow + b * block_bytes(type), &w);
-    __m256i u = _mm256_loadu_si256((const __m256i*)w.u);
-    int half = 8 * (int)(b & 1);
+// A legacy 32-weight block's codes (unsigned, natural order), d and m, unpacked in registers.
+SPECRT_AVX512 inline __m256i codes32(int type, const uint8_t* p, float* d, float* m) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  *m = 0;
+  switch (type) {
+    case Q8_0: {
+      auto b = (const BQ8_0*)p;
+      *d = half_avx(b->d);
+      return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)b->qs), _mm256_set1_epi8((char)0x80));
+    }
+    case Q5_0: {
+      auto b = (const BQ5_0*)p;
+      __m128i q = _mm_loadu_si128((const __m128i*)b->qs);
+      __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+      uint32_t qh;
+      std::memcpy(&qh, b->qh, 4);
+      *d = half_avx(b->d);
+      return _mm256_or_si256(nib, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
+    }
+    default: {  // Q4_0, Q4_1: d, [m,] 16 bytes of nibbles
+      const uint8_t* qs = type == Q4_1 ? ((const BQ4_1*)p)->qs : ((const BQ4_0*)p)->qs;
+      *d = half_avx(*(const uint16_t*)p);
+      if (type == Q4_1) *m = half_avx(((const BQ4_1*)p)->m);
+      __m128i q = _mm_loadu_si128((const __m128i*)qs);
+      return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+    }
+  }
+}
+
+// legacy 32-weight types, R rows: blocks in pairs, block b's 8 integer lanes into float lanes
+// 8 (b & 1) + i as the reference adds them (a lone last block: the other half's scale is 0)
+template <int R>
+SPECRT_AVX512 void rows32(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
+  const int bias = type == Q8_0 ? 128 : type == Q5_0 ? 16 : type == Q4_0 ? 8 : 0;
+  const size_t bb = block_bytes(type);
+  __m512 a[R];
+  float off[R];
+  for (int r = 0; r < R; ++r) { a[r] = _mm512_setzero_ps(); off[r] = 0; }
+  for (int64_t b = 0; b < nb; b += 2) {
+    bool pair = b + 1 < nb;
+    float d0, m0, d1 = 0, m1 = 0;
+    __m256i u0 = codes32(type, wrow + b * bb, &d0, &m0);
+    __m256i u1 = pair ? codes32(type, wrow + (b + 1) * bb, &d1, &m1) : _mm256_setzero_si256();
     for (int r = 0; r < R; ++r) {
-      const QX32& x = ((const QX32*)(xq + r * xstride))[b];
-      __m256i dp = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i*)x.q));
-      dp = _mm256_sub_epi32(dp, _mm256_maskz_set1_epi32(1, w.bias * x.sum));
-      __m256 l = _mm256_loadu_ps(acc[r].lane + half);
-      _mm256_storeu_ps(acc[r].lane + half, _mm256_fmadd_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(dp), l));
-      if (type == Q4_1) acc[r].off = fma1(w.m * x.d, (float)x.sum, acc[r].off);
+      const QX32* x = (const QX32*)(xq + r * xstride) + b;
+      __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, _mm256_loadu_si256((const __m256i*)x[0].q));
+      p0 = _mm256_sub_epi32(p0, _mm256_maskz_set1_epi32(1, bias * x[0].sum));
+      __m256i p1 = _mm256_setzero_si256();
+      float s1 = 0;
+      if (pair) {
+        p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, _mm256_loadu_si256((const __m256i*)x[1].q));
+        p1 = _mm256_sub_epi32(p1, _mm256_maskz_set1_epi32(1, bias * x[1].sum));
+        s1 = d1 * x[1].d;
+      }
+      __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0 * x[0].d), _mm256_set1_ps(s1), 1);
+      __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
+      a[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(lanes), a[r]);
+      if (type == Q4_1) {
+        off[r] = fma1(m0 * x[0].d, (float)x[0].sum, off[r]);
+        if (pair) off[r] = fma1(m1 * x[1].d, (float)x[1].sum, off[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc[r].lane, a[r]); acc[r].off = off[r]; }
+}
+
+SPECRT_AVX512 void rows32_any(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xs, int R,
+                              Acc* acc) {
+  for (int r0 = 0; r0 < R; r0 += 8) {
+    const char* x = xq + r0 * xs;
+    switch (std::min(8, R - r0)) {
+      case 1: rows32<1>(type, wrow, nb, x, xs, acc + r0); break;
+      case 2: rows32<2>(type, wrow, nb, x, xs, acc + r0); break;
+      case 3: rows32<3>(type, wrow, nb, x, xs, acc + r0); break;
+      case 4: rows32<4>(type, wrow, nb, x, xs, acc + r0); break;
+      case 5: rows32<5>(type, wrow, nb, x, xs, acc + r0); break;
+      case 6: rows32<6>(type, wrow, nb, x, xs, acc + r0); break;
+      case 7: rows32<7>(type, wrow, nb, x, xs, acc + r0); break;
+      default: rows32<8>(type, wrow, nb, x, xs, acc + r0); break;
     }
   }
 }
@@ -472,7 +536,7 @@ void column(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t x
     const char* x = (const char*)xq;
     if (type == Q4_K) return q4k_rows_any(wrow, nb, x, xstride, R, acc);
     if (type == Q6_K) return q6k_rows_any(wrow, nb, x, xstride, R, acc);
-    return column_32_avx512(type, wrow, nb, x, xstride, R, acc);
+    return rows32_any(type, wrow, nb, x, xstride, R, acc);
   }
 #endif
   column_ref(type, wrow, nb, xq, xstride, R, acc);
