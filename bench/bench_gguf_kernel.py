@@ -143,9 +143,12 @@ def main() -> None:
                     "matmulnbits_vs_one_row": round(mb / base["b"], 3), "matmulnbits_over_specrt": round(mb / ma, 3),
                 }  # fmt: skip
                 rows_out.append(row)
-                print(f"{t.name:5} {n:>5}x{k:<5}  {m:>4}  {row['specrt_ms']:>9.3f} {row['specrt_gbs']:>5.1f} "
-                      f"{row['specrt_vs_one_row']:>6.2f}  {row['matmulnbits_ms']:>14.3f} {row['matmulnbits_gbs']:>5.1f} "
-                      f"{row['matmulnbits_vs_one_row']:>6.2f}  {row['matmulnbits_over_specrt']:>5.2f}")  # fmt: skip
+                print(
+                    f"{t.name:5} {n:>5}x{k:<5}  {m:>4}  {row['specrt_ms']:>9.3f} {row['specrt_gbs']:>5.1f} "
+                    f"{row['specrt_vs_one_row']:>6.2f}  {row['matmulnbits_ms']:>14.3f} "
+                    f"{row['matmulnbits_gbs']:>5.1f} {row['matmulnbits_vs_one_row']:>6.2f}  "
+                    f"{row['matmulnbits_over_specrt']:>5.2f}"
+                )
     bandwidth = read_bandwidth()
     print(f"read bandwidth (numpy, one thread): {bandwidth:.1f} GB/s")
     out = {
