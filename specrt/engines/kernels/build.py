@@ -32,7 +32,7 @@ SOURCES = ("gguf_matmul.cpp", "ort_op.cpp")
 HEADERS = BUILD / "ort-include"
 # the Debian release whose libonnxruntime-dev carries the C API headers (1.21.0 in trixie)
 DEBIAN_SOURCE = "deb http://deb.debian.org/debian trixie main"
-FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-Wall", "-Wno-psabi"]
+FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-Wall", "-Wno-psabi"]
 
 
 def sources_digest() -> str:

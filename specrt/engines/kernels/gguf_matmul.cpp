@@ -145,18 +145,18 @@ void quantize_xk(const float* x, int64_t K, QXK* out) {  // x [K] -> K/256 block
 
 // -- the float part, shared by every path --------------------------------------------------------
 
-struct Acc {  // one output (row, column): 16 float lanes and the offsets' float
+struct Acc {  // one output (row, column): 16 float lanes and 4 lanes of offsets
   float lane[16] = {};
-  float off = 0;
+  float off[4] = {};
   void add(float scale, const int32_t* ilane, int first, int count) {
     for (int i = 0; i < count; ++i) lane[first + i] = std::fma(scale, (float)ilane[i], lane[first + i]);
   }
-  float total() const {  // lanes i and i + 8, then i and i + 4, i and i + 2, the two, then the offsets
+  float total() const {  // lanes i and i + 8, then i and i + 4, i and i + 2, the two; the offsets alike
     float s8[8], s4[4], s2[2];
     for (int i = 0; i < 8; ++i) s8[i] = lane[i] + lane[i + 8];
     for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
     for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
-    return (s2[0] + s2[1]) + off;
+    return (s2[0] + s2[1]) + ((off[0] + off[2]) + (off[1] + off[3]));
   }
 };
 
@@ -255,10 +255,10 @@ void lanes_k(const UnpackedK& w, const QXK& x, int32_t* il) {
   }
 }
 
-int32_t mins_k(const UnpackedK& w, const QXK& x) {  // Q4_K: sum over sub-blocks of min * x sum
-  int32_t s = 0;
-  for (int j = 0; j < 8; ++j) s += w.mins[j] * (x.bsums[2 * j] + x.bsums[2 * j + 1]);
-  return s;
+void mins_k(const UnpackedK& w, const QXK& x, int32_t* m) {  // Q4_K: min * x sum, sub-blocks in pairs
+  for (int i = 0; i < 4; ++i)
+    m[i] = w.mins[2 * i] * (x.bsums[4 * i] + x.bsums[4 * i + 1]) +
+           w.mins[2 * i + 1] * (x.bsums[4 * i + 2] + x.bsums[4 * i + 3]);
 }
 
 // y[r] (r < R) of one column over all K: the reference every path must equal.
@@ -272,7 +272,7 @@ void column_ref(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64
         const QX32& x = ((const QX32*)((const char*)xq + r * xstride))[b];
         lanes32(w, x, il);
         acc[r].add(w.d * x.d, il, 8 * (int)(b & 1), 8);
-        if (type == Q4_1) acc[r].off = std::fma(w.m * x.d, (float)x.sum, acc[r].off);
+        if (type == Q4_1) acc[r].off[0] = std::fma(w.m * x.d, (float)x.sum, acc[r].off[0]);
       }
     }
   } else {
@@ -283,7 +283,11 @@ void column_ref(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64
         const QXK& x = ((const QXK*)((const char*)xq + r * xstride))[b];
         lanes_k(w, x, il);
         acc[r].add(w.d * x.d, il, 0, 16);
-        if (type == Q4_K) acc[r].off = std::fma(-(w.dmin * x.d), (float)mins_k(w, x), acc[r].off);
+        if (type == Q4_K) {
+          int32_t m[4];
+          mins_k(w, x, m);
+          for (int i = 0; i < 4; ++i) acc[r].off[i] = std::fma(-(w.dmin * x.d), (float)m[i], acc[r].off[i]);
+        }
       }
     }
   }
@@ -311,6 +315,7 @@ struct LaneScales {  // vpermw indices of codes z's 16-bit lanes into a block's 
   __m512i idx[4];
   SPECRT_AVX512 explicit LaneScales(bool halves) {
     alignas(64) int16_t v[32];
+    #pragma GCC unroll 16
     for (int z = 0; z < 4; ++z) {
       for (int j = 0; j < 32; ++j) v[j] = (int16_t)(halves ? 2 * z + j / 16 : 4 * z + j / 8);
       idx[z] = _mm512_load_si512(v);
@@ -327,8 +332,9 @@ SPECRT_AVX512 void q4k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int
   const __m512i low = _mm512_set1_epi8(0x0F);
   const LaneScales lane_scales16(true);
   __m512 a[R];
-  float off[R];
-  for (int r = 0; r < R; ++r) { a[r] = _mm512_setzero_ps(); off[r] = 0; }
+  __m128 off[R];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) { a[r] = _mm512_setzero_ps(); off[r] = _mm_setzero_ps(); }
   for (int64_t b = 0; b < nb; ++b) {
     auto blk = (const BQ4_K*)(wrow + b * sizeof(BQ4_K));
     __m512i c0 = _mm512_loadu_si512(blk->qs), c1 = _mm512_loadu_si512(blk->qs + 64);
@@ -345,19 +351,23 @@ SPECRT_AVX512 void q4k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int
     __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s1, (int)s0)));
     __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m1, (int)m0));
     __m512i s[4];
+    #pragma GCC unroll 16
     for (int z = 0; z < 4; ++z) s[z] = lane_scales16(scales, z);
     float d = half_avx(blk->d), dmin = half_avx(blk->dmin);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const QXK& x = *(const QXK*)(xq + r * xstride + b * (int64_t)sizeof(QXK));
       __m512i t = _mm512_setzero_si512();
+      #pragma GCC unroll 16
       for (int z = 0; z < 4; ++z)
         t = _mm512_dpwssd_epi32(t, _mm512_maddubs_epi16(w[z], _mm512_loadu_si512(x.q + 64 * z)), s[z]);
       a[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.d), _mm512_cvtepi32_ps(t), a[r]);
       __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)x.bsums32));
-      off[r] = fma1(-(dmin * x.d), (float)sum4(m), off[r]);
+      off[r] = _mm_fmadd_ps(_mm_set1_ps(-(dmin * x.d)), _mm_cvtepi32_ps(m), off[r]);
     }
   }
-  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc[r].lane, a[r]); acc[r].off = off[r]; }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc[r].lane, a[r]); _mm_storeu_ps(acc[r].off, off[r]); }
 }
 
 template <int S>
@@ -371,6 +381,7 @@ SPECRT_AVX512 void q6k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int
   const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   const LaneScales lane_scales16(false);
   __m512 a[R];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     auto blk = (const BQ6_K*)(wrow + b * sizeof(BQ6_K));
@@ -388,11 +399,14 @@ SPECRT_AVX512 void q6k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int
     }
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk->scales));
     __m512i s[4];
+    #pragma GCC unroll 16
     for (int z = 0; z < 4; ++z) s[z] = lane_scales16(_mm512_castsi256_si512(sc16), z);
     float d = half_avx(blk->d);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const QXK& x = *(const QXK*)(xq + r * xstride + b * (int64_t)sizeof(QXK));
       __m512i t = _mm512_setzero_si512();
+      #pragma GCC unroll 16
       for (int z = 0; z < 4; ++z)  // maddubs: <= 2 * 63 * 127, no saturation
         t = _mm512_dpwssd_epi32(t, _mm512_maddubs_epi16(w[z], _mm512_loadu_si512(x.q + 64 * z)), s[z]);
       __m256i bs = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)x.bsums));
@@ -401,6 +415,7 @@ SPECRT_AVX512 void q6k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int
       a[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.d), _mm512_cvtepi32_ps(t), a[r]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[r].lane, a[r]);
 }
 
@@ -460,12 +475,14 @@ SPECRT_AVX512 void rows32(int type, const uint8_t* wrow, int64_t nb, const char*
   const size_t bb = block_bytes(type);
   __m512 a[R];
   float off[R];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) { a[r] = _mm512_setzero_ps(); off[r] = 0; }
   for (int64_t b = 0; b < nb; b += 2) {
     bool pair = b + 1 < nb;
     float d0, m0, d1 = 0, m1 = 0;
     __m256i u0 = codes32(type, wrow + b * bb, &d0, &m0);
     __m256i u1 = pair ? codes32(type, wrow + (b + 1) * bb, &d1, &m1) : _mm256_setzero_si256();
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const QX32* x = (const QX32*)(xq + r * xstride) + b;
       __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, _mm256_loadu_si256((const __m256i*)x[0].q));
@@ -486,7 +503,8 @@ SPECRT_AVX512 void rows32(int type, const uint8_t* wrow, int64_t nb, const char*
       }
     }
   }
-  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc[r].lane, a[r]); acc[r].off = off[r]; }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc[r].lane, a[r]); acc[r].off[0] = off[r]; }
 }
 
 SPECRT_AVX512 void rows32_any(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xs, int R,
@@ -544,58 +562,72 @@ void column(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t x
 
 // -- threads: a small pool that splits output columns --------------------------------------------
 
+// Workers wait for the next call spinning for a short while (a step's products come one after
+// another, and waking a sleeping thread cost ~0.1-0.2 ms here, as much as a product), then sleep.
 class Pool {
  public:
   template <class F>
   void run(int n, const F& fn) {  // fn(i) for i < n, i on thread i (0: the caller)
     if (n <= 1) return fn(0);
-    std::unique_lock<std::mutex> lock(mu_);
-    while ((int)workers_.size() < n - 1) {
-      int id = (int)workers_.size() + 1;
-      workers_.emplace_back([this, id] { loop(id); });
+    std::lock_guard<std::mutex> one_call(call_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while ((int)workers_.size() < n - 1) {
+        int id = (int)workers_.size() + 1;
+        workers_.emplace_back([this, id] { loop(id); });
+      }
     }
     job_ = [&fn](int i) { fn(i); };
-    wanted_ = n;
-    pending_ = n - 1;
-    ++generation_;
-    lock.unlock();
-    cv_.notify_all();
+    wanted_.store(n, std::memory_order_relaxed);
+    pending_.store(n - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleeping_.load()) cv_.notify_all();
     fn(0);
-    lock.lock();
-    done_.wait(lock, [this] { return pending_ == 0; });
-    job_ = nullptr;
+    while (pending_.load(std::memory_order_acquire) != 0) pause();
   }
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
+      generation_.fetch_add(1);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
   }
 
  private:
+  static void pause() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
   void loop(int id) {
     uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      for (int spin = 0; spin < 20000 && generation_.load(std::memory_order_acquire) == seen; ++spin) pause();
+      if (generation_.load(std::memory_order_acquire) == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        sleeping_.fetch_add(1);
+        cv_.wait(lock, [&] { return generation_.load() != seen; });
+        sleeping_.fetch_sub(1);
+      }
       if (stop_) return;
-      seen = generation_;
-      if (id >= wanted_) continue;
-      auto job = job_;
-      lock.unlock();
-      job(id);
-      lock.lock();
-      if (--pending_ == 0) done_.notify_one();
+      seen = generation_.load(std::memory_order_acquire);
+      if (id < wanted_.load(std::memory_order_relaxed)) {
+        job_(id);
+        pending_.fetch_sub(1, std::memory_order_release);
+      }
     }
   }
-  std::mutex mu_;
-  std::condition_variable cv_, done_;
+  std::mutex mu_, call_;
+  std::condition_variable cv_;
   std::vector<std::thread> workers_;
   std::function<void(int)> job_;
-  uint64_t generation_ = 0;
-  int wanted_ = 0, pending_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> wanted_{0}, pending_{0}, sleeping_{0};
   bool stop_ = false;
 };
 
