@@ -20,6 +20,7 @@ if kernels.library() is None:
         pytest.fail(f"SPECRT_REQUIRE_KERNELS=1 but the kernel library is not available: {kernels.why_not()}")
     pytest.skip(f"the kernel library is not available: {kernels.why_not()}", allow_module_level=True)
 
+SIMD = [i for i in kernels.ISAS[1:] if kernels.ISAS.index(i) <= kernels.ISAS.index(kernels.isa())]
 ALL = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)
 HALVES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
@@ -65,28 +66,36 @@ def test_each_block_type_against_float64(t):
     assert np.abs(y - plain).max() <= 2e-2 * np.abs(plain).max()
 
 
+@pytest.mark.skipif(not SIMD, reason="this CPU has neither AVX2 nor AVX-512 VNNI: the reference is all it runs")
+@pytest.mark.parametrize("path", SIMD)
 @pytest.mark.parametrize("t", ALL, ids=[t.name for t in ALL])
-def test_the_simd_path_is_the_scalar_reference_bit_for_bit(t):
+def test_each_simd_path_is_the_scalar_reference_bit_for_bit(t, path):
     n, k = 40, 768 if t in (T.Q4_K, T.Q6_K) else 736  # 23 blocks of 32: a lone last block
     w, x = random_blocks(t, n, k, seed=2), np.random.default_rng(3).standard_normal((17, k)).astype(np.float32)
-    simd = kernels.matmul(int(t), w, n, k, x)
     try:
+        assert kernels.force_isa(path) == path
+        simd = kernels.matmul(int(t), w, n, k, x)
         assert kernels.force_isa("scalar") == "scalar"
         scalar = kernels.matmul(int(t), w, n, k, x)
     finally:
         kernels.force_isa(None)
-    assert np.array_equal(simd, scalar), f"the {kernels.isa()} path differs from the scalar reference"
+    assert np.array_equal(simd, scalar), f"the {path} path differs from the scalar reference"
 
 
+@pytest.mark.parametrize("path", ["scalar", *SIMD])
 @pytest.mark.parametrize("t", ALL, ids=[t.name for t in ALL])
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(t):
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(t, path):
     n, k = 200, 512
     w, x = random_blocks(t, n, k, seed=4), np.random.default_rng(5).standard_normal((40, k)).astype(np.float32)
-    whole = kernels.matmul(int(t), w, n, k, x, threads=2)
-    for rows in (slice(0, 1), slice(3, 5), slice(7, 16), slice(16, 33), slice(0, 40)):
-        for threads in (1, 2, 3):
-            part = kernels.matmul(int(t), w, n, k, x[rows], threads=threads)
-            assert np.array_equal(part, whole[rows]), (rows, threads)
+    try:
+        kernels.force_isa(path)
+        whole = kernels.matmul(int(t), w, n, k, x, threads=2)
+        for rows in (slice(0, 1), slice(3, 5), slice(7, 16), slice(16, 33), slice(0, 40)):
+            for threads in (1, 2, 3):
+                part = kernels.matmul(int(t), w, n, k, x[rows], threads=threads)
+                assert np.array_equal(part, whole[rows]), (rows, threads)
+    finally:
+        kernels.force_isa(None)
 
 
 @pytest.mark.parametrize("t", ALL, ids=[t.name for t in ALL])

@@ -133,3 +133,15 @@ def test_a_converted_checkpoint_without_its_record_says_what_it_lacks(built, tmp
     r = cli("generate", "--backend", "torch", "--model", lean, *PROMPT)
     line = r.output.strip().splitlines()[-1]
     assert r.exit_code == 1 and "holds config.json but no weights, and no gguf_source.json" in line, r.output
+
+
+def test_an_engine_from_before_model_files_without_its_checkpoint_says_to_rebuild_once(copied):
+    copy, _ = copied
+    engine = ArtifactLayout(copy).ort_engine("cpu", "gguf-a8")
+    m = json.loads((engine / "manifest.json").read_text())
+    m.pop("model_dir")
+    (engine / "manifest.json").write_text(json.dumps(m))
+    r = generate(copy)
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "was built before engines carried their tokenizer" in line, r.output
+    assert f"specrt build-engines --model {m['checkpoint']['path']} --out DIR" in line

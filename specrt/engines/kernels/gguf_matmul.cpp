@@ -162,8 +162,9 @@ struct Acc {  // one output (row, column): 16 float lanes and 4 lanes of offsets
 
 // -- scalar reference: unpack a block's codes (unsigned, natural order) and its numbers ---------
 
-// A 32-weight block (legacy types): codes u[32], float scale d, integer bias, float offset m.
-struct Unpacked32 { uint8_t u[QK]; float d, m; int bias; };
+// A 32-weight block (legacy types): codes c[32] (unsigned but Q8_0's, which are its signed
+// values), float scale d, integer bias, float offset m.
+struct Unpacked32 { int16_t u[QK]; float d, m; int bias; };
 
 void unpack32(int type, const uint8_t* p, Unpacked32* o) {
   o->m = 0;
@@ -193,8 +194,8 @@ void unpack32(int type, const uint8_t* p, Unpacked32* o) {
     }
     case Q8_0: {
       auto b = (const BQ8_0*)p;
-      for (int j = 0; j < QK; ++j) o->u[j] = (uint8_t)(b->qs[j] + 128);
-      o->d = fp16(b->d); o->bias = 128;
+      for (int j = 0; j < QK; ++j) o->u[j] = b->qs[j];
+      o->d = fp16(b->d); o->bias = 0;
       break;
     }
   }
@@ -439,14 +440,16 @@ SPECRT_BY_ROWS(q4k_rows)
 SPECRT_BY_ROWS(q6k_rows)
 
 // A legacy 32-weight block's codes (unsigned, natural order), d and m, unpacked in registers.
-SPECRT_AVX512 inline __m256i codes32(int type, const uint8_t* p, float* d, float* m) {
+// Q8_0's codes are its signed values: their magnitudes here, and x takes their signs (sign_epi8)
+SPECRT_AVX512 inline __m256i codes32(int type, const uint8_t* p, float* d, float* m, __m256i* sign) {
   const __m128i low = _mm_set1_epi8(0x0F);
   *m = 0;
   switch (type) {
     case Q8_0: {
       auto b = (const BQ8_0*)p;
       *d = half_avx(b->d);
-      return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)b->qs), _mm256_set1_epi8((char)0x80));
+      *sign = _mm256_loadu_si256((const __m256i*)b->qs);
+      return _mm256_abs_epi8(*sign);
     }
     case Q5_0: {
       auto b = (const BQ5_0*)p;
@@ -471,7 +474,7 @@ SPECRT_AVX512 inline __m256i codes32(int type, const uint8_t* p, float* d, float
 // 8 (b & 1) + i as the reference adds them (a lone last block: the other half's scale is 0)
 template <int R>
 SPECRT_AVX512 void rows32(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
-  const int bias = type == Q8_0 ? 128 : type == Q5_0 ? 16 : type == Q4_0 ? 8 : 0;
+  const int bias = type == Q5_0 ? 16 : type == Q4_0 ? 8 : 0;
   const size_t bb = block_bytes(type);
   __m512 a[R];
   float off[R];
@@ -480,17 +483,20 @@ SPECRT_AVX512 void rows32(int type, const uint8_t* wrow, int64_t nb, const char*
   for (int64_t b = 0; b < nb; b += 2) {
     bool pair = b + 1 < nb;
     float d0, m0, d1 = 0, m1 = 0;
-    __m256i u0 = codes32(type, wrow + b * bb, &d0, &m0);
-    __m256i u1 = pair ? codes32(type, wrow + (b + 1) * bb, &d1, &m1) : _mm256_setzero_si256();
+    __m256i g0 = _mm256_set1_epi8(1), g1 = g0;  // the signs x takes (Q8_0), else +1
+    __m256i u0 = codes32(type, wrow + b * bb, &d0, &m0, &g0);
+    __m256i u1 = pair ? codes32(type, wrow + (b + 1) * bb, &d1, &m1, &g1) : _mm256_setzero_si256();
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const QX32* x = (const QX32*)(xq + r * xstride) + b;
-      __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, _mm256_loadu_si256((const __m256i*)x[0].q));
+      __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)x[0].q), g0);
+      __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, x0);
       p0 = _mm256_sub_epi32(p0, _mm256_maskz_set1_epi32(1, bias * x[0].sum));
       __m256i p1 = _mm256_setzero_si256();
       float s1 = 0;
       if (pair) {
-        p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, _mm256_loadu_si256((const __m256i*)x[1].q));
+        __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)x[1].q), g1);
+        p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, x1);
         p1 = _mm256_sub_epi32(p1, _mm256_maskz_set1_epi32(1, bias * x[1].sum));
         s1 = d1 * x[1].d;
       }
@@ -520,6 +526,169 @@ SPECRT_AVX512 void rows32_any(int type, const uint8_t* wrow, int64_t nb, const c
       case 6: rows32<6>(type, wrow, nb, x, xs, acc + r0); break;
       case 7: rows32<7>(type, wrow, nb, x, xs, acc + r0); break;
       default: rows32<8>(type, wrow, nb, x, xs, acc + r0); break;
+    }
+  }
+}
+#endif
+
+// -- AVX2 (with FMA and F16C): the same lanes in two 8-lane halves, up to 4 rows a pass ---------
+
+#if defined(__x86_64__)
+#define SPECRT_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// one chunk's integer lanes: codes (u8) . x (s8) in pairs (maddubs: <= 2 * 63 * 127 or, for
+// Q8_0's magnitudes, 2 * 128 * 127: no saturation), times the 16-bit lanes' scales, summed in 4s
+SPECRT_AVX2 inline __m256i dot32(__m256i u, __m256i x, __m256i scale16) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16);
+}
+
+// k-quant codes as 8 chunks of 32 (natural order) and each chunk's int16 lane scales
+SPECRT_AVX2 inline void unpack_k_avx2(int type, const uint8_t* p, __m256i* w, __m256i* s, float* d, float* dmin,
+                                       __m128i* mins) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  if (type == Q4_K) {
+    auto blk = (const BQ4_K*)p;
+    for (int c = 0; c < 4; ++c) {
+      __m256i q = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * c));
+      w[2 * c] = _mm256_and_si256(q, low);
+      w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+    }
+    uint8_t sc[8], mn[8];
+    q4k_scales(blk->scales, sc, mn);
+    for (int j = 0; j < 8; ++j) s[j] = _mm256_set1_epi16(sc[j]);
+    *mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn));
+    *d = _cvtsh_ss(blk->d);
+    *dmin = _cvtsh_ss(blk->dmin);
+  } else {  // Q6_K
+    auto blk = (const BQ6_K*)p;
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h));
+      __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h + 32));
+      __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
+      auto high = [&](int shift) SPECRT_AVX2 {
+        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), three), 4);
+      };
+      w[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low), high(0));
+      w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low), high(2));
+      w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), high(4));
+      w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), high(6));
+    }
+    for (int j = 0; j < 8; ++j)
+      s[j] = _mm256_set_m128i(_mm_set1_epi16(blk->scales[2 * j + 1]), _mm_set1_epi16(blk->scales[2 * j]));
+    *d = _cvtsh_ss(blk->d);
+    *dmin = 0;
+  }
+}
+
+template <int R>
+SPECRT_AVX2 void rows_k_avx2(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
+  __m256 lo[R], hi[R];
+  __m128 off[R];
+  for (int r = 0; r < R; ++r) { lo[r] = hi[r] = _mm256_setzero_ps(); off[r] = _mm_setzero_ps(); }
+  const size_t bb = block_bytes(type);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w[8], s[8];
+    __m128i mins = _mm_setzero_si128();
+    float d, dmin;
+    unpack_k_avx2(type, wrow + b * bb, w, s, &d, &dmin, &mins);
+    __m256i sc16 = type == Q6_K ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)((const BQ6_K*)(wrow + b * bb))->scales))
+                                : _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) {
+      const QXK& x = *(const QXK*)(xq + r * xstride + b * (int64_t)sizeof(QXK));
+      __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j += 2) {  // chunk j: lanes 0-7 of the 16, chunk j + 1: lanes 8-15
+        t0 = _mm256_add_epi32(t0, dot32(w[j], _mm256_loadu_si256((const __m256i*)(x.q + 32 * j)), s[j]));
+        t1 = _mm256_add_epi32(t1, dot32(w[j + 1], _mm256_loadu_si256((const __m256i*)(x.q + 32 * j + 32)), s[j + 1]));
+      }
+      if (type == Q6_K) {
+        __m256i bs = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)x.bsums));
+        __m128i b4 = _mm_add_epi32(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        b4 = _mm_add_epi32(b4, _mm_shuffle_epi32(b4, 0x4E));
+        b4 = _mm_add_epi32(b4, _mm_shuffle_epi32(b4, 0xB1));
+        t0 = _mm256_sub_epi32(t0, _mm256_setr_epi32(32 * _mm_cvtsi128_si32(b4), 0, 0, 0, 0, 0, 0, 0));
+      }
+      __m256 scale = _mm256_set1_ps(d * x.d);
+      lo[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(t0), lo[r]);
+      hi[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(t1), hi[r]);
+      if (type == Q4_K) {
+        __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)x.bsums32));
+        off[r] = _mm_fmadd_ps(_mm_set1_ps(-(dmin * x.d)), _mm_cvtepi32_ps(m), off[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc[r].lane, lo[r]);
+    _mm256_storeu_ps(acc[r].lane + 8, hi[r]);
+    _mm_storeu_ps(acc[r].off, off[r]);
+  }
+}
+
+// legacy 32-weight blocks: block b's 8 lanes into the half b & 1
+template <int R>
+SPECRT_AVX2 void rows32_avx2(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  __m256 half[R][2];
+  float off[R];
+  for (int r = 0; r < R; ++r) { half[r][0] = half[r][1] = _mm256_setzero_ps(); off[r] = 0; }
+  const size_t bb = block_bytes(type);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wrow + b * bb;
+    float d = _cvtsh_ss(*(const uint16_t*)p), m = type == Q4_1 ? _cvtsh_ss(((const BQ4_1*)p)->m) : 0.0f;
+    __m256i u, g = _mm256_set1_epi8(1);
+    int bias = 0;
+    if (type == Q8_0) {
+      g = _mm256_loadu_si256((const __m256i*)((const BQ8_0*)p)->qs);
+      u = _mm256_abs_epi8(g);
+    } else {
+      const uint8_t* qs = type == Q4_1 ? ((const BQ4_1*)p)->qs : type == Q5_0 ? ((const BQ5_0*)p)->qs : ((const BQ4_0*)p)->qs;
+      __m128i q = _mm_loadu_si128((const __m128i*)qs);
+      u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
+      bias = type == Q4_0 ? 8 : 0;
+      if (type == Q5_0) {  // the 32 high bits as 0x10 bytes
+        uint32_t qh;
+        std::memcpy(&qh, ((const BQ5_0*)p)->qh, 4);
+        __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                              0x0101010101010101, 0x0000000000000000));
+        __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        bias = 16;
+      }
+    }
+    int h = (int)(b & 1);
+    for (int r = 0; r < R; ++r) {
+      const QX32& x = ((const QX32*)(xq + r * xstride))[b];
+      __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)x.q), g);
+      __m256i t = dot32(u, xs, ones);
+      t = _mm256_sub_epi32(t, _mm256_setr_epi32(bias * x.sum, 0, 0, 0, 0, 0, 0, 0));
+      half[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(t), half[r][h]);
+      if (type == Q4_1) off[r] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(m * x.d), _mm_set_ss((float)x.sum), _mm_set_ss(off[r])));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc[r].lane, half[r][0]);
+    _mm256_storeu_ps(acc[r].lane + 8, half[r][1]);
+    acc[r].off[0] = off[r];
+  }
+}
+
+SPECRT_AVX2 void rows_avx2(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xs, int R, Acc* acc) {
+  bool k = type == Q4_K || type == Q6_K;
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    const char* x = xq + r0 * xs;
+    int n = std::min(4, R - r0);
+    if (k) {
+      if (n == 1) rows_k_avx2<1>(type, wrow, nb, x, xs, acc + r0);
+      else if (n == 2) rows_k_avx2<2>(type, wrow, nb, x, xs, acc + r0);
+      else if (n == 3) rows_k_avx2<3>(type, wrow, nb, x, xs, acc + r0);
+      else rows_k_avx2<4>(type, wrow, nb, x, xs, acc + r0);
+    } else {
+      if (n == 1) rows32_avx2<1>(type, wrow, nb, x, xs, acc + r0);
+      else if (n == 2) rows32_avx2<2>(type, wrow, nb, x, xs, acc + r0);
+      else if (n == 3) rows32_avx2<3>(type, wrow, nb, x, xs, acc + r0);
+      else rows32_avx2<4>(type, wrow, nb, x, xs, acc + r0);
     }
   }
 }
@@ -556,6 +725,7 @@ void column(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t x
     if (type == Q6_K) return q6k_rows_any(wrow, nb, x, xstride, R, acc);
     return rows32_any(type, wrow, nb, x, xstride, R, acc);
   }
+  if (isa() == AVX2) return rows_avx2(type, wrow, nb, (const char*)xq, xstride, R, acc);
 #endif
   column_ref(type, wrow, nb, xq, xstride, R, acc);
 }
