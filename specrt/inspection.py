@@ -135,6 +135,12 @@ def precision_line(q: dict | None) -> str:
     scheme = q.get("scheme")
     if scheme in _QDQ:
         weights, acts = _QDQ[scheme]
+    elif "kernel_products" in q:  # gguf-k: the file's blocks read in place by specrt's kernel
+        types = q["kernel_products"]
+        bits = sorted({BLOCK_BITS.get(t, 0) for t in types if t != "embedding"})
+        weights = " and ".join(f"{b}-bit" for b in bits) + " weights read in place from the GGUF"
+        weights += " (" + ", ".join(f"{n} {t}" for t, n in types.items() if t != "embedding") + " products)"
+        acts = "int8 activations (specrt's kernel: each row quantized to int8 per block)"
     elif "compute_dtype" in q:  # fp16, bf16
         weights, acts = f"16-bit float ({q['compute_dtype']}) weights", f"{q['compute_dtype']} activations"
     elif "bits" in q:  # MatMulNBits: the GGUF's blocks, the fitted recipes, round to nearest
@@ -228,6 +234,11 @@ def _describe(manifest: dict, kind: str, path: Path) -> list[str]:
             lines.append(
                 f"  quantized   {q['scheme']}: {types} MatMuls ({len(q.get('kept_in_8bit', []))} kept in 8-bit), "
                 f"{fitted}, float32 activations"
+            )
+        elif q and "kernel_products" in q:  # gguf-k
+            lines.append(
+                f"  quantized   {q['scheme']}: the GGUF's own blocks read in place ({q['gguf']['relative']}) by "
+                "specrt's kernel, int8 activations"
             )
         elif q and q["scheme"] == "qdq-int4":
             lines.append(

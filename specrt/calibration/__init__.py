@@ -11,7 +11,9 @@ TRT_SCHEMES = (*QDQ_SCHEMES, *HALF_SCHEMES)  # the schemes TensorRT builds (the 
 # float32 (accuracy level 0) or int8 (level 4: 2-3x faster kernels, as llama.cpp and
 # onnxruntime-genai compute)
 GGUF_SCHEMES = {"gguf": 0, "gguf-a8": 4}
+# the GGUF's blocks read in place by specrt's own kernel (gguf_kernel.py, engines/kernels)
+KERNEL_SCHEMES = ("gguf-k",)
 # every `build-engines --quantize` scheme: gguf (gguf_blocks.py), the fitted recipes
 # (calibrated.py), round to nearest (weight_only.py; int8 weights alone have no fast CPU kernel,
 # so only int8-a8 is offered), the Q/DQ graphs and the 16-bit ones
-QUANT_SCHEMES = ("gguf", "gguf-a8", "hqq", "gptq", "awq", "int4", "int8-a8", "int4-a8", *TRT_SCHEMES)
+QUANT_SCHEMES = ("gguf", "gguf-a8", *KERNEL_SCHEMES, "hqq", "gptq", "awq", "int4", "int8-a8", "int4-a8", *TRT_SCHEMES)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from specrt.calibration import GGUF_SCHEMES, HALF_SCHEMES, QDQ_SCHEMES, TRT_SCHEMES
+from specrt.calibration import GGUF_SCHEMES, HALF_SCHEMES, KERNEL_SCHEMES, QDQ_SCHEMES, TRT_SCHEMES
 from specrt.engines.memory import require_memory
 from specrt.engines.trt import TrtBuildSpec
 from specrt.errors import SpecrtError
@@ -41,7 +41,9 @@ class BuildSpec:
     make_calibration: Callable[[Path], Path] | None = None
 
 
-FUSED_SCHEMES = ("none", *GGUF_SCHEMES)  # schemes whose fused graph is written from the checkpoint or GGUF
+# schemes whose fused graph is written from the checkpoint or GGUF (gguf-k: from the GGUF alone)
+FUSED_SCHEMES = ("none", *GGUF_SCHEMES, *KERNEL_SCHEMES)
+FROM_GGUF = (*GGUF_SCHEMES, *KERNEL_SCHEMES)  # schemes that compute from a GGUF file's blocks
 # schemes quantized from the float32 fused graph (its MatMuls become MatMulNBits, as on the portable one)
 FUSED_WEIGHT_ONLY = ("int4", "int8", "int4-a8", "int8-a8")
 
@@ -73,6 +75,15 @@ def build_all(spec: BuildSpec) -> Iterator[str]:
             yield from _engines_from_graphs(spec)
         return
     _check_context(load_config(spec.checkpoint), spec.checkpoint)  # before anything is written
+    if spec.quantize in KERNEL_SCHEMES:
+        from specrt.engines import kernels
+
+        if not kernels.has_ort_ops():  # the fallback: the same blocks on MatMulNBits
+            yield (
+                f"{spec.quantize:<9} specrt's kernel library is not available ({kernels.why_not()}): building "
+                "gguf-a8 (MatMulNBits) instead"
+            )
+            spec = dataclasses.replace(spec, quantize="gguf-a8")
     if spec.quantize in GGUF_SCHEMES:  # the file's block types, before the float export's minutes
         from specrt.calibration.gguf_blocks import require_block_types
         from specrt.export.gguf import open_gguf
@@ -124,7 +135,7 @@ def _build_all(spec: BuildSpec) -> Iterator[str]:
     ckpt_hash = checkpoint_hash(spec.checkpoint)
     layers = list(default_target_layers(load_config(spec.checkpoint).num_hidden_layers))
     yield from _model_files(spec, ckpt_hash)
-    if _weights_in_gguf(spec.checkpoint) and spec.quantize in GGUF_SCHEMES and spec.graph == "fused":
+    if _weights_in_gguf(spec.checkpoint) and spec.quantize in FROM_GGUF and spec.graph == "fused":
         # the weights stay in the file: build what the engine of its blocks needs, streamed from it
         yield "onnx      skipped: the weights stay in the GGUF file (its float32 graphs: --quantize none)"
         yield from _build_fused(spec, ckpt_hash, layers, spec.quantize)
@@ -197,6 +208,14 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
     current = None if spec.force else _manifest_if_valid(read_onnx_manifest, fdir, ckpt_hash)
     wanted = {"graph_flavour": "fused", "fused_version": FUSED_VERSION, "hidden_layers": layers}
     make = lambda: export_fused_graph(spec.checkpoint, fdir, tuple(layers), spec.opset)  # noqa: E731
+    if scheme in KERNEL_SCHEMES:
+        from specrt.calibration.gguf_kernel import RECIPE_VERSION, fused_in_place
+
+        gguf = _gguf_file(spec)
+        fields = {"scheme": scheme, "recipe_version": RECIPE_VERSION}
+        if not _records((current or {}).get("quantization"), fields) or _gguf_changed(current, gguf):
+            current = None
+        make = lambda: fused_in_place(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset)  # noqa: E731
     if scheme in GGUF_SCHEMES:
         from specrt.calibration.gguf_blocks import fused_from_gguf
 
@@ -206,7 +225,7 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
         make = lambda: fused_from_gguf(spec.checkpoint, fdir, gguf, tuple(layers), spec.opset, scheme)  # noqa: E731
     fresh = not _records(current, wanted)
     if fresh:
-        streamed = _gguf_file(spec) if scheme in GGUF_SCHEMES and _weights_in_gguf(spec.checkpoint) else None
+        streamed = _gguf_file(spec) if scheme in FROM_GGUF and _weights_in_gguf(spec.checkpoint) else None
         require_memory(
             spec.checkpoint, f"writing the fused graph ({'float32' if scheme == 'none' else scheme})", streamed
         )
@@ -214,6 +233,7 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
     yield _made_or_kept(label, fdir, fresh, make, "written" if scheme == "none" else "quantized")
     files = read_onnx_manifest(fdir)["files"]
     note = f" (TensorRT takes no MatMulNBits graph: none built for {scheme})" if scheme in GGUF_SCHEMES else ""
+    note = f" (specrt's own kernel: no TensorRT engine for {scheme})" if scheme in KERNEL_SCHEMES else note
     yield from _build_ort(spec, fdir, files, ckpt_hash, stale=fresh, quantize=scheme, note=note)
 
 
@@ -330,6 +350,14 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
     return {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}, lambda: quantize_weight_only(
         odir, qdir, wspec
     )
+
+
+def _gguf_changed(manifest: dict | None, gguf: Path) -> bool:
+    """A gguf-k graph written from another file or another content of it."""
+    from specrt.schema.checkpoint_files import file_digest
+
+    recorded = ((manifest or {}).get("quantization") or {}).get("gguf") or {}
+    return recorded.get("sha256") != file_digest(gguf)
 
 
 def _gguf_file(spec: BuildSpec) -> Path:

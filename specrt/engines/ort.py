@@ -114,6 +114,7 @@ def graph_session(onnx_file: Path, options: OrtOptions, fix: str, save_as: tuple
     ort = _ort()
     providers = _provider_list(options.provider)
     so = _session_options(options, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    kernel_graph = _needs_kernels(onnx_file, options, so)
     if save_as is not None:
         opt_file, opt_data = save_as
         so.optimized_model_filepath = str(opt_file)
@@ -123,10 +124,53 @@ def graph_session(onnx_file: Path, options: OrtOptions, fix: str, save_as: tuple
     # host CPU and loading refuses the engine on another one, so the warning is not repeated
     so.log_severity_level = 3
     try:
-        session = ort.InferenceSession(str(onnx_file), so, providers=providers)
+        if kernel_graph:  # its nodes' GGUF paths start from the graph's folder (engines/kernels)
+            from specrt.engines import kernels
+
+            with kernels.SESSION_LOCK:
+                kernels.register(so, options.intra_op_threads, onnx_file.parent)
+                session = ort.InferenceSession(str(onnx_file), so, providers=providers)
+        else:
+            session = ort.InferenceSession(str(onnx_file), so, providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise ArtifactError(f"ONNX Runtime could not load {onnx_file} ({e}); {fix}") from None
     return session, _check_provider_loaded(session, options.provider)
+
+
+def _needs_kernels(onnx_file: Path, options: OrtOptions, so) -> bool:
+    """Whether the graph's products run on specrt's kernel library (--quantize gguf-k): then the
+    library must be here and the GGUF file it reads in place the one the graph was written from
+    (a stat when unchanged, the full hash when the file changed)."""
+    from specrt.calibration import KERNEL_SCHEMES
+
+    try:
+        q = read_onnx_manifest(onnx_file.parent, verify="none").get("quantization") or {}
+    except SpecrtError:
+        return False
+    if q.get("scheme") not in KERNEL_SCHEMES:
+        return False
+    from specrt.engines import kernels
+    from specrt.schema.checkpoint_files import file_digest
+
+    if not kernels.has_ort_ops():
+        raise ArtifactError(
+            f"{onnx_file.parent} computes on specrt's kernel library, which is not available here "
+            f"({kernels.why_not()}); build it with `python -m specrt.engines.kernels` (make setup does), or build "
+            "and run the gguf-a8 engine instead"
+        )
+    gguf = (onnx_file.parent / q["gguf"]["relative"]).resolve()
+    if not gguf.is_file():
+        raise ArtifactError(
+            f"{onnx_file.parent} reads its weights in place from the GGUF file {gguf}, which is gone; put it back "
+            "(or copy it with the artifacts folder, at the same place relative to it), or rebuild the engine"
+        )
+    if file_digest(gguf) != q["gguf"]["sha256"]:
+        raise ArtifactError(
+            f"{gguf} changed since {onnx_file.parent} was written from it (its sha256 is not the one the graph's "
+            f"manifest records), and the engine reads its weights from it in place: put the original file back, or "
+            "rebuild the engine (specrt build-engines --quantize gguf-k)"
+        )
+    return True
 
 
 def check_built_here(m: dict, what: str, how: str) -> None:

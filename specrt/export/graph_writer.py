@@ -202,7 +202,8 @@ def _write_graph(g: GraphBuilder, model: LlamaModel, ops, products, opset: int, 
     inputs = [helper.make_tensor_value_info(n, elem[io.dtype(n)], dims[n]) for n in io.input_names]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims[n]) for n in io.output_names]
     graph = helper.make_graph(g.nodes, f"specrt-{ops.flavour}-step", inputs, outputs, g.inits)
-    return helper.make_model(graph, opset_imports=ops.opsets(opset), producer_name="specrt")
+    extra = products.opsets() if hasattr(products, "opsets") else []  # a products' own operators' domain
+    return helper.make_model(graph, opset_imports=ops.opsets(opset) + extra, producer_name="specrt")
 
 
 def _dims(io: StepIO, cfg, width: int) -> dict[str, list]:

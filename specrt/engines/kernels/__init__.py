@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,8 @@ def library() -> ctypes.CDLL | None:
     lib.specrt_get_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.specrt_force_isa.argtypes = [ctypes.c_int]
     lib.specrt_set_threads.argtypes = [ctypes.c_int]
+    if hasattr(lib, "specrt_set_base_dir"):  # built with the ONNX Runtime operators
+        lib.specrt_set_base_dir.argtypes = [ctypes.c_char_p]
     return lib
 
 
@@ -116,11 +119,20 @@ def get_rows(ggml_type: int, w: np.ndarray, n: int, k: int, ids) -> np.ndarray:
     return out
 
 
-def register(session_options, threads: int = 0) -> bool:
+# held from register(base_dir=...) until the session is created: a node's relative file path starts
+# from the folder set for the session being created
+SESSION_LOCK = threading.Lock()
+
+
+def register(session_options, threads: int = 0, base_dir: str | Path | None = None) -> bool:
     """Add the library's ONNX Runtime operators to `session_options` (their columns split over
-    `threads`, 0: one per core); False where the library or its operators are not built."""
+    `threads`, 0: one per core; nodes' relative file paths start from `base_dir`, set for the
+    sessions created next: hold SESSION_LOCK until yours is); False where the library or its
+    operators are not built."""
     if not has_ort_ops():
         return False
-    _lib().specrt_set_threads(threads)
+    lib = _lib()
+    lib.specrt_set_threads(threads)
+    lib.specrt_set_base_dir(str(Path(base_dir).resolve()).encode() if base_dir is not None else b"")
     session_options.register_custom_ops_library(str(Path(LIBRARY)))
     return True

@@ -36,6 +36,9 @@ int specrt_threads();
 
 namespace {
 
+std::mutex base_mu;
+std::string base_dir;  // where a node's relative file path starts (the graph's folder; set by the loader)
+
 struct Mapped {
   const uint8_t* data = nullptr;
   size_t size = 0;
@@ -86,6 +89,10 @@ struct GgufTensor {
     } catch (const std::exception& e) {
       error = node + ": " + e.what();
       return;
+    }
+    if (!file.empty() && file[0] != '/') {
+      std::lock_guard<std::mutex> lock(base_mu);
+      file = base_dir + "/" + file;
     }
     row_bytes = specrt_row_bytes(type, k);
     if (row_bytes == 0 || n <= 0) {
@@ -142,6 +149,13 @@ struct GgufGather {
 };
 
 }  // namespace
+
+// the folder relative file attributes start from, for the sessions created next (the loader
+// sets it to the graph's folder just before it creates a session of that graph)
+extern "C" void specrt_set_base_dir(const char* dir) {
+  std::lock_guard<std::mutex> lock(base_mu);
+  base_dir = dir ? dir : "";
+}
 
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));

@@ -1,0 +1,118 @@
+"""`--quantize gguf-k`: the fused step graph whose products read the GGUF file's blocks in place,
+on specrt's own kernel (engines/kernels: specrt.GgufMatMul, specrt.GgufGather).
+
+    fused_in_place(checkpoint, out_dir, gguf_path, hidden_layers)   # the graph, its manifest
+
+Each product of a weight stored in a block type the kernel takes is one GgufMatMul node naming
+the file (by its path relative to the graph's folder, so a project folder moves with its models)
+and the tensor's offset: no codes, scales or floats of it are written. q and k rows llama.cpp
+stored permuted are put back in the checkpoint's order by a Gather of the product's columns. A
+weight stored as floats (or in a block type the kernel does not take) is the float graph's
+product. The activations are quantized to int8 per block inside the kernel (as gguf-a8's are in
+MatMulNBits), so the engine is its own numeric class: its probe measures which step shapes agree.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.schema.checkpoint_files import file_digest
+
+SCHEME = "gguf-k"
+DOMAIN = "specrt"
+RECIPE_VERSION = 1
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # the kernel's (engines/kernels)
+
+
+class KernelProducts:
+    """The fused graph writer's products (export/graph_writer.py) as GgufMatMul nodes."""
+
+    def __init__(self, gguf_path: Path, out_dir: Path, t0: float):
+        self.gguf_path, self.t0 = Path(gguf_path), t0
+        self.file = os.path.relpath(self.gguf_path.resolve(), Path(out_dir).resolve())
+        self.counts: dict[str, int] = {}
+
+    def opsets(self) -> list:
+        from onnx import helper
+
+        return [helper.make_opsetid(DOMAIN, 1)]
+
+    def manifest(self) -> dict:
+        return {
+            "quantization": {
+                "scheme": SCHEME,
+                "method": "the GGUF's own blocks read in place by specrt's kernel (int8 activations per block)",
+                "recipe_version": RECIPE_VERSION,
+                "fused": True,
+                "gguf": {"file": self.gguf_path.name, "sha256": file_digest(self.gguf_path), "relative": self.file},
+                "kernel_products": dict(sorted(self.counts.items())),
+                "seconds": round(time.perf_counter() - self.t0, 2),
+            }
+        }
+
+    def _kind(self, weight) -> str | None:
+        from specrt.export.gguf_model import GgufWeight
+
+        if not isinstance(weight, GgufWeight):
+            return None
+        kind = weight.tensor.tensor_type.name
+        return kind if kind in TYPES else None
+
+    def _attrs(self, weight) -> dict:
+        n, k = weight.shape
+        return dict(
+            file=self.file, offset=int(weight.tensor.data_offset), ggml_type=TYPES[self._kind(weight)], n=n, k=k
+        )
+
+    def lookup(self, g, embed, tied: bool) -> str:
+        from specrt.export.graph_writer import FloatProducts
+
+        if self._kind(embed) is None:
+            return FloatProducts().lookup(g, embed, tied)
+        self.counts["embedding"] = 1
+        return g.node("GgufGather", ["input_ids"], ["embed/rows"], "embed/GgufGather", DOMAIN, **self._attrs(embed))[0]
+
+    def product(self, g, x: str, weights: list, name: str) -> str:
+        from specrt.export.graph_writer import FloatProducts
+
+        outs = []
+        for j, w in enumerate(weights):
+            part = name if len(weights) == 1 else f"{name}.{j}"
+            kind = self._kind(w)
+            if kind is None:
+                outs.append(FloatProducts().product(g, x, [w], part))
+                continue
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            out = g.node("GgufMatMul", [x], [f"{part}/kernel"], f"{part}/GgufMatMul", DOMAIN, **self._attrs(w))[0]
+            if w.heads is not None:  # llama.cpp's q/k row order, back to the checkpoint's
+                from specrt.export.gguf import unpermute_rows
+
+                order = unpermute_rows(np.arange(w.shape[0], dtype=np.int64)[:, None], w.heads)[:, 0]
+                out = g.node("Gather", [out, g.init(f"{part}.rows", order)], [f"{part}/rows"], f"{part}/Rows", axis=-1)[
+                    0
+                ]
+            outs.append(out)
+        if len(outs) == 1:
+            return outs[0]
+        return g.node("Concat", outs, [f"{name}/out"], f"{name}/Concat", axis=-1)[0]
+
+
+def fused_in_place(checkpoint, out_dir, gguf_path, hidden_layers=None, opset: int = 17) -> Path:
+    """The fused step graph of a checkpoint whose weights are the GGUF file's (a .gguf, or
+    `convert --weights gguf`), its products on specrt's kernel; written to out_dir."""
+    from specrt.export.checkpoint import gguf_weights
+    from specrt.export.fused_graph import export_fused_graph
+
+    source = gguf_weights(checkpoint)
+    if source is None or source.resolve() != Path(gguf_path).resolve():
+        raise SpecrtError(
+            f"--quantize {SCHEME} reads the weights from the GGUF file in place: give a checkpoint that reads its "
+            f"weights from {gguf_path} (specrt convert {gguf_path} --out DIR --weights gguf), or the .gguf itself"
+        )
+    products = KernelProducts(Path(gguf_path), Path(out_dir), time.perf_counter())
+    return export_fused_graph(checkpoint, out_dir, hidden_layers, opset, products=products)
