@@ -95,3 +95,6 @@ def test_without_the_library_the_build_falls_back_to_gguf_a8(built, tmp_path, mo
     lines = list(build_all(BuildSpec(checkpoint=d / "ckpt", out=tmp_path / "art", quantize="gguf-k", tensorrt="off")))
     assert "building gguf-a8 (MatMulNBits) instead" in lines[0]
     assert ArtifactLayout(tmp_path / "art").ort_engine("cpu", "gguf-a8").is_dir()
+    args = ["generate", "--artifacts", str(tmp_path / "art"), "--quantize", "gguf-k", "--prompt", "b c", "--no-chat"]
+    r = CliRunner().invoke(main, [*args, "--max-new-tokens", "4"])
+    assert r.exit_code == 0 and "specrt's kernel library is not available" in r.stderr, r.output

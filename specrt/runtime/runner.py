@@ -182,6 +182,7 @@ def _open_ort(spec: RunnerSpec) -> Generator:
                 "give --artifacts DIR (from build-engines) or --engine DIR, or --backend torch --model CHECKPOINT"
             )
         engine = ArtifactLayout(spec.artifacts).ort_engine(spec.provider, spec.quantize)
+        engine = _kernel_fallback(spec, engine)
         if spec.quantize != "none" and not engine.is_dir():
             raise SpecrtError(
                 f"{engine} does not exist; build it with: specrt build-engines --model CHECKPOINT --out "
@@ -192,6 +193,28 @@ def _open_ort(spec: RunnerSpec) -> Generator:
     return Generator.from_engine(
         engine, spec.checkpoint, options=options, verify=spec.verify, multi_engine=multi, exact=spec.exact
     )
+
+
+def _kernel_fallback(spec: RunnerSpec, engine: Path) -> Path:
+    """--quantize gguf-k where specrt's kernel library is not available: the gguf-a8 engine its
+    build made instead (engines/build.py), said in one line."""
+    from specrt.calibration import KERNEL_SCHEMES
+
+    if spec.quantize not in KERNEL_SCHEMES or engine.is_dir():
+        return engine
+    from specrt.engines import kernels
+
+    other = ArtifactLayout(spec.artifacts).ort_engine(spec.provider, "gguf-a8")
+    if kernels.has_ort_ops() or not other.is_dir():
+        return engine
+    import sys
+
+    why = kernels.why_not() or "built without ONNX Runtime's headers"
+    print(
+        f"--quantize {spec.quantize}: specrt's kernel library is not available ({why}); running gguf-a8",
+        file=sys.stderr,
+    )
+    return other
 
 
 @dataclasses.dataclass(frozen=True)
