@@ -9,6 +9,7 @@
     <root>/engines/timing.cache           TensorRT's timing cache, reused across builds
     <root>/model/                         the tokenizer, chat template and config a run reads (schema/model_files.py):
                                           a copied folder runs without the checkpoint
+    <root>/gguf/<file>.gguf               the GGUF a gguf-k engine reads in place: a hard link to the model's file
 
 build-engines writes here; generate, serve, bench, inspect and the benchmark scripts read from
 here through `ArtifactLayout`, so a new artifact kind (a draft head, say) is added in one place.
@@ -82,6 +83,11 @@ class ArtifactLayout(_Layout):
     def model_files(self) -> Path:
         """The checkpoint's run-time files (tokenizer, chat template, config) the engines read."""
         return self.root / "model"
+
+    @property
+    def gguf_dir(self) -> Path:
+        """Where a gguf-k engine's GGUF is linked, so that a copied folder carries its weights."""
+        return self.root / "gguf"
 
     @property
     def calibration(self) -> Path:

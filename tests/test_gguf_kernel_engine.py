@@ -44,7 +44,8 @@ def test_the_graph_reads_the_files_blocks_in_place(built):
     big = [i.name for i in graph.initializer if np.prod(i.dims) >= 64 * 64 and i.data_type == onnx.TensorProto.FLOAT]
     assert not big, big  # no weight of a block tensor written as floats
     m = json.loads((layout.fused_onnx("gguf-k") / "manifest.json").read_text())["quantization"]
-    assert m["scheme"] == "gguf-k" and m["gguf"]["relative"] == "../../tiny.gguf"
+    assert m["scheme"] == "gguf-k" and m["gguf"]["relative"] == "../gguf/tiny.gguf"  # a link in the folder
+    assert (d / "art" / "gguf" / "tiny.gguf").samefile(d / "tiny.gguf")  # no second copy on disk
     r = CliRunner().invoke(main, ["inspect", str(d / "art")])
     assert "weights read in place from the GGUF (4 Q4_0, 8 Q4_1, 3 Q8_0 products), int8 activations" in r.output
     engine = json.loads((layout.ort_engine("cpu", "gguf-k") / "manifest.json").read_text())
@@ -98,3 +99,21 @@ def test_without_the_library_the_build_falls_back_to_gguf_a8(built, tmp_path, mo
     args = ["generate", "--artifacts", str(tmp_path / "art"), "--quantize", "gguf-k", "--prompt", "b c", "--no-chat"]
     r = CliRunner().invoke(main, [*args, "--max-new-tokens", "4"])
     assert r.exit_code == 0 and "specrt's kernel library is not available" in r.stderr, r.output
+
+
+def test_a_copied_folder_carries_the_weights_it_reads_in_place(built, tmp_path):
+    """The GGUF is linked into the artifacts folder: a copy answers with the model's file, its
+    checkpoint and the build tree gone."""
+    import shutil
+
+    d, _ = built
+    copy = shutil.copytree(d / "art", tmp_path / "edge" / "art")
+    args = ["generate", "--quantize", "gguf-k", "--prompt", "b c d", "--no-chat", "--max-new-tokens", "8"]
+    before = CliRunner().invoke(main, [*args, "--artifacts", str(d / "art")])
+    shutil.move(d, tmp_path / "hidden")
+    try:
+        after = CliRunner().invoke(main, [*args, "--artifacts", str(copy)])
+    finally:
+        shutil.move(tmp_path / "hidden", d)
+    assert before.exit_code == after.exit_code == 0, after.output
+    assert before.stdout.splitlines()[0] == after.stdout.splitlines()[0]

@@ -109,7 +109,7 @@ def fused_in_place(checkpoint, out_dir, gguf_path, hidden_layers=None, opset: in
     from specrt.export.fused_graph import export_fused_graph
 
     source = gguf_weights(checkpoint)
-    if source is None or source.resolve() != Path(gguf_path).resolve():
+    if source is None or not os.path.samefile(source, gguf_path):  # gguf_path may be a link to it
         raise SpecrtError(
             f"--quantize {SCHEME} reads the weights from the GGUF file in place: give a checkpoint that reads its "
             f"weights from {gguf_path} (specrt convert {gguf_path} --out DIR --weights gguf), or the .gguf itself"

@@ -211,7 +211,7 @@ def _build_fused(spec: BuildSpec, ckpt_hash: str, layers: list[int], scheme: str
     if scheme in KERNEL_SCHEMES:
         from specrt.calibration.gguf_kernel import RECIPE_VERSION, fused_in_place
 
-        gguf = _gguf_file(spec)
+        gguf = _gguf_in_folder(spec, _gguf_file(spec))
         fields = {"scheme": scheme, "recipe_version": RECIPE_VERSION}
         if not _records((current or {}).get("quantization"), fields) or _gguf_changed(current, gguf):
             current = None
@@ -350,6 +350,26 @@ def _quantizer(spec: BuildSpec, odir: Path, qdir: Path):
     return {**dataclasses.asdict(wspec), "accuracy_level": wspec.accuracy_level}, lambda: quantize_weight_only(
         odir, qdir, wspec
     )
+
+
+def _gguf_in_folder(spec: BuildSpec, gguf: Path) -> Path:
+    """The GGUF inside the artifacts folder, as a hard link (no second copy on disk), so that a
+    copied folder carries the weights its gguf-k engine reads in place; the file itself where no
+    link can be made (another file system)."""
+    import os
+
+    target = ArtifactLayout(spec.out).gguf_dir / gguf.name
+    if target.is_file() and os.path.samefile(target, gguf):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.link.tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.link(gguf, tmp)
+        os.replace(tmp, target)
+    except OSError:
+        return gguf
+    return target
 
 
 def _gguf_changed(manifest: dict | None, gguf: Path) -> bool:
