@@ -18,10 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-from specrt.artifacts import cpu_model, package_versions, source_commit
 from specrt.runtime.runner import RunnerSpec, open_runner
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from harness import envelope, write_results
 
 
 def main() -> None:
@@ -75,20 +74,14 @@ def main() -> None:
         cells = [f"{med(c, s, 'decode_tps'):>16.1f}{med(c, s, 'auto_end_to_end_tps'):>14.1f}" for s in schemes]
         print(f"{c:14}" + "".join(cells))
     out = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": source_commit(),
-        "cpu": cpu_model(),
-        "versions": package_versions("onnxruntime"),
+        **envelope("onnxruntime"),
         "artifacts": str(args.artifacts),
         "engines": schemes,
         "tokens": args.tokens,
         "rounds": args.rounds,
         "runs": runs,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"engines-{datetime.date.today()}-{args.artifacts.name}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_results(f"engines-{datetime.date.today()}-{args.artifacts.name}", out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import tempfile
 import time
@@ -28,8 +27,10 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.artifacts import cpu_model, package_versions, source_commit
+from specrt.artifacts import cpu_model
 from specrt.engines import kernels
+
+from harness import envelope, write_results
 
 # (type, N, K, where): the real models' products
 SHAPES = [
@@ -42,7 +43,6 @@ SHAPES = [
     (T.Q4_0, 1536, 576, "Q4_0, the same shape"),
 ]
 ROWS = (1, 2, 3, 5, 9, 16)
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def blocks(t, n, k, rng):
@@ -152,20 +152,14 @@ def main() -> None:
     bandwidth = read_bandwidth()
     print(f"read bandwidth (numpy, one thread): {bandwidth:.1f} GB/s")
     out = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": source_commit(),
-        "cpu": cpu_model(),
+        **envelope("onnxruntime", "numpy", "gguf"),
         "isa": kernels.isa(),
         "threads": args.threads,
         "repeats": args.repeats,
-        "versions": package_versions("onnxruntime", "numpy", "gguf"),
         "read_bandwidth_gbs_one_thread": round(bandwidth, 1),
         "rows": rows_out,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"gguf-kernel-{datetime.date.today()}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_results(f"gguf-kernel-{datetime.date.today()}", out)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,17 @@ def envelope(*packages: str, **machine) -> dict:
     }
 
 
+def write_results(name: str, result: dict) -> Path:
+    """`result` as bench/results/<name>.json (indented), said on stdout; returns the path."""
+    import json
+
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
