@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 BUILD = HERE / "_build"
 LIBRARY = BUILD / "libspecrt_kernels.so"
 RECORD = BUILD / "build.json"
-SOURCES = ("gguf_matmul.cpp", "ort_op.cpp")
+SOURCES = ("gguf_blocks.h", "gguf_matmul.cpp", "gguf_kquants.cpp", "kq_simd.inc", "ort_op.cpp")
 HEADERS = BUILD / "ort-include"
 # the Debian release whose libonnxruntime-dev carries the C API headers (1.21.0 in trixie)
 DEBIAN_SOURCE = "deb http://deb.debian.org/debian trixie main"
@@ -99,7 +99,7 @@ def build(quiet: bool = False) -> dict:
     if compiler is None:
         return _record({"sources": digest, "built": False, "why": "no C++ compiler (apt-get install g++)"})
     headers = ort_headers()
-    files = [str(HERE / "gguf_matmul.cpp")]
+    files = [str(HERE / "gguf_matmul.cpp"), str(HERE / "gguf_kquants.cpp")]
     defines = []
     if headers is not None:
         files.append(str(HERE / "ort_op.cpp"))
@@ -110,7 +110,9 @@ def build(quiet: bool = False) -> dict:
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         tmp.unlink(missing_ok=True)
-        why = f"the compiler failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}"
+        lines = run.stderr.strip().splitlines()
+        first = next((line for line in lines if "error" in line), lines[-1] if lines else str(run.returncode))
+        why = f"the compiler failed: {first.strip()}"
         return _record({"sources": digest, "built": False, "why": why})
     os.replace(tmp, LIBRARY)
     why = None if headers is not None else "ONNX Runtime's C headers could not be fetched (Debian's libonnxruntime-dev)"

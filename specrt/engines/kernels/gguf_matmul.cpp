@@ -1,5 +1,6 @@
 // y = x W^T with W a GGUF tensor's bytes as stored (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), x float32
-// quantized to int8 in blocks: the layer products of a GGUF model, computed in place.
+// quantized to int8 in blocks: the layer products of a GGUF model. This file: the legacy 32-weight
+// types, the threads and the C API; gguf_kquants.cpp: the k-quants, packed 16 columns at a time.
 //
 //   x  [M, K] float32 (row-major)       W  [N, row_bytes(type, K)] uint8: the file's rows, as stored
 //   y  [M, N] float32                    M: any (a step's rows: 1..17 verify, hundreds prefill)
@@ -7,21 +8,18 @@
 // Why written here: ONNX Runtime's MatMulNBits rewrites these blocks (1.39 GB read a token where the
 // file holds 1.0) and unpacks each weight again for every pair of rows; ggml's kernels are not
 // batch-invariant (gemm for groups of rows, gemv for the rest). This one reads each weight block
-// once per group of rows (up to ROWS) and computes every output row in one fixed order, whatever the
-// number of rows and threads: threads split the output columns, rows never share arithmetic.
+// once per group of rows and computes every output row in one fixed order, whatever the number of
+// rows and threads: threads split the output columns, rows never share arithmetic.
 //
-// Numbers (one definition, the scalar reference below; every SIMD path gives the same bits):
-//   x is quantized per block: 32 values for Q4_0/Q4_1/Q5_0/Q8_0 (QX32: d = max|x|/127, codes
-//   nearbyint(x/d), their sum), 256 for the k-quants (QXK: one d, sums per 16), as llama.cpp does.
-//   Weight codes are unsigned (a type's bias subtracted through the x sums), so one u8 x s8 dot
-//   serves every type. Integer dots are exact; a block's integer lanes (lane i: the products at
-//   k with (k >> 2) & 7 == i) are converted and accumulated into 8 float lanes with one fma each,
-//   offsets (Q4_1's m, Q4_K's mins) into one float, and the lanes are summed in one tree order.
+// Numbers of the legacy types (one definition, the scalar reference below; every SIMD path gives
+// the same bits): x is quantized per 32 values (QX32: d = max|x|/127, codes nearbyint(x/d), their
+// sum), as llama.cpp does. Weight codes are unsigned (a type's bias subtracted through the x sums),
+// so one u8 x s8 dot serves every type. Integer dots are exact; a block's integer lanes (lane i:
+// the products at k with (k >> 2) & 7 == i) are converted and accumulated into 8 float lanes with
+// one fma each, offsets (Q4_1's m) into one float, and the lanes are summed in one tree order.
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <algorithm>
+#include "gguf_blocks.h"
+
 #include <atomic>
 #include <condition_variable>
 #include <functional>
@@ -29,121 +27,20 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+namespace specrt_kernels {
+
+int64_t kq_packed_bytes(int type, int64_t N, int64_t K);
+void kq_pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out);
+void kq_reference(int type, const uint8_t* w, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
+                  int64_t n0, int64_t n1, float* y);
+bool kq_groups(int type, const uint8_t* packed, int64_t N, int64_t K, int64_t g0, int64_t g1, const char* xq,
+               int64_t xstride, int64_t M, float* y);
 
 namespace {
 
-// -- block formats (ggml's; shapes per block) ---------------------------------------------------
+constexpr int ROWS = 16, TILE = 32;  // rows a pass; TILE: columns whose weights stay in cache
 
-enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
-constexpr int QK = 32, QKK = 256, ROWS = 16;
-
-struct BQ4_0 { uint16_t d; uint8_t qs[16]; };                    // 32 weights: d (q - 8)
-struct BQ4_1 { uint16_t d, m; uint8_t qs[16]; };                 // 32: d q + m
-struct BQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };     // 32: d (q - 16), q 5 bits
-struct BQ8_0 { uint16_t d; int8_t qs[32]; };                     // 32: d q
-struct BQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };  // 256: d sc q - dmin m
-struct BQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };  // 256: d sc (q - 32)
-static_assert(sizeof(BQ4_0) == 18 && sizeof(BQ4_1) == 20 && sizeof(BQ5_0) == 22, "block sizes");
-static_assert(sizeof(BQ8_0) == 34 && sizeof(BQ4_K) == 144 && sizeof(BQ6_K) == 210, "block sizes");
-
-// x quantized: QX32 per 32 values (legacy types), QXK per 256 (k-quants)
-struct QX32 { float d; int32_t sum; int8_t q[QK]; };
-struct QXK { float d; int16_t bsums[16]; int16_t bsums32[8]; int8_t q[QKK]; };  // sums per 16 and per 32
-
-int block_values(int type) { return type == Q4_K || type == Q6_K ? QKK : QK; }
-
-size_t block_bytes(int type) {
-  switch (type) {
-    case Q4_0: return sizeof(BQ4_0);
-    case Q4_1: return sizeof(BQ4_1);
-    case Q5_0: return sizeof(BQ5_0);
-    case Q8_0: return sizeof(BQ8_0);
-    case Q4_K: return sizeof(BQ4_K);
-    case Q6_K: return sizeof(BQ6_K);
-  }
-  return 0;
-}
-
-float fp16(uint16_t h) {  // exact half -> float, no F16C needed
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    int e = -1;
-    do { man <<= 1; ++e; } while (!(man & 0x400));
-    bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
-void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
-// the same 8 scales and 8 mins with 32-bit operations (what the SIMD paths use; tests: equal)
-void q4k_scales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
-  uint32_t u[3];
-  std::memcpy(u, q, 12);
-  uint32_t s0 = u[0] & 0x3f3f3f3f, m0 = u[1] & 0x3f3f3f3f;
-  uint32_t s1 = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-  uint32_t m1 = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-  std::memcpy(sc, &s0, 4);
-  std::memcpy(sc + 4, &s1, 4);
-  std::memcpy(mn, &m0, 4);
-  std::memcpy(mn + 4, &m1, 4);
-}
-
-// -- activations ---------------------------------------------------------------------------------
-
-int8_t code(float v, float id) {
-  float r = std::nearbyint(v * id);
-  return (int8_t)std::max(-127.0f, std::min(127.0f, r));
-}
-
-void quantize_x32(const float* x, int64_t K, QX32* out) {  // x [K] -> K/32 blocks
-  for (int64_t b = 0; b < K / QK; ++b, x += QK) {
-    float amax = 0;
-    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
-    float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
-    for (int i = 0; i < QK; ++i) sum += out[b].q[i] = code(x[i], id);
-    out[b].d = d;
-    out[b].sum = sum;
-  }
-}
-
-void quantize_xk(const float* x, int64_t K, QXK* out) {  // x [K] -> K/256 blocks
-  for (int64_t b = 0; b < K / QKK; ++b, x += QKK) {
-    float amax = 0;
-    for (int i = 0; i < QKK; ++i) amax = std::max(amax, std::fabs(x[i]));
-    float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
-    for (int j = 0; j < 16; ++j) {
-      int s = 0;
-      for (int i = 0; i < 16; ++i) s += out[b].q[16 * j + i] = code(x[16 * j + i], id);
-      out[b].bsums[j] = (int16_t)s;
-    }
-    for (int j = 0; j < 8; ++j) out[b].bsums32[j] = (int16_t)(out[b].bsums[2 * j] + out[b].bsums[2 * j + 1]);
-    out[b].d = d;
-  }
-}
-
-// -- the float part, shared by every path --------------------------------------------------------
+// -- the float part of the legacy types, shared by every path --------------------------------------------------------
 
 struct Acc {  // one output (row, column): 16 float lanes and 4 lanes of offsets
   float lane[16] = {};
@@ -201,42 +98,6 @@ void unpack32(int type, const uint8_t* p, Unpacked32* o) {
   }
 }
 
-// A 256-weight block (k-quants): codes u[256], the integer scale of each k's sub-block, the bias
-// per code, d, and (Q4_K) dmin with the 8 mins.
-struct UnpackedK { uint8_t u[QKK]; int32_t sc[16]; int32_t mins[8]; float d, dmin; int bias, sub; };
-
-void unpack_k(int type, const uint8_t* p, UnpackedK* o) {
-  if (type == Q4_K) {
-    auto b = (const BQ4_K*)p;
-    for (int c = 0; c < 4; ++c)
-      for (int l = 0; l < 32; ++l) {
-        o->u[64 * c + l] = b->qs[32 * c + l] & 0xF;
-        o->u[64 * c + 32 + l] = b->qs[32 * c + l] >> 4;
-      }
-    for (int j = 0; j < 8; ++j) {
-      uint8_t sc, m;
-      scale_min_k4(j, b->scales, &sc, &m);
-      o->sc[j] = sc;
-      o->mins[j] = m;
-    }
-    o->d = fp16(b->d); o->dmin = fp16(b->dmin); o->bias = 0; o->sub = 32;
-  } else {  // Q6_K
-    auto b = (const BQ6_K*)p;
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
-      uint8_t* u = o->u + 128 * h;
-      for (int l = 0; l < 32; ++l) {
-        u[l] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
-        u[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-        u[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-        u[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-      }
-    }
-    for (int j = 0; j < 16; ++j) o->sc[j] = b->scales[j];
-    o->d = fp16(b->d); o->dmin = 0; o->bias = 32; o->sub = 16;
-  }
-}
-
 // The integer lanes of one block: lane i = sum over k with (k >> 2) & 7 == i (a 32-weight block:
 // 8 lanes, into float lanes 8 (b & 1) + i) or (k >> 2) & 15 == i (a 256-weight block: 16 lanes) of
 // code * x (times the k's sub-block scale), the bias folded into lane 0.
@@ -246,198 +107,30 @@ void lanes32(const Unpacked32& w, const QX32& x, int32_t* il) {
   il[0] -= w.bias * x.sum;
 }
 
-void lanes_k(const UnpackedK& w, const QXK& x, int32_t* il) {
-  for (int i = 0; i < 16; ++i) il[i] = 0;
-  for (int k = 0; k < QKK; ++k) il[(k >> 2) & 15] += w.sc[k / w.sub] * ((int32_t)w.u[k] * x.q[k]);
-  if (w.bias) {
-    int32_t b = 0;
-    for (int j = 0; j < 16; ++j) b += w.sc[j] * x.bsums[j];
-    il[0] -= w.bias * b;
-  }
-}
-
-void mins_k(const UnpackedK& w, const QXK& x, int32_t* m) {  // Q4_K: min * x sum, sub-blocks in pairs
-  for (int i = 0; i < 4; ++i)
-    m[i] = w.mins[2 * i] * (x.bsums[4 * i] + x.bsums[4 * i + 1]) +
-           w.mins[2 * i + 1] * (x.bsums[4 * i + 2] + x.bsums[4 * i + 3]);
-}
-
 // y[r] (r < R) of one column over all K: the reference every path must equal.
 void column_ref(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R, Acc* acc) {
   int32_t il[16];
-  if (block_values(type) == QK) {
-    Unpacked32 w;
-    for (int64_t b = 0; b < nb; ++b) {
-      unpack32(type, wrow + b * block_bytes(type), &w);
-      for (int r = 0; r < R; ++r) {
-        const QX32& x = ((const QX32*)((const char*)xq + r * xstride))[b];
-        lanes32(w, x, il);
-        acc[r].add(w.d * x.d, il, 8 * (int)(b & 1), 8);
-        if (type == Q4_1) acc[r].off[0] = std::fma(w.m * x.d, (float)x.sum, acc[r].off[0]);
-      }
-    }
-  } else {
-    UnpackedK w;
-    for (int64_t b = 0; b < nb; ++b) {
-      unpack_k(type, wrow + b * block_bytes(type), &w);
-      for (int r = 0; r < R; ++r) {
-        const QXK& x = ((const QXK*)((const char*)xq + r * xstride))[b];
-        lanes_k(w, x, il);
-        acc[r].add(w.d * x.d, il, 0, 16);
-        if (type == Q4_K) {
-          int32_t m[4];
-          mins_k(w, x, m);
-          for (int i = 0; i < 4; ++i) acc[r].off[i] = std::fma(-(w.dmin * x.d), (float)m[i], acc[r].off[i]);
-        }
-      }
+  Unpacked32 w;
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack32(type, wrow + b * block_bytes(type), &w);
+    for (int r = 0; r < R; ++r) {
+      const QX32& x = ((const QX32*)((const char*)xq + r * xstride))[b];
+      lanes32(w, x, il);
+      acc[r].add(w.d * x.d, il, 8 * (int)(b & 1), 8);
+      if (type == Q4_1) acc[r].off[0] = std::fma(w.m * x.d, (float)x.sum, acc[r].off[0]);
     }
   }
 }
 
-// -- AVX-512 VNNI: a column's block unpacked once into registers, a dot per row -----------------
+// -- AVX-512 VNNI: a block unpacked once into registers, a dot per row (legacy types) ----------
 
 #if defined(__x86_64__)
-#define SPECRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")))
 
 SPECRT_AVX512 inline float half_avx(uint16_t h) { return _cvtsh_ss(h); }  // = fp16(h), in one instruction
 
 SPECRT_AVX512 inline float fma1(float a, float b, float c) {  // std::fma, as the instruction
   return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
 }
-
-SPECRT_AVX512 inline int32_t sum4(__m128i p) {  // the 4 int32 lanes' sum (exact: integers)
-  p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(p, _mm_shuffle_epi32(p, 0xB1)));
-}
-
-// the int16 scale of each 16-bit lane of codes z (k = 64 z + 2 j, + 1): sub-block 2z + j / 16 of
-// 32 weights (Q4_K, halves) or 4z + j / 8 of 16 (Q6_K); `scales` holds the int16 scales in order
-struct LaneScales {  // vpermw indices of codes z's 16-bit lanes into a block's int16 scales
-  __m512i idx[4];
-  SPECRT_AVX512 explicit LaneScales(bool halves) {
-    alignas(64) int16_t v[32];
-    #pragma GCC unroll 16
-    for (int z = 0; z < 4; ++z) {
-      for (int j = 0; j < 32; ++j) v[j] = (int16_t)(halves ? 2 * z + j / 16 : 4 * z + j / 8);
-      idx[z] = _mm512_load_si512(v);
-    }
-  }
-  SPECRT_AVX512 __m512i operator()(__m512i scales, int z) const { return _mm512_permutexvar_epi16(idx[z], scales); }
-};
-
-// Q4_K, R rows (R <= 8: the accumulators stay in registers). Per row and block: the codes' pairs
-// times x (maddubs: <= 2 * 15 * 127, no saturation), times the sub-block's scale and summed in
-// 4s (dpwssd): the reference's integer lanes, exactly; then y lanes += d dx * lanes.
-template <int R>
-SPECRT_AVX512 void q4k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const LaneScales lane_scales16(true);
-  __m512 a[R];
-  __m128 off[R];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) { a[r] = _mm512_setzero_ps(); off[r] = _mm_setzero_ps(); }
-  for (int64_t b = 0; b < nb; ++b) {
-    auto blk = (const BQ4_K*)(wrow + b * sizeof(BQ4_K));
-    __m512i c0 = _mm512_loadu_si512(blk->qs), c1 = _mm512_loadu_si512(blk->qs + 64);
-    __m512i lo0 = _mm512_and_si512(c0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(c0, 4), low);
-    __m512i lo1 = _mm512_and_si512(c1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(c1, 4), low);
-    __m512i w[4] = {  // codes of k 0..63, 64..127, 128..191, 192..255 (natural order)
-        _mm512_shuffle_i64x2(lo0, hi0, 0x44), _mm512_shuffle_i64x2(lo0, hi0, 0xEE),
-        _mm512_shuffle_i64x2(lo1, hi1, 0x44), _mm512_shuffle_i64x2(lo1, hi1, 0xEE)};
-    uint32_t u[3];  // q4k_scales in registers
-    std::memcpy(u, blk->scales, 12);
-    uint32_t s0 = u[0] & 0x3f3f3f3f, m0 = u[1] & 0x3f3f3f3f;
-    uint32_t s1 = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    uint32_t m1 = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s1, (int)s0)));
-    __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m1, (int)m0));
-    __m512i s[4];
-    #pragma GCC unroll 16
-    for (int z = 0; z < 4; ++z) s[z] = lane_scales16(scales, z);
-    float d = half_avx(blk->d), dmin = half_avx(blk->dmin);
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const QXK& x = *(const QXK*)(xq + r * xstride + b * (int64_t)sizeof(QXK));
-      __m512i t = _mm512_setzero_si512();
-      #pragma GCC unroll 16
-      for (int z = 0; z < 4; ++z)
-        t = _mm512_dpwssd_epi32(t, _mm512_maddubs_epi16(w[z], _mm512_loadu_si512(x.q + 64 * z)), s[z]);
-      a[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.d), _mm512_cvtepi32_ps(t), a[r]);
-      __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)x.bsums32));
-      off[r] = _mm_fmadd_ps(_mm_set1_ps(-(dmin * x.d)), _mm_cvtepi32_ps(m), off[r]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc[r].lane, a[r]); _mm_storeu_ps(acc[r].off, off[r]); }
-}
-
-template <int S>
-SPECRT_AVX512 inline __m256i q6_high(__m256i qh, __m256i three) {  // Q6_K's 2 high bits at S, moved to bits 4-5
-  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, S), three), 4);
-}
-
-// Q6_K, R rows: y lanes += d dx * (sum_z sc * (codes . x) - 32 sum_j sc_j xsum_j)
-template <int R>
-SPECRT_AVX512 void q6k_rows(const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
-  const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-  const LaneScales lane_scales16(false);
-  __m512 a[R];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    auto blk = (const BQ6_K*)(wrow + b * sizeof(BQ6_K));
-    __m512i w[4];  // codes of k 0..63, ..., 192..255
-    for (int h = 0; h < 2; ++h) {
-      __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h));
-      __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h + 32));
-      __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
-      __m256i q1 = _mm256_or_si256(_mm256_and_si256(l0, low), q6_high<0>(qh, three));
-      __m256i q2 = _mm256_or_si256(_mm256_and_si256(l1, low), q6_high<2>(qh, three));
-      __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), q6_high<4>(qh, three));
-      __m256i q4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), q6_high<6>(qh, three));
-      w[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q1), q2, 1);
-      w[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q3), q4, 1);
-    }
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk->scales));
-    __m512i s[4];
-    #pragma GCC unroll 16
-    for (int z = 0; z < 4; ++z) s[z] = lane_scales16(_mm512_castsi256_si512(sc16), z);
-    float d = half_avx(blk->d);
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const QXK& x = *(const QXK*)(xq + r * xstride + b * (int64_t)sizeof(QXK));
-      __m512i t = _mm512_setzero_si512();
-      #pragma GCC unroll 16
-      for (int z = 0; z < 4; ++z)  // maddubs: <= 2 * 63 * 127, no saturation
-        t = _mm512_dpwssd_epi32(t, _mm512_maddubs_epi16(w[z], _mm512_loadu_si512(x.q + 64 * z)), s[z]);
-      __m256i bs = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)x.bsums));
-      int32_t bias = 32 * sum4(_mm_add_epi32(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
-      t = _mm512_sub_epi32(t, _mm512_maskz_set1_epi32(1, bias));
-      a[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * x.d), _mm512_cvtepi32_ps(t), a[r]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc[r].lane, a[r]);
-}
-
-#define SPECRT_BY_ROWS(fn)                                                                                    \
-  SPECRT_AVX512 void fn##_any(const uint8_t* wrow, int64_t nb, const char* xq, int64_t xs, int R, Acc* acc) { \
-    for (int r0 = 0; r0 < R; r0 += 8) {                                                                       \
-      const char* x = xq + r0 * xs;                                                                           \
-      switch (std::min(8, R - r0)) {                                                                          \
-        case 1: fn<1>(wrow, nb, x, xs, acc + r0); break;                                                       \
-        case 2: fn<2>(wrow, nb, x, xs, acc + r0); break;                                                       \
-        case 3: fn<3>(wrow, nb, x, xs, acc + r0); break;                                                       \
-        case 4: fn<4>(wrow, nb, x, xs, acc + r0); break;                                                       \
-        case 5: fn<5>(wrow, nb, x, xs, acc + r0); break;                                                       \
-        case 6: fn<6>(wrow, nb, x, xs, acc + r0); break;                                                       \
-        case 7: fn<7>(wrow, nb, x, xs, acc + r0); break;                                                       \
-        default: fn<8>(wrow, nb, x, xs, acc + r0); break;                                                      \
-      }                                                                                                       \
-    }                                                                                                         \
-  }
-SPECRT_BY_ROWS(q4k_rows)
-SPECRT_BY_ROWS(q6k_rows)
 
 // A legacy 32-weight block's codes (unsigned, natural order), d and m, unpacked in registers.
 // Q8_0's codes are its signed values: their magnitudes here, and x takes their signs (sign_epi8)
@@ -534,94 +227,11 @@ SPECRT_AVX512 void rows32_any(int type, const uint8_t* wrow, int64_t nb, const c
 // -- AVX2 (with FMA and F16C): the same lanes in two 8-lane halves, up to 4 rows a pass ---------
 
 #if defined(__x86_64__)
-#define SPECRT_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // one chunk's integer lanes: codes (u8) . x (s8) in pairs (maddubs: <= 2 * 63 * 127 or, for
 // Q8_0's magnitudes, 2 * 128 * 127: no saturation), times the 16-bit lanes' scales, summed in 4s
 SPECRT_AVX2 inline __m256i dot32(__m256i u, __m256i x, __m256i scale16) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16);
-}
-
-// k-quant codes as 8 chunks of 32 (natural order) and each chunk's int16 lane scales
-SPECRT_AVX2 inline void unpack_k_avx2(int type, const uint8_t* p, __m256i* w, __m256i* s, float* d, float* dmin,
-                                       __m128i* mins) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  if (type == Q4_K) {
-    auto blk = (const BQ4_K*)p;
-    for (int c = 0; c < 4; ++c) {
-      __m256i q = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * c));
-      w[2 * c] = _mm256_and_si256(q, low);
-      w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-    }
-    uint8_t sc[8], mn[8];
-    q4k_scales(blk->scales, sc, mn);
-    for (int j = 0; j < 8; ++j) s[j] = _mm256_set1_epi16(sc[j]);
-    *mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn));
-    *d = _cvtsh_ss(blk->d);
-    *dmin = _cvtsh_ss(blk->dmin);
-  } else {  // Q6_K
-    auto blk = (const BQ6_K*)p;
-    const __m256i three = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; ++h) {
-      __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h));
-      __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk->ql + 64 * h + 32));
-      __m256i qh = _mm256_loadu_si256((const __m256i*)(blk->qh + 32 * h));
-      auto high = [&](int shift) SPECRT_AVX2 {
-        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), three), 4);
-      };
-      w[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low), high(0));
-      w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low), high(2));
-      w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), high(4));
-      w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), high(6));
-    }
-    for (int j = 0; j < 8; ++j)
-      s[j] = _mm256_set_m128i(_mm_set1_epi16(blk->scales[2 * j + 1]), _mm_set1_epi16(blk->scales[2 * j]));
-    *d = _cvtsh_ss(blk->d);
-    *dmin = 0;
-  }
-}
-
-template <int R>
-SPECRT_AVX2 void rows_k_avx2(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xstride, Acc* acc) {
-  __m256 lo[R], hi[R];
-  __m128 off[R];
-  for (int r = 0; r < R; ++r) { lo[r] = hi[r] = _mm256_setzero_ps(); off[r] = _mm_setzero_ps(); }
-  const size_t bb = block_bytes(type);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i w[8], s[8];
-    __m128i mins = _mm_setzero_si128();
-    float d, dmin;
-    unpack_k_avx2(type, wrow + b * bb, w, s, &d, &dmin, &mins);
-    __m256i sc16 = type == Q6_K ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)((const BQ6_K*)(wrow + b * bb))->scales))
-                                : _mm256_setzero_si256();
-    for (int r = 0; r < R; ++r) {
-      const QXK& x = *(const QXK*)(xq + r * xstride + b * (int64_t)sizeof(QXK));
-      __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
-      for (int j = 0; j < 8; j += 2) {  // chunk j: lanes 0-7 of the 16, chunk j + 1: lanes 8-15
-        t0 = _mm256_add_epi32(t0, dot32(w[j], _mm256_loadu_si256((const __m256i*)(x.q + 32 * j)), s[j]));
-        t1 = _mm256_add_epi32(t1, dot32(w[j + 1], _mm256_loadu_si256((const __m256i*)(x.q + 32 * j + 32)), s[j + 1]));
-      }
-      if (type == Q6_K) {
-        __m256i bs = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)x.bsums));
-        __m128i b4 = _mm_add_epi32(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        b4 = _mm_add_epi32(b4, _mm_shuffle_epi32(b4, 0x4E));
-        b4 = _mm_add_epi32(b4, _mm_shuffle_epi32(b4, 0xB1));
-        t0 = _mm256_sub_epi32(t0, _mm256_setr_epi32(32 * _mm_cvtsi128_si32(b4), 0, 0, 0, 0, 0, 0, 0));
-      }
-      __m256 scale = _mm256_set1_ps(d * x.d);
-      lo[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(t0), lo[r]);
-      hi[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(t1), hi[r]);
-      if (type == Q4_K) {
-        __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)x.bsums32));
-        off[r] = _mm_fmadd_ps(_mm_set1_ps(-(dmin * x.d)), _mm_cvtepi32_ps(m), off[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc[r].lane, lo[r]);
-    _mm256_storeu_ps(acc[r].lane + 8, hi[r]);
-    _mm_storeu_ps(acc[r].off, off[r]);
-  }
 }
 
 // legacy 32-weight blocks: block b's 8 lanes into the half b & 1
@@ -675,28 +285,18 @@ SPECRT_AVX2 void rows32_avx2(int type, const uint8_t* wrow, int64_t nb, const ch
 }
 
 SPECRT_AVX2 void rows_avx2(int type, const uint8_t* wrow, int64_t nb, const char* xq, int64_t xs, int R, Acc* acc) {
-  bool k = type == Q4_K || type == Q6_K;
   for (int r0 = 0; r0 < R; r0 += 4) {
     const char* x = xq + r0 * xs;
     int n = std::min(4, R - r0);
-    if (k) {
-      if (n == 1) rows_k_avx2<1>(type, wrow, nb, x, xs, acc + r0);
-      else if (n == 2) rows_k_avx2<2>(type, wrow, nb, x, xs, acc + r0);
-      else if (n == 3) rows_k_avx2<3>(type, wrow, nb, x, xs, acc + r0);
-      else rows_k_avx2<4>(type, wrow, nb, x, xs, acc + r0);
-    } else {
-      if (n == 1) rows32_avx2<1>(type, wrow, nb, x, xs, acc + r0);
-      else if (n == 2) rows32_avx2<2>(type, wrow, nb, x, xs, acc + r0);
-      else if (n == 3) rows32_avx2<3>(type, wrow, nb, x, xs, acc + r0);
-      else rows32_avx2<4>(type, wrow, nb, x, xs, acc + r0);
-    }
+    if (n == 1) rows32_avx2<1>(type, wrow, nb, x, xs, acc + r0);
+    else if (n == 2) rows32_avx2<2>(type, wrow, nb, x, xs, acc + r0);
+    else if (n == 3) rows32_avx2<3>(type, wrow, nb, x, xs, acc + r0);
+    else rows32_avx2<4>(type, wrow, nb, x, xs, acc + r0);
   }
 }
 #endif
 
 // -- dispatch ------------------------------------------------------------------------------------
-
-enum Isa { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
 
 int detect_isa() {
 #if defined(__x86_64__)
@@ -711,20 +311,9 @@ int detect_isa() {
 
 std::atomic<int> g_isa{-1};
 
-int isa() {
-  int v = g_isa.load();
-  if (v < 0) g_isa.store(v = detect_isa());
-  return v;
-}
-
 void column(int type, const uint8_t* wrow, int64_t nb, const void* xq, int64_t xstride, int R, Acc* acc) {
 #if defined(__x86_64__)
-  if (isa() == AVX512VNNI) {
-    const char* x = (const char*)xq;
-    if (type == Q4_K) return q4k_rows_any(wrow, nb, x, xstride, R, acc);
-    if (type == Q6_K) return q6k_rows_any(wrow, nb, x, xstride, R, acc);
-    return rows32_any(type, wrow, nb, x, xstride, R, acc);
-  }
+  if (isa() == AVX512VNNI) return rows32_any(type, wrow, nb, (const char*)xq, xstride, R, acc);
   if (isa() == AVX2) return rows_avx2(type, wrow, nb, (const char*)xq, xstride, R, acc);
 #endif
   column_ref(type, wrow, nb, xq, xstride, R, acc);
@@ -808,6 +397,76 @@ Pool& pool() {
 
 }  // namespace
 
+int isa() {
+  int v = g_isa.load();
+  if (v < 0) g_isa.store(v = detect_isa());
+  return v;
+}
+
+}  // namespace specrt_kernels
+
+using namespace specrt_kernels;
+
+extern "C" int64_t specrt_row_bytes(int type, int64_t K);
+
+// A weight ready for products: W as the file stores it and, for the k-quants where this CPU has a
+// SIMD path, W packed 16 columns at a time (gguf_kquants.cpp: the file's size, +2.8 % for Q4_K).
+struct SpecrtWeight {
+  int type;
+  int64_t N, K;
+  const uint8_t* w;
+  std::vector<uint8_t> packed;
+};
+
+namespace {
+
+bool is_kquant(int type) { return type == Q4_K || type == Q6_K; }
+
+// y [M, N] = x [M, K] W^T: x quantized once, threads split the columns (k-quants: groups of 16)
+void product(const SpecrtWeight& h, const float* x, int64_t M, float* y, int threads) {
+  const int type = h.type;
+  const int64_t N = h.N, K = h.K, nb = K / block_values(type), rb = specrt_row_bytes(type, K);
+  const bool k = block_values(type) == QKK;
+  const int64_t xstride = k ? nb * (int64_t)sizeof(QXK) : nb * (int64_t)sizeof(QX32);
+  std::vector<char> xq((size_t)(xstride * M));
+  for (int64_t r = 0; r < M; ++r) {
+    if (k) quantize_xk(x + r * K, K, (QXK*)(xq.data() + r * xstride));
+    else quantize_x32(x + r * K, K, (QX32*)(xq.data() + r * xstride));
+  }
+  if (threads <= 0) threads = (int)std::max(1u, std::thread::hardware_concurrency());
+  if (is_kquant(type)) {
+    const bool simd = !h.packed.empty() && isa() != SCALAR;
+    const int64_t units = simd ? (N + 15) / 16 : N;  // groups of 16 columns, or columns
+    const int T = (int)std::min<int64_t>(threads, std::max<int64_t>(1, N / 64));
+    pool().run(T, [&](int t) {
+      const int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
+      if (!simd || !kq_groups(type, h.packed.data(), N, K, u0, u1, xq.data(), xstride, M, y))
+        kq_reference(type, h.w, N, K, xq.data(), xstride, M, u0, u1, y);
+    });
+    return;
+  }
+  const int T = (int)std::min<int64_t>(threads, std::max<int64_t>(1, N / 64));
+  pool().run(T, [&](int t) {
+    int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
+    Acc acc[ROWS];
+    // a tile of columns at a time, every group of rows over it: a tile's weights are read from
+    // memory once and from cache for the other groups (a prompt of hundreds of rows)
+    for (int64_t c0 = n0; c0 < n1; c0 += TILE) {
+      int64_t c1 = std::min(n1, c0 + TILE);
+      for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+        int R = (int)std::min<int64_t>(ROWS, M - r0);
+        for (int64_t n = c0; n < c1; ++n) {
+          for (int r = 0; r < R; ++r) acc[r] = Acc();
+          column(type, h.w + n * rb, nb, xq.data() + r0 * xstride, xstride, R, acc);
+          for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = acc[r].total();
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
 // -- the C API (ctypes and the ONNX Runtime operator call these) ---------------------------------
 
 extern "C" {
@@ -833,34 +492,37 @@ int64_t specrt_row_bytes(int type, int64_t K) {
   return (int64_t)bb * (K / block_values(type));
 }
 
-// y [M, N] = x [M, K] W^T, W [N, row_bytes] as stored; threads split the columns (0: one per core).
-// Returns 0, or -1 for a type or K it does not take.
+// W ready for products (the k-quants packed once, where this CPU has a SIMD path); the caller keeps
+// w mapped while the weight lives. nullptr for a type or K this library does not take.
+void* specrt_weight(int type, const uint8_t* w, int64_t N, int64_t K) {
+  if (specrt_row_bytes(type, K) == 0 || N <= 0) return nullptr;
+  auto h = new SpecrtWeight{type, N, K, w, {}};
+  if (is_kquant(type) && detect_isa() != SCALAR) {
+    h->packed.resize((size_t)kq_packed_bytes(type, N, K));
+    kq_pack(type, w, N, K, h->packed.data());
+  }
+  return h;
+}
+
+void specrt_weight_free(void* h) { delete (SpecrtWeight*)h; }
+
+// bytes of the packed copy a weight holds (0: products read the file's blocks in place)
+int64_t specrt_weight_packed_bytes(const void* h) { return (int64_t)((const SpecrtWeight*)h)->packed.size(); }
+
+// y [M, N] = x [M, K] W^T; threads split the columns (0: one per core)
+void specrt_weight_matmul(const void* h, const float* x, int64_t M, float* y, int threads) {
+  if (M > 0) product(*(const SpecrtWeight*)h, x, M, y, threads);
+}
+
+// y [M, N] = x [M, K] W^T, W [N, row_bytes] as stored (packed for this call where a weight would
+// be). Returns 0, or -1 for a type or K it does not take.
 int specrt_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y,
                   int threads) {
-  int64_t rb = specrt_row_bytes(type, K);
-  if (rb == 0 || N <= 0 || M <= 0) return rb == 0 ? -1 : 0;
-  int64_t nb = K / block_values(type);
-  bool k = block_values(type) == QKK;
-  int64_t xstride = k ? nb * (int64_t)sizeof(QXK) : nb * (int64_t)sizeof(QX32);
-  std::vector<char> xq((size_t)(xstride * M));
-  for (int64_t r = 0; r < M; ++r) {
-    if (k) quantize_xk(x + r * K, K, (QXK*)(xq.data() + r * xstride));
-    else quantize_x32(x + r * K, K, (QX32*)(xq.data() + r * xstride));
-  }
-  if (threads <= 0) threads = (int)std::max(1u, std::thread::hardware_concurrency());
-  int T = (int)std::min<int64_t>(threads, std::max<int64_t>(1, N / 64));
-  pool().run(T, [&](int t) {
-    int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
-    Acc acc[ROWS];
-    for (int64_t r0 = 0; r0 < M; r0 += ROWS) {  // rows in groups: the weights stay in cache between
-      int R = (int)std::min<int64_t>(ROWS, M - r0);
-      for (int64_t n = n0; n < n1; ++n) {
-        for (int r = 0; r < R; ++r) acc[r] = Acc();
-        column(type, w + n * rb, nb, xq.data() + r0 * xstride, xstride, R, acc);
-        for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = acc[r].total();
-      }
-    }
-  });
+  if (specrt_row_bytes(type, K) == 0) return -1;
+  if (N <= 0 || M <= 0) return 0;
+  SpecrtWeight* h = (SpecrtWeight*)specrt_weight(type, w, N, K);
+  product(*h, x, M, y, threads);
+  delete h;
   return 0;
 }
 

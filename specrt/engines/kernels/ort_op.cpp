@@ -5,11 +5,14 @@
 //   GgufGather(ids int64 [...])  -> Y float [..., K]     the rows ids of W, dequantized (an embedding)
 //
 // W is not a graph tensor: each node names a GGUF file and the offset of its tensor's bytes
-// (attributes file, offset, ggml_type, n, k), and the file is mapped once per process, read-only:
-// its pages are the page cache's, shared by every session and process that maps it, and nothing is
-// copied or repacked. The engine's loader checks the file (path, size, hash) before ONNX Runtime
-// sees the graph; a file this operator cannot map or that is shorter than the node expects is an
-// error of the first run that names it.
+// (attributes file, offset, ggml_type, n, k), and the file is mapped once per process, read-only.
+// The legacy types and the embedding's rows are read in place (the page cache's pages, shared by
+// every session and process); a k-quant product's weight is packed once per process into the
+// layout its kernel streams (gguf_kquants.cpp: the file's size, Q4_K +2.8 %), shared by every
+// session that names the same tensor, and the file's pages it was packed from are let go. The
+// engine's loader checks the file (path, size, hash) before ONNX Runtime sees the graph; a file this
+// operator cannot map or that is shorter than the node expects is an error of the first run that
+// names it.
 
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
@@ -29,7 +32,10 @@
 
 extern "C" {
 int64_t specrt_row_bytes(int type, int64_t K);
-int specrt_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y, int threads);
+void* specrt_weight(int type, const uint8_t* w, int64_t N, int64_t K);
+void specrt_weight_free(void* h);
+int64_t specrt_weight_packed_bytes(const void* h);
+void specrt_weight_matmul(const void* h, const float* x, int64_t M, float* y, int threads);
 int specrt_get_rows(int type, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t n, float* out);
 int specrt_threads();
 }
@@ -43,6 +49,26 @@ struct Mapped {
   const uint8_t* data = nullptr;
   size_t size = 0;
 };
+
+// A product's weight (specrt_weight), one per tensor of a file for the process: the sessions of an
+// engine (and a second engine on the same GGUF) share it; freed with the last kernel naming it.
+std::shared_ptr<void> product_weight(const std::string& file, int64_t offset, int type, int64_t n, int64_t k,
+                                     const uint8_t* w) {
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<void>> weights;
+  std::string key = file + "@" + std::to_string(offset) + ":" + std::to_string(type) + ":" + std::to_string(n) +
+                    "x" + std::to_string(k);
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto held = weights[key].lock()) return held;
+  std::shared_ptr<void> h(specrt_weight(type, w, n, k), specrt_weight_free);
+  if (h && specrt_weight_packed_bytes(h.get()) > 0) {  // its kernel reads the packed copy: drop the pages
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = ((uintptr_t)w + page - 1) / page * page, e = ((uintptr_t)w + (uintptr_t)(n * specrt_row_bytes(type, k))) / page * page;
+    if (e > a) madvise((void*)a, e - a, MADV_DONTNEED);  // a read-only file mapping: they come back if read
+  }
+  weights[key] = h;
+  return h;
+}
 
 // file -> its read-only mapping, made once and kept for the process (the engines' weights)
 Mapped map_file(const std::string& path, std::string* error) {
@@ -74,12 +100,12 @@ struct GgufTensor {
   int type = 0;
   int64_t n = 0, k = 0, row_bytes = 0;
   const uint8_t* w = nullptr;
-  std::string error;
+  std::string file, error;
+  int64_t offset = 0;
 
   GgufTensor(const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
-    std::string node = ki.GetNodeName(), file;
-    int64_t offset = 0;
+    std::string node = ki.GetNodeName();
     try {
       type = (int)ki.GetAttribute<int64_t>("ggml_type");
       n = ki.GetAttribute<int64_t>("n");
@@ -114,7 +140,10 @@ struct GgufTensor {
 
 struct GgufMatMul {
   GgufTensor t;
-  GgufMatMul(const OrtApi*, const OrtKernelInfo* info) : t(info) {}
+  std::shared_ptr<void> weight;
+  GgufMatMul(const OrtApi*, const OrtKernelInfo* info) : t(info) {
+    if (t.error.empty()) weight = product_weight(t.file, t.offset, t.type, t.n, t.k, t.w);
+  }
 
   Ort::Status Compute(const Ort::Custom::Tensor<float>& x, Ort::Custom::Tensor<float>& y) {
     if (!t.error.empty()) return Ort::Status(t.error.c_str(), ORT_FAIL);
@@ -125,7 +154,7 @@ struct GgufMatMul {
     shape.back() = t.n;
     float* out = y.Allocate(shape);
     if (m == 0) return Ort::Status(nullptr);
-    specrt_matmul(t.type, t.w, t.n, t.k, x.Data(), m, out, specrt_threads());
+    specrt_weight_matmul(weight.get(), x.Data(), m, out, specrt_threads());
     return Ort::Status(nullptr);
   }
 };

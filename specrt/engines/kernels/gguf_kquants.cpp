@@ -1,0 +1,224 @@
+// The k-quants (Q4_K, Q6_K: the real-size models' layers), y = x W^T, with W's blocks interleaved
+// 16 columns at a time: each int8 dot product instruction then multiplies 4 weights of each of 16
+// columns by one broadcast group of 4 x values (VNNI's dpbusd), so a row costs one instruction per
+// 64 multiply-adds and the scales apply once per sub-block and column, not per weight.
+//
+//   packed  [ceil(N / 16), K / 256] groups of blocks: PQ4K (2368 bytes: 148 a column-block, the
+//           file's 144 + 2.8 %) or PQ6K (3360: 210, the file's); the bytes of each 4-weight quad
+//           of a column kept as stored, the 16 columns' quads side by side
+//   y       [M, N] float32, rows in passes of up to 8 over a group's blocks (held in L1/L2)
+//
+// Numbers (one definition: kq_reference, on the file's own layout; every SIMD path gives its bits):
+// per row, column and block, T = sum over sub-blocks j of sc_j * sum_k code_k x_k (Q6_K: (code - 32))
+// and, for Q4_K, M = sum_j min_j * xsum_j, both exact in int32; then y = fma(d dx, T, y) and (Q4_K)
+// y = fma(-(dmin dx), M, y), blocks in order. Nothing depends on the rows or threads beside.
+
+#include "gguf_blocks.h"
+
+#include <vector>
+
+namespace specrt_kernels {
+namespace {
+
+constexpr int G = 16, PASS = 8;  // columns interleaved; rows a pass over a group's blocks
+
+struct PQ4K {                // 16 columns of one 256-weight block
+  uint8_t qs[4][8][64];      // [pair p][quad i][4 c + t]: the block's qs[32 p + 4 i + t] of column c
+                             // (low nibble: k = 64 p + 4 i + t, sub-block 2p; high: + 32, 2p + 1)
+  uint8_t sc[8][G];          // sub-block j's 6-bit scale
+  uint8_t mn[4][G][2];       // the mins of sub-blocks 2p and 2p + 1 (int16 pairs once widened)
+  uint16_t d[G], dmin[G];    // halves
+};
+struct PQ6K {
+  uint8_t q[2][8][3][64];    // [h][v]: ql[64 h + 4 v + t], ql[64 h + 32 + 4 v + t], qh[32 h + 4 v + t] of
+                             // column c at 4 c + t, side by side (the kernel reads them in this order):
+                             // codes of k = 128 h + 4 v + t + 0 / 32 / 64 / 96
+  int8_t sc[16][G];          // sub-block s (16 weights) scale
+  uint16_t d[G];
+};
+static_assert(sizeof(PQ4K) == 2368 && sizeof(PQ6K) == 3360, "packed block sizes");
+
+size_t packed_block(int type) { return type == Q4_K ? sizeof(PQ4K) : sizeof(PQ6K); }
+
+inline int32_t load32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+}  // namespace
+
+// -- the SIMD paths: one body (kq_simd.inc), compiled for AVX-512 VNNI and for AVX2 -------------
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")
+namespace avx512 {
+struct V {  // 16 int32 / float lanes: the group's columns at once
+  static constexpr int W = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I zero() { return _mm512_setzero_si512(); }
+  static I load(const void* p) { return _mm512_loadu_si512(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I bytes(char v) { return _mm512_set1_epi8(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  template <int N> static I shl16(I a) { return _mm512_slli_epi16(a, N); }
+  template <int N> static I shr16(I a) { return _mm512_srli_epi16(a, N); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I mul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I dot4(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }  // u8 . s8 in 4s, exact
+  static I madd16(I a, I b) { return _mm512_madd_epi16(a, b); }
+  static I u8_i32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static I s8_i32(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static I u8_i16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+  static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fset1(float v) { return _mm512_set1_ps(v); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }   // a b + c, one rounding
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b, one rounding
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+};
+#include "kq_simd.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+struct V {  // 8 lanes: the group in two halves of 8 columns
+  static constexpr int W = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I zero() { return _mm256_setzero_si256(); }
+  static I load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I bytes(char v) { return _mm256_set1_epi8(v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  template <int N> static I shl16(I a) { return _mm256_slli_epi16(a, N); }
+  template <int N> static I shr16(I a) { return _mm256_srli_epi16(a, N); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I mul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I dot4(I acc, I u, I x) {  // maddubs: <= 2 * 63 * 127, no saturation; then pairs summed
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+  }
+  static I madd16(I a, I b) { return _mm256_madd_epi16(a, b); }
+  static I u8_i32(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static I s8_i32(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static I u8_i16(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+  static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fset1(float v) { return _mm256_set1_ps(v); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+};
+#include "kq_simd.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+// -- the C++ entry points gguf_matmul.cpp calls ------------------------------------------------
+
+// bytes of W packed (N rows of K weights; the last group padded with zero columns)
+int64_t kq_packed_bytes(int type, int64_t N, int64_t K) {
+  return (N + G - 1) / G * (K / QKK) * (int64_t)packed_block(type);
+}
+
+// W [N, row bytes] as stored -> packed [ceil(N / 16), K / 256] (out: kq_packed_bytes, any alignment)
+void kq_pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t nb = K / QKK, bb = (int64_t)block_bytes(type), rb = nb * bb, pb = (int64_t)packed_block(type);
+  std::memset(out, 0, (size_t)kq_packed_bytes(type, N, K));
+  for (int64_t n = 0; n < N; ++n) {
+    const int c = (int)(n % G);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* src = w + n * rb + b * bb;
+      uint8_t* dst = out + ((n / G) * nb + b) * pb;
+      if (type == Q4_K) {
+        auto s = (const BQ4_K*)src;
+        auto p = (PQ4K*)dst;
+        for (int q = 0; q < 32; ++q) std::memcpy(&p->qs[q / 8][q % 8][4 * c], s->qs + 4 * q, 4);
+        uint8_t sc[8], mn[8];
+        q4k_scales(s->scales, sc, mn);
+        for (int j = 0; j < 8; ++j) {
+          p->sc[j][c] = sc[j];
+          p->mn[j / 2][c][j % 2] = mn[j];
+        }
+        p->d[c] = s->d;
+        p->dmin[c] = s->dmin;
+      } else {
+        auto s = (const BQ6_K*)src;
+        auto p = (PQ6K*)dst;
+        for (int h = 0; h < 2; ++h)
+          for (int v = 0; v < 8; ++v) {
+            std::memcpy(&p->q[h][v][0][4 * c], s->ql + 64 * h + 4 * v, 4);
+            std::memcpy(&p->q[h][v][1][4 * c], s->ql + 64 * h + 32 + 4 * v, 4);
+            std::memcpy(&p->q[h][v][2][4 * c], s->qh + 32 * h + 4 * v, 4);
+          }
+        for (int j = 0; j < 16; ++j) p->sc[j][c] = s->scales[j];
+        p->d[c] = s->d;
+      }
+    }
+  }
+}
+
+// The reference: columns n0..n1 of y [M, N], from W as stored (xq: M rows of K / 256 QXK blocks).
+void kq_reference(int type, const uint8_t* w, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
+                  int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / QKK, bb = (int64_t)block_bytes(type);
+  std::vector<float> acc((size_t)M);
+  UnpackedK u;
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack_k(type, w + (n * nb + b) * bb, &u);
+      for (int64_t r = 0; r < M; ++r) {
+        const QXK& x = ((const QXK*)(xq + r * xstride))[b];
+        int32_t t = 0;
+        for (int j = 0; j < QKK / u.sub; ++j) {
+          int32_t dot = 0;
+          for (int k = j * u.sub; k < (j + 1) * u.sub; ++k) dot += (int32_t)u.u[k] * x.q[k];
+          if (type == Q6_K) dot -= 32 * x.bsums[j];
+          t += u.sc[j] * dot;
+        }
+        acc[r] = std::fma(u.d * x.d, (float)t, acc[r]);
+        if (type == Q4_K) {
+          int32_t m = 0;
+          for (int j = 0; j < 8; ++j) m += u.mins[j] * x.bsums32[j];
+          acc[r] = std::fma(-(u.dmin * x.d), (float)m, acc[r]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) y[r * N + n] = acc[r];
+  }
+}
+
+// Groups g0..g1 of y [M, N] from packed W: the SIMD path in use (false: none here; use the reference)
+bool kq_groups(int type, const uint8_t* packed, int64_t N, int64_t K, int64_t g0, int64_t g1, const char* xq,
+               int64_t xstride, int64_t M, float* y) {
+#if defined(__x86_64__)
+  const int64_t nb = K / QKK, gb = nb * (int64_t)packed_block(type);
+  auto run = [&](auto fn) {
+    alignas(64) float out[PASS][G];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int cols = (int)std::min<int64_t>(G, N - g * G);
+      for (int64_t r0 = 0; r0 < M; r0 += PASS) {
+        const int R = (int)std::min<int64_t>(PASS, M - r0);
+        fn(type, packed + g * gb, nb, xq + r0 * xstride, xstride, R, out);
+        for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * N + g * G, out[r], sizeof(float) * cols);
+      }
+    }
+  };
+  if (isa() == AVX512VNNI) return run(avx512::group), true;
+  if (isa() == AVX2) return run(avx2::group), true;
+#endif
+  return false;
+}
+
+}  // namespace specrt_kernels
