@@ -117,3 +117,23 @@ def test_a_copied_folder_carries_the_weights_it_reads_in_place(built, tmp_path):
         shutil.move(tmp_path / "hidden", d)
     assert before.exit_code == after.exit_code == 0, after.output
     assert before.stdout.splitlines()[0] == after.stdout.splitlines()[0]
+
+
+def test_an_engine_measured_on_another_kernel_build_is_refused_and_rebuilt(built, tmp_path, monkeypatch):
+    """Its bitwise step shapes and step costs hold for the library that measured them."""
+    import shutil
+
+    from specrt.engines.kernels import build as kernel_build
+
+    d, _ = built
+    shutil.copytree(d / "art", tmp_path / "art", symlinks=True)
+    monkeypatch.setattr(kernel_build, "sources_digest", lambda: "another")
+    args = ["generate", "--artifacts", str(tmp_path / "art"), "--quantize", "gguf-k", "--prompt", "b c", "--no-chat"]
+    r = CliRunner().invoke(main, [*args, "--max-new-tokens", "4"])
+    assert r.exit_code == 1 and "another build of specrt's kernel library" in r.output, r.output
+    assert "specrt build-engines" in r.output
+    lines = list(build_all(BuildSpec(checkpoint=d / "ckpt", out=tmp_path / "art", quantize="gguf-k", tensorrt="off")))
+    assert any(line.startswith("ort") and "built" in line for line in lines), lines
+    engine = json.loads((ArtifactLayout(tmp_path / "art").ort_engine("cpu", "gguf-k") / "manifest.json").read_text())
+    assert engine["kernels"] == {"sources": "another"}
+    assert CliRunner().invoke(main, [*args, "--max-new-tokens", "4"]).exit_code == 0

@@ -448,6 +448,8 @@ def _build_ort(
     # an engine that reads its tokenizer from the checkpoint while the artifacts carry it
     model_files = ArtifactLayout(spec.out).model_files
     measured = measured and (current.get("model_dir") is not None or not model_files.is_dir())
+    # an engine measured on another build of the kernel library (gguf-k)
+    measured = measured and not _kernels_changed(current)
     if measured and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
     else:
@@ -455,6 +457,14 @@ def _build_ort(
         build_ort_engine(odir, edir, OrtOptions(provider=spec.provider))
         provider = read_engine_manifest(edir)["provider"]
         yield f"ort       {edir}: built for {provider} in {time.perf_counter() - t0:.1f} s{note}"
+
+
+def _kernels_changed(manifest: dict) -> bool:
+    if (manifest.get("quantization") or {}).get("scheme") not in KERNEL_SCHEMES:
+        return False
+    from specrt.engines.kernels.build import sources_digest
+
+    return (manifest.get("kernels") or {}).get("sources") != sources_digest()
 
 
 def _build_tensorrt(

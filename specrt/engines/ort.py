@@ -184,6 +184,13 @@ def check_built_here(m: dict, what: str, how: str) -> None:
             f"and measurements (bitwise step shapes, step costs) hold for the version that made them. Rebuild it "
             f"with: {how}"
         )
+    recorded = m.get("kernels", {}).get("sources") if m.get("kernels") else None
+    if _kernel_scheme(m) and recorded != _kernel_sources():
+        raise ManifestMismatchError(
+            f"{what} was measured (bitwise step shapes, step costs) on another build of specrt's kernel library "
+            f"({recorded or 'before engines recorded it'}; this one is built from sources {_kernel_sources()}); "
+            f"rebuild it with: {how}"
+        )
     if m["provider"] not in PROVIDERS.values():
         raise ArtifactError(f"{what} names an unknown provider {m['provider']!r}; rebuild it with: {how}")
     if m["provider"] == PROVIDERS["cpu"] and m.get("host_cpu") != cpu_model():
@@ -191,6 +198,18 @@ def check_built_here(m: dict, what: str, how: str) -> None:
             f"{what} was optimized on a {m.get('host_cpu')!r} CPU, this is {cpu_model()!r}; ORT's CPU kernels, "
             f"and so which step shapes give the same bits, depend on the CPU. Rebuild it here with: {how}"
         )
+
+
+def _kernel_scheme(m: dict) -> bool:
+    from specrt.calibration import KERNEL_SCHEMES
+
+    return (m.get("quantization") or {}).get("scheme") in KERNEL_SCHEMES
+
+
+def _kernel_sources() -> str:
+    from specrt.engines.kernels.build import sources_digest
+
+    return sources_digest()
 
 
 def engine_options(engine_dir: Path, m: dict, options: OrtOptions | None, how_for: str) -> OrtOptions:
@@ -263,6 +282,8 @@ def build_ort_engine(onnx_dir: str | Path, out_dir: str | Path, options: OrtOpti
                 "step_cuts": cuts,  # positions no step may span (schema/step_cuts.py)
                 "batch_invariance": invariance,  # measured with its steps split at the cuts
                 "step_ms": costs,  # by positions, batch 1: the cost model's priors
+                # the kernel library its products ran on when measured (gguf-k): another is rebuilt
+                "kernels": {"sources": _kernel_sources()} if _kernel_scheme(onnx_manifest) else None,
                 "build_seconds": round(time.perf_counter() - t0, 2),
                 "files": {},  # its graph's are the graph's manifest's (onnx.files)
                 "versions": package_versions("onnxruntime"),
