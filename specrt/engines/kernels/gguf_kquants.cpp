@@ -9,9 +9,11 @@
 //   y       [M, N] float32, rows in passes of up to 8 over a group's blocks (held in L1/L2)
 //
 // Numbers (one definition: kq_reference, on the file's own layout; every SIMD path gives its bits):
-// per row, column and block, T = sum over sub-blocks j of sc_j * sum_k code_k x_k (Q6_K: (code - 32))
-// and, for Q4_K, M = sum_j min_j * xsum_j, both exact in int32; then y = fma(d dx, T, y) and (Q4_K)
-// y = fma(-(dmin dx), M, y), blocks in order. Nothing depends on the rows or threads beside.
+// x carries a scale per 32 values (QXK's d32). Per row, column and block: for each 32 values j in
+// order, the exact int32 S_j (Q4_K: sc_j * sum_k code_k x_k; Q6_K: the two 16-value sub-blocks'
+// sc_s * sum_k (code_k - 32) x_k) goes into tf = fma(d32_j, S_j, tf), and (Q4_K) mf = fma(min_j,
+// fsum32_j, mf); then y = fma(d, tf, y) and y = fma(-dmin, mf, y), blocks in order. Nothing depends
+// on the rows or threads beside.
 
 #include "gguf_blocks.h"
 
@@ -26,7 +28,7 @@ struct PQ4K {                // 16 columns of one 256-weight block
   uint8_t qs[4][8][64];      // [pair p][quad i][4 c + t]: the block's qs[32 p + 4 i + t] of column c
                              // (low nibble: k = 64 p + 4 i + t, sub-block 2p; high: + 32, 2p + 1)
   uint8_t sc[8][G];          // sub-block j's 6-bit scale
-  uint8_t mn[4][G][2];       // the mins of sub-blocks 2p and 2p + 1 (int16 pairs once widened)
+  uint8_t mn[8][G];          // sub-block j's 6-bit min
   uint16_t d[G], dmin[G];    // halves
 };
 struct PQ6K {
@@ -148,7 +150,7 @@ void kq_pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
         q4k_scales(s->scales, sc, mn);
         for (int j = 0; j < 8; ++j) {
           p->sc[j][c] = sc[j];
-          p->mn[j / 2][c][j % 2] = mn[j];
+          p->mn[j][c] = mn[j];
         }
         p->d[c] = s->d;
         p->dmin[c] = s->dmin;
@@ -180,19 +182,20 @@ void kq_reference(int type, const uint8_t* w, int64_t N, int64_t K, const char* 
       unpack_k(type, w + (n * nb + b) * bb, &u);
       for (int64_t r = 0; r < M; ++r) {
         const QXK& x = ((const QXK*)(xq + r * xstride))[b];
-        int32_t t = 0;
-        for (int j = 0; j < QKK / u.sub; ++j) {
-          int32_t dot = 0;
-          for (int k = j * u.sub; k < (j + 1) * u.sub; ++k) dot += (int32_t)u.u[k] * x.q[k];
-          if (type == Q6_K) dot -= 32 * x.bsums[j];
-          t += u.sc[j] * dot;
+        float tf = 0, mf = 0;
+        for (int j = 0; j < 8; ++j) {  // 32 values of x, one scale
+          int32_t t = 0;
+          for (int s = j * 32 / u.sub; s < (j + 1) * 32 / u.sub; ++s) {  // its sub-blocks (1, or 2 of 16)
+            int32_t dot = 0;
+            for (int k = s * u.sub; k < (s + 1) * u.sub; ++k) dot += (int32_t)u.u[k] * x.q[k];
+            if (type == Q6_K) dot -= 32 * x.bsums[s];
+            t += u.sc[s] * dot;
+          }
+          tf = std::fma(x.d32[j], (float)t, tf);
+          if (type == Q4_K) mf = std::fma((float)u.mins[j], x.fsum32[j], mf);
         }
-        acc[r] = std::fma(u.d * x.d, (float)t, acc[r]);
-        if (type == Q4_K) {
-          int32_t m = 0;
-          for (int j = 0; j < 8; ++j) m += u.mins[j] * x.bsums32[j];
-          acc[r] = std::fma(-(u.dmin * x.d), (float)m, acc[r]);
-        }
+        acc[r] = std::fma(u.d, tf, acc[r]);
+        if (type == Q4_K) acc[r] = std::fma(-u.dmin, mf, acc[r]);
       }
     }
     for (int64_t r = 0; r < M; ++r) y[r * N + n] = acc[r];

@@ -31,10 +31,15 @@ SPECRT_AVX512 void rows_avx512(const float* x, int64_t K, bool k, char* out) {
   if (k) {
     QXK* o = (QXK*)out;
     for (int64_t b = 0; b < K / QKK; ++b, x += QKK) {
-      const float d = amax512(x, QKK) / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
-      for (int j = 0; j < 16; ++j) o[b].bsums[j] = (int16_t)codes16(x + 16 * j, _mm512_set1_ps(id), o[b].q + 16 * j);
-      for (int j = 0; j < 8; ++j) o[b].bsums32[j] = (int16_t)(o[b].bsums[2 * j] + o[b].bsums[2 * j + 1]);
-      o[b].d = d;
+      for (int j = 0; j < 8; ++j) {
+        const float* v = x + 32 * j;
+        const float d = amax512(v, QK) / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+        o[b].bsums[2 * j] = (int16_t)codes16(v, _mm512_set1_ps(id), o[b].q + 32 * j);
+        o[b].bsums[2 * j + 1] = (int16_t)codes16(v + 16, _mm512_set1_ps(id), o[b].q + 32 * j + 16);
+        o[b].bsums32[j] = (int16_t)(o[b].bsums[2 * j] + o[b].bsums[2 * j + 1]);
+        o[b].d32[j] = d;
+        o[b].fsum32[j] = d * (float)o[b].bsums32[j];
+      }
     }
   } else {
     QX32* o = (QX32*)out;
@@ -72,13 +77,17 @@ SPECRT_AVX2 void rows_avx2(const float* x, int64_t K, bool k, char* out) {
   if (k) {
     QXK* o = (QXK*)out;
     for (int64_t b = 0; b < K / QKK; ++b, x += QKK) {
-      const float d = amax256(x, QKK) / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
-      for (int j = 0; j < 16; ++j) {
-        const __m256 v = _mm256_set1_ps(id);
-        o[b].bsums[j] = (int16_t)(codes8(x + 16 * j, v, o[b].q + 16 * j) + codes8(x + 16 * j + 8, v, o[b].q + 16 * j + 8));
+      for (int j = 0; j < 8; ++j) {
+        const float* v = x + 32 * j;
+        const float d = amax256(v, QK) / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int h = 0; h < 2; ++h)
+          o[b].bsums[2 * j + h] =
+              (int16_t)(codes8(v + 16 * h, vid, o[b].q + 32 * j + 16 * h) + codes8(v + 16 * h + 8, vid, o[b].q + 32 * j + 16 * h + 8));
+        o[b].bsums32[j] = (int16_t)(o[b].bsums[2 * j] + o[b].bsums[2 * j + 1]);
+        o[b].d32[j] = d;
+        o[b].fsum32[j] = d * (float)o[b].bsums32[j];
       }
-      for (int j = 0; j < 8; ++j) o[b].bsums32[j] = (int16_t)(o[b].bsums[2 * j] + o[b].bsums[2 * j + 1]);
-      o[b].d = d;
     }
   } else {
     QX32* o = (QX32*)out;
