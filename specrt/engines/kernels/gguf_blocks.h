@@ -119,6 +119,13 @@ inline void quantize_x32(const float* x, int64_t K, QX32* out) {  // x [K] -> K/
   }
 }
 
+// the 32 values j of a QXK once their codes and their two sums per 16 are in: the rest of its fields
+inline void close32(QXK& o, int j, float d) {
+  o.bsums32[j] = (int16_t)(o.bsums[2 * j] + o.bsums[2 * j + 1]);
+  o.d32[j] = d;
+  o.fsum32[j] = d * (float)o.bsums32[j];
+}
+
 inline void quantize_xk(const float* x, int64_t K, QXK* out) {  // x [K] -> K/256 blocks, scales per 32
   for (int64_t b = 0; b < K / QKK; ++b, x += QKK) {
     for (int j = 0; j < 8; ++j) {
@@ -131,9 +138,7 @@ inline void quantize_xk(const float* x, int64_t K, QXK* out) {  // x [K] -> K/25
         for (int i = 0; i < 16; ++i) s += out[b].q[32 * j + 16 * h + i] = code(v[16 * h + i], id);
         out[b].bsums[2 * j + h] = (int16_t)s;
       }
-      out[b].bsums32[j] = (int16_t)(out[b].bsums[2 * j] + out[b].bsums[2 * j + 1]);
-      out[b].d32[j] = d;
-      out[b].fsum32[j] = d * (float)out[b].bsums32[j];
+      close32(out[b], j, d);
     }
   }
 }

@@ -36,9 +36,7 @@ SPECRT_AVX512 void rows_avx512(const float* x, int64_t K, bool k, char* out) {
         const float d = amax512(v, QK) / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
         o[b].bsums[2 * j] = (int16_t)codes16(v, _mm512_set1_ps(id), o[b].q + 32 * j);
         o[b].bsums[2 * j + 1] = (int16_t)codes16(v + 16, _mm512_set1_ps(id), o[b].q + 32 * j + 16);
-        o[b].bsums32[j] = (int16_t)(o[b].bsums[2 * j] + o[b].bsums[2 * j + 1]);
-        o[b].d32[j] = d;
-        o[b].fsum32[j] = d * (float)o[b].bsums32[j];
+        close32(o[b], j, d);
       }
     }
   } else {
@@ -84,9 +82,7 @@ SPECRT_AVX2 void rows_avx2(const float* x, int64_t K, bool k, char* out) {
         for (int h = 0; h < 2; ++h)
           o[b].bsums[2 * j + h] =
               (int16_t)(codes8(v + 16 * h, vid, o[b].q + 32 * j + 16 * h) + codes8(v + 16 * h + 8, vid, o[b].q + 32 * j + 16 * h + 8));
-        o[b].bsums32[j] = (int16_t)(o[b].bsums[2 * j] + o[b].bsums[2 * j + 1]);
-        o[b].d32[j] = d;
-        o[b].fsum32[j] = d * (float)o[b].bsums32[j];
+        close32(o[b], j, d);
       }
     }
   } else {
