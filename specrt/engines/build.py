@@ -435,7 +435,7 @@ def _build_ort(
 ) -> Iterator[str]:
     """The ORT engine of the graph in `odir`: reused when its manifest is valid and built from
     `onnx_files` (and the graph was not just re-made: `stale`), else built."""
-    from specrt.engines.ort import OrtOptions, build_ort_engine, read_engine_manifest
+    from specrt.engines.ort import OrtOptions, build_ort_engine, kernels_changed, read_engine_manifest
 
     edir = ArtifactLayout(spec.out).ort_engine(spec.provider, quantize)
     current = None if spec.force or stale else _manifest_if_valid(read_engine_manifest, edir, ckpt_hash)
@@ -449,7 +449,7 @@ def _build_ort(
     model_files = ArtifactLayout(spec.out).model_files
     measured = measured and (current.get("model_dir") is not None or not model_files.is_dir())
     # an engine measured on another build of the kernel library (gguf-k)
-    measured = measured and not _kernels_changed(current)
+    measured = measured and not kernels_changed(current)
     if measured and current["onnx"]["files"] == onnx_files:
         yield f"ort       {edir}: up to date"
     else:
@@ -457,14 +457,6 @@ def _build_ort(
         build_ort_engine(odir, edir, OrtOptions(provider=spec.provider))
         provider = read_engine_manifest(edir)["provider"]
         yield f"ort       {edir}: built for {provider} in {time.perf_counter() - t0:.1f} s{note}"
-
-
-def _kernels_changed(manifest: dict) -> bool:
-    if (manifest.get("quantization") or {}).get("scheme") not in KERNEL_SCHEMES:
-        return False
-    from specrt.engines.kernels.build import sources_digest
-
-    return (manifest.get("kernels") or {}).get("sources") != sources_digest()
 
 
 def _build_tensorrt(

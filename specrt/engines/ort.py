@@ -184,8 +184,8 @@ def check_built_here(m: dict, what: str, how: str) -> None:
             f"and measurements (bitwise step shapes, step costs) hold for the version that made them. Rebuild it "
             f"with: {how}"
         )
-    recorded = m.get("kernels", {}).get("sources") if m.get("kernels") else None
-    if _kernel_scheme(m) and recorded != _kernel_sources():
+    if kernels_changed(m):
+        recorded = (m.get("kernels") or {}).get("sources")
         raise ManifestMismatchError(
             f"{what} was measured (bitwise step shapes, step costs) on another build of specrt's kernel library "
             f"({recorded or 'before engines recorded it'}; this one is built from sources {_kernel_sources()}); "
@@ -204,6 +204,12 @@ def _kernel_scheme(m: dict) -> bool:
     from specrt.calibration import KERNEL_SCHEMES
 
     return (m.get("quantization") or {}).get("scheme") in KERNEL_SCHEMES
+
+
+def kernels_changed(m: dict) -> bool:
+    """Whether an engine's products run on the kernel library (gguf-k) and it was measured on
+    another build of it than the one built here (or before engines recorded the build)."""
+    return _kernel_scheme(m) and (m.get("kernels") or {}).get("sources") != _kernel_sources()
 
 
 def _kernel_sources() -> str:

@@ -418,28 +418,26 @@ struct SpecrtWeight {
   int type;
   int64_t N, K;
   const uint8_t* w;
-  struct Packed {  // 2 MB-aligned and asked for huge pages: a product streams it with 512x fewer TLB
-    uint8_t* p = nullptr;  // misses (measured: a 7.7 MB product read from memory at ~20 GB/s on 4 KB pages)
-    size_t n = 0, mapped = 0;
-    ~Packed() { if (mapped_base) munmap(mapped_base, mapped); }
+  // the packed copy, 2 MB-aligned and asked for huge pages: a product streams it with 512x fewer TLB
+  // misses (measured: a 7.7 MB product read from memory at ~20 GB/s on 4 KB pages)
+  struct Packed {
+    void* mapping = nullptr;  // what mmap gave (the slack before the aligned start stays mapped)
+    size_t mapped = 0, n = 0;
+    uint8_t* p = nullptr;     // the aligned start
+    ~Packed() { if (mapping) munmap(mapping, mapped); }
     bool empty() const { return n == 0; }
-    size_t size() const { return n; }
     uint8_t* data() const { return p; }
     bool allocate(size_t bytes) {
-      const size_t huge = size_t(2) << 20;
-      mapped = (bytes + huge - 1) / huge * huge + huge;
-      void* m = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (m == MAP_FAILED) return mapped = 0, false;
-      uintptr_t a = ((uintptr_t)m + huge - 1) / huge * huge;  // the aligned start; the slack stays mapped
-      p = (uint8_t*)a;
-      n = bytes;
+      const size_t huge = size_t(2) << 20, rounded = (bytes + huge - 1) / huge * huge;
+      void* m = mmap(nullptr, rounded + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) return false;
+      mapping = m, mapped = rounded + huge, n = bytes;
+      p = (uint8_t*)(((uintptr_t)m + huge - 1) / huge * huge);
 #ifdef MADV_HUGEPAGE
-      madvise(p, (bytes + huge - 1) / huge * huge, MADV_HUGEPAGE);
+      madvise(p, rounded, MADV_HUGEPAGE);
 #endif
-      mapped_base = m;
       return true;
     }
-    void* mapped_base = nullptr;
   } packed;
 };
 
@@ -457,10 +455,10 @@ void product(const SpecrtWeight& h, const float* x, int64_t M, float* y, int thr
   if (threads <= 0) threads = (int)std::max(1u, std::thread::hardware_concurrency());
   const int TQ = M >= 8 ? threads : 1;  // a prompt's rows quantized by every thread, a step's by one
   pool().run(TQ, [&](int t) { quantize_rows(x, K, k, M * t / TQ, M * (t + 1) / TQ, xq.data(), xstride); });
+  const int T = (int)std::min<int64_t>(threads, std::max<int64_t>(1, N / 64));
   if (is_kquant(type)) {
     const bool simd = !h.packed.empty() && isa() != SCALAR;
     const int64_t units = simd ? (N + 15) / 16 : N;  // groups of 16 columns, or columns
-    const int T = (int)std::min<int64_t>(threads, std::max<int64_t>(1, N / 64));
     pool().run(T, [&](int t) {
       const int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
       if (!simd || !kq_groups(type, h.packed.data(), N, K, u0, u1, xq.data(), xstride, M, y))
@@ -468,7 +466,6 @@ void product(const SpecrtWeight& h, const float* x, int64_t M, float* y, int thr
     });
     return;
   }
-  const int T = (int)std::min<int64_t>(threads, std::max<int64_t>(1, N / 64));
   pool().run(T, [&](int t) {
     int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
     Acc acc[ROWS];
@@ -528,7 +525,7 @@ void* specrt_weight(int type, const uint8_t* w, int64_t N, int64_t K) {
 void specrt_weight_free(void* h) { delete (SpecrtWeight*)h; }
 
 // bytes of the packed copy a weight holds (0: products read the file's blocks in place)
-int64_t specrt_weight_packed_bytes(const void* h) { return (int64_t)((const SpecrtWeight*)h)->packed.size(); }
+int64_t specrt_weight_packed_bytes(const void* h) { return (int64_t)((const SpecrtWeight*)h)->packed.n; }
 
 // y [M, N] = x [M, K] W^T; threads split the columns (0: one per core)
 void specrt_weight_matmul(const void* h, const float* x, int64_t M, float* y, int threads) {

@@ -53,7 +53,7 @@ struct Mapped {
 // A product's weight (specrt_weight), one per tensor of a file for the process: the sessions of an
 // engine (and a second engine on the same GGUF) share it; freed with the last kernel naming it.
 std::shared_ptr<void> product_weight(const std::string& file, int64_t offset, int type, int64_t n, int64_t k,
-                                     const uint8_t* w) {
+                                     const uint8_t* w, int64_t bytes) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<void>> weights;
   std::string key = file + "@" + std::to_string(offset) + ":" + std::to_string(type) + ":" + std::to_string(n) +
@@ -63,7 +63,7 @@ std::shared_ptr<void> product_weight(const std::string& file, int64_t offset, in
   std::shared_ptr<void> h(specrt_weight(type, w, n, k), specrt_weight_free);
   if (h && specrt_weight_packed_bytes(h.get()) > 0) {  // its kernel reads the packed copy: drop the pages
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    uintptr_t a = ((uintptr_t)w + page - 1) / page * page, e = ((uintptr_t)w + (uintptr_t)(n * specrt_row_bytes(type, k))) / page * page;
+    uintptr_t a = ((uintptr_t)w + page - 1) / page * page, e = ((uintptr_t)w + (uintptr_t)bytes) / page * page;
     if (e > a) madvise((void*)a, e - a, MADV_DONTNEED);  // a read-only file mapping: they come back if read
   }
   weights[key] = h;
@@ -142,7 +142,7 @@ struct GgufMatMul {
   GgufTensor t;
   std::shared_ptr<void> weight;
   GgufMatMul(const OrtApi*, const OrtKernelInfo* info) : t(info) {
-    if (t.error.empty()) weight = product_weight(t.file, t.offset, t.type, t.n, t.k, t.w);
+    if (t.error.empty()) weight = product_weight(t.file, t.offset, t.type, t.n, t.k, t.w, t.n * t.row_bytes);
   }
 
   Ort::Status Compute(const Ort::Custom::Tensor<float>& x, Ort::Custom::Tensor<float>& y) {
