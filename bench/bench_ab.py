@@ -2,7 +2,7 @@
 
     git worktree add /tmp/before <commit>
     python bench/bench_ab.py --before /tmp/before --after . [--artifacts artifacts/SmolLM2-135M-Instruct]
-                             [--rounds 4] [--workloads default,serve,tiny]
+                             [--rounds 4] [--workloads default,serve,tiny] [--quantize gguf-k]
 
 Each version runs in its own subprocess (PYTHONPATH points at its tree), in alternating order,
 `--rounds` times, on two workloads:
@@ -16,6 +16,8 @@ Each version runs in its own subprocess (PYTHONPATH points at its tree), in alte
     tiny      a tiny random model (built here), a repetitive ragged batch of 2, 200 tokens: the
               target step takes ~0.3 ms, so the runtime's own per-step overhead dominates
               (ms per step); what it changes is the part a refactoring can change
+    steps     the engine's step costs, 1..17 positions (ms; the build's measurement, each
+              version's kernel library and graph session on the same graph): a kernel change
 Prints a table (medians, after/before) and writes JSON to bench/results/.
 """
 
@@ -39,7 +41,7 @@ from specrt.runtime.drafts import make_proposer
 from specrt.runtime.generator import Generator
 from specrt.runtime.speculative import SpeculativeDecoder, make_policy
 engine, prompts_file, kind, bench_dir = sys.argv[1:5]
-gen = Generator.from_engine(engine)
+gen = None if kind == "steps" else Generator.from_engine(engine)  # steps: the graph alone
 variants = [("plain", None), ("ngram 8", ("ngram", 8)), ("suffix auto", ("suffix", "auto"))]
 
 def run(prompts, n, make):
@@ -77,6 +79,15 @@ elif kind == "serve":  # bench_batch.py's closed loop, from the after tree
         runner = gen if make is None else SpeculativeDecoder(gen, make_proposer(make[0]), make_policy(make[1]))
         r = closed_loop(BatchEngine(runner, max_batch=4), prompts, 4, 96)
         out[f"4 clients / {name} (tok/s)"] = r["tokens_per_s"]
+elif kind == "steps":  # the engine's step graph under each version (its kernels, its ORT options)
+    from pathlib import Path
+    from specrt.engines.ort import OrtOptions, graph_session
+    from specrt.engines.ort_measure import step_costs
+    m = json.loads((Path(engine) / "manifest.json").read_text())  # as stored: no check of the build
+    graph = (Path(engine) / m["graph_dir"] / "model.onnx").resolve()
+    session, _ = graph_session(graph, OrtOptions(), "build the engine first")
+    for q, ms in step_costs(session, m["config"], m["graph_flavour"]).items():
+        out[f"step of {q} positions (ms)"] = ms
 else:
     ids = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41, 42] * 3
     for name, make in variants:
@@ -107,6 +118,7 @@ def main():
     ap.add_argument("--after", type=Path, default=ROOT)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--workloads", default="default,serve,tiny", help="which of the workloads to run")
+    ap.add_argument("--quantize", default="none", help="the engine's scheme (gguf-k: the kernel library's)")
     args = ap.parse_args()
 
     from specrt.benchmark import write_result_json
@@ -115,10 +127,11 @@ def main():
     tmp = Path(tempfile.mkdtemp())
     script = tmp / "workload.py"
     script.write_text(WORKLOAD)
-    engine = ArtifactLayout(args.artifacts).ort_engine().resolve()  # the workloads run in a temporary folder
+    # resolved: the workloads run in a temporary folder
+    engine = ArtifactLayout(args.artifacts).ort_engine(scheme=args.quantize).resolve()
     chosen = args.workloads.split(",")
-    if unknown := set(chosen) - {"default", "serve", "tiny"}:
-        raise SystemExit(f"unknown workload(s) {sorted(unknown)}: choose among default, serve, tiny")
+    if unknown := set(chosen) - {"default", "serve", "tiny", "steps"}:
+        raise SystemExit(f"unknown workload(s) {sorted(unknown)}: choose among default, serve, tiny, steps")
     workloads = {k: tiny_engine(tmp) if k == "tiny" else engine for k in chosen}
     versions = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs = {v: [] for v in versions}
