@@ -1,14 +1,14 @@
 """The project's own kernels for a GGUF file's blocks: one room, C++ inside, Python outside.
 
     gguf_blocks.h     ggml's block formats, x quantized in blocks (what the kernel files share)
-    gguf_matmul.cpp   y = x W^T from W's blocks (Q4_0, Q4_1, Q5_0, Q8_0 read as stored), x
-                      quantized to int8 in blocks; a scalar reference, AVX2 and AVX-512 VNNI paths
-                      (the same bits), threads split the output columns, every row computed in one
+    gguf_matmul.cpp   y = x W^T from W's blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), x quantized to
+                      int8 in blocks; threads split the output columns, every row computed in one
                       order whatever the rows and threads (bitwise row-invariant); the C API
-    gguf_kquants.cpp  Q4_K and Q6_K packed 16 columns at a time (the file's size; Q4_K +2.8 %):
-    kq_simd.inc       one dpbusd per 64 multiply-adds of a row; the body compiled for both SIMD sets
+    gguf_packed.cpp   every type packed 16 columns at a time (the file's size; Q4_K +2.8 %): one
+    packed_simd.inc   dpbusd per 64 multiply-adds of a row, the body compiled for AVX-512 VNNI and
+                      AVX2; the scalar reference on the file's own blocks (the same bits)
     ort_op.cpp        the ONNX Runtime operators on it (specrt.GgufMatMul, specrt.GgufGather), the
-                      GGUF file mapped in place, a k-quant product's weight packed once a process
+                      GGUF file mapped in place, a product's weight packed once a process
     build.py          `python -m specrt.engines.kernels` (make setup): g++ and ONNX Runtime's
                       C headers (Debian's libonnxruntime-dev) -> _build/libspecrt_kernels.so
 

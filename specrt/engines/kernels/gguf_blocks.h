@@ -143,6 +143,45 @@ inline void quantize_xk(const float* x, int64_t K, QXK* out) {  // x [K] -> K/25
   }
 }
 
+// A 32-weight block (legacy types): codes c[32] (unsigned but Q8_0's, which are its signed
+// values), float scale d, integer bias, float offset m.
+struct Unpacked32 { int16_t u[QK]; float d, m; int bias; };
+
+inline void unpack32(int type, const uint8_t* p, Unpacked32* o) {
+  o->m = 0;
+  switch (type) {
+    case Q4_0: {
+      auto b = (const BQ4_0*)p;
+      for (int j = 0; j < 16; ++j) { o->u[j] = b->qs[j] & 0xF; o->u[j + 16] = b->qs[j] >> 4; }
+      o->d = fp16(b->d); o->bias = 8;
+      break;
+    }
+    case Q4_1: {
+      auto b = (const BQ4_1*)p;
+      for (int j = 0; j < 16; ++j) { o->u[j] = b->qs[j] & 0xF; o->u[j + 16] = b->qs[j] >> 4; }
+      o->d = fp16(b->d); o->m = fp16(b->m); o->bias = 0;
+      break;
+    }
+    case Q5_0: {
+      auto b = (const BQ5_0*)p;
+      uint32_t qh;
+      std::memcpy(&qh, b->qh, 4);
+      for (int j = 0; j < 16; ++j) {
+        o->u[j] = (b->qs[j] & 0xF) | (((qh >> j) << 4) & 0x10);
+        o->u[j + 16] = (b->qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+      }
+      o->d = fp16(b->d); o->bias = 16;
+      break;
+    }
+    case Q8_0: {
+      auto b = (const BQ8_0*)p;
+      for (int j = 0; j < QK; ++j) o->u[j] = b->qs[j];
+      o->d = fp16(b->d); o->bias = 0;
+      break;
+    }
+  }
+}
+
 // A 256-weight block (k-quants): codes u[256], the integer scale of each k's sub-block, the bias
 // per code, d, and (Q4_K) dmin with the 8 mins.
 struct UnpackedK { uint8_t u[QKK]; int32_t sc[16]; int32_t mins[8]; float d, dmin; int bias, sub; };

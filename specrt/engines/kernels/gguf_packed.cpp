@@ -1,19 +1,22 @@
-// The k-quants (Q4_K, Q6_K: the real-size models' layers), y = x W^T, with W's blocks interleaved
-// 16 columns at a time: each int8 dot product instruction then multiplies 4 weights of each of 16
-// columns by one broadcast group of 4 x values (VNNI's dpbusd), so a row costs one instruction per
-// 64 multiply-adds and the scales apply once per sub-block and column, not per weight.
+// Every block type packed 16 columns at a time, y = x W^T: each int8 dot product instruction then
+// multiplies 4 weights of each of 16 columns by one broadcast group of 4 x values (VNNI's dpbusd),
+// so a row costs one instruction per 64 multiply-adds and the scales apply once per block (or
+// sub-block) and column, not per weight.
 //
-//   packed  [ceil(N / 16), K / 256] groups of blocks: PQ4K (2368 bytes: 148 a column-block, the
-//           file's 144 + 2.8 %) or PQ6K (3360: 210, the file's); the bytes of each 4-weight quad
-//           of a column kept as stored, the 16 columns' quads side by side
+//   packed  [ceil(N / 16), K / block values] groups of blocks, each the 16 columns' bytes of one
+//           block side by side (each 4-weight quad's bytes as the file stores them), at the file's
+//           size: Q4_0 288 bytes (18 a column-block), Q4_1 320 (20), Q5_0 352 (22), Q8_0 544 (34),
+//           Q6_K 3360 (210), Q4_K 2368 (148 against the file's 144: +2.8 %)
 //   y       [M, N] float32, rows in passes of up to 8 over a group's blocks (held in L1/L2)
 //
-// Numbers (one definition: kq_reference, on the file's own layout; every SIMD path gives its bits):
-// x carries a scale per 32 values (QXK's d32). Per row, column and block: for each 32 values j in
-// order, the exact int32 S_j (Q4_K: sc_j * sum_k code_k x_k; Q6_K: the two 16-value sub-blocks'
-// sc_s * sum_k (code_k - 32) x_k) goes into tf = fma(d32_j, S_j, tf), and (Q4_K) mf = fma(min_j,
-// fsum32_j, mf); then y = fma(d, tf, y) and y = fma(-dmin, mf, y), blocks in order. Nothing depends
-// on the rows or threads beside.
+// Numbers (one definition: `reference`, on the file's own layout; every SIMD path gives its bits):
+// the k-quants take x with a scale per 32 values (QXK's d32). Per row, column and block: for each
+// 32 values j in order, the exact int32 S_j (Q4_K: sc_j * sum_k code_k x_k; Q6_K: the two 16-value
+// sub-blocks' sc_s * sum_k (code_k - 32) x_k) goes into tf = fma(d32_j, S_j, tf), and (Q4_K) mf =
+// fma(min_j, fsum32_j, mf); then y = fma(d, tf, y) and y = fma(-dmin, mf, y), blocks in order.
+// The 32-weight types take x per 32 (QX32: d, codes, their sum): per block in order, the exact
+// S = sum_k (code_k - bias) x_k, y = fma(d_w * d_x, S, y), and (Q4_1) y = fma(m, d_x * sum_x, y).
+// Nothing depends on the rows or threads beside.
 
 #include "gguf_blocks.h"
 
@@ -31,6 +34,25 @@ struct PQ4K {                // 16 columns of one 256-weight block
   uint8_t mn[8][G];          // sub-block j's 6-bit min
   uint16_t d[G], dmin[G];    // halves
 };
+struct PQ4_0 {              // 16 columns of one 32-weight block
+  uint8_t qs[4][64];         // [quad i][4 c + t]: the block's qs[4 i + t] of column c (low nibble:
+                             // k = 4 i + t; high: 16 + 4 i + t)
+  uint16_t d[G];
+};
+struct PQ4_1 {
+  uint8_t qs[4][64];
+  uint16_t d[G], m[G];
+};
+struct PQ5_0 {
+  uint8_t qs[4][64];
+  uint32_t qh[G];            // the fifth bit of code k = 4 i + t at bit 8 t + i (a quad's 4 bits, one
+                             // a byte, at bit i of each: two shifts and a mask make them 0x10s)
+  uint16_t d[G];
+};
+struct PQ8_0 {
+  int8_t qs[8][64];          // [quad i][4 c + t]: code 4 i + t of column c
+  uint16_t d[G];
+};
 struct PQ6K {
   uint8_t q[2][8][3][64];    // [h][v]: ql[64 h + 4 v + t], ql[64 h + 32 + 4 v + t], qh[32 h + 4 v + t] of
                              // column c at 4 c + t, side by side (the kernel reads them in this order):
@@ -39,8 +61,19 @@ struct PQ6K {
   uint16_t d[G];
 };
 static_assert(sizeof(PQ4K) == 2368 && sizeof(PQ6K) == 3360, "packed block sizes");
+static_assert(sizeof(PQ4_0) == 288 && sizeof(PQ4_1) == 320 && sizeof(PQ5_0) == 352 && sizeof(PQ8_0) == 544,
+              "packed block sizes");
 
-size_t packed_block(int type) { return type == Q4_K ? sizeof(PQ4K) : sizeof(PQ6K); }
+size_t packed_block(int type) {
+  switch (type) {
+    case Q4_0: return sizeof(PQ4_0);
+    case Q4_1: return sizeof(PQ4_1);
+    case Q5_0: return sizeof(PQ5_0);
+    case Q8_0: return sizeof(PQ8_0);
+    case Q4_K: return sizeof(PQ4K);
+  }
+  return sizeof(PQ6K);
+}
 
 inline int32_t load32(const void* p) {
   int32_t v;
@@ -50,7 +83,7 @@ inline int32_t load32(const void* p) {
 
 }  // namespace
 
-// -- the SIMD paths: one body (kq_simd.inc), compiled for AVX-512 VNNI and for AVX2 -------------
+// -- the SIMD paths: one body (packed_simd.inc), compiled for AVX-512 VNNI and for AVX2 ---------
 
 #if defined(__x86_64__)
 #pragma GCC push_options
@@ -71,6 +104,9 @@ struct V {  // 16 int32 / float lanes: the group's columns at once
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I mul(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static I dot4(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }  // u8 . s8 in 4s, exact
+  // s8 . s8 (Q8_0): the codes + 128 as u8; the caller takes 128 * sum x off (S8_BIAS)
+  static constexpr int S8_BIAS = 128;
+  static I dot4s(I acc, I c, I x) { return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(c, bytes(char(0x80))), x); }
   static I madd16(I a, I b) { return _mm512_madd_epi16(a, b); }
   static I u8_i32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static I s8_i32(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
@@ -84,7 +120,7 @@ struct V {  // 16 int32 / float lanes: the group's columns at once
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b, one rounding
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
 };
-#include "kq_simd.inc"
+#include "packed_simd.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -108,6 +144,9 @@ struct V {  // 8 lanes: the group in two halves of 8 columns
   static I dot4(I acc, I u, I x) {  // maddubs: <= 2 * 63 * 127, no saturation; then pairs summed
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
   }
+  // s8 . s8 (Q8_0): |c| . x with c's signs (<= 2 * 128 * 127, no saturation), exact
+  static constexpr int S8_BIAS = 0;
+  static I dot4s(I acc, I c, I x) { return dot4(acc, _mm256_abs_epi8(c), _mm256_sign_epi8(x, c)); }
   static I madd16(I a, I b) { return _mm256_madd_epi16(a, b); }
   static I u8_i32(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static I s8_i32(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
@@ -121,7 +160,7 @@ struct V {  // 8 lanes: the group in two halves of 8 columns
   static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
 };
-#include "kq_simd.inc"
+#include "packed_simd.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 #endif
@@ -129,20 +168,56 @@ struct V {  // 8 lanes: the group in two halves of 8 columns
 // -- the C++ entry points gguf_matmul.cpp calls ------------------------------------------------
 
 // bytes of W packed (N rows of K weights; the last group padded with zero columns)
-int64_t kq_packed_bytes(int type, int64_t N, int64_t K) {
-  return (N + G - 1) / G * (K / QKK) * (int64_t)packed_block(type);
+int64_t packed_bytes(int type, int64_t N, int64_t K) {
+  return (N + G - 1) / G * (K / block_values(type)) * (int64_t)packed_block(type);
 }
 
-// W [N, row bytes] as stored -> packed [ceil(N / 16), K / 256] (out: kq_packed_bytes, any alignment)
-void kq_pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
-  const int64_t nb = K / QKK, bb = (int64_t)block_bytes(type), rb = nb * bb, pb = (int64_t)packed_block(type);
-  std::memset(out, 0, (size_t)kq_packed_bytes(type, N, K));
+namespace {
+
+// column c's 32-weight block src into the group's packed block dst
+void pack32(int type, const uint8_t* src, int c, uint8_t* dst) {
+  if (type == Q8_0) {
+    auto s = (const BQ8_0*)src;
+    auto p = (PQ8_0*)dst;
+    for (int i = 0; i < 8; ++i) std::memcpy(&p->qs[i][4 * c], s->qs + 4 * i, 4);
+    p->d[c] = s->d;
+    return;
+  }
+  // Q4_0, Q4_1, Q5_0: d, [m | qh], 16 bytes of nibbles; the packed blocks share qs's place
+  const uint8_t* qs = type == Q4_1 ? ((const BQ4_1*)src)->qs : type == Q5_0 ? ((const BQ5_0*)src)->qs
+                                                                             : ((const BQ4_0*)src)->qs;
+  auto p = (PQ4_0*)dst;
+  for (int i = 0; i < 4; ++i) std::memcpy(&p->qs[i][4 * c], qs + 4 * i, 4);
+  if (type == Q4_0) p->d[c] = ((const BQ4_0*)src)->d;
+  if (type == Q4_1) {
+    ((PQ4_1*)dst)->d[c] = ((const BQ4_1*)src)->d;
+    ((PQ4_1*)dst)->m[c] = ((const BQ4_1*)src)->m;
+  }
+  if (type == Q5_0) {
+    uint32_t qh, out = 0;
+    std::memcpy(&qh, ((const BQ5_0*)src)->qh, 4);
+    for (int k = 0; k < QK; ++k) out |= ((qh >> k) & 1u) << (8 * (k & 3) + (k >> 2));
+    ((PQ5_0*)dst)->qh[c] = out;
+    ((PQ5_0*)dst)->d[c] = ((const BQ5_0*)src)->d;
+  }
+}
+
+}  // namespace
+
+// W [N, row bytes] as stored -> packed [ceil(N / 16), K / block values] (out: packed_bytes, any
+// alignment)
+void pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t nb = K / block_values(type), bb = (int64_t)block_bytes(type), rb = nb * bb;
+  const int64_t pb = (int64_t)packed_block(type);
+  std::memset(out, 0, (size_t)packed_bytes(type, N, K));
   for (int64_t n = 0; n < N; ++n) {
     const int c = (int)(n % G);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* src = w + n * rb + b * bb;
       uint8_t* dst = out + ((n / G) * nb + b) * pb;
-      if (type == Q4_K) {
+      if (block_values(type) == QK) {
+        pack32(type, src, c, dst);
+      } else if (type == Q4_K) {
         auto s = (const BQ4_K*)src;
         auto p = (PQ4K*)dst;
         for (int q = 0; q < 32; ++q) std::memcpy(&p->qs[q / 8][q % 8][4 * c], s->qs + 4 * q, 4);
@@ -170,9 +245,34 @@ void kq_pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
   }
 }
 
-// The reference: columns n0..n1 of y [M, N], from W as stored (xq: M rows of K / 256 QXK blocks).
-void kq_reference(int type, const uint8_t* w, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
-                  int64_t n0, int64_t n1, float* y) {
+namespace {
+
+void reference32(int type, const uint8_t* w, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
+                 int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / QK, bb = (int64_t)block_bytes(type);
+  Unpacked32 u;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < M; ++r) {
+      const QX32* x = (const QX32*)(xq + r * xstride);
+      float acc = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        unpack32(type, w + (n * nb + b) * bb, &u);
+        int32_t S = -u.bias * x[b].sum;
+        for (int k = 0; k < QK; ++k) S += (int32_t)u.u[k] * x[b].q[k];
+        acc = std::fma(u.d * x[b].d, (float)S, acc);
+        if (type == Q4_1) acc = std::fma(u.m, x[b].d * (float)x[b].sum, acc);
+      }
+      y[r * N + n] = acc;
+    }
+}
+
+}  // namespace
+
+// The reference: columns n0..n1 of y [M, N], from W as stored (xq: M rows of K / 256 QXK blocks, or
+// for the 32-weight types K / 32 QX32 blocks).
+void reference(int type, const uint8_t* w, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
+               int64_t n0, int64_t n1, float* y) {
+  if (block_values(type) == QK) return reference32(type, w, N, K, xq, xstride, M, n0, n1, y);
   const int64_t nb = K / QKK, bb = (int64_t)block_bytes(type);
   std::vector<float> acc((size_t)M);
   UnpackedK u;
@@ -203,10 +303,10 @@ void kq_reference(int type, const uint8_t* w, int64_t N, int64_t K, const char* 
 }
 
 // Groups g0..g1 of y [M, N] from packed W: the SIMD path in use (false: none here; use the reference)
-bool kq_groups(int type, const uint8_t* packed, int64_t N, int64_t K, int64_t g0, int64_t g1, const char* xq,
-               int64_t xstride, int64_t M, float* y) {
+bool packed_groups(int type, const uint8_t* packed, int64_t N, int64_t K, int64_t g0, int64_t g1, const char* xq,
+                   int64_t xstride, int64_t M, float* y) {
 #if defined(__x86_64__)
-  const int64_t nb = K / QKK, gb = nb * (int64_t)packed_block(type);
+  const int64_t nb = K / block_values(type), gb = nb * (int64_t)packed_block(type);
   auto run = [&](auto fn) {
     alignas(64) float out[PASS][G];
     for (int64_t g = g0; g < g1; ++g) {

@@ -6,10 +6,10 @@
 //
 // W is not a graph tensor: each node names a GGUF file and the offset of its tensor's bytes
 // (attributes file, offset, ggml_type, n, k), and the file is mapped once per process, read-only.
-// The legacy types and the embedding's rows are read in place (the page cache's pages, shared by
-// every session and process); a k-quant product's weight is packed once per process into the
-// layout its kernel streams (gguf_kquants.cpp: the file's size, Q4_K +2.8 %), shared by every
-// session that names the same tensor, and the file's pages it was packed from are let go. The
+// The embedding's rows are read in place (the page cache's pages, shared by every session and
+// process); a product's weight is packed once per process into the layout its kernel streams
+// (gguf_packed.cpp: the file's size, Q4_K +2.8 %), shared by every session that names the same
+// tensor, and the file's pages it was packed from are let go (a tied embedding reads them back). The
 // engine's loader checks the file (path, size, hash) before ONNX Runtime sees the graph; a file this
 // operator cannot map or that is shorter than the node expects is an error of the first run that
 // names it.
