@@ -114,11 +114,11 @@ def test_a_weight_of_the_wrong_size_is_refused():
     assert kernels.row_bytes(int(T.Q4_K), 100) == 0  # a k-quant needs k in blocks of 256
 
 
-def _graph(path, offset, t, n, k, op="GgufMatMul"):
+def _graph(path, offset, t, n, k, op="GgufMatMul", **more):
     import onnx
     from onnx import TensorProto, helper
 
-    attrs = dict(file=str(path), offset=offset, ggml_type=int(t), n=n, k=k)
+    attrs = dict(file=str(path), offset=offset, ggml_type=int(t), n=n, k=k, **more)
     if op == "GgufMatMul":
         node = helper.make_node(op, ["x"], ["y"], domain=kernels.DOMAIN, **attrs)
         inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])]
@@ -152,6 +152,30 @@ def test_the_onnx_runtime_operator_reads_the_files_bytes_in_place(t, tmp_path):
     ids = np.array([5, 0, 63], np.int64)
     rows = _session(_graph(path, 96, t, n, k, op="GgufGather")).run(None, {"x": ids})[0]
     assert np.array_equal(rows, kernels.get_rows(int(t), w, n, k, ids))
+
+
+@pytest.mark.skipif(not kernels.has_ort_ops(), reason="built without ONNX Runtime's headers")
+@pytest.mark.parametrize("t", (T.Q4_K, T.Q5_0), ids=lambda t: t.name)
+def test_one_operator_for_tensors_side_by_side_in_any_column_order(t, tmp_path):
+    # a layer's q, k, v as one product: the parts' columns side by side, permuted by `order`,
+    # each column the bits of its own tensor's product
+    k, ns = 512, (48, 16, 24)
+    ws = [random_blocks(t, n, k, seed=20 + i) for i, n in enumerate(ns)]
+    path, offsets, data = tmp_path / "weights.gguf", [], b"\x00" * 64
+    for w in ws:
+        offsets.append(len(data))
+        data += w.tobytes() + b"\x02" * 32
+    path.write_bytes(data)
+    order = np.random.default_rng(9).permutation(sum(ns))
+    x = np.random.default_rng(10).standard_normal((5, k)).astype(np.float32)
+    model = _graph(path, offsets[0], t, sum(ns), k, parts_offset=offsets, parts_n=list(ns), order=order.tolist())
+    y = _session(model).run(None, {"x": x})[0]
+    side = np.concatenate([kernels.matmul(int(t), w, n, k, x) for w, n in zip(ws, ns)], axis=-1)
+    assert np.array_equal(y, side[:, order])
+    with pytest.raises(Exception, match="do not agree with n"):
+        _session(_graph(path, offsets[0], t, sum(ns) + 1, k, parts_offset=offsets, parts_n=list(ns))).run(
+            None, {"x": x}
+        )
 
 
 @pytest.mark.skipif(not kernels.has_ort_ops(), reason="built without ONNX Runtime's headers")

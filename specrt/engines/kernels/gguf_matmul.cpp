@@ -26,8 +26,8 @@
 namespace specrt_kernels {
 
 int64_t packed_bytes(int type, int64_t N, int64_t K);
-void pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out);
-void reference(int type, const uint8_t* w, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
+void pack(int type, const uint8_t* const* rows, int64_t N, int64_t K, uint8_t* out);
+void reference(int type, const uint8_t* const* rows, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
                int64_t n0, int64_t n1, float* y);
 bool packed_groups(int type, const uint8_t* packed, int64_t N, int64_t K, int64_t g0, int64_t g1, const char* xq,
                    int64_t xstride, int64_t M, float* y);
@@ -145,7 +145,7 @@ extern "C" int64_t specrt_row_bytes(int type, int64_t K);
 struct SpecrtWeight {
   int type;
   int64_t N, K;
-  const uint8_t* w;
+  std::vector<const uint8_t*> rows;  // row n's blocks as stored (the caller keeps them mapped)
   // the packed copy, 2 MB-aligned and asked for huge pages: a product streams it with 512x fewer TLB
   // misses (measured: a 7.7 MB product read from memory at ~20 GB/s on 4 KB pages)
   struct Packed {
@@ -187,7 +187,7 @@ void product(const SpecrtWeight& h, const float* x, int64_t M, float* y, int thr
   pool().run(T, [&](int t) {
     const int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
     if (!simd || !packed_groups(type, h.packed.data(), N, K, u0, u1, xq.data(), xstride, M, y))
-      reference(type, h.w, N, K, xq.data(), xstride, M, u0, u1, y);
+      reference(type, h.rows.data(), N, K, xq.data(), xstride, M, u0, u1, y);
   });
 }
 
@@ -218,14 +218,25 @@ int64_t specrt_row_bytes(int type, int64_t K) {
   return (int64_t)bb * (K / block_values(type));
 }
 
-// W ready for products (packed once, where this CPU has a SIMD path); the caller keeps w mapped
-// while the weight lives. nullptr for a type or K this library does not take.
-void* specrt_weight(int type, const uint8_t* w, int64_t N, int64_t K) {
+// W ready for products from its N rows (rows[n]: row n's blocks as stored, anywhere: several
+// tensors of one type and K side by side, in any row order), packed once where this CPU has a SIMD
+// path; the caller keeps the rows mapped while the weight lives. nullptr for a type or K this
+// library does not take.
+void* specrt_weight_rows(int type, const uint8_t* const* rows, int64_t N, int64_t K) {
   if (specrt_row_bytes(type, K) == 0 || N <= 0) return nullptr;
-  auto h = new SpecrtWeight{type, N, K, w, {}};
+  auto h = new SpecrtWeight{type, N, K, std::vector<const uint8_t*>(rows, rows + N), {}};
   if (detect_isa() != SCALAR && h->packed.allocate((size_t)packed_bytes(type, N, K)))
-    pack(type, w, N, K, h->packed.data());
+    pack(type, rows, N, K, h->packed.data());
   return h;
+}
+
+// the same for W [N, row bytes] as one tensor stores it
+void* specrt_weight(int type, const uint8_t* w, int64_t N, int64_t K) {
+  const int64_t rb = specrt_row_bytes(type, K);
+  if (rb == 0 || N <= 0) return nullptr;
+  std::vector<const uint8_t*> rows((size_t)N);
+  for (int64_t n = 0; n < N; ++n) rows[(size_t)n] = w + n * rb;
+  return specrt_weight_rows(type, rows.data(), N, K);
 }
 
 void specrt_weight_free(void* h) { delete (SpecrtWeight*)h; }

@@ -204,16 +204,16 @@ void pack32(int type, const uint8_t* src, int c, uint8_t* dst) {
 
 }  // namespace
 
-// W [N, row bytes] as stored -> packed [ceil(N / 16), K / block values] (out: packed_bytes, any
-// alignment)
-void pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
-  const int64_t nb = K / block_values(type), bb = (int64_t)block_bytes(type), rb = nb * bb;
+// W's N rows as stored (rows[n]: row n's blocks) -> packed [ceil(N / 16), K / block values]
+// (out: packed_bytes, any alignment)
+void pack(int type, const uint8_t* const* rows, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t nb = K / block_values(type), bb = (int64_t)block_bytes(type);
   const int64_t pb = (int64_t)packed_block(type);
   std::memset(out, 0, (size_t)packed_bytes(type, N, K));
   for (int64_t n = 0; n < N; ++n) {
     const int c = (int)(n % G);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* src = w + n * rb + b * bb;
+      const uint8_t* src = rows[n] + b * bb;
       uint8_t* dst = out + ((n / G) * nb + b) * pb;
       if (block_values(type) == QK) {
         pack32(type, src, c, dst);
@@ -247,7 +247,7 @@ void pack(int type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
 
 namespace {
 
-void reference32(int type, const uint8_t* w, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
+void reference32(int type, const uint8_t* const* rows, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
                  int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK, bb = (int64_t)block_bytes(type);
   Unpacked32 u;
@@ -256,7 +256,7 @@ void reference32(int type, const uint8_t* w, int64_t N, int64_t K, const char* x
       const QX32* x = (const QX32*)(xq + r * xstride);
       float acc = 0;
       for (int64_t b = 0; b < nb; ++b) {
-        unpack32(type, w + (n * nb + b) * bb, &u);
+        unpack32(type, rows[n] + b * bb, &u);
         int32_t S = -u.bias * x[b].sum;
         for (int k = 0; k < QK; ++k) S += (int32_t)u.u[k] * x[b].q[k];
         acc = std::fma(u.d * x[b].d, (float)S, acc);
@@ -268,18 +268,18 @@ void reference32(int type, const uint8_t* w, int64_t N, int64_t K, const char* x
 
 }  // namespace
 
-// The reference: columns n0..n1 of y [M, N], from W as stored (xq: M rows of K / 256 QXK blocks, or
+// The reference: columns n0..n1 of y [M, N], from W's rows as stored (xq: M rows of K / 256 QXK blocks, or
 // for the 32-weight types K / 32 QX32 blocks).
-void reference(int type, const uint8_t* w, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
+void reference(int type, const uint8_t* const* rows, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
                int64_t n0, int64_t n1, float* y) {
-  if (block_values(type) == QK) return reference32(type, w, N, K, xq, xstride, M, n0, n1, y);
+  if (block_values(type) == QK) return reference32(type, rows, N, K, xq, xstride, M, n0, n1, y);
   const int64_t nb = K / QKK, bb = (int64_t)block_bytes(type);
   std::vector<float> acc((size_t)M);
   UnpackedK u;
   for (int64_t n = n0; n < n1; ++n) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t b = 0; b < nb; ++b) {
-      unpack_k(type, w + (n * nb + b) * bb, &u);
+      unpack_k(type, rows[n] + b * bb, &u);
       for (int64_t r = 0; r < M; ++r) {
         const QXK& x = ((const QXK*)(xq + r * xstride))[b];
         float tf = 0, mf = 0;

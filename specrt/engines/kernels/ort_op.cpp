@@ -6,6 +6,10 @@
 //
 // W is not a graph tensor: each node names a GGUF file and the offset of its tensor's bytes
 // (attributes file, offset, ggml_type, n, k), and the file is mapped once per process, read-only.
+// A GgufMatMul may name several tensors of one type and k side by side (parts_offset, parts_n: n
+// is their sum; a layer's q, k and v in one product, x quantized once) and the order of its output
+// columns (order: column j is row order[j] of the parts side by side; llama.cpp's q and k rows put
+// back in the checkpoint's order when the weight is packed, not by a Gather each step).
 // The embedding's rows are read in place (the page cache's pages, shared by every session and
 // process); a product's weight is packed once per process into the layout its kernel streams
 // (gguf_packed.cpp: the file's size, Q4_K +2.8 %), shared by every session that names the same
@@ -32,7 +36,7 @@
 
 extern "C" {
 int64_t specrt_row_bytes(int type, int64_t K);
-void* specrt_weight(int type, const uint8_t* w, int64_t N, int64_t K);
+void* specrt_weight_rows(int type, const uint8_t* const* rows, int64_t N, int64_t K);
 void specrt_weight_free(void* h);
 int64_t specrt_weight_packed_bytes(const void* h);
 void specrt_weight_matmul(const void* h, const float* x, int64_t M, float* y, int threads);
@@ -50,21 +54,22 @@ struct Mapped {
   size_t size = 0;
 };
 
-// A product's weight (specrt_weight), one per tensor of a file for the process: the sessions of an
-// engine (and a second engine on the same GGUF) share it; freed with the last kernel naming it.
-std::shared_ptr<void> product_weight(const std::string& file, int64_t offset, int type, int64_t n, int64_t k,
-                                     const uint8_t* w, int64_t bytes) {
+// A product's weight (specrt_weight_rows), one per tensor (or tensors and order) of a file for the
+// process: the sessions of an engine (and a second engine on the same GGUF) share it; freed with
+// the last kernel naming it. `spans` are the tensors' bytes, let go once packed.
+std::shared_ptr<void> product_weight(const std::string& key, int type, int64_t k, const std::vector<const uint8_t*>& rows,
+                                     const std::vector<std::pair<const uint8_t*, int64_t>>& spans) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<void>> weights;
-  std::string key = file + "@" + std::to_string(offset) + ":" + std::to_string(type) + ":" + std::to_string(n) +
-                    "x" + std::to_string(k);
   std::lock_guard<std::mutex> lock(mu);
   if (auto held = weights[key].lock()) return held;
-  std::shared_ptr<void> h(specrt_weight(type, w, n, k), specrt_weight_free);
+  std::shared_ptr<void> h(specrt_weight_rows(type, rows.data(), (int64_t)rows.size(), k), specrt_weight_free);
   if (h && specrt_weight_packed_bytes(h.get()) > 0) {  // its kernel reads the packed copy: drop the pages
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    uintptr_t a = ((uintptr_t)w + page - 1) / page * page, e = ((uintptr_t)w + (uintptr_t)bytes) / page * page;
-    if (e > a) madvise((void*)a, e - a, MADV_DONTNEED);  // a read-only file mapping: they come back if read
+    for (auto [w, bytes] : spans) {
+      uintptr_t a = ((uintptr_t)w + page - 1) / page * page, e = ((uintptr_t)w + (uintptr_t)bytes) / page * page;
+      if (e > a) madvise((void*)a, e - a, MADV_DONTNEED);  // a read-only file mapping: they come back if read
+    }
   }
   weights[key] = h;
   return h;
@@ -95,13 +100,23 @@ Mapped map_file(const std::string& path, std::string* error) {
   return m;
 }
 
-// the tensor a node names: its bytes in the mapped file, or an error naming the node and the file
+// an optional list attribute (empty when the node has none)
+std::vector<int64_t> ints(const Ort::ConstKernelInfo& ki, const char* name) {
+  try {
+    return ki.GetAttributes<int64_t>(name);
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
+// the tensor(s) a node names: their bytes in the mapped file, or an error naming the node and the file
 struct GgufTensor {
   int type = 0;
   int64_t n = 0, k = 0, row_bytes = 0;
-  const uint8_t* w = nullptr;
+  const uint8_t* w = nullptr;                             // the (first) tensor's bytes
+  std::vector<std::pair<const uint8_t*, int64_t>> spans;  // each tensor's bytes
+  std::vector<int64_t> offsets, ns, order;
   std::string file, error;
-  int64_t offset = 0;
 
   GgufTensor(const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -110,10 +125,19 @@ struct GgufTensor {
       type = (int)ki.GetAttribute<int64_t>("ggml_type");
       n = ki.GetAttribute<int64_t>("n");
       k = ki.GetAttribute<int64_t>("k");
-      offset = ki.GetAttribute<int64_t>("offset");
+      offsets = {ki.GetAttribute<int64_t>("offset")};
       file = ki.GetAttribute<std::string>("file");
     } catch (const std::exception& e) {
       error = node + ": " + e.what();
+      return;
+    }
+    ns = {n};
+    if (auto po = ints(ki, "parts_offset"); !po.empty()) offsets = po, ns = ints(ki, "parts_n");
+    order = ints(ki, "order");
+    int64_t total = 0;
+    for (int64_t p : ns) total += p;
+    if (ns.size() != offsets.size() || total != n || (!order.empty() && (int64_t)order.size() != n)) {
+      error = node + ": parts_offset, parts_n and order do not agree with n " + std::to_string(n);
       return;
     }
     if (!file.empty() && file[0] != '/') {
@@ -130,11 +154,34 @@ struct GgufTensor {
       error = node + ": " + error;
       return;
     }
-    if (offset < 0 || (uint64_t)offset + (uint64_t)(n * row_bytes) > m.size) {
-      error = node + ": the GGUF file " + file + " is shorter than its tensor needs (changed or cut short); rebuild the engine";
-      return;
+    for (size_t i = 0; i < offsets.size(); ++i) {
+      if (offsets[i] < 0 || ns[i] <= 0 || (uint64_t)offsets[i] + (uint64_t)(ns[i] * row_bytes) > m.size) {
+        error = node + ": the GGUF file " + file + " is shorter than its tensor needs (changed or cut short); rebuild the engine";
+        return;
+      }
+      spans.push_back({m.data + offsets[i], ns[i] * row_bytes});
     }
-    w = m.data + offset;
+    w = spans[0].first;
+  }
+
+  // output column j's weight row (the parts side by side, in `order` where given)
+  std::vector<const uint8_t*> rows() const {
+    std::vector<const uint8_t*> side;
+    for (auto [p, bytes] : spans)
+      for (int64_t r = 0; r < bytes / row_bytes; ++r) side.push_back(p + r * row_bytes);
+    if (order.empty()) return side;
+    std::vector<const uint8_t*> out;
+    for (int64_t j : order) out.push_back(j >= 0 && j < n ? side[(size_t)j] : nullptr);
+    return out;
+  }
+
+  // what names the weight for the process: the file, the tensors, the order
+  std::string key() const {
+    std::string s = file + ":" + std::to_string(type) + ":" + std::to_string(k);
+    for (size_t i = 0; i < offsets.size(); ++i) s += "@" + std::to_string(offsets[i]) + "x" + std::to_string(ns[i]);
+    uint64_t h = 1469598103934665603ull;  // FNV-1a of the order
+    for (int64_t j : order) h = (h ^ (uint64_t)j) * 1099511628211ull;
+    return s + (order.empty() ? "" : "/" + std::to_string(h));
   }
 };
 
@@ -142,7 +189,14 @@ struct GgufMatMul {
   GgufTensor t;
   std::shared_ptr<void> weight;
   GgufMatMul(const OrtApi*, const OrtKernelInfo* info) : t(info) {
-    if (t.error.empty()) weight = product_weight(t.file, t.offset, t.type, t.n, t.k, t.w, t.n * t.row_bytes);
+    if (!t.error.empty()) return;
+    std::vector<const uint8_t*> rows = t.rows();
+    for (const uint8_t* r : rows)
+      if (r == nullptr) {
+        t.error = "GgufMatMul: order names a row outside its tensors";
+        return;
+      }
+    weight = product_weight(t.key(), t.type, t.k, rows, t.spans);
   }
 
   Ort::Status Compute(const Ort::Custom::Tensor<float>& x, Ort::Custom::Tensor<float>& y) {
@@ -161,7 +215,9 @@ struct GgufMatMul {
 
 struct GgufGather {
   GgufTensor t;
-  GgufGather(const OrtApi*, const OrtKernelInfo* info) : t(info) {}
+  GgufGather(const OrtApi*, const OrtKernelInfo* info) : t(info) {
+    if (t.error.empty() && (t.spans.size() != 1 || !t.order.empty())) t.error = "GgufGather: one tensor, in its order";
+  }
 
   Ort::Status Compute(const Ort::Custom::Tensor<int64_t>& ids, Ort::Custom::Tensor<float>& y) {
     if (!t.error.empty()) return Ort::Status(t.error.c_str(), ORT_FAIL);
