@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -129,16 +130,19 @@ def hot_block(call, x) -> list[float]:
     return out
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """GB/s of one thread summing 512 MiB (numpy): the memory's read rate, roughly."""
+def read_bandwidth(threads: int = 1, repeats: int = 5) -> float:
+    """GB/s of `threads` threads each summing its slice of 512 MiB (numpy, which lets go of the GIL
+    in a reduction): the memory's read rate, roughly (what the one-row products are held to)."""
     a = np.ones(128 << 20, np.float32)
-    best = min(timed_sum(a) for _ in range(repeats))
+    parts = np.array_split(a, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        best = min(timed_sums(pool, parts) for _ in range(repeats))
     return a.nbytes / best / 1e9
 
 
-def timed_sum(a):
+def timed_sums(pool, parts):
     t0 = time.perf_counter()
-    a.sum()
+    list(pool.map(np.sum, parts))
     return time.perf_counter() - t0
 
 
@@ -235,15 +239,23 @@ def main() -> None:
                 print(f"{t.name:5} {n:>5}x{k:<5} {m:>3} rows  " + "  ".join(cells))
             for g in opened:
                 g.close()
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth (numpy, one thread): {bandwidth:.1f} GB/s")
+    bandwidth, one = read_bandwidth(args.threads), read_bandwidth(1)
+    print(f"read bandwidth (numpy): {bandwidth:.1f} GB/s with {args.threads} threads, {one:.1f} with one")
+    for row in rows_out:  # what each kernel's own bytes streamed at, against that
+        for name in ("specrt", "matmulnbits", "ggml", "ggml-repack"):
+            if f"{name}_gbs" in row:
+                row[f"{name}_of_read_bandwidth"] = round(row[f"{name}_gbs"] / bandwidth, 3)
+    for row in (r for r in rows_out if r["rows"] == 1):
+        print(f"{row['type']:5} {row['n']:>5}x{row['k']:<5} one row: specrt at {row['specrt_of_read_bandwidth']:.0%} "
+              f"of the read bandwidth")  # fmt: skip
     out = {
         **envelope("onnxruntime", "numpy", "gguf"),
         "isa": kernels.isa(),
         "threads": args.threads,
         "repeats": args.repeats,
         "ggml": str(args.llama_cpp) if args.llama_cpp else None,
-        "read_bandwidth_gbs_one_thread": round(bandwidth, 1),
+        "read_bandwidth_gbs": round(bandwidth, 1),
+        "read_bandwidth_gbs_one_thread": round(one, 1),
         "rows": rows_out,
     }
     write_results(f"gguf-kernel-{datetime.date.today()}", out)
