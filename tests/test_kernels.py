@@ -176,6 +176,11 @@ def test_one_operator_for_tensors_side_by_side_in_any_column_order(t, tmp_path):
         _session(_graph(path, offsets[0], t, sum(ns) + 1, k, parts_offset=offsets, parts_n=list(ns))).run(
             None, {"x": x}
         )
+    outside = [*order[:-1].tolist(), sum(ns)]  # a row past the tensors: refused at load, not read
+    with pytest.raises(Exception, match="parts_offset, parts_n and order do not agree with n"):
+        _session(_graph(path, offsets[0], t, sum(ns), k, parts_offset=offsets, parts_n=list(ns), order=outside)).run(
+            None, {"x": x}
+        )
 
 
 @pytest.mark.skipif(not kernels.has_ort_ops(), reason="built without ONNX Runtime's headers")

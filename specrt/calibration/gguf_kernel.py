@@ -85,19 +85,19 @@ class KernelProducts:
         v: x quantized once, one call), a float product for the others, joined by a Concat."""
         from specrt.export.graph_writer import FloatProducts
 
-        runs: list[list] = []
+        runs: list[tuple[str | None, list]] = []  # (block type, weights side by side)
         for w in weights:
-            if runs and self._kind(w) is not None and self._kind(w) == self._kind(runs[-1][0]):
-                runs[-1].append(w)
+            kind = self._kind(w)
+            if runs and kind is not None and kind == runs[-1][0]:
+                runs[-1][1].append(w)
             else:
-                runs.append([w])
+                runs.append((kind, [w]))
         outs = []
-        for j, run in enumerate(runs):
+        for j, (kind, run) in enumerate(runs):
             part = name if len(runs) == 1 else f"{name}.{j}"
-            if self._kind(run[0]) is None:
+            if kind is None:
                 outs.append(FloatProducts().product(g, x, run, part))
                 continue
-            kind = self._kind(run[0])
             self.counts[kind] = self.counts.get(kind, 0) + len(run)
             node = g.node("GgufMatMul", [x], [f"{part}/kernel"], f"{part}/GgufMatMul", DOMAIN, **self._run(run))
             outs.append(node[0])

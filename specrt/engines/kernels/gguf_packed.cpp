@@ -107,10 +107,8 @@ struct V {  // 16 int32 / float lanes: the group's columns at once
   // s8 . s8 (Q8_0): the codes + 128 as u8; the caller takes 128 * sum x off (S8_BIAS)
   static constexpr int S8_BIAS = 128;
   static I dot4s(I acc, I c, I x) { return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(c, bytes(char(0x80))), x); }
-  static I madd16(I a, I b) { return _mm512_madd_epi16(a, b); }
   static I u8_i32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static I s8_i32(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-  static I u8_i16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
   static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fset1(float v) { return _mm512_set1_ps(v); }
@@ -147,10 +145,8 @@ struct V {  // 8 lanes: the group in two halves of 8 columns
   // s8 . s8 (Q8_0): |c| . x with c's signs (<= 2 * 128 * 127, no saturation), exact
   static constexpr int S8_BIAS = 0;
   static I dot4s(I acc, I c, I x) { return dot4(acc, _mm256_abs_epi8(c), _mm256_sign_epi8(x, c)); }
-  static I madd16(I a, I b) { return _mm256_madd_epi16(a, b); }
   static I u8_i32(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static I s8_i32(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-  static I u8_i16(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); }
   static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F fset1(float v) { return _mm256_set1_ps(v); }
@@ -250,20 +246,22 @@ namespace {
 void reference32(int type, const uint8_t* const* rows, int64_t N, int64_t K, const char* xq, int64_t xstride, int64_t M,
                  int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / QK, bb = (int64_t)block_bytes(type);
+  std::vector<float> acc((size_t)M);
   Unpacked32 u;
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t r = 0; r < M; ++r) {
-      const QX32* x = (const QX32*)(xq + r * xstride);
-      float acc = 0;
-      for (int64_t b = 0; b < nb; ++b) {
-        unpack32(type, rows[n] + b * bb, &u);
-        int32_t S = -u.bias * x[b].sum;
-        for (int k = 0; k < QK; ++k) S += (int32_t)u.u[k] * x[b].q[k];
-        acc = std::fma(u.d * x[b].d, (float)S, acc);
-        if (type == Q4_1) acc = std::fma(u.m, x[b].d * (float)x[b].sum, acc);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {  // each block unpacked once for every row
+      unpack32(type, rows[n] + b * bb, &u);
+      for (int64_t r = 0; r < M; ++r) {
+        const QX32& x = ((const QX32*)(xq + r * xstride))[b];
+        int32_t S = -u.bias * x.sum;
+        for (int k = 0; k < QK; ++k) S += (int32_t)u.u[k] * x.q[k];
+        acc[r] = std::fma(u.d * x.d, (float)S, acc[r]);
+        if (type == Q4_1) acc[r] = std::fma(u.m, x.d * (float)x.sum, acc[r]);
       }
-      y[r * N + n] = acc;
     }
+    for (int64_t r = 0; r < M; ++r) y[r * N + n] = acc[r];
+  }
 }
 
 }  // namespace

@@ -136,7 +136,9 @@ struct GgufTensor {
     order = ints(ki, "order");
     int64_t total = 0;
     for (int64_t p : ns) total += p;
-    if (ns.size() != offsets.size() || total != n || (!order.empty() && (int64_t)order.size() != n)) {
+    bool rows_known = order.empty() || (int64_t)order.size() == n;
+    for (int64_t j : order) rows_known = rows_known && j >= 0 && j < n;
+    if (ns.size() != offsets.size() || total != n || !rows_known) {
       error = node + ": parts_offset, parts_n and order do not agree with n " + std::to_string(n);
       return;
     }
@@ -171,7 +173,7 @@ struct GgufTensor {
       for (int64_t r = 0; r < bytes / row_bytes; ++r) side.push_back(p + r * row_bytes);
     if (order.empty()) return side;
     std::vector<const uint8_t*> out;
-    for (int64_t j : order) out.push_back(j >= 0 && j < n ? side[(size_t)j] : nullptr);
+    for (int64_t j : order) out.push_back(side[(size_t)j]);  // each j checked in [0, n) above
     return out;
   }
 
@@ -189,14 +191,7 @@ struct GgufMatMul {
   GgufTensor t;
   std::shared_ptr<void> weight;
   GgufMatMul(const OrtApi*, const OrtKernelInfo* info) : t(info) {
-    if (!t.error.empty()) return;
-    std::vector<const uint8_t*> rows = t.rows();
-    for (const uint8_t* r : rows)
-      if (r == nullptr) {
-        t.error = "GgufMatMul: order names a row outside its tensors";
-        return;
-      }
-    weight = product_weight(t.key(), t.type, t.k, rows, t.spans);
+    if (t.error.empty()) weight = product_weight(t.key(), t.type, t.k, t.rows(), t.spans);
   }
 
   Ort::Status Compute(const Ort::Custom::Tensor<float>& x, Ort::Custom::Tensor<float>& y) {
