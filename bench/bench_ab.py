@@ -3,6 +3,7 @@
     git worktree add /tmp/before <commit>
     python bench/bench_ab.py --before /tmp/before --after . [--artifacts artifacts/SmolLM2-135M-Instruct]
                              [--rounds 4] [--workloads default,serve,tiny] [--quantize gguf-k]
+                             [--before-artifacts DIR]   (the before version's own engine: a graph change)
 
 Each version runs in its own subprocess (PYTHONPATH points at its tree), in alternating order,
 `--rounds` times, on two workloads:
@@ -119,6 +120,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--workloads", default="default,serve,tiny", help="which of the workloads to run")
     ap.add_argument("--quantize", default="none", help="the engine's scheme (gguf-k: the kernel library's)")
+    ap.add_argument("--before-artifacts", type=Path, help="the before version's artifacts (default: --artifacts)")
     args = ap.parse_args()
 
     from specrt.benchmark import write_result_json
@@ -128,17 +130,21 @@ def main():
     script = tmp / "workload.py"
     script.write_text(WORKLOAD)
     # resolved: the workloads run in a temporary folder
-    engine = ArtifactLayout(args.artifacts).ort_engine(scheme=args.quantize).resolve()
+    engines = {
+        v: ArtifactLayout(a).ort_engine(scheme=args.quantize).resolve()
+        for v, a in (("before", args.before_artifacts or args.artifacts), ("after", args.artifacts))
+    }
     chosen = args.workloads.split(",")
     if unknown := set(chosen) - {"default", "serve", "tiny", "steps"}:
         raise SystemExit(f"unknown workload(s) {sorted(unknown)}: choose among default, serve, tiny, steps")
-    workloads = {k: tiny_engine(tmp) if k == "tiny" else engine for k in chosen}
+    tiny = tiny_engine(tmp) if "tiny" in chosen else None
     versions = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs = {v: [] for v in versions}
     for i in range(args.rounds):
         for v in list(versions)[:: 1 if i % 2 == 0 else -1]:  # alternate who goes first
             merged = {}
-            for kind, engine in workloads.items():
+            for kind in chosen:
+                engine = tiny if kind == "tiny" else engines[v]
                 r = subprocess.run(
                     [
                         sys.executable,
@@ -169,6 +175,7 @@ def main():
         **envelope("onnxruntime", "numpy"),
         "before": str(versions["before"]),
         "after": str(versions["after"]),
+        "engines": {v: str(e) for v, e in engines.items()},
         "rounds": args.rounds,
         "workloads": chosen,
         "rows": rows,

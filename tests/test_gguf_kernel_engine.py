@@ -10,6 +10,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
+from specrt.calibration.gguf_kernel import KernelProducts
 from specrt.cli import main
 from specrt.engines import kernels
 from specrt.engines.build import BuildSpec, build_all
@@ -140,3 +141,51 @@ def test_an_engine_measured_on_another_kernel_build_is_refused_and_rebuilt(built
     engine = json.loads((ArtifactLayout(tmp_path / "art").ort_engine("cpu", "gguf-k") / "manifest.json").read_text())
     assert engine["kernels"] == {"sources": "another"}
     assert CliRunner().invoke(main, [*args, "--max-new-tokens", "4"]).exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def qwen_built(tmp_path_factory):
+    """A Qwen2-shaped GGUF (q/k/v biases) whose gate and up share a block type: the kernel adds
+    the bias and applies SwiGLU inside the product."""
+    d = tmp_path_factory.mktemp("gguf-k-qwen")
+    hf = tiny_hf_config(architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True)
+    types = {r: "Q4_0" for r in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")}
+    types |= {"attn_output": "Q8_0", "ffn_down": "Q4_1", "output": "Q8_0"}
+    model = random_model(hf, seed=43)
+    write_gguf(model, hf, d / "tiny.gguf", types, tokenizer=True, chat_template=CHAT_TEMPLATE, arch="qwen2")
+    r = CliRunner().invoke(main, ["convert", str(d / "tiny.gguf"), "--out", str(d / "ckpt"), "--weights", "gguf"])
+    assert r.exit_code == 0, r.output
+    list(build_all(BuildSpec(checkpoint=d / "ckpt", out=d / "art", quantize="gguf-k", tensorrt="off")))
+    return d
+
+
+def test_the_bias_and_swiglu_are_the_kernels(qwen_built):
+    d = qwen_built
+    layout = ArtifactLayout(d / "art")
+    graph = onnx.load(str(layout.fused_onnx("gguf-k") / "model.onnx"), load_external_data=False).graph
+    attrs = [{a.name for a in n.attribute} for n in graph.node if n.op_type == "GgufMatMul"]
+    epilogues = [onnx.helper.get_attribute_value(a) for n in graph.node for a in n.attribute if a.name == "epilogue"]
+    assert epilogues == [b"swiglu"] * 2 and sum("bias" in a for a in attrs) == 2  # each layer's
+    ops = {n.op_type for n in graph.node}
+    assert not ops & {"Split", "Sigmoid", "QuickGelu", "Mul"}, ops & {"Split", "Sigmoid", "QuickGelu", "Mul"}
+    # against the same graph with ONNX Runtime's Add, Split, Sigmoid and Mul: e^t's own rounding only
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delattr(KernelProducts, "biased")
+        mp.delattr(KernelProducts, "swiglu")
+        list(build_all(BuildSpec(checkpoint=d / "ckpt", out=d / "nodes", quantize="gguf-k", tensorrt="off")))
+    nodes = ArtifactLayout(d / "nodes")
+    graph = onnx.load(str(nodes.fused_onnx("gguf-k") / "model.onnx"), load_external_data=False).graph
+    assert {"Split", "Sigmoid"} <= {n.op_type for n in graph.node}
+    prompts = [np.random.default_rng(3).integers(3, 128, 24).tolist()]
+    a, b = (
+        (g := Generator.from_engine(x.ort_engine("cpu", "gguf-k"))).session.prefill(g.session.new_cache(1, 64), prompts)
+        for x in (layout, nodes)
+    )
+    assert np.abs(a.logits - b.logits).max() <= 1e-4 * np.abs(b.logits).max()
+    m = json.loads((layout.ort_engine("cpu", "gguf-k") / "manifest.json").read_text())
+    assert m["batch_invariance"]["bitwise"]["unpadded"]  # no step floor with the epilogue either
+    common = ["generate", "--artifacts", str(d / "art"), "--quantize", "gguf-k", "--prompt", "b c d b c d", "--no-chat"]
+    plain = CliRunner().invoke(main, [*common, "--max-new-tokens", "20"])
+    spec = CliRunner().invoke(main, [*common, "--max-new-tokens", "20", "--draft", "suffix"])
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert plain.stdout.splitlines()[0] == spec.stdout.splitlines()[0]

@@ -36,15 +36,22 @@ def add_tokenizer(w, vocab: int, chat_template: str | None = None) -> None:
 
 
 def write_gguf(
-    model, hf, path, types: dict[str, str] | None = None, tokenizer: bool = False, chat_template: str | None = None
+    model,
+    hf,
+    path,
+    types: dict[str, str] | None = None,
+    tokenizer: bool = False,
+    chat_template: str | None = None,
+    arch: str = "llama",
 ):
     """`model`'s weights as a GGUF file; types: GGUF role (attn_q, ffn_down, token_embd, output,
     ...) -> block type (Q4_0, Q4_1, Q8_0); other tensors are stored as F32. `tokenizer`: with
-    one in its metadata (`add_tokenizer`, and `chat_template`)."""
+    one in its metadata (`add_tokenizer`, and `chat_template`). arch "llama" (q and k rows
+    permuted, as llama.cpp stores them) or "qwen2" (as the checkpoint, with its q/k/v biases)."""
     import gguf
 
     types = types or {}
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     if tokenizer:
         add_tokenizer(w, hf["vocab_size"], chat_template)
     w.add_block_count(hf["num_hidden_layers"])
@@ -63,7 +70,9 @@ def write_gguf(
         if k.startswith("layers."):
             _, i, rest = k.split(".", 2)
             mod, leaf = rest.rsplit(".", 1)
-            if mod == "self_attn.q_proj":
+            if arch != "llama":
+                pass
+            elif mod == "self_attn.q_proj":
                 a = _permute(a, hf["num_attention_heads"])
             elif mod == "self_attn.k_proj":
                 a = _permute(a, hf["num_key_value_heads"])

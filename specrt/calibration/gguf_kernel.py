@@ -9,7 +9,10 @@ and the tensors' offsets: no codes, scales or floats of them are written. Weight
 multiplies side by side (a layer's q, k and v; gate and up) are one node where they share a block
 type (measured: a 256-row k projection alone streamed at a third of the rate, and the Concat after
 three products cost 0.6 ms a step), and q and k rows llama.cpp stored permuted are put back in the
-checkpoint's order when the kernel packs them (the node's `order`). A weight stored as floats (or
+checkpoint's order when the kernel packs them (the node's `order`). The kernel also adds the q, k
+and v bias and applies the MLP's SwiGLU before a product's output leaves it (the node's `bias` and
+`epilogue`; graph_writer's `biased` and `swiglu` hooks), so a layer is its products, two norms and
+its attention. A weight stored as floats (or
 in a block type the kernel does not take) is the float graph's product. The activations are
 quantized to int8 per block inside the kernel (as gguf-a8's are in MatMulNBits), so the engine is
 its own numeric class: its probe measures which step shapes agree.
@@ -28,7 +31,8 @@ from specrt.schema.checkpoint_files import file_digest
 
 SCHEME = "gguf-k"
 DOMAIN = "specrt"
-RECIPE_VERSION = 2  # 2: a run of one block type's weights (q, k, v) in one product, q/k rows ordered in it
+RECIPE_VERSION = 3  # 2: a run of one block type's weights (q, k, v) in one product, q/k rows ordered in it;
+# 3: the bias and SwiGLU applied by the kernel (GgufMatMul's bias, epilogue)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # the kernel's (engines/kernels)
 
 
@@ -80,30 +84,57 @@ class KernelProducts:
         self.counts["embedding"] = 1
         return g.node("GgufGather", ["input_ids"], ["embed/rows"], "embed/GgufGather", DOMAIN, **self._attrs(embed))[0]
 
-    def product(self, g, x: str, weights: list, name: str) -> str:
-        """One GgufMatMul for each run of weights of one block type side by side (a layer's q, k and
-        v: x quantized once, one call), a float product for the others, joined by a Concat."""
-        from specrt.export.graph_writer import FloatProducts
-
-        runs: list[tuple[str | None, list]] = []  # (block type, weights side by side)
+    def _runs(self, weights: list) -> list[tuple[str | None, list]]:
+        """The weights side by side as runs of one block type (None: a type the kernel does not take)."""
+        runs: list[tuple[str | None, list]] = []
         for w in weights:
             kind = self._kind(w)
             if runs and kind is not None and kind == runs[-1][0]:
                 runs[-1][1].append(w)
             else:
                 runs.append((kind, [w]))
-        outs = []
+        return runs
+
+    def product(self, g, x: str, weights: list, name: str, bias: np.ndarray | None = None) -> str:
+        """One GgufMatMul for each run of weights of one block type side by side (a layer's q, k and
+        v: x quantized once, one call), a float product for the others, joined by a Concat; with
+        `bias` where every run is the kernel's, each node adds its part of it (no Add node)."""
+        from specrt.export.graph_writer import FloatProducts
+
+        runs, outs, start = self._runs(weights), [], 0
+        if bias is not None and any(kind is None for kind, _ in runs):
+            out = self.product(g, x, weights, name)
+            return g.node("Add", [out, g.init(f"{name}.bias", bias)], [f"{name}/biased"], f"{name}/Add")[0]
         for j, (kind, run) in enumerate(runs):
             part = name if len(runs) == 1 else f"{name}.{j}"
             if kind is None:
                 outs.append(FloatProducts().product(g, x, run, part))
                 continue
+            attrs = self._run(run)
+            if bias is not None:
+                attrs["bias"] = bias[start : start + attrs["n"]].astype(np.float32).tolist()
+                start += attrs["n"]
             self.counts[kind] = self.counts.get(kind, 0) + len(run)
-            node = g.node("GgufMatMul", [x], [f"{part}/kernel"], f"{part}/GgufMatMul", DOMAIN, **self._run(run))
-            outs.append(node[0])
+            outs.append(g.node("GgufMatMul", [x], [f"{part}/kernel"], f"{part}/GgufMatMul", DOMAIN, **attrs)[0])
         if len(outs) == 1:
             return outs[0]
         return g.node("Concat", outs, [f"{name}/out"], f"{name}/Concat", axis=-1)[0]
+
+    def biased(self, g, x: str, weights: list, bias: np.ndarray, name: str) -> str:
+        """x @ W^T + bias, the bias added by the kernel (graph_writer's hook: an Add node cost
+        ~0.25 ms of a 1.5B step)."""
+        return self.product(g, x, weights, name, bias)
+
+    def swiglu(self, g, x: str, gate_up: list, name: str) -> str | None:
+        """silu(x @ gate^T) * (x @ up^T) as one GgufMatMul (its `epilogue`: no Split, activation or
+        Mul nodes; ~1.1 ms of a 1.5B one-position step), None where gate and up are not one run."""
+        runs = self._runs(gate_up)
+        if len(runs) != 1 or runs[0][0] is None:
+            return None
+        kind, run = runs[0]
+        self.counts[kind] = self.counts.get(kind, 0) + len(run)
+        attrs = self._run(run) | {"epilogue": "swiglu"}
+        return g.node("GgufMatMul", [x], [f"{name}/swiglu"], f"{name}/GgufMatMul", DOMAIN, **attrs)[0]
 
     def _run(self, run: list) -> dict:
         """The attributes of one product of the weights `run` (one block type and k) side by side;

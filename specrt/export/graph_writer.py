@@ -159,7 +159,6 @@ def _write_graph(g: GraphBuilder, model: LlamaModel, ops, products, opset: int, 
     shared = {
         "cos_cache": g.init("rotary.cos", cos),
         "sin_cache": g.init("rotary.sin", sin),
-        "mlp_split": g.init("mlp.split", np.array([cfg.intermediate_size] * 2, np.int64)),
     }
     if cfg.rope_local_theta:  # the sliding layers' own base
         cos, sin = (t[0, 0, :, :R].numpy() for t in rotary(positions, model.local_inv_freq))
@@ -229,10 +228,12 @@ def _layer(g: GraphBuilder, ops, products, model: LlamaModel, i: int, h: str, re
     (its MLP's output, the residual stream after attention); the next norm adds the two."""
     cfg, layer, p = model.cfg, model.layers[i], f"layers.{i}"
     att, mlp, eps = layer.self_attn, layer.mlp, float(cfg.rms_norm_eps)
-    qkv = products.product(g, h, [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], f"{p}.qkv_proj")
+    qkv_weights = [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]
     if cfg.attention_bias:
         b = np.concatenate([f32(att.q_proj.bias), f32(att.k_proj.bias), f32(att.v_proj.bias)])
-        qkv = g.node("Add", [qkv, g.init(f"{p}.qkv_proj.bias", b)], [f"{p}.qkv_proj/biased"], f"{p}.qkv/Add")[0]
+        qkv = _biased(g, products, h, qkv_weights, b, f"{p}.qkv_proj")
+    else:
+        qkv = products.product(g, h, qkv_weights, f"{p}.qkv_proj")
     norms = (f32(att.q_norm.scale()), f32(att.k_norm.scale())) if cfg.qk_norm else None
     a = ops.attention(g, cfg, i, qkv, io, shared, norms)
     o = products.product(g, a, [att.o_proj.weight], f"{p}.o_proj")
@@ -242,19 +243,40 @@ def _layer(g: GraphBuilder, ops, products, model: LlamaModel, i: int, h: str, re
     else:
         mlp_norm = layer.post_attention_layernorm
     h, residual = ops.norm(g, o, residual, mlp_norm.scale(), eps, f"{p}.post_norm")
-    gate_up = products.product(g, h, [mlp.gate_proj.weight, mlp.up_proj.weight], f"{p}.gate_up_proj")
-    halves = [f"{p}.mlp/gate", f"{p}.mlp/up"]
-    gate, up = g.node("Split", [gate_up, shared["mlp_split"]], halves, f"{p}.mlp/Split", axis=-1)
-    if cfg.hidden_act == "gelu_tanh":
-        act = ops.gelu_tanh(g, gate, f"{p}.mlp/Gelu")
-    else:
-        sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
-        act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
-    prod = g.node("Mul", [act, up], [f"{p}.mlp/gated"], f"{p}.mlp/Mul")[0]
+    prod = _gated(g, ops, products, cfg, h, [mlp.gate_proj.weight, mlp.up_proj.weight], shared, p)
     down = products.product(g, prod, [mlp.down_proj.weight], f"{p}.down_proj")
     if cfg.sandwich_norms:
         down = ops.norm(g, None, down, layer.post_feedforward_layernorm.scale(), eps, f"{p}.post_mlp_norm")[0]
     return down, residual
+
+
+def _biased(g: GraphBuilder, products, x: str, weights: list, bias: np.ndarray, name: str) -> str:
+    """x @ W^T + bias: the products' own where they add it inside the product (`biased`), else an Add."""
+    if hasattr(products, "biased"):
+        return products.biased(g, x, weights, bias, name)
+    out = products.product(g, x, weights, name)
+    return g.node("Add", [out, g.init(f"{name}.bias", bias)], [f"{name}/biased"], f"{name}/Add")[0]
+
+
+def _gated(g: GraphBuilder, ops, products, cfg, x: str, gate_up: list, shared: dict, p: str) -> str:
+    """The MLP's act(x @ gate^T) * (x @ up^T): the products' own where they apply SwiGLU inside the
+    product (`swiglu`, None where they cannot), else one product, Split, the activation, Mul."""
+    act_name = "gelu_tanh" if cfg.hidden_act == "gelu_tanh" else "silu"
+    if act_name == "silu" and hasattr(products, "swiglu"):
+        out = products.swiglu(g, x, gate_up, f"{p}.gate_up_proj")
+        if out is not None:
+            return out
+    both = products.product(g, x, gate_up, f"{p}.gate_up_proj")
+    halves = [f"{p}.mlp/gate", f"{p}.mlp/up"]
+    if "mlp_split" not in shared:
+        shared["mlp_split"] = g.init("mlp.split", np.array([cfg.intermediate_size] * 2, np.int64))
+    gate, up = g.node("Split", [both, shared["mlp_split"]], halves, f"{p}.mlp/Split", axis=-1)
+    if act_name == "gelu_tanh":
+        act = ops.gelu_tanh(g, gate, f"{p}.mlp/Gelu")
+    else:
+        sig = g.node("Sigmoid", [gate], [f"{p}.mlp/sigmoid"], f"{p}.mlp/Sigmoid")[0]
+        act = g.node("Mul", [gate, sig], [f"{p}.mlp/silu"], f"{p}.mlp/SiLU")[0]
+    return g.node("Mul", [act, up], [f"{p}.mlp/gated"], f"{p}.mlp/Mul")[0]
 
 
 def rotary_tables(cfg, i: int, shared: dict) -> tuple[str, str]:

@@ -7,6 +7,8 @@
     gguf_packed.cpp   every type packed 16 columns at a time (the file's size; Q4_K +2.8 %): one
     packed_simd.inc   dpbusd per 64 multiply-adds of a row, the body compiled for AVX-512 VNNI and
                       AVX2; the scalar reference on the file's own blocks (the same bits)
+    gguf_epilogue.cpp what a product's output goes through before it leaves: SwiGLU (one fixed
+                      sequence of float operations per lane, every path the reference's bits)
     ort_op.cpp        the ONNX Runtime operators on it (specrt.GgufMatMul, specrt.GgufGather), the
                       GGUF file mapped in place, a product's weight packed once a process
     build.py          `python -m specrt.engines.kernels` (make setup): g++ and ONNX Runtime's
@@ -37,6 +39,7 @@ DOMAIN = "specrt"
 # ggml's type numbers of the block types the kernels take
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 ISAS = ("scalar", "avx2", "avx512-vnni")
+EPILOGUES = {None: 0, "swiglu": 1}  # gguf_matmul.cpp's Epilogue
 
 
 def why_not() -> str | None:
@@ -62,6 +65,7 @@ def library() -> ctypes.CDLL | None:
     lib.specrt_row_bytes.restype = i64
     lib.specrt_row_bytes.argtypes = [ctypes.c_int, i64]
     lib.specrt_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.specrt_matmul_ex.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, ctypes.c_int]
     lib.specrt_get_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.specrt_force_isa.argtypes = [ctypes.c_int]
     lib.specrt_set_threads.argtypes = [ctypes.c_int]
@@ -99,15 +103,25 @@ def row_bytes(ggml_type: int, k: int) -> int:
     return int(_lib().specrt_row_bytes(ggml_type, k))
 
 
-def matmul(ggml_type: int, w: np.ndarray, n: int, k: int, x: np.ndarray, threads: int = 0) -> np.ndarray:
-    """y [m, n] = x [m, k] W^T with W [n, row_bytes] uint8, the file's rows as stored."""
+def matmul(
+    ggml_type: int, w: np.ndarray, n: int, k: int, x: np.ndarray, threads: int = 0, bias=None, epilogue=None
+) -> np.ndarray:
+    """y [m, n] = x [m, k] W^T (+ bias [n]) with W [n, row_bytes] uint8, the file's rows as stored;
+    epilogue "swiglu": y [m, n/2] = silu(the first half) * the second half."""
     lib = _lib()
     w = np.ascontiguousarray(w, dtype=np.uint8)
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
     if w.size != n * lib.specrt_row_bytes(ggml_type, k) or w.size == 0:
         raise ValueError(f"W holds {w.size} bytes, not {n} rows of {k} weights of ggml type {ggml_type}")
-    y = np.empty((x.shape[0], n), np.float32)
-    lib.specrt_matmul(ggml_type, w.ctypes.data, n, k, x.ctypes.data, x.shape[0], y.ctypes.data, threads)
+    if epilogue not in EPILOGUES or (epilogue and n % 2):
+        raise ValueError(f"epilogue {epilogue!r}: the kernels take {sorted(e for e in EPILOGUES if e)} (an even n)")
+    b = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
+    if b is not None and b.size != n:
+        raise ValueError(f"the bias holds {b.size} values, not n = {n}")
+    y = np.empty((x.shape[0], n // 2 if epilogue else n), np.float32)
+    bp = None if b is None else b.ctypes.data
+    args = (ggml_type, w.ctypes.data, n, k, x.ctypes.data, x.shape[0], y.ctypes.data, threads, bp, EPILOGUES[epilogue])
+    lib.specrt_matmul_ex(*args)
     return y
 
 

@@ -28,7 +28,15 @@ HERE = Path(__file__).resolve().parent
 BUILD = HERE / "_build"
 LIBRARY = BUILD / "libspecrt_kernels.so"
 RECORD = BUILD / "build.json"
-SOURCES = ("gguf_blocks.h", "gguf_matmul.cpp", "gguf_packed.cpp", "gguf_quantize.cpp", "packed_simd.inc", "ort_op.cpp")
+SOURCES = (
+    "gguf_blocks.h",
+    "gguf_matmul.cpp",
+    "gguf_packed.cpp",
+    "gguf_quantize.cpp",
+    "gguf_epilogue.cpp",
+    "packed_simd.inc",
+    "ort_op.cpp",
+)
 HEADERS = BUILD / "ort-include"
 # the Debian release whose libonnxruntime-dev carries the C API headers (1.21.0 in trixie)
 DEBIAN_SOURCE = "deb http://deb.debian.org/debian trixie main"
@@ -99,7 +107,7 @@ def build(quiet: bool = False) -> dict:
     if compiler is None:
         return _record({"sources": digest, "built": False, "why": "no C++ compiler (apt-get install g++)"})
     headers = ort_headers()
-    files = [str(HERE / n) for n in ("gguf_matmul.cpp", "gguf_packed.cpp", "gguf_quantize.cpp")]
+    files = [str(HERE / n) for n in SOURCES if n.endswith(".cpp") and n != "ort_op.cpp"]
     defines = []
     if headers is not None:
         files.append(str(HERE / "ort_op.cpp"))

@@ -32,6 +32,7 @@ void reference(int type, const uint8_t* const* rows, int64_t N, int64_t K, const
 bool packed_groups(int type, const uint8_t* packed, int64_t N, int64_t K, int64_t g0, int64_t g1, const char* xq,
                    int64_t xstride, int64_t M, float* y);
 void quantize_rows(const float* x, int64_t K, bool k, int64_t r0, int64_t r1, char* out, int64_t xstride);
+void silu_mul(const float* g, const float* u, float* out, int64_t n);
 
 namespace {
 
@@ -191,6 +192,31 @@ void product(const SpecrtWeight& h, const float* x, int64_t M, float* y, int thr
   });
 }
 
+// what a product's output goes through (gguf_epilogue.cpp): none, or SwiGLU
+enum Epilogue { NONE = 0, SWIGLU = 1 };
+
+// y = epilogue(x W^T + bias): y [M, N], or [M, N/2] = silu(first half) * second half (SWIGLU,
+// the product written to a scratch first); the bias [N] (or nullptr) added before. Rows split
+// over the threads where there are many (a prompt), one thread for a step's few.
+void product_epilogue(const SpecrtWeight& h, const float* x, int64_t M, float* y, int threads, const float* bias,
+                      int epilogue) {
+  const int64_t N = h.N;
+  std::vector<float> scratch(epilogue == SWIGLU ? (size_t)(M * N) : 0);
+  float* full = epilogue == SWIGLU ? scratch.data() : y;
+  product(h, x, M, full, threads);
+  if (!bias && epilogue == NONE) return;
+  if (threads <= 0) threads = (int)std::max(1u, std::thread::hardware_concurrency());
+  const int T = M >= 8 ? threads : 1;
+  pool().run(T, [&](int t) {
+    for (int64_t r = M * t / T; r < M * (t + 1) / T; ++r) {
+      float* row = full + r * N;
+      if (bias)
+        for (int64_t j = 0; j < N; ++j) row[j] += bias[j];
+      if (epilogue == SWIGLU) silu_mul(row, row + N / 2, y + r * (N / 2), N / 2);
+    }
+  });
+}
+
 }  // namespace
 
 // -- the C API (ctypes and the ONNX Runtime operator call these) ---------------------------------
@@ -249,14 +275,35 @@ void specrt_weight_matmul(const void* h, const float* x, int64_t M, float* y, in
   if (M > 0) product(*(const SpecrtWeight*)h, x, M, y, threads);
 }
 
+// y = epilogue(x W^T + bias) (bias [N] or nullptr; epilogue 0: y [M, N], 1: SwiGLU, y [M, N/2]
+// = silu(first half) * second half). Returns 0, or -1 for an epilogue it does not take (SwiGLU
+// of an odd N).
+int specrt_weight_matmul_ex(const void* h, const float* x, int64_t M, float* y, int threads, const float* bias,
+                            int epilogue) {
+  const SpecrtWeight& w = *(const SpecrtWeight*)h;
+  if (epilogue < NONE || epilogue > SWIGLU || (epilogue == SWIGLU && w.N % 2 != 0)) return -1;
+  if (M > 0) product_epilogue(w, x, M, y, threads, bias, epilogue);
+  return 0;
+}
+
 // y [M, N] = x [M, K] W^T, W [N, row_bytes] as stored (packed for this call where a weight would
 // be). Returns 0, or -1 for a type or K it does not take.
+int specrt_matmul_ex(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y,
+                     int threads, const float* bias, int epilogue);
+
 int specrt_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y,
                   int threads) {
-  if (specrt_row_bytes(type, K) == 0) return -1;
+  return specrt_matmul_ex(type, w, N, K, x, M, y, threads, nullptr, NONE);
+}
+
+// the same with specrt_weight_matmul_ex's bias and epilogue
+int specrt_matmul_ex(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y,
+                     int threads, const float* bias, int epilogue) {
+  if (specrt_row_bytes(type, K) == 0 || epilogue < NONE || epilogue > SWIGLU || (epilogue == SWIGLU && N % 2))
+    return -1;
   if (N <= 0 || M <= 0) return 0;
   SpecrtWeight* h = (SpecrtWeight*)specrt_weight(type, w, N, K);
-  product(*h, x, M, y, threads);
+  product_epilogue(*h, x, M, y, threads, bias, epilogue);
   delete h;
   return 0;
 }

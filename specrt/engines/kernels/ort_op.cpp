@@ -9,7 +9,10 @@
 // A GgufMatMul may name several tensors of one type and k side by side (parts_offset, parts_n: n
 // is their sum; a layer's q, k and v in one product, x quantized once) and the order of its output
 // columns (order: column j is row order[j] of the parts side by side; llama.cpp's q and k rows put
-// back in the checkpoint's order when the weight is packed, not by a Gather each step).
+// back in the checkpoint's order when the weight is packed, not by a Gather each step). Its output
+// may go through the kernel's epilogue (gguf_epilogue.cpp) before it leaves: `bias` (floats [n])
+// added, and `epilogue` "swiglu": Y [..., n/2] = silu(first half) * second half (an MLP's gate and
+// up as one product, no Split, activation and Mul nodes after it).
 // The embedding's rows are read in place (the page cache's pages, shared by every session and
 // process); a product's weight is packed once per process into the layout its kernel streams
 // (gguf_packed.cpp: the file's size, Q4_K +2.8 %), shared by every session that names the same
@@ -39,7 +42,8 @@ int64_t specrt_row_bytes(int type, int64_t K);
 void* specrt_weight_rows(int type, const uint8_t* const* rows, int64_t N, int64_t K);
 void specrt_weight_free(void* h);
 int64_t specrt_weight_packed_bytes(const void* h);
-void specrt_weight_matmul(const void* h, const float* x, int64_t M, float* y, int threads);
+int specrt_weight_matmul_ex(const void* h, const float* x, int64_t M, float* y, int threads, const float* bias,
+                            int epilogue);
 int specrt_get_rows(int type, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t n, float* out);
 int specrt_threads();
 }
@@ -187,11 +191,40 @@ struct GgufTensor {
   }
 };
 
+// an optional float list attribute (empty when the node has none)
+std::vector<float> floats(const Ort::ConstKernelInfo& ki, const char* name) {
+  try {
+    return ki.GetAttributes<float>(name);
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
 struct GgufMatMul {
   GgufTensor t;
   std::shared_ptr<void> weight;
+  std::vector<float> bias;
+  int epilogue = 0;  // gguf_matmul.cpp's Epilogue: 0 none, 1 SwiGLU
   GgufMatMul(const OrtApi*, const OrtKernelInfo* info) : t(info) {
-    if (t.error.empty()) weight = product_weight(t.key(), t.type, t.k, t.rows(), t.spans);
+    if (!t.error.empty()) return;
+    Ort::ConstKernelInfo ki(info);
+    std::string name = ki.GetNodeName(), kind;
+    bias = floats(ki, "bias");
+    try {
+      kind = ki.GetAttribute<std::string>("epilogue");
+    } catch (const std::exception&) {
+    }
+    if (!bias.empty() && (int64_t)bias.size() != t.n) {
+      t.error = name + ": bias holds " + std::to_string(bias.size()) + " values, not n " + std::to_string(t.n);
+      return;
+    }
+    if (kind == "swiglu" && t.n % 2 == 0) {
+      epilogue = 1;
+    } else if (!kind.empty()) {
+      t.error = name + ": epilogue '" + kind + "' is not one it takes (\"swiglu\", with an even n)";
+      return;
+    }
+    weight = product_weight(t.key(), t.type, t.k, t.rows(), t.spans);
   }
 
   Ort::Status Compute(const Ort::Custom::Tensor<float>& x, Ort::Custom::Tensor<float>& y) {
@@ -200,10 +233,11 @@ struct GgufMatMul {
     if (shape.empty() || shape.back() != t.k) return Ort::Status("GgufMatMul: X's last axis is not k", ORT_INVALID_ARGUMENT);
     int64_t m = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
-    shape.back() = t.n;
+    shape.back() = epilogue == 1 ? t.n / 2 : t.n;
     float* out = y.Allocate(shape);
     if (m == 0) return Ort::Status(nullptr);
-    specrt_weight_matmul(weight.get(), x.Data(), m, out, specrt_threads());
+    specrt_weight_matmul_ex(weight.get(), x.Data(), m, out, specrt_threads(), bias.empty() ? nullptr : bias.data(),
+                            epilogue);
     return Ort::Status(nullptr);
   }
 };
