@@ -1,7 +1,9 @@
 """Draft methods without weights: n-gram / prompt lookup and suffix decoding."""
 
+import dataclasses
 import heapq
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -391,3 +393,49 @@ def test_auto_head_drafts_where_no_copy_serves_when_judged_worth_its_time():
     worth[("a", 2)] = 0.4
     assert [t.tokens.tolist()[:1] for t in auto.propose(inp)] == [[1]] * 2
     assert auto.chosen["eagle3"] == 4 and auto.chosen["a"] == 2 * auto_module.PROBE_EVERY - 2 + 4
+
+
+def test_auto_probes_a_head_that_does_not_pay_less_and_less_often():
+    """Where no copy serves and the head is judged not to pay, it probes after PROBE_EVERY such
+    steps, then after twice the last wait (to PROBE_MOST); once it pays, the wait starts again
+    at PROBE_EVERY. A draft model's prefill of a long gap (`gap_seconds`) stays out of its time
+    per drafted token."""
+    from specrt.runtime.drafts import auto as auto_module
+
+    copy = _Fixed([1, 2, 3])
+    copy.evidence = ("a", 2)
+    head = _Head()
+    auto = auto_module.AutoProposer({"a": copy}, head=head)
+    auto.begin([0], [[0]], None)
+    worth = {("a", 2): 0.4, ("eagle3", 0): 0.0}
+    judge = lambda evidence, n, own=None: (n, (worth[evidence] + 0.2 * n) / (1.0 + (own(n) if own else 0.0)))  # noqa: E731
+    inp = DraftInput([0], [[0]], 4, [9], SamplingParams(), [np.random.default_rng(0)], [np.zeros((1, 4))], judge)
+    probes = [step for step in range(1, 200) if auto.propose(inp)[0].tokens.tolist()[:1] == [5]]
+    E, M = auto_module.PROBE_EVERY, auto_module.PROBE_MOST
+    waits = [E, 2 * E, 4 * E]
+    waits += [min(2 * waits[-1], M)] * 10
+    expected = list(itertools.accumulate(waits))
+    assert probes == [s for s in expected if s < 200]
+    worth[("eagle3", 0)] = 1.0  # it pays: chosen, and the wait starts again
+    auto.head.times.observe(4, 0.001)
+    auto.head.step_s.append(0.01)
+    assert auto.propose(inp)[0].tokens.tolist() == [5] * 4
+    worth[("eagle3", 0)] = 0.0
+    probes = [step for step in range(1, 30) if auto.propose(inp)[0].tokens.tolist()[:1] == [5]]
+    assert probes == [E, 3 * E]
+
+    class _Gappy(_Head):  # a draft model whose call spends most of its time prefilling a gap
+        gap_seconds, needs_features = 0.0, False
+
+        def catch_up(self, inp):
+            return {}
+
+        def draft(self, inp, roots):
+            time.sleep(0.02)
+            self.gap_seconds += 0.02
+            return super().draft(inp, roots)
+
+    member = auto_module.HeadMember(_Gappy())
+    member.wanting = member.next_probe = 10**6  # probe now
+    member.serve(dataclasses.replace(inp, features=None), [DraftTree.empty()], [None])
+    assert member.times.calls[-1][1] < 0.01  # its 3 tokens' time without the 20 ms of prefill

@@ -15,6 +15,7 @@ vocabulary is not the target's, or a distilled draft made for another target, is
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,10 @@ class DraftModelProposer:
         self.cache, self.lazy = None, lazy
         self._fed: dict[int, int] = {}  # row -> draft tokens the last proposal left in the own cache
         self.calls = 0  # draft steps
+        # seconds spent prefilling long gaps (a row's prompt, or what the lookups' steps committed
+        # while `auto` drafted with them): a cost of the row's text, paid once whenever the draft
+        # next drafts for it, which auto leaves out of the draft's time per drafted token
+        self.gap_seconds = 0.0
         self._live: set[int] = set()  # rows begun and not yet ended
 
     def begin(self, rows, prompts, prefilled):
@@ -131,7 +136,9 @@ class DraftModelProposer:
         for b, ctx in zip(inp.rows, inp.contexts):
             feed[b] = list(ctx[int(self.cache.lengths[b]) :])  # committed since the last proposal: the root at least
             if len(feed[b]) > CATCH_UP:  # a prompt, or a long gap: in prefill chunks, this row alone
+                t = time.perf_counter()
                 self.session.prefill(self.cache.rows(b, b + 1), [feed[b][:-1]])
+                self.gap_seconds += time.perf_counter() - t
                 feed[b] = feed[b][-1:]
         sampling = None if inp.sampling.greedy else inp.sampling
         rngs = dict(zip(inp.rows, inp.rngs))  # each row draws from its own
