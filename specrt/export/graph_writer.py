@@ -8,6 +8,9 @@ Two flavours use it: the fused graph (export/fused_graph.py `FusedOps`: ORT's fu
 the KV cache written in place) and the standard graph (export/standard_graph.py `StandardOps`:
 opset-23 operators for TensorRT). A products object writes x @ W^T: `FloatProducts` as MatMuls
 over the float weights; a 4-bit recipe's (calibration/blocks.py) as MatMulNBits over their blocks.
+A products object may also take a product's bias (`biased`) and an MLP's SwiGLU (`swiglu`) into
+the product itself (calibration/gguf_kernel.py: specrt's kernel); where it does not, they are
+graph nodes.
 Each layer is: input norm, q|k|v product, attention, o product, post-attention norm, gate|up
 product, act(gate) * up, down product; the final norm, the features and the head. A family's
 facts (schema/arch/base.py) add: a scaled embedding, norms after attention and after the MLP,
