@@ -98,43 +98,45 @@ class KernelProducts:
     def product(self, g, x: str, weights: list, name: str, bias: np.ndarray | None = None) -> str:
         """One GgufMatMul for each run of weights of one block type side by side (a layer's q, k and
         v: x quantized once, one call), a float product for the others, joined by a Concat; with
-        `bias` where every run is the kernel's, each node adds its part of it (no Add node)."""
+        `bias` (every run the kernel's: `biased`), each node adds its part of it."""
         from specrt.export.graph_writer import FloatProducts
 
         runs, outs, start = self._runs(weights), [], 0
-        if bias is not None and any(kind is None for kind, _ in runs):
-            out = self.product(g, x, weights, name)
-            return g.node("Add", [out, g.init(f"{name}.bias", bias)], [f"{name}/biased"], f"{name}/Add")[0]
         for j, (kind, run) in enumerate(runs):
             part = name if len(runs) == 1 else f"{name}.{j}"
             if kind is None:
                 outs.append(FloatProducts().product(g, x, run, part))
                 continue
-            attrs = self._run(run)
+            more = {}
             if bias is not None:
-                attrs["bias"] = bias[start : start + attrs["n"]].astype(np.float32).tolist()
-                start += attrs["n"]
-            self.counts[kind] = self.counts.get(kind, 0) + len(run)
-            outs.append(g.node("GgufMatMul", [x], [f"{part}/kernel"], f"{part}/GgufMatMul", DOMAIN, **attrs)[0])
+                n = sum(w.shape[0] for w in run)
+                more["bias"] = bias[start : start + n].astype(np.float32).tolist()
+                start += n
+            outs.append(self._kernel(g, x, kind, run, part, "kernel", **more))
         if len(outs) == 1:
             return outs[0]
         return g.node("Concat", outs, [f"{name}/out"], f"{name}/Concat", axis=-1)[0]
 
-    def biased(self, g, x: str, weights: list, bias: np.ndarray, name: str) -> str:
-        """x @ W^T + bias, the bias added by the kernel (graph_writer's hook: an Add node cost
-        ~0.25 ms of a 1.5B step)."""
+    def biased(self, g, x: str, weights: list, bias: np.ndarray, name: str) -> str | None:
+        """x @ W^T + bias, the bias added by the kernel (graph_writer's hook: no Add node); None
+        where a weight is not the kernel's (the writer adds it then)."""
+        if any(kind is None for kind, _ in self._runs(weights)):
+            return None
         return self.product(g, x, weights, name, bias)
 
     def swiglu(self, g, x: str, gate_up: list, name: str) -> str | None:
         """silu(x @ gate^T) * (x @ up^T) as one GgufMatMul (its `epilogue`: no Split, activation or
-        Mul nodes; ~1.1 ms of a 1.5B one-position step), None where gate and up are not one run."""
+        Mul nodes), None where gate and up are not one run."""
         runs = self._runs(gate_up)
         if len(runs) != 1 or runs[0][0] is None:
             return None
-        kind, run = runs[0]
+        return self._kernel(g, x, runs[0][0], runs[0][1], name, "swiglu", epilogue="swiglu")
+
+    def _kernel(self, g, x: str, kind: str, run: list, name: str, out: str, **more) -> str:
+        """One GgufMatMul node over the run (its `_run` attributes and `more`), counted."""
         self.counts[kind] = self.counts.get(kind, 0) + len(run)
-        attrs = self._run(run) | {"epilogue": "swiglu"}
-        return g.node("GgufMatMul", [x], [f"{name}/swiglu"], f"{name}/GgufMatMul", DOMAIN, **attrs)[0]
+        attrs = self._run(run) | more
+        return g.node("GgufMatMul", [x], [f"{name}/{out}"], f"{name}/GgufMatMul", DOMAIN, **attrs)[0]
 
     def _run(self, run: list) -> dict:
         """The attributes of one product of the weights `run` (one block type and k) side by side;

@@ -254,9 +254,12 @@ def _layer(g: GraphBuilder, ops, products, model: LlamaModel, i: int, h: str, re
 
 
 def _biased(g: GraphBuilder, products, x: str, weights: list, bias: np.ndarray, name: str) -> str:
-    """x @ W^T + bias: the products' own where they add it inside the product (`biased`), else an Add."""
+    """x @ W^T + bias: the products' own where they add it inside the product (`biased`, None where
+    they cannot), else an Add."""
     if hasattr(products, "biased"):
-        return products.biased(g, x, weights, bias, name)
+        out = products.biased(g, x, weights, bias, name)
+        if out is not None:
+            return out
     out = products.product(g, x, weights, name)
     return g.node("Add", [out, g.init(f"{name}.bias", bias)], [f"{name}/biased"], f"{name}/Add")[0]
 

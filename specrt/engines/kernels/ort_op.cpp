@@ -105,9 +105,10 @@ Mapped map_file(const std::string& path, std::string* error) {
 }
 
 // an optional list attribute (empty when the node has none)
-std::vector<int64_t> ints(const Ort::ConstKernelInfo& ki, const char* name) {
+template <class T>
+std::vector<T> optional_list(const Ort::ConstKernelInfo& ki, const char* name) {
   try {
-    return ki.GetAttributes<int64_t>(name);
+    return ki.GetAttributes<T>(name);
   } catch (const std::exception&) {
     return {};
   }
@@ -136,8 +137,9 @@ struct GgufTensor {
       return;
     }
     ns = {n};
-    if (auto po = ints(ki, "parts_offset"); !po.empty()) offsets = po, ns = ints(ki, "parts_n");
-    order = ints(ki, "order");
+    if (auto po = optional_list<int64_t>(ki, "parts_offset"); !po.empty())
+      offsets = po, ns = optional_list<int64_t>(ki, "parts_n");
+    order = optional_list<int64_t>(ki, "order");
     int64_t total = 0;
     for (int64_t p : ns) total += p;
     bool rows_known = order.empty() || (int64_t)order.size() == n;
@@ -191,15 +193,6 @@ struct GgufTensor {
   }
 };
 
-// an optional float list attribute (empty when the node has none)
-std::vector<float> floats(const Ort::ConstKernelInfo& ki, const char* name) {
-  try {
-    return ki.GetAttributes<float>(name);
-  } catch (const std::exception&) {
-    return {};
-  }
-}
-
 struct GgufMatMul {
   GgufTensor t;
   std::shared_ptr<void> weight;
@@ -209,7 +202,7 @@ struct GgufMatMul {
     if (!t.error.empty()) return;
     Ort::ConstKernelInfo ki(info);
     std::string name = ki.GetNodeName(), kind;
-    bias = floats(ki, "bias");
+    bias = optional_list<float>(ki, "bias");
     try {
       kind = ki.GetAttribute<std::string>("epilogue");
     } catch (const std::exception&) {
