@@ -280,7 +280,9 @@ def main() -> None:
             for (cls, _), r in zip(encoded, got["runs"]):
                 genai[cls].append(r["decode_tok_s"])
 
-    made = build_prompt_set(max(counts.values()), seed=7, exclude=tuple(r["prompt"] for r in rows if "prompt" in r))
+    made = build_prompt_set(
+        max(counts.values(), default=0), seed=7, exclude=tuple(r["prompt"] for r in rows if "prompt" in r)
+    )
     all_ids = [ref.encode_prompt(p.prompt, chat=args.chat) for p in made]
     for g in gens.values():
         g.eos_ids = frozenset()  # every exactness run generates its --exact-tokens

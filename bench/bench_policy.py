@@ -6,7 +6,7 @@
 
 This machine's speed drifts by up to 50 % over minutes, so end-to-end runs (specrt bench) cannot
 tell a policy change worth 3 % from noise. Here each prompt's greedy answer is made once for real
-on the float32 engine, and then every variant generates on a target that replays those answers
+on the float32 engine (--record: another), and then every variant generates on a target that replays those answers
 (bench/replay.py): the drafts, verdicts and step shapes are the ones the real engine gives, and
 every output is checked against the recorded answer. The clock is virtual: a target step of P
 positions over B rows takes what the engine's build measured for P / B positions (its
@@ -32,6 +32,8 @@ Ablations (--ablate) switch one heuristic off, to show what it buys:
                   the lookups' plan does not use it)
     spike         no spike filter for less-observed step sizes (estimators.SPIKE)
     trust         a size's time is its median from the first observation (estimators.TRUST = 1)
+    curve         no least price of a step's size from the build's step costs (estimators.StepCurve):
+                  the line through the sizes timed so far prices every length
 (The engine's step costs as the cost model's priors, and a horizon on a lookup's first bets,
 were ablated here and went on 2026-12-05: below the noise, and below zero under load.)
 `--prompt-set N` runs the first N prompts of the offline prompt set (specrt/training/prompts.py,
@@ -56,7 +58,7 @@ from replay import ReplayBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-ABLATIONS = ("hindsight", "gate", "pooling", "calibration", "spike", "trust")
+ABLATIONS = ("hindsight", "gate", "pooling", "calibration", "spike", "trust", "curve")
 
 
 def engine_costs(artifacts: Path) -> dict[str, dict[int, float]]:
@@ -70,15 +72,17 @@ def engine_costs(artifacts: Path) -> dict[str, dict[int, float]]:
         return {int(q): float(v) for q, v in m["step_ms"].items()} if "step_ms" in m else None
 
     f32, gguf = read(layout.ort_engine("cpu")), read(layout.ort_engine("cpu", "gguf"))
-    if f32 is None:
-        raise SystemExit(f"{layout.ort_engine('cpu')} has no measured step costs: run make build-engines")
-    out = {"f32": f32}
+    out = {"f32": f32} if f32 is not None else {}
     if gguf is not None:
         out["gguf"] = gguf
-        out["split"] = {1: gguf[1], **{q: t for q, t in f32.items() if q > 1}}
-    for scheme in ("gguf-a8", "int8-a8", "int4-a8"):  # the int8-activation engines (make serve: int8-a8)
+        if f32 is not None:
+            out["split"] = {1: gguf[1], **{q: t for q, t in f32.items() if q > 1}}
+    # the int8-activation engines (make serve: int8-a8; gguf-k: the Qwen models')
+    for scheme in ("gguf-a8", "int8-a8", "int4-a8", "gguf-k"):
         if (curve := read(layout.ort_engine("cpu", scheme))) is not None:
             out[scheme] = curve
+    if not out:
+        raise SystemExit(f"{layout.root} has no engine with measured step costs: run make build-engines")
     return out
 
 
@@ -138,6 +142,7 @@ def patched(ablations: set[str]):
         "calibration": model.calibration,
         "backed": model.backed,
         "_counts": model._counts,
+        "curve": estimators.StepCurve.__bool__,
     }
     if "spike" in ablations:
         estimators.SPIKE = float("inf")
@@ -147,6 +152,8 @@ def patched(ablations: set[str]):
         model.calibration = lambda self: 1.0
     if "gate" in ablations or "hindsight" in ablations:
         model.backed = lambda self, key: True
+    if "curve" in ablations:
+        estimators.StepCurve.__bool__ = lambda self: False
     if "pooling" in ablations:
 
         def own(self, key):
@@ -158,6 +165,7 @@ def patched(ablations: set[str]):
     def restore():
         estimators.SPIKE, estimators.TRUST = saved["SPIKE"], saved["TRUST"]
         model.calibration, model.backed, model._counts = saved["calibration"], saved["backed"], saved["_counts"]
+        estimators.StepCurve.__bool__ = saved["curve"]
 
     return restore
 
@@ -224,10 +232,10 @@ def host_work(gen, methods, prompts, tokens: int, rounds: int = 2) -> dict[str, 
                 )
                 step = decoder.step
 
-                def timed(state, _step=step, _method=method):
+                def timed(*args, _step=step, _method=method):
                     spent[0] = 0.0
                     t = time.perf_counter()
-                    record = _step(state)
+                    record = _step(*args)
                     host[_method].append(time.perf_counter() - t - spent[0])
                     if _method == "none":
                         engine.append(spent[0])
@@ -272,6 +280,12 @@ def main() -> None:
         default="f32,gguf,split",
         help="Cost curves: f32, gguf, split, and the int8-activation engines built (gguf-a8, int8-a8, int4-a8).",
     )
+    ap.add_argument(
+        "--record",
+        default="none",
+        help="The engine whose greedy answers are replayed (none: float32; gguf-k for a model whose weights stay in "
+        "its GGUF).",
+    )
     ap.add_argument("--methods", default="ngram,suffix,auto", help="Drafts, each with N = auto.")
     ap.add_argument("--ablate", default="", help=f"Comma-separated, each a variant of the first method: {ABLATIONS}.")
     ap.add_argument("--noise", type=float, default=0.0, help="Step-time disturbance (lognormal sigma).")
@@ -297,7 +311,7 @@ def main() -> None:
     ablations = [a for a in args.ablate.split(",") if a]
     if set(ablations) - set(ABLATIONS):
         raise SystemExit(f"--ablate: choose among {', '.join(ABLATIONS)}")
-    gen = open_generator(RunnerSpec(artifacts=args.artifacts))
+    gen = open_generator(RunnerSpec(artifacts=args.artifacts, quantize=args.record))
     prompts = load_prompt_rows(args)
     encoded = [gen.encode_prompt(p["prompt"]) for p in prompts]
     work = {m: float(v) for m, v in (kv.split("=") for kv in args.host_work.split(",") if kv)}
@@ -310,7 +324,7 @@ def main() -> None:
         print(f"host work per step beyond plain decoding, {m}: {share:.2%} of a decode step")
     t = time.perf_counter()
     answers = [gen.generate_ids([ids], args.max_new_tokens)[0].token_ids for ids in encoded]
-    print(f"{len(answers)} answers recorded on the float32 engine in {time.perf_counter() - t:.0f} s", flush=True)
+    print(f"{len(answers)} answers recorded on the {args.record} engine in {time.perf_counter() - t:.0f} s", flush=True)
     variants = [(m, m, ()) for m in methods] + [(f"{methods[0]} -{a}", methods[0], (a,)) for a in ablations]
     results = {}
     for engine in engines:
@@ -320,6 +334,8 @@ def main() -> None:
             gen.config.vocab_size,
             tuple(sorted(gen.eos_ids)),
             step_ms=curve,  # the cost model's priors: this engine's
+            # the recording engine's step floor (its free guess) on its own curve; the others as before
+            **({"floor": gen.session.caps.floor} if engine == args.record else {}),
         )
         target = Target(replay)
         rows = []

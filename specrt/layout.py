@@ -143,6 +143,7 @@ class TrainingDataLayout(_Layout):
 
     <root>/prompts.jsonl    the prompt set (seeded, reproducible)
     <root>/answers.jsonl    the target's answers
+    <root>/runs.jsonl       the runs that made them: command, commit, date, answers and tokens added, rate
     <root>/features/        the target's features over prompt + answer (training/features.py)
     """
 
@@ -153,6 +154,10 @@ class TrainingDataLayout(_Layout):
     @property
     def answers(self) -> Path:
         return self.root / "answers.jsonl"
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs.jsonl"
 
     @property
     def features(self) -> Path:

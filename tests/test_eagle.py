@@ -360,3 +360,10 @@ def test_training_data_refuses_other_settings_and_grows(ort_gen, tmp_path):
     grown = prepare_data(ort_gen, dataclasses.replace(spec, prompts=6))
     assert len(grown.train) + len(grown.held_out) == 6
     assert (tmp_path / "d" / "answers.jsonl").read_text().splitlines()[:4] == lines  # kept, not redone
+    # each run that added answers says what made them; a run that added none, nothing
+    prepare_data(ort_gen, dataclasses.replace(spec, prompts=6))
+    runs = [json.loads(line) for line in (tmp_path / "d" / "runs.jsonl").read_text().splitlines()]
+    assert [(r["answers_added"], r["answers"]) for r in runs] == [(4, 4), (2, 6)]
+    assert runs[1]["answer_tokens"] == sum(len(s.tokens) - s.prompt_len for s in grown.train + grown.held_out)
+    assert runs[0]["commit"] and runs[0]["command"] and runs[0]["engine"]["precision"] == "float32"
+    assert runs[0]["batch"] == spec.gen_batch and runs[0]["answer_tokens_per_second"] > 0

@@ -7,6 +7,7 @@ import pytest
 from specrt.runtime.backends import TorchBackend
 from specrt.runtime.drafts import make_proposer
 from specrt.runtime.drafts.base import match_evidence
+from specrt.runtime.estimators import StepCurve
 from specrt.runtime.generator import Generator
 from specrt.runtime.hindsight import Hindsight
 from specrt.runtime.policy import AutoPolicy, CostModel
@@ -163,3 +164,39 @@ def test_lookups_learn_from_drafts_that_were_never_verified(loopy_gen, method, s
     verified = m.drafted_at_depth[0] if m.drafted_at_depth else 0
     # a draft's first token rides the step floor's position as a guess when the plan verifies none
     assert states[0].cost.readings > verified and verified + m.guessed_tokens >= 1
+
+
+# the 1.5B's gguf-k engine as its build measured it: ms per step by positions
+STEP_MS_15B = {1: 35.6, 2: 38.4, 3: 37.6, 5: 43.7, 9: 69.6, 17: 119.3}
+
+
+def test_a_long_copy_is_priced_by_the_builds_step_costs_where_no_step_that_long_was_timed():
+    """Steps of 2-3 positions that cost what a plain one does fit a flat line (alpha 0); a
+    16-token copy then looked free. With the build's step costs (estimators.StepCurve) it is
+    priced as the 17-position step it is (3.4 plain steps) and verified only as far as pays;
+    the sizes that were timed keep the line's price.
+    (Seen on the 1.5B: story's 16-token copy verified after such a run, 0.96x plain.)"""
+    key = match_evidence("ngram", 3)
+    tree = DraftTree.chain(list(range(16)), evidence=key)
+    plans = {}
+    for step_ms in (None, STEP_MS_15B):
+        model, policy = CostModel(max_draft=16, step_ms=step_ms), AutoPolicy(max_draft=16)
+        for _ in range(6):
+            model.observe_step(1, 1, 0.0356)
+            model.observe_step(2, 1, 0.0356)
+            model.observe_step(3, 1, 0.0356)
+        _teach(model, key, 2, 16, 6)  # such copies gave two tokens: reach ~1.2 at 16
+        plans[step_ms is not None] = policy.plan(model, [0], [tree])[0]
+        if step_ms:
+            assert model.cost(1).verification(16) == pytest.approx(119.3 / 35.6 - 1)
+            assert model.cost(1).verification(2) == pytest.approx(0.0, abs=1e-9)  # timed: the line's
+    assert plans[False] == 16  # the flat line's price: every position free
+    assert 1 <= plans[True] <= 4
+
+
+def test_step_curve_reads_between_and_past_the_measured_sizes():
+    curve = StepCurve(STEP_MS_15B)
+    assert curve.at(1) == 35.6 and curve.at(4) == pytest.approx((37.6 + 43.7) / 2)
+    assert curve.at(25) == pytest.approx(119.3 + (119.3 - 69.6))  # the last segment, continued
+    assert curve.extra(3, 2) == 0.0  # a cheaper size is no saving below the plain step
+    assert not StepCurve(None) and not StepCurve({1: 10.0}) and StepCurve(None).extra(9, 1) == 0.0

@@ -2,6 +2,7 @@
 
     Acceptance   per-depth acceptance and fill rates, of the batch and of each row
     StepTimes    T_decode, alpha and beta at a batch size, from the target steps' times
+    StepCurve    the least a verification step costs, by the engine's step costs measured at build
     DraftTimes   T_draft(n), from the proposer calls' times
     Calibration  realized over predicted extra tokens per drafting step
 
@@ -11,6 +12,7 @@ changes; a time keeps a window of recent steps. policy.py's docstring has the mo
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -241,6 +243,10 @@ class StepTimes:
             return decode, (r - beta) / n, beta
         return decode, self.alpha_prior, self.beta_prior
 
+    def seen(self) -> float:
+        """The most positions per row of the verification steps in the window (0: none)."""
+        return max((p / b for p, _, b in self.spec), default=0.0)
+
     def _jump(self, line: tuple[float, float]) -> float:
         """beta where it was measured: the verification line at P = B over the plain step, at the
         batch sizes that have plain steps (median); the prior where none has."""
@@ -249,6 +255,41 @@ class StepTimes:
             plain[b].append(t)
         jumps = [max((line[0] + line[1] * b) / _robust(ts) - 1.0, 0.0) for b, ts in plain.items()]
         return statistics.median(jumps) if jumps else self.beta_prior
+
+
+class StepCurve:
+    """The engine's step cost by positions as its build measured it (Capabilities.step_ms: ms at
+    batch 1 by the positions a step computes), read as the least a verification step of P
+    positions costs over the plain step's P0: curve(P) / curve(P0) - 1, linear between the
+    measured sizes and past the last along its last segment (a batch's P: its rows times their
+    positions, as its products see them).
+
+    Why a floor under StepTimes' line: the line is fitted through the sizes the drafts happened
+    to have. On the 1.5B (gguf-k) a run of 2- and 3-position steps, which cost about what a plain
+    one does (38 ms against 36), fitted alpha 0, and the next 16-token copy was verified as if
+    free: 3.4 plain steps for it, none of its tokens accepted (story 0.96x plain). The measured
+    curve is not a prior: where the line prices a length dearer (a slower machine), the line wins."""
+
+    def __init__(self, step_ms: dict | None):
+        points = sorted((int(q), float(ms)) for q, ms in (step_ms or {}).items() if float(ms) > 0)
+        self.sizes = [q for q, _ in points]
+        self.ms = [ms for _, ms in points]
+
+    def __bool__(self) -> bool:
+        return len(self.sizes) >= 2
+
+    def at(self, positions: float) -> float:
+        """ms of a step of this many positions (plain Python: it runs per judged length, on a
+        handful of numbers)."""
+        q, ms = self.sizes, self.ms
+        i = min(max(bisect.bisect_right(q, positions), 1), len(q) - 1)
+        if positions <= q[0]:
+            return ms[0]
+        return ms[i - 1] + (ms[i] - ms[i - 1]) * (positions - q[i - 1]) / (q[i] - q[i - 1])
+
+    def extra(self, positions: float, plain: float) -> float:
+        """The least extra cost of a step of `positions` over the plain step's `plain`, relative to it."""
+        return max(self.at(positions) / self.at(plain) - 1.0, 0.0) if self else 0.0
 
 
 class DraftTimes:

@@ -80,7 +80,7 @@ import dataclasses
 import numpy as np
 
 from specrt.runtime import estimators
-from specrt.runtime.estimators import Acceptance, Calibration, DraftTimes, StepTimes
+from specrt.runtime.estimators import Acceptance, Calibration, DraftTimes, StepCurve, StepTimes
 from specrt.runtime.verification import DraftTree
 
 
@@ -92,6 +92,9 @@ class StepCost:
     draft0: float  # T_draft's fixed part, relative to T_decode
     draft1: float = 0.0  # T_draft per drafted token, relative to T_decode
     free: int = 0  # draft positions per row every step computes (CostModel's `free`): not paid for
+    curve: StepCurve | None = None  # the build's step costs: the least a step of a size costs
+    batch: int = 1  # the rows of the step (the curve reads the step's positions, all rows')
+    seen: float = 0.0  # the most positions per row a timed step had: the line holds to there
 
     @property
     def jump(self) -> float:
@@ -99,9 +102,25 @@ class StepCost:
         return 0.0 if self.free else self.beta
 
     def verification(self, n: float) -> float:
-        """The extra cost of verifying n draft positions per row, relative to T_decode."""
+        """The extra cost of verifying n draft positions per row, relative to T_decode: the
+        line's, or past the sizes it was fitted through the build's curve's where that is dearer
+        (estimators.StepCurve)."""
         paid = n - self.free
-        return self.jump + self.alpha * paid if paid > 0 else 0.0
+        return max(self.jump + self.alpha * paid, self.least(n)) if paid > 0 else 0.0
+
+    def least(self, n):
+        """What the build's step costs say n draft positions per row cost at least, past the sizes
+        the line was fitted through (0 within them, or without the costs). Within them the line
+        stands: a line through a convex curve runs over it in the middle, and max(line, curve)
+        there overpriced the middle lengths (SmolLM2's int8-a8, bench_policy.py: gmean -3 to -4 %)."""
+        if not self.curve:
+            return 0.0 * n
+        plain = self.batch * (1 + self.free)
+
+        def one(k):
+            return self.curve.extra(self.batch * (1 + k), plain) if 1 + k > self.seen else 0.0
+
+        return np.array([one(k) for k in np.ravel(n)]).reshape(np.shape(n)) if np.ndim(n) else one(n)
 
     def draft_ratio(self, n) -> np.ndarray:
         """T_draft(n) / T_decode."""
@@ -126,13 +145,17 @@ class CostModel:
         beta_prior: float = 0.1,
         draft_per_token: bool = False,
         free: int = 0,
+        step_ms: dict | None = None,
     ):
         """free: draft positions per row a step computes whatever the plan (the session's floor
         less the root: a guess rides there, SpeculativeDecoder.guess). Step costs are read past
         them: a step of the floor is the plain step, and the first `free` drafts cost nothing.
         Nor is beta (the jump from a one-position step to a multi-position one: matrix-vector to
-        matrix-matrix kernels) charged then: no step computes one position, the plain step paid it."""
+        matrix-matrix kernels) charged then: no step computes one position, the plain step paid it.
+        step_ms: the engine's step costs measured at build (Capabilities.step_ms): the least a
+        verification step's size costs, whatever the line through this run's steps says."""
         self.max_draft, self.decay, self.free = max_draft, decay, free
+        self.curve = StepCurve(step_ms)
         self.accept = Acceptance(max_draft, decay)
         self._evidence: dict[tuple, list] = {}  # lookups' drafts: [acceptance, step aged to] by evidence
         self._pooled: dict[tuple, tuple] = {}  # evidence -> (stamp, counts): _counts of this step
@@ -236,7 +259,7 @@ class CostModel:
         step is dense, so its positions are the longest row's; the lookups are paid already.
         `own(N)`: the time a draft of N tokens still costs, over a target step's (a model drafting
         inside auto), in the denominator beside the verification's."""
-        cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0, free=self.free)
+        cost = self.cost(batch) or self.prior_cost(batch)
         scale = 1.0 / len(reaches)  # not calibrated: hindsight reads every draft, chosen or not
         out = [1.0]
         for n in range(1, max(len(r) for r in reaches)):
@@ -280,9 +303,15 @@ class CostModel:
             if times is not None:
                 decode, alpha, beta = times
                 d0, d1 = self.drafts.line()
-                fit = StepCost(decode, alpha, beta, d0 / decode, d1 / decode, self.free)
+                drafts = d0 / decode, d1 / decode
+                fit = StepCost(decode, alpha, beta, *drafts, self.free, self.curve, batch, self.steps.seen())
             self._fits[batch] = fit, self.accept.steps
         return fit
+
+    def prior_cost(self, batch: int) -> StepCost:
+        """The costs before any step was timed: the priors (and the build's curve)."""
+        alpha, beta = self.steps.alpha_prior, self.steps.beta_prior
+        return StepCost(1.0, alpha, beta, 0.0, free=self.free, curve=self.curve, batch=batch)
 
     def observe_gain(self, rows: list[int], asked: list[int], accepted: list[int]) -> None:
         """One drafting step's extra tokens per row (beyond the one every step brings): what the
@@ -321,14 +350,15 @@ class CostModel:
     def speedups(self, batch: int, rows: list[int] | None = None, upper: bool = False) -> np.ndarray:
         """speedup(N) for N = 0 .. max_draft; with `rows`, E[tokens] from each row's own acceptance
         (`upper`: the most it can drift to while nothing is observed, `row_expected_tokens`)."""
-        cost = self.cost(batch) or StepCost(1.0, self.steps.alpha_prior, self.steps.beta_prior, 0.0, free=self.free)
+        cost = self.cost(batch) or self.prior_cost(batch)
         n = np.arange(self.max_draft + 1)
         positions = self.expected_positions(batch)
         k = min(self.free, self.max_draft)  # positions the floor computes whatever N: not paid for
         paid = np.maximum(positions - positions[k], 0.0)
         some = positions[k + 1] - positions[k] if k < self.max_draft else 0.0  # a row drafted past them
         drafts = np.where(n > k, some, 0.0)
-        relative = 1.0 + cost.jump * drafts + cost.alpha * paid + cost.draft_ratio(n)
+        verification = np.maximum(cost.jump * drafts + cost.alpha * paid, cost.least(positions))
+        relative = 1.0 + verification + cost.draft_ratio(n)
         expected = self.expected_tokens() if rows is None else self.row_expected_tokens(rows, upper)
         return (1.0 + self.calibration() * (expected - 1.0)) / relative
 

@@ -148,10 +148,11 @@ class SpeculativeDecoder:
     def new_cost_model(self) -> CostModel:
         # the generic priors: seeding them from the engine's step costs measured at build was below
         # the noise in two ablation runs (2026-12-02: +1.3 / -1.1 / -0.2 %; 2026-12-05: -0.3 / +0.6 /
-        # +0.7 % on float32 / gguf / int8-a8, and it lowered the geometric mean under load), so it went
-        return CostModel(
-            max(self.policy.max_draft, 1), draft_per_token=self.proposer.cost_per_token, free=self.gen.session.floor - 1
-        )
+        # +0.7 % on float32 / gguf / int8-a8, and it lowered the geometric mean under load), so it went;
+        # those costs are the least a step's size is priced at instead (estimators.StepCurve)
+        caps = self.gen.session.caps
+        most, per_token = max(self.policy.max_draft, 1), self.proposer.cost_per_token
+        return CostModel(most, draft_per_token=per_token, free=self.gen.session.floor - 1, step_ms=caps.step_ms)
 
     def new_state(self, batch: int, features: bool = False) -> SpecState:
         """The bookkeeping of a batch of `batch` slots; `features`: its steps return the target's

@@ -12,6 +12,9 @@ interrupted and run again: finished work is kept and only the rest is done.
   interruption is dropped on the next run.
 - features/ (when asked): the target's hidden states over each prompt and answer, stored as
   each answer finishes, before its line (training/features.py).
+- runs.jsonl (`record_run`): one line per run that added answers, what made them (the command,
+  the commit, the engine, the date) and how fast, so a corpus that later runs extend says how it
+  was made.
 """
 
 from __future__ import annotations
@@ -143,3 +146,35 @@ def generate_answers(
     bar.close()
     order = {p.id: i for i, p in enumerate(prompts)}
     return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
+
+
+def record_run(path: str | Path, gen: Generator, before: list[Answer], after: list[Answer], seconds: float, **settings):
+    """Append what a run added to `after` (beyond `before`) to the runs file `path`: the command
+    line, the source commit, the target's engine, the date, the answers and answer tokens added
+    and their rate, and `settings` (batch, answer length). Nothing when it added nothing."""
+    import datetime
+    import sys
+
+    from specrt.artifacts import source_commit
+
+    known = {a.id for a in before}
+    added = [a for a in after if a.id not in known]
+    if not added:
+        return
+    tokens = sum(len(a.answer_ids) for a in added)
+    caps = gen.session.caps
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": source_commit(),
+        "engine": {"precision": caps.precision, "checkpoint_hash": caps.checkpoint_hash},
+        "answers_added": len(added),
+        "answer_tokens_added": tokens,
+        "answers": len(after),
+        "answer_tokens": sum(len(a.answer_ids) for a in after),
+        "seconds": round(seconds, 1),
+        "answer_tokens_per_second": round(tokens / seconds, 2) if seconds > 0 else None,
+        **settings,
+    }
+    with open(path, "a") as fh:  # a line at a time: a run cut short loses only its own line
+        fh.write(json.dumps(record) + "\n")

@@ -5,7 +5,8 @@
 1. prompts    a seeded prompt set from text on this machine (training/prompts.py), the
               benchmark's prompts held out; written to <data>/prompts.jsonl
 2. answers    the target's greedy answers, batched (training/data.py), and on the way its
-              hidden states over prompt + answer, every layer any head reads (training/features.py)
+              hidden states over prompt + answer, every layer any head reads (training/features.py);
+              each run that adds answers appends its command, commit and rate to <data>/runs.jsonl
 3. features   of answers that were not recorded (made by an earlier version): one prefill each
 4. training   the family's trainer (training/families.py names it: training/eagle.py,
               medusa.py, draft_model.py), checkpointed, stopped at max_minutes
@@ -35,7 +36,7 @@ from specrt.export.draft_head import save_head
 from specrt.export.head_graph import export_head
 from specrt.layout import HeadLayout, TrainingDataLayout
 from specrt.runtime.generator import Generator
-from specrt.training.data import generate_answers
+from specrt.training.data import generate_answers, read_answers, record_run
 from specrt.training.draft_model import save_draft_checkpoint
 from specrt.training.eagle import TrainingData
 from specrt.training.families import TRAINED_FAMILIES, TrainedFamily, TrainOptions
@@ -138,6 +139,7 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
             FeatureStore(layout.features, feature_width(gen.session))  # checked before answers are made
         except StaleFeatures:  # an older version's format: features are derived, make them again
             shutil.rmtree(layout.features)
+    before, t0 = read_answers(layout.answers), time.perf_counter()
     answers = generate_answers(
         gen,
         prompts,
@@ -147,6 +149,8 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
         progress=spec.progress,
         features=layout.features,
     )
+    elapsed = time.perf_counter() - t0
+    record_run(layout.runs, gen, before, answers, elapsed, batch=spec.gen_batch, max_new_tokens=spec.max_new_tokens)
     features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
     return TrainingData.load(answers, features, caps.hidden_layers, gen.config.hidden_size)
 
