@@ -200,3 +200,18 @@ def test_step_curve_reads_between_and_past_the_measured_sizes():
     assert curve.at(25) == pytest.approx(119.3 + (119.3 - 69.6))  # the last segment, continued
     assert curve.extra(3, 2) == 0.0  # a cheaper size is no saving below the plain step
     assert not StepCurve(None) and not StepCurve({1: 10.0}) and StepCurve(None).extra(9, 1) == 0.0
+
+
+def test_under_the_step_floor_the_sizes_timed_are_read_past_its_free_position():
+    """With a floor of 2 (one free draft position), a timed step of 5 positions is stored as 4
+    past the free one (CostModel.observe_step); a 4-token draft (5 positions) is a size the line
+    was fitted through and keeps its price, a 5-token draft is past it and gets the curve's."""
+    curve = {1: 10.0, 2: 10.0, 5: 20.0, 6: 30.0, 9: 40.0, 17: 60.0}  # 5 positions: twice the plain step
+    model = CostModel(max_draft=16, free=1, step_ms=curve)
+    for _ in range(4):
+        model.observe_step(2, 1, 0.010)  # the plain step: the floor's two positions
+        model.observe_step(5, 1, 0.010)
+    cost = model.cost(1)
+    assert cost.alpha == pytest.approx(0.0, abs=1e-9) and cost.seen == 4
+    assert cost.verification(4) == pytest.approx(0.0, abs=1e-9)  # timed
+    assert cost.verification(5) == pytest.approx(30.0 / 10.0 - 1)  # not timed: the curve's

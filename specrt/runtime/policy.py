@@ -94,7 +94,7 @@ class StepCost:
     free: int = 0  # draft positions per row every step computes (CostModel's `free`): not paid for
     curve: StepCurve | None = None  # the build's step costs: the least a step of a size costs
     batch: int = 1  # the rows of the step (the curve reads the step's positions, all rows')
-    seen: float = 0.0  # the most positions per row a timed step had: the line holds to there
+    seen: float = 0.0  # the most positions per row a timed step had past `free` (StepTimes' sizes): the line's
 
     @property
     def jump(self) -> float:
@@ -117,8 +117,8 @@ class StepCost:
             return 0.0 * n
         plain = self.batch * (1 + self.free)
 
-        def one(k):
-            return self.curve.extra(self.batch * (1 + k), plain) if 1 + k > self.seen else 0.0
+        def one(k):  # StepTimes counts a step's positions past the free ones (CostModel.observe_step)
+            return self.curve.extra(self.batch * (1 + k), plain) if 1 + k - self.free > self.seen else 0.0
 
         return np.array([one(k) for k in np.ravel(n)]).reshape(np.shape(n)) if np.ndim(n) else one(n)
 
