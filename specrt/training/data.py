@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -81,17 +82,21 @@ def generate_answers(
     sampling: SamplingParams = SamplingParams(),
     progress: bool = True,
     features: str | Path | None = None,
+    runs: str | Path | None = None,
 ) -> list[Answer]:
     """The target's answers to `prompts` (chat template applied), generated `batch` at a time on
     the continuous batching engine; answers already in `path` are kept and not generated again.
     `features`: a feature directory (training/features.py) that gets each new answer's features
-    as the answering steps computed them (no second pass over the data)."""
+    as the answering steps computed them (no second pass over the data). `runs`: a runs file
+    that gets this run's line when it adds answers (`record_run`)."""
+    t0 = time.perf_counter()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done, clean = _read(path)
     if not clean:  # drop the line an interruption cut short
         atomic_write_text(path, "".join(json.dumps(dataclasses.asdict(a)) + "\n" for a in done))
     have = {a.id: a for a in done}
+    kept = len(done)
     for p in prompts[:64]:  # the kept answers must answer these prompts (ids are positions in the set)
         if p.id in have and have[p.id].prompt_ids != gen.encode_prompt(p.prompt, chat=True):
             raise SpecrtError(
@@ -144,28 +149,29 @@ def generate_answers(
     finally:
         engine.close()
     bar.close()
+    if runs is not None:
+        record_run(runs, gen, done[kept:], done, time.perf_counter() - t0, batch=batch, max_new_tokens=max_new_tokens)
     order = {p.id: i for i, p in enumerate(prompts)}
     return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
 
 
-def record_run(path: str | Path, gen: Generator, before: list[Answer], after: list[Answer], seconds: float, **settings):
-    """Append what a run added to `after` (beyond `before`) to the runs file `path`: the command
+def record_run(path: str | Path, gen: Generator, added: list[Answer], after: list[Answer], seconds: float, **settings):
+    """Append what a run `added` (of the answers `after` it) to the runs file `path`: the command
     line, the source commit, the target's engine, the date, the answers and answer tokens added
     and their rate, and `settings` (batch, answer length). Nothing when it added nothing."""
     import datetime
+    import shlex
     import sys
 
     from specrt.artifacts import source_commit
 
-    known = {a.id for a in before}
-    added = [a for a in after if a.id not in known]
     if not added:
         return
     tokens = sum(len(a.answer_ids) for a in added)
     caps = gen.session.caps
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": source_commit(),
         "engine": {"precision": caps.precision, "checkpoint_hash": caps.checkpoint_hash},
         "answers_added": len(added),

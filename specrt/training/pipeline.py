@@ -36,7 +36,7 @@ from specrt.export.draft_head import save_head
 from specrt.export.head_graph import export_head
 from specrt.layout import HeadLayout, TrainingDataLayout
 from specrt.runtime.generator import Generator
-from specrt.training.data import generate_answers, read_answers, record_run
+from specrt.training.data import generate_answers
 from specrt.training.draft_model import save_draft_checkpoint
 from specrt.training.eagle import TrainingData
 from specrt.training.families import TRAINED_FAMILIES, TrainedFamily, TrainOptions
@@ -139,7 +139,6 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
             FeatureStore(layout.features, feature_width(gen.session))  # checked before answers are made
         except StaleFeatures:  # an older version's format: features are derived, make them again
             shutil.rmtree(layout.features)
-    before, t0 = read_answers(layout.answers), time.perf_counter()
     answers = generate_answers(
         gen,
         prompts,
@@ -148,9 +147,8 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
         batch=spec.gen_batch,
         progress=spec.progress,
         features=layout.features,
+        runs=layout.runs,
     )
-    elapsed = time.perf_counter() - t0
-    record_run(layout.runs, gen, before, answers, elapsed, batch=spec.gen_batch, max_new_tokens=spec.max_new_tokens)
     features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
     return TrainingData.load(answers, features, caps.hidden_layers, gen.config.hidden_size)
 
