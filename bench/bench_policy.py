@@ -6,9 +6,10 @@
 
 This machine's speed drifts by up to 50 % over minutes, so end-to-end runs (specrt bench) cannot
 tell a policy change worth 3 % from noise. Here each prompt's greedy answer is made once for real
-on the float32 engine (--record: another), and then every variant generates on a target that replays those answers
-(bench/replay.py): the drafts, verdicts and step shapes are the ones the real engine gives, and
-every output is checked against the recorded answer. The clock is virtual: a target step of P
+on the float32 engine (--record: another), and then every variant generates on a target that
+replays those answers (bench/replay.py): the drafts, verdicts and step shapes are the ones the
+real engine gives, and every output is checked against the recorded answer. The clock is
+virtual: a target step of P
 positions over B rows takes what the engine's build measured for P / B positions (its
 manifest's step_ms, interpolated; `split`: one position on the gguf engine, more on float32),
 and each draft method's own host work per step (drafting, planning, reading its drafts in
@@ -278,7 +279,8 @@ def main() -> None:
     ap.add_argument(
         "--engines",
         default="f32,gguf,split",
-        help="Cost curves: f32, gguf, split, and the int8-activation engines built (gguf-a8, int8-a8, int4-a8).",
+        help="Cost curves: f32, gguf, split, and the int8-activation engines built (gguf-a8, int8-a8, int4-a8, "
+        "gguf-k).",
     )
     ap.add_argument(
         "--record",
