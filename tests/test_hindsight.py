@@ -2,6 +2,7 @@
 emitted, the cost model learns acceptance per evidence from those readings, and the plan
 verifies a draft only on evidence (never on a prior alone)."""
 
+import numpy as np
 import pytest
 
 from specrt.runtime.backends import TorchBackend
@@ -199,6 +200,9 @@ def test_step_curve_reads_between_and_past_the_measured_sizes():
     assert curve.at(1) == 35.6 and curve.at(4) == pytest.approx((37.6 + 43.7) / 2)
     assert curve.at(25) == pytest.approx(119.3 + (119.3 - 69.6))  # the last segment, continued
     assert curve.extra(3, 2) == 0.0  # a cheaper size is no saving below the plain step
+    many = [0.5, 1, 4, 17, 25]  # as an array (the N-plan's expected positions): the same numbers
+    assert curve.at(np.array(many)).tolist() == pytest.approx([curve.at(p) for p in many])
+    assert curve.extra(np.array(many), 2).tolist() == pytest.approx([curve.extra(p, 2) for p in many])
     assert not StepCurve(None) and not StepCurve({1: 10.0}) and StepCurve(None).extra(9, 1) == 0.0
 
 

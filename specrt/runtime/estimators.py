@@ -278,18 +278,26 @@ class StepCurve:
     def __bool__(self) -> bool:
         return len(self.sizes) >= 2
 
-    def at(self, positions: float) -> float:
-        """ms of a step of this many positions (plain Python: it runs per judged length, on a
-        handful of numbers)."""
+    def at(self, positions):
+        """ms of a step of this many positions: a number in plain Python (it runs per judged length,
+        on a handful of numbers), an array of them with numpy (the N-plan's expected positions)."""
         q, ms = self.sizes, self.ms
+        if np.ndim(positions):
+            p = np.asarray(positions, np.float64)
+            past = ms[-1] + (ms[-1] - ms[-2]) * (p - q[-1]) / (q[-1] - q[-2])
+            return np.where(p > q[-1], past, np.interp(p, q, ms))
         i = min(max(bisect.bisect_right(q, positions), 1), len(q) - 1)
         if positions <= q[0]:
             return ms[0]
         return ms[i - 1] + (ms[i] - ms[i - 1]) * (positions - q[i - 1]) / (q[i] - q[i - 1])
 
-    def extra(self, positions: float, plain: float) -> float:
-        """The least extra cost of a step of `positions` over the plain step's `plain`, relative to it."""
-        return max(self.at(positions) / self.at(plain) - 1.0, 0.0) if self else 0.0
+    def extra(self, positions, plain: float):
+        """The least extra cost of a step of `positions` (a number or an array) over the plain
+        step's `plain` positions, relative to it."""
+        if not self:
+            return 0.0 * positions
+        over = self.at(positions) / self.at(plain) - 1.0
+        return np.maximum(over, 0.0) if np.ndim(over) else max(over, 0.0)
 
 
 class DraftTimes:

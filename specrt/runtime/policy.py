@@ -95,6 +95,9 @@ class StepCost:
     curve: StepCurve | None = None  # the build's step costs: the least a step of a size costs
     batch: int = 1  # the rows of the step (the curve reads the step's positions, all rows')
     seen: float = 0.0  # the most positions per row a timed step had past `free` (StepTimes' sizes): the line's
+    # verification(n) as worked out, by n: a fit serves up to REFIT_STEPS steps of judgements, each
+    # pricing every length of a draft (with the curve ~3 us a length: 70 us a judgement, 18 without)
+    _prices: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def jump(self) -> float:
@@ -105,8 +108,11 @@ class StepCost:
         """The extra cost of verifying n draft positions per row, relative to T_decode: the
         line's, or past the sizes it was fitted through the build's curve's where that is dearer
         (estimators.StepCurve)."""
-        paid = n - self.free
-        return max(self.jump + self.alpha * paid, self.least(n)) if paid > 0 else 0.0
+        price = self._prices.get(n)
+        if price is None:
+            paid = n - self.free
+            price = self._prices[n] = max(self.jump + self.alpha * paid, self.least(n)) if paid > 0 else 0.0
+        return price
 
     def least(self, n):
         """What the build's step costs say n draft positions per row cost at least, past the sizes
@@ -115,12 +121,11 @@ class StepCost:
         there overpriced the middle lengths (SmolLM2's int8-a8, bench_policy.py: gmean -3 to -4 %)."""
         if not self.curve:
             return 0.0 * n
-        plain = self.batch * (1 + self.free)
-
-        def one(k):  # StepTimes counts a step's positions past the free ones (CostModel.observe_step)
-            return self.curve.extra(self.batch * (1 + k), plain) if 1 + k - self.free > self.seen else 0.0
-
-        return np.array([one(k) for k in np.ravel(n)]).reshape(np.shape(n)) if np.ndim(n) else one(n)
+        timed = 1 + n - self.free <= self.seen  # StepTimes counts positions past the free ones
+        if not np.ndim(n) and timed:
+            return 0.0
+        price = self.curve.extra(self.batch * (1 + n), self.batch * (1 + self.free))
+        return np.where(timed, 0.0, price) if np.ndim(n) else price
 
     def draft_ratio(self, n) -> np.ndarray:
         """T_draft(n) / T_decode."""
