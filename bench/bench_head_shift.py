@@ -11,8 +11,8 @@ For each prompt the target answers greedily (96 tokens); the head then reads the
 features over prompt + answer and predicts, teacher-forced, every answer token at each of 3
 unrolled draft steps (as training measures its held-out acceptance: step k uses the head's own
 hidden states for k > 1). Prompt sets: the benchmark (bench/prompts.jsonl, held out of training)
-and the same number of the training data's held-out prompts (training.eagle.held_out_ids: one of
-each class in turn).
+and the same number of the training data's held-out prompts (training.prompts.held_out_prompts:
+made from sources no training prompt shares).
 Prints per-step acceptance per set and per class and writes JSON to bench/results/.
 """
 
@@ -72,18 +72,18 @@ def main() -> None:
     from specrt.layout import ArtifactLayout, HeadLayout, TrainingDataLayout
     from specrt.runtime.generator import Generator
     from specrt.schema.head_io import feature_columns
-    from specrt.training.eagle import held_out_ids
+    from specrt.training.prompts import held_out_prompts, read_prompt_set
 
     gen = Generator.from_engine(ArtifactLayout(args.artifacts).ort_engine())
     head = load_head(HeadLayout(args.draft_dir).weights)
     cols = feature_columns(gen.session.caps.hidden_layers, head.hc.layers, gen.config.hidden_size)
     bench = [json.loads(line) for line in (ROOT / "bench/prompts.jsonl").read_text().splitlines()]
     bench = [(b["class"], b["prompt"]) for b in bench]
-    train = [json.loads(line) for line in TrainingDataLayout(args.data).prompts.read_text().splitlines()]
-    train = [(t["kind"], t["prompt"]) for t in train]
+    train = read_prompt_set(TrainingDataLayout(args.data).prompts)
+    held = set(held_out_prompts(train))
     sets = {
         "benchmark prompts (held out)": bench[: args.prompts],
-        "training-distribution prompts (held out)": [train[i] for i in held_out_ids(len(train))][: args.prompts],
+        "training-distribution prompts (held out)": [(t.kind, t.prompt) for t in train if t.id in held][: args.prompts],
     }
     result = {"head": str(args.draft_dir), "method": head.hc.method, "new_tokens": args.new_tokens, "sets": {}}
     for name, prompts in sets.items():

@@ -61,7 +61,8 @@ def main() -> None:
 
     models = {str(h): loaded(h) for h in (args.head, args.compare) if h is not None}
     width = models[str(args.head)][0].target.hidden_size  # the heads share the data's target
-    data = TrainingData.load(answers, FeatureCache(store, answers), layers, width)  # read once
+    feats = FeatureCache(store, answers)  # read once; split as the trainer splits (by source)
+    data = TrainingData.load(answers, feats, layers, width, args.data / "prompts.jsonl")
     cols = feature_columns(layers, (-1,), width)
     held = set(data.held_out_ids)
 

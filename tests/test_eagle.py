@@ -367,3 +367,31 @@ def test_training_data_refuses_other_settings_and_grows(ort_gen, tmp_path):
     assert runs[1]["answer_tokens"] == sum(len(s.tokens) - s.prompt_len for s in grown.train + grown.held_out)
     assert runs[0]["commit"] and runs[0]["command"] and runs[0]["engine"]["precision"] == "float32"
     assert runs[0]["batch"] == spec.gen_batch and runs[0]["answer_tokens_per_second"] > 0
+
+
+def test_make_data_makes_a_corpus_and_extends_it(tiny_checkpoint, tiny_artifacts, tmp_path):
+    """`specrt make-data` answers the prompt set without training (answers, features, a runs
+    line each run); more --prompts extend it, keeping what it has; a file in the way is one line."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+    from specrt.training.data import read_answers
+    from specrt.training.features import FeatureStore
+
+    d = tmp_path / "d"
+    base = ["make-data", "--model", tiny_checkpoint, "--artifacts", tiny_artifacts, "--data", d]
+    base += ["--max-new-tokens", 4, "--hold-out", tmp_path / "none.jsonl"]
+    r = CliRunner().invoke(main, [str(a) for a in base + ["--prompts", 3]])
+    assert r.exit_code == 0, r.output
+    assert "3 answers" in r.output and "runs.jsonl" in r.output
+    lines = (d / "answers.jsonl").read_text().splitlines()
+    r = CliRunner().invoke(main, [str(a) for a in base + ["--prompts", 5]])
+    assert r.exit_code == 0 and "5 answers" in r.output, r.output
+    assert (d / "answers.jsonl").read_text().splitlines()[:3] == lines
+    store = FeatureStore(d / "features")
+    assert all(store.has(a.id, a.tokens) for a in read_answers(d / "answers.jsonl"))
+    runs = [json.loads(line) for line in (d / "runs.jsonl").read_text().splitlines()]
+    assert [r["answers_added"] for r in runs] == [3, 2] and runs[1]["answers"] == 5
+    (tmp_path / "f").write_text("")
+    r = CliRunner().invoke(main, [str(a) for a in base[:5] + ["--data", tmp_path / "f"]])
+    assert r.exit_code != 0 and "is a file" in r.output and "Traceback" not in r.output

@@ -180,3 +180,65 @@ def test_a_refused_store_is_left_as_it_was(gen, prompts, tmp_path):
     meta.write_text(right)
     again = cache_features(gen.session, answers, d, progress=False)
     assert all(np.array_equal(again.sequence(i), full.sequence(i)) for i in range(3))
+
+
+def test_held_out_prompts_share_no_source_with_training_and_keep_their_side():
+    """The split is by source: no held-out prompt's source unit is a training prompt's (drawn
+    records are their own units), about 1 in 20 is held out of a large set, a prompt's side does
+    not change as the set grows, and a small set still holds some out (never all)."""
+    from specrt.training.prompts import held_out_prompts, source_unit
+
+    big = build_prompt_set(1200, seed=0)
+    held = set(held_out_prompts(big))
+    assert 0.02 * len(big) < len(held) < 0.1 * len(big)
+    assert {p.kind for p in big if p.id in held} == {"chat", "code_edit", "summarization", "json"}
+    trained = {source_unit(p) for p in big if p.id not in held}
+    assert not [p for p in big if p.id in held and source_unit(p) in trained]
+    # a shared source: held out whole (a split by prompt would put its rewordings on both sides)
+    shared = [u for u in {source_unit(p) for p in big} if sum(source_unit(p) == u for p in big) > 1]
+    assert any(source_unit(p) in shared for p in big if p.id in held)
+    assert set(held_out_prompts(big[:300])) == {i for i in held if i < 300}
+    for n in (2, 10, 40):
+        small = held_out_prompts(big[:n])
+        assert 1 <= len(small) <= min(4, n - 1)
+
+
+def test_training_data_split_by_the_prompt_sets_sources(gen, prompts, tmp_path):
+    """TrainingData.load with the prompt set splits the answers as held_out_prompts does."""
+    from specrt.training.eagle import TrainingData
+    from specrt.training.prompts import held_out_prompts, write_prompt_set
+
+    answers = generate_answers(gen, prompts, tmp_path / "a.jsonl", 4, batch=4, progress=False, features=tmp_path / "f")
+    feats = cache_features(gen.session, answers, tmp_path / "f", progress=False)
+    write_prompt_set(tmp_path / "p.jsonl", prompts)
+    hc = gen.session.caps.hidden_layers
+    data = TrainingData.load(answers, feats, hc, gen.config.hidden_size, tmp_path / "p.jsonl")
+    assert data.held_out_ids == sorted(held_out_prompts(prompts))
+    assert len(data.train) + len(data.held_out) == len(prompts)
+
+
+def test_an_interrupted_run_keeps_its_answers_and_records_them(gen, prompts, tmp_path, monkeypatch):
+    """Ctrl-C during answering: the finished answers are kept, the run's line says how many it
+    added, and the next run makes only the rest."""
+    from specrt.runtime.batching import BatchEngine
+
+    step, calls = BatchEngine.step, []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == 9:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(BatchEngine, "step", interrupted)
+    path, runs = tmp_path / "a.jsonl", tmp_path / "runs.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        generate_answers(gen, prompts, path, 6, batch=2, progress=False, runs=runs)
+    kept = read_answers(path)
+    assert 0 < len(kept) < len(prompts)
+    first = json.loads(runs.read_text())
+    assert first["answers_added"] == first["answers"] == len(kept)
+    monkeypatch.setattr(BatchEngine, "step", step)
+    assert len(generate_answers(gen, prompts, path, 6, batch=2, progress=False, runs=runs)) == len(prompts)
+    second = json.loads(runs.read_text().splitlines()[1])
+    assert second["answers_added"] == len(prompts) - len(kept) and second["answers"] == len(prompts)

@@ -3,7 +3,7 @@
     common.py   the group, errors, parameter types, the option groups several commands share
     build.py    convert, export, build-engines, calibrate, inspect
     run.py      generate, serve, bench
-    drafts.py   train-draft, build-draft, import-mtp
+    drafts.py   train-draft, make-data, build-draft, import-mtp
     models.py   assemble (a model file from its chunk packages)
 
 Heavy imports (torch, onnx, onnxruntime) happen inside the commands, so `specrt --help` is instant

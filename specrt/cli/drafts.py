@@ -1,4 +1,4 @@
-"""Commands for draft heads: train-draft, build-draft, import-mtp."""
+"""Commands for draft heads: train-draft, make-data, build-draft, import-mtp."""
 
 from __future__ import annotations
 
@@ -17,6 +17,37 @@ from specrt.cli.common import (
 from specrt.training.families import TRAINED_FAMILIES, TrainOptions
 
 
+def _data_options(f):
+    """The options that make a training corpus (train-draft and make-data alike)."""
+    for option in reversed(_DATA_OPTIONS):
+        f = option(f)
+    return f
+
+
+_DATA_OPTIONS = [
+    click.option(
+        "--artifacts",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="The target's build-engines directory: its ORT engine makes the training data (faster than PyTorch).",
+    ),
+    quantize_option(
+        "--artifacts: the ORT engine of this scheme makes the data, and the head is trained against its features "
+        "(it drafts for that engine; e.g. gguf-a8 for a model whose weights stay in its GGUF).",
+    ),
+    click.option("--prompts", default=2000, show_default=True, type=click.IntRange(min=2), help="Prompts to answer."),
+    click.option("--max-new-tokens", default=192, show_default=True, type=click.IntRange(min=1), help="Per answer."),
+    click.option("--gen-batch", default=16, show_default=True, type=click.IntRange(min=1), help="Answers per batch."),
+    click.option(
+        "--hold-out",
+        type=click.Path(path_type=Path),
+        default=Path("bench/prompts.jsonl"),
+        show_default=True,
+        help="Benchmark prompts never trained on (skipped when the file is absent).",
+    ),
+]
+
+
 @main.command("train-draft")
 @click.option(
     "--method",
@@ -27,31 +58,12 @@ from specrt.training.families import TRAINED_FAMILIES, TrainOptions
 @click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The head's directory (--draft-dir).")
 @click.option(
-    "--artifacts",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="The target's build-engines directory: its ORT engine makes the training data (faster than PyTorch).",
-)
-@quantize_option(
-    "--artifacts: the ORT engine of this scheme makes the data, and the head is trained against its features "
-    "(it drafts for that engine; e.g. gguf-a8 for a model whose weights stay in its GGUF).",
-)
-@click.option(
     "--data",
     type=click.Path(path_type=Path),
     default=None,
     help="Training data directory, shared by the heads of one target (default: OUT/data).",
 )
-@click.option("--prompts", default=2000, show_default=True, type=click.IntRange(min=2), help="Prompts to answer.")
-@click.option("--max-new-tokens", default=192, show_default=True, type=click.IntRange(min=1), help="Per answer.")
-@click.option("--gen-batch", default=16, show_default=True, type=click.IntRange(min=1), help="Answers per batch.")
-@click.option(
-    "--hold-out",
-    type=click.Path(path_type=Path),
-    default=Path("bench/prompts.jsonl"),
-    show_default=True,
-    help="Benchmark prompts never trained on (skipped when the file is absent).",
-)
+@_data_options
 @click.option("--epochs", default=2.0, show_default=True, type=FiniteFloat(0.0, lo_open=True))
 @click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0.0, lo_open=True))
 @click.option(
@@ -136,6 +148,42 @@ def train_draft(
         f"{method} head in {out}: {report['steps']} steps ({report['stopped']}), {report['train_sequences']} "
         f"sequences; held-out acceptance per draft step {h['acceptance']}, expected accepted length "
         f"{h['mean_accepted']:.2f} (chain, bonus included)"
+    )
+
+
+@main.command("make-data")
+@click.option("--model", "checkpoint", required=True, type=click.Path(path_type=Path), help="The target's checkpoint.")
+@click.option(
+    "--data",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="The training data directory (train-draft --data): made, or extended where it holds part of the answers.",
+)
+@_data_options
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="The prompt set's seed.")
+@_friendly_errors
+def make_data(checkpoint, data, artifacts, quantize, prompts, max_new_tokens, gen_batch, hold_out, seed):
+    """Make a draft-training corpus without training: the target's answers to the prompt set (token ids, with
+    their features and a line in runs.jsonl for each run), for train-draft --data to train heads on later.
+    Interrupted (Ctrl-C)? Run it again: the answers made are kept, and more --prompts extend it."""
+    from specrt.training.pipeline import DataSpec, make_data
+    from specrt.training.prompts import benchmark_prompts
+
+    spec = DataSpec(
+        checkpoint=checkpoint,
+        data=data,
+        artifacts=artifacts,
+        quantize=quantize,
+        prompts=prompts,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        gen_batch=gen_batch,
+        hold_out=benchmark_prompts(hold_out) if hold_out.is_file() else (),
+    )
+    made = make_data(spec)
+    click.echo(
+        f"{made['data']}: {made['answers']} answers, {made['answer_tokens']} answer tokens "
+        f"({made['prompt_tokens']} prompt tokens); how each run made them: {made['data']}/runs.jsonl"
     )
 
 

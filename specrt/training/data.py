@@ -148,9 +148,10 @@ def generate_answers(
             os.fsync(fh.fileno())
     finally:
         engine.close()
-    bar.close()
-    if runs is not None:
-        record_run(runs, gen, done[kept:], done, time.perf_counter() - t0, batch=batch, max_new_tokens=max_new_tokens)
+        bar.close()
+        if runs is not None:  # an interrupted run (Ctrl-C) records what it added too
+            seconds = time.perf_counter() - t0
+            record_run(runs, gen, done[kept:], done, seconds, batch=batch, max_new_tokens=max_new_tokens)
     order = {p.id: i for i, p in enumerate(prompts)}
     return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
 

@@ -16,9 +16,10 @@ regression of the next target feature (smooth L1) beside 0.1 x cross-entropy, as
 An MTP module trains like EAGLE-3 (cross-entropy, 2 unrolled steps by default: DeepSeek-V3
 trains one module per depth, here one module is chained, so it learns to read its own output).
 
-Held-out sequences (held_out_ids: one of each class in turn) give the progress bar's
-acceptance: per unrolled step, the share of positions whose draft top-1 equals the target's
-token, and the expected accepted length of a greedy chain from them (1 + a1 + a1 a2 + ...; bonus token included).
+Held-out sequences (their prompts made from sources no training prompt shares:
+prompts.held_out_prompts) give the progress bar's acceptance: per unrolled step, the share of
+positions whose draft top-1 equals the target's token, and the expected accepted length of a
+greedy chain from them (1 + a1 + a1 a2 + ...; bonus token included).
 
 Deterministic: the seed fixes the initialisation, the batch order and the lr schedule.
 Resumable: a checkpoint (head, optimizer, step, schedule) is written atomically every
@@ -46,6 +47,7 @@ from specrt.training.data import Answer
 from specrt.training.families import COMMON, TrainOptions
 from specrt.training.features import FeatureCache
 from specrt.training.loop import CHECKPOINT, Trainer, run_training
+from specrt.training.prompts import held_out_prompts, read_prompt_set
 
 STEP_WEIGHT = 0.8  # the loss weight of unrolled step k is STEP_WEIGHT ** (k - 1)
 
@@ -87,27 +89,37 @@ class Sequence:
 
 
 def held_out_ids(n: int) -> list[int]:
-    """The sequences kept out of training: 4 consecutive ones of every 80 (5 %). The prompt set
-    comes in class order (chat, code edit, summarization, JSON, chat, ...), so every run of 4
-    holds out one prompt of each class: the held-out figure weighs the classes alike. (Every
-    20th sequence, as before, held out JSON prompts only.) Fewer than 80: the last 4."""
+    """The sequences kept out of training when their prompts are not known (a list of token
+    sequences): 4 consecutive ones of every 80 (5 %). A prompt set comes in class order (chat,
+    code edit, summarization, JSON, chat, ...), so every run of 4 holds out one prompt of each
+    class. Fewer than 80: the last 4. Data made from a prompt set is split by source instead
+    (prompts.held_out_prompts)."""
     return [i for i in range(n) if i % 80 >= 76] or list(range(max(1, n - 4), n))
 
 
 class TrainingData:
-    """Sequences with their features, split into training and held-out parts (held_out_ids)."""
+    """Sequences with their features, split into training and held-out parts: `held` (positions
+    in `sequences`), by default held_out_ids."""
 
-    def __init__(self, sequences: list[Sequence], target_layers, hidden_size: int, data_hash: str):
+    def __init__(
+        self, sequences: list[Sequence], target_layers, hidden_size: int, data_hash: str, held: list[int] | None = None
+    ):
         if len(sequences) < 2:
             raise SpecrtError(f"{len(sequences)} training sequences; generate at least 2 answers")
         self.target_layers, self.hidden_size, self.data_hash = tuple(target_layers), hidden_size, data_hash
-        held = set(held_out_ids(len(sequences)))
+        held = set(held_out_ids(len(sequences)) if held is None else held)
+        if not held or len(held) >= len(sequences):
+            raise SpecrtError(f"a split of {len(sequences)} sequences holds out {len(held)}; give more prompts")
         self.held_out_ids = sorted(held)
         self.train = [s for i, s in enumerate(sequences) if i not in held]
         self.held_out = [s for i, s in enumerate(sequences) if i in held]
 
     @classmethod
-    def load(cls, answers: list[Answer], features: FeatureCache, target_layers, hidden_size: int) -> "TrainingData":
+    def load(
+        cls, answers: list[Answer], features: FeatureCache, target_layers, hidden_size: int, prompts=None
+    ) -> "TrainingData":
+        """`prompts`: the prompt set's file (TrainingDataLayout.prompts), whose sources split the
+        answers (prompts.held_out_prompts); without it, held_out_ids."""
         if len(features) < len(answers):
             raise SpecrtError(f"features cached for {len(features)} of {len(answers)} sequences; cache them all first")
         seqs = [
@@ -115,7 +127,14 @@ class TrainingData:
             for i, a in enumerate(answers)
         ]
         h = hashlib.sha256(json.dumps([[a.id, a.tokens] for a in answers]).encode()).hexdigest()
-        return cls(seqs, target_layers, hidden_size, f"sha256:{h}")
+        held = None
+        if prompts is not None:
+            by_id = {p.id: p for p in read_prompt_set(prompts)}
+            answered = [by_id[a.id] for a in answers if a.id in by_id]
+            if len(answered) == len(answers):
+                ids = set(held_out_prompts(answered))
+                held = [i for i, a in enumerate(answers) if a.id in ids]
+        return cls(seqs, target_layers, hidden_size, f"sha256:{h}", held)
 
     def answer_token_counts(self, vocab_size: int) -> np.ndarray:
         counts = np.zeros(vocab_size, dtype=np.int64)

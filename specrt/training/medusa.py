@@ -9,7 +9,7 @@ shuffled across sequences into fixed-size batches. Loss: sum over heads of 0.8^(
 cross-entropy (later heads are less often reached, as in Medusa's paper); labels outside the
 draft vocabulary are not scored.
 
-The held-out sequences (eagle.held_out_ids) give, per head, how often the right token is the
+The held-out sequences (TrainingData.held_out: prompts.held_out_prompts) give, per head, how often the right token is the
 rank-r candidate (`rank_accuracy`): the progress bar shows head 1's top-1, and the final
 figures derive the tree of choices the proposer uses (schema/medusa_tree.py derive_tree).
 

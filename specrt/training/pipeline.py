@@ -47,6 +47,23 @@ DATA_MANIFEST = "data.json"
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """What makes a training corpus (`specrt make-data`, the first steps of train-draft)."""
+
+    checkpoint: Path
+    data: Path  # the data directory (TrainingDataLayout)
+    artifacts: Path | None = None
+    quantize: str = "none"
+    prompts: int = 2000
+    seed: int = 0
+    max_new_tokens: int = 192
+    gen_batch: int = 16
+    hold_out: tuple[str, ...] = ()
+    progress: bool = True
+    option: str = "--data"  # the option that named the directory, for its errors
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainDraftSpec:
     method: str
     checkpoint: Path
@@ -63,8 +80,13 @@ class TrainDraftSpec:
     tensorrt: str = "auto"  # also build a TensorRT(-RTX) engine of the head when installed ("off": don't)
     progress: bool = True
 
+    def data_spec(self) -> DataSpec:
+        data, option = (self.data, "--data") if self.data else (Path(self.out) / "data", "--out")
+        fields = {f.name for f in dataclasses.fields(DataSpec)} - {"data", "option"}
+        return DataSpec(data=Path(data), option=option, **{f: getattr(self, f) for f in fields})
 
-def target_generator(spec: TrainDraftSpec) -> Generator:
+
+def target_generator(spec: TrainDraftSpec | DataSpec) -> Generator:
     if spec.artifacts is not None:
         from specrt.layout import ArtifactLayout
 
@@ -102,9 +124,11 @@ def _require_directory(path: Path, option: str) -> None:
             return
 
 
-def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
-    layout = TrainingDataLayout(spec.data or Path(spec.out) / "data")
-    _require_directory(layout.root, "--data" if spec.data else "--out")
+def prepare_answers(gen: Generator, spec: DataSpec) -> tuple[TrainingDataLayout, list]:
+    """Steps 1-2: the prompt set and the target's answers to it (with their features), extended
+    where a directory already holds part of them; returns the layout and the answers in prompt order."""
+    layout = TrainingDataLayout(spec.data)
+    _require_directory(layout.root, spec.option)
     layout.root.mkdir(parents=True, exist_ok=True)
     prompts = build_prompt_set(spec.prompts, spec.seed, exclude=spec.hold_out)
     caps = gen.session.caps
@@ -149,8 +173,31 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec) -> TrainingData:
         features=layout.features,
         runs=layout.runs,
     )
+    return layout, answers
+
+
+def prepare_data(gen: Generator, spec: TrainDraftSpec | DataSpec) -> TrainingData:
+    """Steps 1-3: the answers and every answer's features, split for training (TrainingData)."""
+    spec = spec if isinstance(spec, DataSpec) else spec.data_spec()
+    layout, answers = prepare_answers(gen, spec)
     features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
-    return TrainingData.load(answers, features, caps.hidden_layers, gen.config.hidden_size)
+    caps = gen.session.caps
+    return TrainingData.load(answers, features, caps.hidden_layers, gen.config.hidden_size, layout.prompts)
+
+
+def make_data(spec: DataSpec) -> dict:
+    """`specrt make-data`: steps 1-3 alone (a corpus made, or extended, before any head trains on
+    it); returns its size. The features stay on disk, memory-mapped by whoever trains."""
+    _require_directory(Path(spec.data), spec.option)  # before the target loads
+    gen = target_generator(spec)
+    layout, answers = prepare_answers(gen, spec)
+    cache_features(gen.session, answers, layout.features, progress=spec.progress)
+    return {
+        "data": str(layout.root),
+        "answers": len(answers),
+        "answer_tokens": sum(len(a.answer_ids) for a in answers),
+        "prompt_tokens": sum(len(a.prompt_ids) for a in answers),
+    }
 
 
 def train_draft(spec: TrainDraftSpec) -> dict:

@@ -417,6 +417,39 @@ def build_prompt_set(n: int, seed: int = 0, exclude: tuple[str, ...] = ()) -> li
     return out
 
 
+HELD_OUT_ONE_IN = 20  # 5 % of the sources
+HELD_OUT_LEAST = 4
+
+
+def source_unit(p: Prompt) -> str:
+    """What a held-out split keeps together: the text a prompt was made from (a documented
+    object, a function, a topic, a sequence), which other prompts of any class may share. Drawn
+    records are the exception: their rows are drawn afresh for each prompt, so two share only
+    the template, and each prompt is its own unit."""
+    return f"{p.source}#{p.id}" if p.source.startswith("records:") else p.source
+
+
+def held_out_prompts(prompts: list[Prompt]) -> list[int]:
+    """The ids of the prompts kept out of training: every prompt whose source unit hashes into
+    one bucket of HELD_OUT_ONE_IN, so the held-out figure is measured on texts the head never
+    saw in any form (a split by prompt held out one rewording of a docstring and trained on the
+    other three). A prompt's side never changes as the set grows: a corpus extended later keeps
+    its split. A small set (under about 80 prompts) whose bucket holds fewer than HELD_OUT_LEAST
+    prompts adds the units of the smallest hashes until it does; never every prompt."""
+
+    def bucket(unit: str) -> int:
+        return int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], "big")
+
+    units = {p.id: source_unit(p) for p in prompts}
+    chosen = {u for u in units.values() if bucket(u) % HELD_OUT_ONE_IN == 0}
+    for u in sorted(set(units.values()), key=bucket):
+        if sum(units[p.id] in chosen for p in prompts) >= min(HELD_OUT_LEAST, len(prompts) // 2):
+            break
+        chosen.add(u)
+    held = [p.id for p in prompts if units[p.id] in chosen]
+    return held if len(held) < len(prompts) else held[:-1]
+
+
 def prompt_set_hash(prompts: list[Prompt]) -> str:
     h = hashlib.sha256()
     for p in prompts:
