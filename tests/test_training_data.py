@@ -242,3 +242,15 @@ def test_an_interrupted_run_keeps_its_answers_and_records_them(gen, prompts, tmp
     assert len(generate_answers(gen, prompts, path, 6, batch=2, progress=False, runs=runs)) == len(prompts)
     second = json.loads(runs.read_text().splitlines()[1])
     assert second["answers_added"] == len(prompts) - len(kept) and second["answers"] == len(prompts)
+
+
+def test_a_spent_class_gives_way_to_the_others():
+    """Past summarization's last distinct prompt (about the 5,785th) the set goes on with the
+    other classes, every prompt distinct, and prompt i is the same for any set size."""
+    from collections import Counter
+
+    many = build_prompt_set(6200, seed=0)
+    assert len({p.prompt for p in many}) == 6200
+    kinds = Counter(p.kind for p in many[5800:])
+    assert kinds["summarization"] == 0 and min(kinds[k] for k in ("chat", "code_edit", "json")) > 120
+    assert build_prompt_set(300, seed=0) == many[:300]

@@ -9,9 +9,9 @@ shuffled across sequences into fixed-size batches. Loss: sum over heads of 0.8^(
 cross-entropy (later heads are less often reached, as in Medusa's paper); labels outside the
 draft vocabulary are not scored.
 
-The held-out sequences (TrainingData.held_out: prompts.held_out_prompts) give, per head, how often the right token is the
-rank-r candidate (`rank_accuracy`): the progress bar shows head 1's top-1, and the final
-figures derive the tree of choices the proposer uses (schema/medusa_tree.py derive_tree).
+The held-out sequences (TrainingData.held_out: prompts.held_out_prompts) give, per head, how
+often the right token is the rank-r candidate (`rank_accuracy`): the progress bar shows head 1's
+top-1, and the final figures derive the tree of choices the proposer uses (schema/medusa_tree.py derive_tree).
 
 Deterministic (seeded init and order), resumable (checkpoint every `checkpoint_every` steps and
 when `max_minutes` runs out; running again continues from it).
