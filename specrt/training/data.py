@@ -90,6 +90,9 @@ def generate_answers(
     as the answering steps computed them (no second pass over the data). `runs`: a runs file
     that gets this run's line when it adds answers (`record_run`)."""
     t0 = time.perf_counter()
+    from specrt.artifacts import source_commit
+
+    commit = source_commit() if runs is not None else None  # the code that makes them, before it can change
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done, clean = _read(path)
@@ -151,20 +154,21 @@ def generate_answers(
         bar.close()
         if runs is not None:  # an interrupted run (Ctrl-C) records what it added too
             seconds = time.perf_counter() - t0
-            record_run(runs, gen, done[kept:], done, seconds, batch=batch, max_new_tokens=max_new_tokens)
+            record_run(runs, gen, done[kept:], done, seconds, commit, batch=batch, max_new_tokens=max_new_tokens)
     order = {p.id: i for i, p in enumerate(prompts)}
     return sorted((a for a in done if a.id in order), key=lambda a: order[a.id])
 
 
-def record_run(path: str | Path, gen: Generator, added: list[Answer], after: list[Answer], seconds: float, **settings):
+def record_run(
+    path: str | Path, gen: Generator, added: list[Answer], after: list[Answer], seconds: float, commit: str, **settings
+):
     """Append what a run `added` (of the answers `after` it) to the runs file `path`: the command
-    line, the source commit, the target's engine, the date, the answers and answer tokens added
-    and their rate, and `settings` (batch, answer length). Nothing when it added nothing."""
+    line, the source `commit` (source_commit() as the run began), the target's engine, the date,
+    the answers and answer tokens added and their rate, and `settings` (batch, answer length).
+    Nothing when it added nothing."""
     import datetime
     import shlex
     import sys
-
-    from specrt.artifacts import source_commit
 
     if not added:
         return
@@ -173,7 +177,7 @@ def record_run(path: str | Path, gen: Generator, added: list[Answer], after: lis
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "commit": source_commit(),
+        "commit": commit,
         "engine": {"precision": caps.precision, "checkpoint_hash": caps.checkpoint_hash},
         "answers_added": len(added),
         "answer_tokens_added": tokens,
