@@ -79,6 +79,18 @@ DRAFT     ?= auto
 endif
 CONVERT   ?=
 DRAFT     ?= none
+# the 0.5B sibling as the 1.5B's draft model: `make generate MODEL=qwen2.5-coder-1.5b DRAFT_MODEL=qwen2.5-coder-0.5b`
+# fetches and builds it first; DRAFT=auto makes it a member of auto, DRAFT=draft-model drafts with it alone. Not
+# the default: on 2 cores it pays on code, not on open text, and inside auto it costs more than it gives
+# (docs/drafts.md, "The 0.5B sibling as draft model")
+DRAFT_MODEL ?=
+ifneq ($(DRAFT_MODEL),)
+ifneq ($(MODEL)+$(DRAFT_MODEL),qwen2.5-coder-1.5b+qwen2.5-coder-0.5b)
+$(error DRAFT_MODEL=$(DRAFT_MODEL) with MODEL=$(MODEL): the draft model this Makefile builds is qwen2.5-coder-0.5b, for MODEL=qwen2.5-coder-1.5b)
+endif
+DRAFT_DEP := draft-model
+DRAFT_OPT := --draft-dir artifacts/$(DRAFT_MODEL)/engines/ort-cpu-gguf-k
+endif
 MODEL_DIR ?= models/$(MODEL_NAME)
 ARTIFACTS ?= artifacts/$(MODEL_NAME)
 
@@ -93,7 +105,7 @@ DRAFT_TOKENS  ?= 192
 
 KERNELS_REQUIRED ?= 1
 
-.PHONY: kernels setup model build-engines drafts generate serve test test-fast bench bench-quant gpu-check clean
+.PHONY: kernels setup model build-engines draft-model drafts generate serve test test-fast bench bench-quant gpu-check clean
 
 setup: $(VENV)/.installed kernels
 
@@ -150,13 +162,18 @@ drafts: build-engines
 # plain decoding on the model's ENGINE (int8-a8, 8-bit weights and int8 activations: top-1 96.5 % with
 # float32 on SmolLM2, 98.2 % on Gemma 3, 2-3x its speed); ENGINE=gguf (SmolLM2) or ENGINE=none
 # (Gemma 3: float32, faster there than its blocks at float activations) for the float model itself
-generate: build-engines
-	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize $(ENGINE) $(CHAT) --draft $(DRAFT) --prompt "$(PROMPT)"
+generate: build-engines $(DRAFT_DEP)
+	$(SPECRT) generate --artifacts $(ARTIFACTS) --quantize $(ENGINE) $(CHAT) --draft $(DRAFT) $(DRAFT_OPT) \
+		--prompt "$(PROMPT)"
 
 # an OpenAI-compatible server on http://127.0.0.1:8000 on the same engine with its default draft,
 # auto (none where it does not pay): every answer bitwise the engine's plain answer
-serve: build-engines
-	$(SPECRT) serve --artifacts $(ARTIFACTS) --quantize $(ENGINE)
+serve: build-engines $(DRAFT_DEP)
+	$(SPECRT) serve --artifacts $(ARTIFACTS) --quantize $(ENGINE) $(if $(DRAFT_MODEL),--draft $(DRAFT) $(DRAFT_OPT))
+
+# the draft model's own engine (DRAFT_MODEL above), made as `make build-engines MODEL=$(DRAFT_MODEL)` makes it
+draft-model:
+	$(MAKE) build-engines MODEL=$(DRAFT_MODEL) DRAFT_MODEL=
 
 # the whole suite; real-model tests must run (not skip), so the model is fetched first
 test: setup model

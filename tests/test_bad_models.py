@@ -204,3 +204,22 @@ def test_an_unknown_model_name_is_refused_by_the_makefile():
     r = subprocess.run(["make", "-n", "MODEL=llama-70b", "model"], cwd=root, capture_output=True, text=True)
     assert r.returncode != 0 and "MODEL=llama-70b is not a model this Makefile fetches" in r.stderr
     assert "smollm2, gemma3-270m, qwen2.5-coder-1.5b or qwen2.5-coder-0.5b" in r.stderr
+
+
+def test_the_makefile_builds_the_draft_model_it_is_asked_for_and_only_that_one():
+    """DRAFT_MODEL=qwen2.5-coder-0.5b with the 1.5B: its engine is made first (a sub-make) and
+    generate and serve get --draft-dir; any other pairing is refused with the one that works."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = dict(cwd=root, capture_output=True, text=True)
+    ok = ["make", "-n", "MODEL=qwen2.5-coder-1.5b", "DRAFT_MODEL=qwen2.5-coder-0.5b"]
+    r = subprocess.run([*ok, "generate"], **run)
+    assert r.returncode == 0, r.stderr
+    assert "build-engines MODEL=qwen2.5-coder-0.5b" in r.stdout
+    assert "--draft auto --draft-dir artifacts/qwen2.5-coder-0.5b/engines/ort-cpu-gguf-k" in r.stdout
+    r = subprocess.run([*ok, "DRAFT=draft-model", "serve"], **run)
+    assert "serve --artifacts artifacts/qwen2.5-coder-1.5b --quantize gguf-k --draft draft-model --draft-dir" in r.stdout
+    r = subprocess.run(["make", "-n", "DRAFT_MODEL=qwen2.5-coder-0.5b", "generate"], **run)
+    assert r.returncode != 0 and "for MODEL=qwen2.5-coder-1.5b" in r.stderr

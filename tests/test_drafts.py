@@ -396,9 +396,9 @@ def test_auto_head_drafts_where_no_copy_serves_when_judged_worth_its_time():
 
 
 def test_auto_probes_a_head_that_does_not_pay_less_and_less_often():
-    """Where no copy serves and the head is judged not to pay, it probes after PROBE_EVERY such
-    steps, then after twice the last wait (to PROBE_MOST); once it pays, the wait starts again
-    at PROBE_EVERY. A draft model's prefill of a long gap (`gap_seconds`) stays out of its time
+    """Where no copy serves and the head is judged not to pay, it probes every PROBE_EVERY such
+    steps FIRST_PROBES times (what it needs to be judged), then after twice the last wait (to
+    PROBE_MOST); once it pays, the wait starts again at PROBE_EVERY. A draft model's prefill of a long gap (`gap_seconds`) stays out of its time
     per drafted token."""
     from specrt.runtime.drafts import auto as auto_module
 
@@ -412,7 +412,7 @@ def test_auto_probes_a_head_that_does_not_pay_less_and_less_often():
     inp = DraftInput([0], [[0]], 4, [9], SamplingParams(), [np.random.default_rng(0)], [np.zeros((1, 4))], judge)
     probes = [step for step in range(1, 200) if auto.propose(inp)[0].tokens.tolist()[:1] == [5]]
     E, M = auto_module.PROBE_EVERY, auto_module.PROBE_MOST
-    waits = [E, 2 * E, 4 * E]
+    waits = [E] * auto_module.FIRST_PROBES + [2 * E, 4 * E]
     waits += [min(2 * waits[-1], M)] * 10
     expected = list(itertools.accumulate(waits))
     assert probes == [s for s in expected if s < 200]

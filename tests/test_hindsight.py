@@ -219,3 +219,25 @@ def test_under_the_step_floor_the_sizes_timed_are_read_past_its_free_position():
     assert cost.alpha == pytest.approx(0.0, abs=1e-9) and cost.seen == 4
     assert cost.verification(4) == pytest.approx(0.0, abs=1e-9)  # timed
     assert cost.verification(5) == pytest.approx(30.0 / 10.0 - 1)  # not timed: the curve's
+
+
+def test_a_member_drafting_on_demand_keeps_what_its_probes_taught():
+    """A head or draft model inside auto drafts only when served (ON_DEMAND evidence): its counts
+    age by its own drafts, not by target steps, so three probes 16 steps apart back it until the
+    next (a lookup's evidence read as rarely has faded below BACKED by then), and its prior is even odds, not a 0-token match's
+    0, so three drafts accepted 3 deep read as a rate near 0.8."""
+    from specrt.runtime.policy import evidence_prior
+    from specrt.runtime.verification import ON_DEMAND
+
+    m = CostModel(max_draft=8)
+    member, lookup = ("draft-model", ON_DEMAND), match_evidence("ngram", 2)
+    assert evidence_prior(member) == 0.5
+    for _ in range(3):
+        for _ in range(16):  # target steps between probes
+            m.observe_step(1, 1, 0.010)
+        _teach(m, member, 3, 3, 1)
+        _teach(m, lookup, 3, 3, 1)
+    for _ in range(16):  # until the next probe would come
+        m.observe_step(1, 1, 0.010)
+    assert m.backed(member) and not m.backed(lookup)
+    assert 0.75 < m.rates_of(member)[0] < 0.9

@@ -81,7 +81,7 @@ import numpy as np
 
 from specrt.runtime import estimators
 from specrt.runtime.estimators import Acceptance, Calibration, DraftTimes, StepCurve, StepTimes
-from specrt.runtime.verification import DraftTree
+from specrt.runtime.verification import ON_DEMAND, DraftTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +199,8 @@ class CostModel:
         if entry is None:
             entry = self._evidence[key] = [Acceptance(self.max_draft, self.decay, evidence_prior(key)), 0]
         acc, at = entry
-        acc.age(self.accept.steps - at)
+        if not on_demand(key):
+            acc.age(self.accept.steps - at)
         entry[1] = self.accept.steps
         return acc
 
@@ -241,7 +242,10 @@ class CostModel:
 
     def observe_reading(self, r) -> None:
         """What hindsight read of a draft (runtime/hindsight.Reading), into its evidence's counts:
-        a draft that ended short of its size missed the depth after its last hit."""
+        a draft that ended short of its size missed the depth after its last hit. A member that
+        drafts only when served (`on_demand`) ages by its own drafts, at the first reading of each."""
+        if r.depth == 0 and on_demand(r.evidence):
+            self.evidence(r.evidence).age()
         self.evidence(r.evidence).observe_path(r.depth, r.hits, r.ended and r.depth + r.hits < r.size)
         self.readings += 1
 
@@ -373,10 +377,26 @@ REFIT_STEPS = 8  # target steps a fit of the step costs is kept
 PRIOR_MATCH = 2.0  # m / (m + 2): a 1-token match's prior 0.33, 8 tokens 0.8, 32 tokens 0.94
 
 
+PRIOR_ON_DEMAND = 0.5  # nothing known of a member's drafts: even odds
+
+
+def on_demand(key: tuple) -> bool:
+    """Whether drafts of this evidence are made only when served (auto's head or draft model,
+    verification.ON_DEMAND), not on every step as a lookup's. Such evidence ages by its own
+    drafts, not by target steps: between its drafts nothing is learnt of it, and a member probed
+    every 8-64 steps faded below BACKED between probes (at 0.98 a step), so it was never backed,
+    never judged, and only ever probed: the 0.5B draft model inside auto on the 1.5B, 3 probes in
+    an answer of 128 tokens, its evidence at most 1.7 drafts."""
+    return len(key) > 1 and key[1] == ON_DEMAND
+
+
 def evidence_prior(key: tuple) -> float:
     """Depth 1's acceptance before any draft of this evidence was read: a lookup that matched m
-    tokens of context continues with m / (m + PRIOR_MATCH). It shapes an estimate that has few
-    readings; it never makes a draft verified (CostModel.backed)."""
+    tokens of context continues with m / (m + PRIOR_MATCH); a member's drafts, PRIOR_ON_DEMAND
+    (m / (m + 2) put them at 0, so three drafts accepted at 0.82 read as 0.49). It shapes an
+    estimate that has few readings; it never makes a draft verified (CostModel.backed)."""
+    if on_demand(key):
+        return PRIOR_ON_DEMAND
     m = key[1] if len(key) > 1 else 1
     return m / (m + PRIOR_MATCH)
 

@@ -41,6 +41,9 @@ import dataclasses
 import numpy as np
 
 
+ON_DEMAND = 0  # DraftTree.evidence's match length for a draft made only when it is served
+
+
 @dataclasses.dataclass
 class DraftTree:
     tokens: np.ndarray  # (n,) int64 draft tokens
@@ -48,7 +51,8 @@ class DraftTree:
     q: np.ndarray | None = None  # (n, V) distribution each token was drawn from; None = point masses
     scores: np.ndarray | None = None  # (n,) proposer's estimate that each node is accepted (optional)
     # what the proposer knew when it drafted, as a class the cost model keeps acceptance for
-    # (a lookup: its method and the length of the match it continues, drafts/base.match_evidence)
+    # (a lookup: its method and the length of the match it continues, drafts/base.match_evidence;
+    # a member that drafts only when served, auto's head or draft model: its name and ON_DEMAND)
     evidence: tuple = ()
     # drafts made beside this one and not chosen (drafts/auto.py): hindsight reads them too
     rivals: tuple = ()

@@ -16,21 +16,23 @@ With a trained head (`--draft auto --draft-dir DIR`: an EAGLE-1, EAGLE-3, peagle
 Medusa heads) or a draft model (DIR a smaller model's engine), it is a member too: a row gets the
 member's draft when its judged speedup, with its own time in the step's cost (a line through its
 calls' times per drafted token, over a target step's time), beats the row's best lookup draft's
-and 1. The head's drafts have evidence of their own, (its method, 0), and
-hindsight reads them as it reads the lookups', so the head too is verified only once drafts like
-it were read to pay; until then, and whenever its value does not pay, it drafts a short probe for
-the rows no lookup serves, first on the PROBE_EVERY-th step that has such rows, then after twice
-as many such steps as the last wait (up to PROBE_MOST) while it keeps not paying, back to
-PROBE_EVERY once it pays: its judgement stays current, and a head that never pays costs a few
-probes a request, not an eighth of its steps (the 0.5B draft model for the 1.5B: a probe with its
-catch-up took ~0.07 s, about two target steps). The head catches up lazily (it sees a row's committed features
-only when it next drafts for the row: one batched call), so rows the lookups serve cost it
-nothing. Its sampled chains carry their q; hindsight reads a sampled row's draft by the emitted
-tokens, which for a chain drawn from q undercounts its acceptance (sum of q * p, not of
-min(q, p)): the head is judged conservatively there. The target's step returns its hidden states
-on every step while a head that reads them is given (a host copy the lookups and a draft model
-do not need); a draft model catches up the same way, its next draft's feed being what the row
-committed since its last one.
+and 1. The head's drafts have evidence of their own, (its method, ON_DEMAND), and hindsight
+reads them as it reads the lookups', so the head too is verified only once drafts like it were
+read to pay. Until then, and whenever its value does not pay, it drafts a short probe for the
+rows no lookup serves: every PROBE_EVERY steps that have such rows until it has made
+FIRST_PROBES (the drafts it needs to be judged at all: its evidence ages by its own drafts,
+policy.on_demand), then after twice as many such steps as the last wait (up to PROBE_MOST)
+while it keeps not paying, and back to PROBE_EVERY once it pays. So its judgement stays current,
+and a head that never pays costs a few probes a request, not an eighth of its steps (the 0.5B
+draft model for the 1.5B: a probe with its catch-up took ~0.07 s, about two target steps).
+
+The head catches up lazily (it sees a row's committed features only when it next drafts for the
+row: one batched call), so rows the lookups serve cost it nothing. Its sampled chains carry their
+q; hindsight reads a sampled row's draft by the emitted tokens, which for a chain drawn from q
+undercounts its acceptance (sum of q * p, not of min(q, p)): the head is judged conservatively
+there. The target's step returns its hidden states on every step while a head that reads them is
+given (a host copy the lookups and a draft model do not need); a draft model catches up the same
+way, its next draft's feed being what the row committed since its last one.
 
 Which text suits which: n-gram (the most recent copy of the last few tokens) wins where the answer
 quotes its prompt in order (summaries), suffix (the prompt's and earlier answers' continuations
@@ -50,10 +52,11 @@ from specrt.runtime.drafts.base import DraftInput
 from specrt.runtime.drafts.ngram import NgramProposer
 from specrt.runtime.drafts.suffix import SuffixProposer
 from specrt.runtime.estimators import DraftTimes
-from specrt.runtime.verification import DraftTree
+from specrt.runtime.verification import ON_DEMAND, DraftTree
 
 PROBE_EVERY, PROBE_DRAFT = 8, 3  # a head not judged worth it drafts this many tokens after 8 steps,
 PROBE_MOST = 64  # then after twice as many as the last wait, up to this many
+FIRST_PROBES = 3  # the back-off starts after these: the drafts its judgement needs (BACKED, aged 0.98)
 WINDOW = 32  # the head's calls and the target's steps kept for its time share
 PRIOR_SHARE = 0.2  # the head's time over a target step until measured
 
@@ -127,12 +130,13 @@ class HeadMember:
 
     def __init__(self, head):
         self.head, self.name = head, head.name
-        self.evidence = (head.name, 0)
+        self.evidence = (head.name, ON_DEMAND)
         self.times = DraftTimes(WINDOW, per_token=head.cost_per_token)  # its calls: (tokens per row, seconds)
         self.step_s: collections.deque = collections.deque(maxlen=WINDOW)
         self.unseen: collections.defaultdict[int, list[np.ndarray]] = collections.defaultdict(list)
         self.wanting = 0  # steps with rows no lookup served
         self.wait, self.next_probe = PROBE_EVERY, PROBE_EVERY  # the probes' back-off, in such steps
+        self.probes = 0
         self._proposed_at: float | None = None
 
     def begin(self, rows, prompts, prefilled):
@@ -187,7 +191,9 @@ class HeadMember:
                 self.wait, self.next_probe = PROBE_EVERY, self.wanting + PROBE_EVERY
             elif wanting and self.wanting >= self.next_probe:
                 rows, n = wanting, min(PROBE_DRAFT, inp.max_tokens)
-                self.wait = min(2 * self.wait, PROBE_MOST)
+                self.probes += 1
+                if self.probes >= FIRST_PROBES:  # before, it cannot be judged: no back-off yet
+                    self.wait = min(2 * self.wait, PROBE_MOST)
                 self.next_probe = self.wanting + self.wait
         self._proposed_at = time.perf_counter()
         if not rows or n < 1:
