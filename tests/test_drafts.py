@@ -398,8 +398,8 @@ def test_auto_head_drafts_where_no_copy_serves_when_judged_worth_its_time():
 def test_auto_probes_a_head_that_does_not_pay_less_and_less_often():
     """Where no copy serves and the head is judged not to pay, it probes every PROBE_EVERY such
     steps FIRST_PROBES times (what it needs to be judged), then after twice the last wait (to
-    PROBE_MOST); once it pays, the wait starts again at PROBE_EVERY. A draft model's prefill of a long gap (`gap_seconds`) stays out of its time
-    per drafted token."""
+    PROBE_MOST); once it pays, the wait starts again at PROBE_EVERY. A draft model's prefill of a
+    long gap (`gap_seconds`) stays out of its time per drafted token."""
     from specrt.runtime.drafts import auto as auto_module
 
     copy = _Fixed([1, 2, 3])

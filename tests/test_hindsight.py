@@ -224,8 +224,8 @@ def test_under_the_step_floor_the_sizes_timed_are_read_past_its_free_position():
 def test_a_member_drafting_on_demand_keeps_what_its_probes_taught():
     """A head or draft model inside auto drafts only when served (ON_DEMAND evidence): its counts
     age by its own drafts, not by target steps, so three probes 16 steps apart back it until the
-    next (a lookup's evidence read as rarely has faded below BACKED by then), and its prior is even odds, not a 0-token match's
-    0, so three drafts accepted 3 deep read as a rate near 0.8."""
+    next (a lookup's evidence read as rarely has faded below BACKED by then), and its prior is
+    even odds, not a 0-token match's 0, so three drafts accepted 3 deep read as a rate near 0.8."""
     from specrt.runtime.policy import evidence_prior
     from specrt.runtime.verification import ON_DEMAND
 

@@ -40,7 +40,6 @@ import dataclasses
 
 import numpy as np
 
-
 ON_DEMAND = 0  # DraftTree.evidence's match length for a draft made only when it is served
 
 
