@@ -179,9 +179,10 @@ def clean_stale_temporaries(directory: str | Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def exclusive_lock(directory: str | Path, what: str) -> Iterator[None]:
+def exclusive_lock(directory: str | Path, what: str, option: str = "--out") -> Iterator[None]:
     """Hold an advisory lock on `directory` (a `.lock` file in it) for one writer at a time; a
-    second writer is refused at once with a message instead of corrupting the first one's work."""
+    second writer is refused at once with a message instead of corrupting the first one's work
+    (`option`: the command's option that names the directory)."""
     import fcntl
 
     directory = Path(directory)
@@ -193,7 +194,7 @@ def exclusive_lock(directory: str | Path, what: str) -> Iterator[None]:
             fh.seek(0)
             holder = fh.read().strip() or "another process"
             raise ArtifactError(
-                f"{directory} is being written by {holder} ({what}); wait for it to finish or use another --out"
+                f"{directory} is being written by {holder} ({what}); wait for it to finish or use another {option}"
             ) from None
         fh.seek(0)
         fh.truncate()

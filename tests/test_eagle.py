@@ -371,7 +371,8 @@ def test_training_data_refuses_other_settings_and_grows(ort_gen, tmp_path):
 
 def test_make_data_makes_a_corpus_and_extends_it(tiny_checkpoint, tiny_artifacts, tmp_path):
     """`specrt make-data` answers the prompt set without training (answers, features, a runs
-    line each run); more --prompts extend it, keeping what it has; a file in the way is one line."""
+    line each run); more --prompts extend it, keeping what it has; a second run on the directory
+    and a file in the way are one line each."""
     from click.testing import CliRunner
 
     from specrt.cli import main
@@ -392,6 +393,12 @@ def test_make_data_makes_a_corpus_and_extends_it(tiny_checkpoint, tiny_artifacts
     assert all(store.has(a.id, a.tokens) for a in read_answers(d / "answers.jsonl"))
     runs = [json.loads(line) for line in (d / "runs.jsonl").read_text().splitlines()]
     assert [r["answers_added"] for r in runs] == [3, 2] and runs[1]["answers"] == 5
+    from specrt.artifacts import exclusive_lock
+
+    with exclusive_lock(d, "a test"):  # another run on the same directory: refused, nothing written
+        r = CliRunner().invoke(main, [str(a) for a in base + ["--prompts", 6]])
+    assert r.exit_code != 0 and "is being written by pid" in r.output and "another --data" in r.output
+    assert len(read_answers(d / "answers.jsonl")) == 5
     (tmp_path / "f").write_text("")
     r = CliRunner().invoke(main, [str(a) for a in base[:5] + ["--data", tmp_path / "f"]])
     assert r.exit_code != 0 and "is a file" in r.output and "Traceback" not in r.output

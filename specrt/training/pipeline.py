@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from specrt.artifacts import atomic_write_text, read_json_object
+from specrt.artifacts import atomic_write_text, exclusive_lock, read_json_object
 from specrt.engines.head import build_head_engine
 from specrt.engines.trt import available_flavours
 from specrt.errors import SpecrtError
@@ -124,6 +124,14 @@ def _require_directory(path: Path, option: str) -> None:
             return
 
 
+def _one_writer(spec: DataSpec):
+    """The data directory for this run alone while it adds answers and features: a second run on
+    it (make-data beside train-draft, say) is refused at once, not left to cut the first one's
+    features mid-write (a store drops rows past its last record when opened)."""
+    _require_directory(Path(spec.data), spec.option)
+    return exclusive_lock(spec.data, "answers and features for draft training", spec.option)
+
+
 def prepare_answers(gen: Generator, spec: DataSpec) -> tuple[TrainingDataLayout, list]:
     """Steps 1-2: the prompt set and the target's answers to it (with their features), extended
     where a directory already holds part of them; returns the layout and the answers in prompt order."""
@@ -179,8 +187,9 @@ def prepare_answers(gen: Generator, spec: DataSpec) -> tuple[TrainingDataLayout,
 def prepare_data(gen: Generator, spec: TrainDraftSpec | DataSpec) -> TrainingData:
     """Steps 1-3: the answers and every answer's features, split for training (TrainingData)."""
     spec = spec if isinstance(spec, DataSpec) else spec.data_spec()
-    layout, answers = prepare_answers(gen, spec)
-    features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
+    with _one_writer(spec):
+        layout, answers = prepare_answers(gen, spec)
+        features = cache_features(gen.session, answers, layout.features, progress=spec.progress)
     caps = gen.session.caps
     return TrainingData.load(answers, features, caps.hidden_layers, gen.config.hidden_size, layout.prompts)
 
@@ -188,10 +197,10 @@ def prepare_data(gen: Generator, spec: TrainDraftSpec | DataSpec) -> TrainingDat
 def make_data(spec: DataSpec) -> dict:
     """`specrt make-data`: steps 1-3 alone (a corpus made, or extended, before any head trains on
     it); returns its size. The features stay on disk, memory-mapped by whoever trains."""
-    _require_directory(Path(spec.data), spec.option)  # before the target loads
-    gen = target_generator(spec)
-    layout, answers = prepare_answers(gen, spec)
-    cache_features(gen.session, answers, layout.features, progress=spec.progress)
+    with _one_writer(spec):  # before the target loads
+        gen = target_generator(spec)
+        layout, answers = prepare_answers(gen, spec)
+        cache_features(gen.session, answers, layout.features, progress=spec.progress)
     return {
         "data": str(layout.root),
         "answers": len(answers),
