@@ -48,6 +48,23 @@ _DATA_OPTIONS = [
 ]
 
 
+def _corpus(checkpoint, artifacts, quantize, prompts, seed, max_new_tokens, gen_batch, hold_out: Path) -> dict:
+    """The options that make a corpus, as DataSpec's (and TrainDraftSpec's) fields."""
+    from specrt.training.prompts import benchmark_prompts
+
+    held = benchmark_prompts(hold_out) if hold_out.is_file() else ()
+    return dict(
+        checkpoint=checkpoint,
+        artifacts=artifacts,
+        quantize=quantize,
+        prompts=prompts,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        gen_batch=gen_batch,
+        hold_out=held,
+    )
+
+
 @main.command("train-draft")
 @click.option(
     "--method",
@@ -116,7 +133,6 @@ def train_draft(
     the target's own answers (self-distillation), then export it to ONNX and build its engine.
     Every step resumes where an interrupted run stopped."""
     from specrt.training.pipeline import TrainDraftSpec, train_draft
-    from specrt.training.prompts import benchmark_prompts
 
     options = TrainOptions(epochs, lr, seed, max_minutes, batch_tokens, draft_vocab, ttt_steps, medusa_heads)
     unused = options.unused(method)
@@ -127,21 +143,8 @@ def train_draft(
         names = ", ".join(flag.values())
         raise click.UsageError(f"{names}: --method {method} does not read it ({where}); leave it out")
     cfg = TRAINED_FAMILIES[method].config(method, options)
-    spec = TrainDraftSpec(
-        method=method,
-        checkpoint=checkpoint,
-        out=out,
-        data=data,
-        artifacts=artifacts,
-        quantize=quantize,
-        prompts=prompts,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        gen_batch=gen_batch,
-        hold_out=benchmark_prompts(hold_out) if hold_out.is_file() else (),
-        train=cfg,
-        tensorrt=tensorrt,
-    )
+    corpus = _corpus(checkpoint, artifacts, quantize, prompts, seed, max_new_tokens, gen_batch, hold_out)
+    spec = TrainDraftSpec(method=method, out=out, data=data, train=cfg, tensorrt=tensorrt, **corpus)
     report = train_draft(spec)
     h = report["held_out"]
     click.echo(
@@ -167,19 +170,9 @@ def make_data(checkpoint, data, artifacts, quantize, prompts, max_new_tokens, ge
     their features and a line in runs.jsonl for each run), for train-draft --data to train heads on later.
     Interrupted (Ctrl-C)? Run it again: the answers made are kept, and more --prompts extend it."""
     from specrt.training.pipeline import DataSpec, make_data
-    from specrt.training.prompts import benchmark_prompts
 
-    spec = DataSpec(
-        checkpoint=checkpoint,
-        data=data,
-        artifacts=artifacts,
-        quantize=quantize,
-        prompts=prompts,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        gen_batch=gen_batch,
-        hold_out=benchmark_prompts(hold_out) if hold_out.is_file() else (),
-    )
+    corpus = _corpus(checkpoint, artifacts, quantize, prompts, seed, max_new_tokens, gen_batch, hold_out)
+    spec = DataSpec(data=data, **corpus)
     made = make_data(spec)
     click.echo(
         f"{made['data']}: {made['answers']} answers, {made['answer_tokens']} answer tokens "
