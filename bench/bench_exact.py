@@ -353,6 +353,16 @@ def main() -> None:
         "decode_tok_s": {
             n: {m: {c: round(med(v), 1) for c, v in by.items()} for m, by in ms.items()} for n, ms in decode.items()
         },
+        # each mode's run over the plain run of the same repeat and prompt (run side by side: the
+        # machine's state changes between repeats more than between neighbours), median [min, max]
+        "over_plain_paired": {
+            n: {m: {c: paired(v, ms["plain"][c]) for c, v in by.items()} for m, by in ms.items() if m != "plain"}
+            for n, ms in decode.items()
+        },
+        "runs_tok_s": {
+            n: {m: {c: [round(x, 2) for x in v] for c, v in by.items()} for m, by in ms.items()}
+            for n, ms in decode.items()
+        },
         "plain_decode_tok_s": {n: {c: round(med(v), 1) for c, v in by.items()} for n, by in plain_decode.items()},
         "plain_tokens_per_step": {n: round(med(v), 3) for n, v in per_step.items()},
         # drafted tokens the target accepted, and tokens a verification step yields (accepted + 1)
@@ -387,11 +397,22 @@ def main() -> None:
     print(f"wrote {write_result_json(result, args.out, 'exact')}")
 
 
+def paired(runs: list[float], plain: list[float]) -> list[float]:
+    """Run i over plain run i: the median and the extremes."""
+    ratios = [a / b for a, b in zip(runs, plain)]
+    return [round(statistics.median(ratios), 3), round(min(ratios), 3), round(max(ratios), 3)]
+
+
 def print_table(result: dict, classes: list[str]) -> None:
     print(f"\n{'engine':24s} {'mode':11s} " + " ".join(f"{c:>13s}" for c in classes))
     for n, ms in result["decode_tok_s"].items():
         for m, by in ms.items():
             print(f"{n:24s} {m:11s} " + " ".join(f"{by.get(c, float('nan')):13.1f}" for c in classes))
+    print("\nover plain, run by run beside it: median [min-max]")
+    for n, ms in result.get("over_plain_paired", {}).items():
+        for m, by in ms.items():
+            cells = (f"{by[c][0]:.2f} [{by[c][1]:.2f}-{by[c][2]:.2f}]" if c in by else "-" for c in classes)
+            print(f"{n:24s} {m:11s} " + " ".join(f"{x:>17s}" for x in cells))
     print("\nplain tokens per step (free guesses):", result["plain_tokens_per_step"])
     print("speculative == plain on the benchmark prompts:", result["auto_equal_plain_bench_prompts"])
     print("acceptance:", result["acceptance"])
