@@ -11,7 +11,8 @@ int8 activations), int8-a8, int4 and int4-a8 (ORT's integer kernels), each run b
 step computes at least two positions per row, a one-position step's second one carrying a free
 guess) and near-ties (one-position steps as they are); an engine is built when missing. Every
 measurement runs the engines in turn, repeat after repeat, so machine noise hits them alike;
-medians are reported.
+medians are reported, and each mode's run over the plain run beside it (the same repeat and
+prompt), median [min-max]: a ratio read run by run, as the machine's state changes between repeats.
 
   decode    plain greedy and --draft auto (and --draft-model: the draft model alone and auto
             with it; --head: a trained head alone and auto with it), tokens/s end to end per prompt class of
