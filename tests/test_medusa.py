@@ -225,3 +225,16 @@ def test_medusa_builds_a_tensorrt_rtx_engine(tiny_checkpoint, tmp_path):
     lines = inspect_artifact(layout.trt_engine("tensorrt-rtx")).lines
     assert any("profile draft" in line and "batch 1.." in line for line in lines)
     assert any("3 heads of 4 candidates" in line for line in inspect_artifact(layout.ort_engine()).lines)
+
+
+def test_bfloat16_training_learns_as_float32_does_and_keeps_float32_weights(training_data, tiny_checkpoint, tmp_path):
+    """precision="bfloat16" computes the loss under CPU autocast: the held-out loss falls as it
+    does in float32 (within 10 %), and the weights (and so the head written) stay float32."""
+    target = load_model(tiny_checkpoint)
+    cfg = MedusaTrainConfig(num_heads=2, draft_vocab=64, top_k=4, epochs=6, batch=64, eval_every=1000, tree_size=8)
+    _, f32 = train_medusa(target, training_data, cfg, tmp_path / "f32", progress=False)
+    bf16 = dataclasses.replace(cfg, precision="bfloat16")
+    heads, b16 = train_medusa(target, training_data, bf16, tmp_path / "bf16", progress=False)
+    assert b16["held_out"]["loss"] < 0.9 * b16["held_out_before"]["loss"]
+    assert abs(b16["held_out"]["loss"] - f32["held_out"]["loss"]) < 0.1 * f32["held_out"]["loss"]
+    assert {p.dtype for p in heads.parameters()} == {torch.float32}

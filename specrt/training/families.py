@@ -34,6 +34,7 @@ class TrainOptions:
     draft_vocab: int | None = None
     ttt_steps: int | None = None  # EAGLE and MTP: unrolled draft steps
     heads: int | None = None  # Medusa: heads (K)
+    precision: str | None = None  # float32 or bfloat16 (training/loop.py PRECISIONS)
 
     def given(self, *names: str) -> dict:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
@@ -45,7 +46,7 @@ class TrainOptions:
         return [n for n in given if n not in COMMON + reads]
 
 
-COMMON = ("epochs", "lr", "seed", "max_minutes")
+COMMON = ("epochs", "lr", "seed", "max_minutes", "precision")
 
 
 @dataclasses.dataclass(frozen=True)
