@@ -238,3 +238,13 @@ def test_bfloat16_training_learns_as_float32_does_and_keeps_float32_weights(trai
     assert b16["held_out"]["loss"] < 0.9 * b16["held_out_before"]["loss"]
     assert abs(b16["held_out"]["loss"] - f32["held_out"]["loss"]) < 0.1 * f32["held_out"]["loss"]
     assert {p.dtype for p in heads.parameters()} == {torch.float32}
+
+
+def test_auto_precision_is_bfloat16_only_where_the_cpu_computes_it():
+    from specrt.training.loop import resolve_precision
+
+    assert resolve_precision("auto", "fpu avx2 avx512f avx512_bf16 avx512_vnni") == "bfloat16"
+    assert resolve_precision("auto", "fpu avx2 amx_bf16 amx_tile") == "bfloat16"
+    assert resolve_precision("auto", "fpu avx2 avx512f avx512_vnni") == "float32"
+    assert resolve_precision("float32", "avx512_bf16") == "float32"
+    assert resolve_precision("bfloat16", "") == "bfloat16"

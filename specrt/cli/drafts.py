@@ -108,11 +108,11 @@ def _corpus(checkpoint, artifacts, quantize, prompts, seed, max_new_tokens, gen_
 )
 @click.option(
     "--precision",
-    default="float32",
+    default="auto",
     show_default=True,
-    type=click.Choice(["float32", "bfloat16"]),
-    help="bfloat16: the loss is computed under autocast, the weights stay float32 (about 2x on CPUs with AVX-512 "
-    "BF16 or AMX, slower on others).",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    help="bfloat16: the loss is computed under autocast, the weights stay float32 (2x on a CPU with AVX-512 BF16 "
+    "or AMX, the losses the same to 3-4 digits; slower on others); auto: bfloat16 where the CPU has it.",
 )
 @tensorrt_option(HEAD_TENSORRT)
 @_friendly_errors
@@ -141,10 +141,11 @@ def train_draft(
     """Train a draft (an EAGLE-1, EAGLE-3, parallel EAGLE-3 or MTP head, Medusa heads, a distilled draft model) on
     the target's own answers (self-distillation), then export it to ONNX and build its engine.
     Every step resumes where an interrupted run stopped."""
+    from specrt.training.loop import resolve_precision
     from specrt.training.pipeline import TrainDraftSpec, train_draft
 
     options = TrainOptions(
-        epochs, lr, seed, max_minutes, batch_tokens, draft_vocab, ttt_steps, medusa_heads, precision=precision
+        epochs, lr, seed, max_minutes, batch_tokens, draft_vocab, ttt_steps, medusa_heads, resolve_precision(precision)
     )
     unused = options.unused(method)
     if unused:
