@@ -80,6 +80,7 @@ class ToyTrainConfig:
     eval_every: int = 1000
     checkpoint_every: int = 1000
     max_minutes: float | None = None
+    precision: str = "float32"
 
 
 class ToyTrainer(Trainer):

@@ -128,7 +128,8 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step)
         self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.precision == "bfloat16"):
+        bf16 = getattr(self.cfg, "precision", "float32") == "bfloat16"  # a family's config may not have it
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = loss_fn()
         loss = loss.float()
         if not torch.isfinite(loss):
