@@ -241,7 +241,7 @@ def test_bfloat16_training_learns_as_float32_does_and_keeps_float32_weights(trai
 
 
 def test_auto_precision_is_bfloat16_only_where_the_cpu_computes_it():
-    from specrt.training.loop import resolve_precision
+    from specrt.training.families import resolve_precision
 
     assert resolve_precision("auto", "fpu avx2 avx512f avx512_bf16 avx512_vnni") == "bfloat16"
     assert resolve_precision("auto", "fpu avx2 amx_bf16 amx_tile") == "bfloat16"

@@ -14,7 +14,7 @@ from specrt.cli.common import (
     quantize_option,
     tensorrt_option,
 )
-from specrt.training.families import TRAINED_FAMILIES, TrainOptions
+from specrt.training.families import PRECISIONS, TRAINED_FAMILIES, TrainOptions, resolve_precision
 
 
 def _data_options(f):
@@ -110,7 +110,7 @@ def _corpus(checkpoint, artifacts, quantize, prompts, seed, max_new_tokens, gen_
     "--precision",
     default="auto",
     show_default=True,
-    type=click.Choice(["auto", "float32", "bfloat16"]),
+    type=click.Choice(PRECISIONS),
     help="bfloat16: the loss is computed under autocast, the weights stay float32 (2x on a CPU with AVX-512 BF16 "
     "or AMX, the losses the same to 3-4 digits; slower on others); auto: bfloat16 where the CPU has it.",
 )
@@ -141,7 +141,6 @@ def train_draft(
     """Train a draft (an EAGLE-1, EAGLE-3, parallel EAGLE-3 or MTP head, Medusa heads, a distilled draft model) on
     the target's own answers (self-distillation), then export it to ONNX and build its engine.
     Every step resumes where an interrupted run stopped."""
-    from specrt.training.loop import resolve_precision
     from specrt.training.pipeline import TrainDraftSpec, train_draft
 
     options = TrainOptions(

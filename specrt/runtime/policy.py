@@ -244,9 +244,10 @@ class CostModel:
         """What hindsight read of a draft (runtime/hindsight.Reading), into its evidence's counts:
         a draft that ended short of its size missed the depth after its last hit. A member that
         drafts only when served (`on_demand`) ages by its own drafts, at the first reading of each."""
+        acc = self.evidence(r.evidence)
         if r.depth == 0 and on_demand(r.evidence):
-            self.evidence(r.evidence).age()
-        self.evidence(r.evidence).observe_path(r.depth, r.hits, r.ended and r.depth + r.hits < r.size)
+            acc.age()
+        acc.observe_path(r.depth, r.hits, r.ended and r.depth + r.hits < r.size)
         self.readings += 1
 
     def reach(self, tree, length: int | None = None) -> list[float]:

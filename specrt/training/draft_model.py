@@ -55,7 +55,7 @@ class DraftModelConfig:
     eval_every: int = 25
     checkpoint_every: int = 25
     max_minutes: float | None = None
-    precision: str = "float32"  # bfloat16: the loss computed under autocast (training/loop.py PRECISIONS)
+    precision: str = "float32"  # bfloat16: the loss computed under autocast (training/families.py PRECISIONS)
     method: str = "draft-model"
 
 

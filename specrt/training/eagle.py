@@ -68,7 +68,7 @@ class TrainConfig:
     eval_every: int = 25
     checkpoint_every: int = 25
     max_minutes: float | None = None  # stop (with a checkpoint) after this many minutes of training
-    precision: str = "float32"  # bfloat16: the loss computed under autocast (training/loop.py PRECISIONS)
+    precision: str = "float32"  # bfloat16: the loss computed under autocast (training/families.py PRECISIONS)
 
     def __post_init__(self):
         if variant(self.method).parallel and self.ttt_steps is not None and self.ttt_steps < 2:

@@ -27,26 +27,6 @@ import torch
 from specrt.errors import SpecrtError
 
 CHECKPOINT = "checkpoint.pt"
-# what a trainer computes its loss in: bfloat16 runs the forward (and so the backward) under CPU
-# autocast, the weights and AdamW's state staying float32. EAGLE-3 on the 1.5B took 16.1 s a step
-# against 33.2 in float32 on a Zen 4 (AVX-512 BF16), its losses the same to 3-4 digits, its peak
-# 14.4 GB against 11.9 (bench/results/train-precision-2026-12-07-qwen2.5-coder-1.5b-eagle3.json);
-# where the CPU lacks bfloat16 instructions oneDNN emulates them, so "auto" takes float32 there
-PRECISIONS = ("auto", "float32", "bfloat16")
-NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute bfloat16
-
-
-def resolve_precision(precision: str, flags: str | None = None) -> str:
-    """ "auto": bfloat16 where the CPU has bfloat16 instructions (`flags`: /proc/cpuinfo's), else
-    float32; the others as given."""
-    if precision != "auto":
-        return precision
-    if flags is None:
-        try:
-            flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-        except OSError:
-            flags = ""
-    return "bfloat16" if any(f in flags.split() for f in NATIVE_BF16) else "float32"
 
 
 def warmup_cosine(step: int, lr: float, warmup: int, planned: int) -> float:

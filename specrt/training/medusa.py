@@ -51,7 +51,7 @@ class MedusaTrainConfig:
     checkpoint_every: int = 50
     tree_size: int = DEFAULT_TREE_SIZE
     max_minutes: float | None = None
-    precision: str = "float32"  # bfloat16: the loss computed under autocast (training/loop.py PRECISIONS)
+    precision: str = "float32"  # bfloat16: the loss computed under autocast (training/families.py PRECISIONS)
     method: str = "medusa"
 
 

@@ -133,11 +133,10 @@ def _one_writer(spec: DataSpec):
 
 
 def prepare_answers(gen: Generator, spec: DataSpec) -> tuple[TrainingDataLayout, list]:
-    """Steps 1-2: the prompt set and the target's answers to it (with their features), extended
-    where a directory already holds part of them; returns the layout and the answers in prompt order."""
+    """Steps 1-2, inside `_one_writer` (which checked and made the directory): the prompt set and
+    the target's answers to it (with their features), extended where a directory already holds
+    part of them; returns the layout and the answers in prompt order."""
     layout = TrainingDataLayout(spec.data)
-    _require_directory(layout.root, spec.option)
-    layout.root.mkdir(parents=True, exist_ok=True)
     prompts = build_prompt_set(spec.prompts, spec.seed, exclude=spec.hold_out)
     caps = gen.session.caps
     # what fixes the data: prompt i is the same for any prompt count (the set is drawn in order
